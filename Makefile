@@ -1,0 +1,29 @@
+# Canzona: `make` bootstraps the environment; `make test` runs the suite; `make demo` runs the main job.
+# First Python 3.12 interpreter that actually runs (pyenv shims may exist but refuse).
+PYTHON_BOOT ?= $(shell for p in python3.12 $$(ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12 2>/dev/null); do $$p -c "import sys; assert sys.version_info[:2]==(3,12)" 2>/dev/null && { echo $$p; break; }; done)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: all venv test test-unit test-multirank demo plan clean
+
+all: venv
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt requirements-test.txt setup.py
+	@test -n "$(PYTHON_BOOT)" || { echo "error: Python 3.12 not found; install it or run 'make PYTHON_BOOT=/path/to/python3.12'"; exit 1; }
+	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q tests
+
+demo: venv
+	$(PY) tools/plan.py --model qwen3-32b --tp 8 --dp 32 --compare --plot plan_qwen3-32b_tp8_dp32.png
+
+clean:
+	rm -rf $(VENV) build *.egg-info

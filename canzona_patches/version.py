@@ -1,0 +1,36 @@
+"""Guard: Canzona's patches are written against one exact Megatron-Core release.
+
+Every module in ``canzona_patches`` hooks private functions of megatron-core by name,
+so a different release can break them silently. Each patch module calls
+:func:`require_pinned_megatron` at import time to fail early and clearly instead.
+"""
+
+from importlib import metadata
+
+PINNED_MEGATRON_CORE = "0.19.2"
+"""The megatron-core release every patch in this package was written and tested against."""
+
+
+class MegatronVersionError(ImportError):
+    """Raised at import when the installed megatron-core is not the pinned release."""
+
+
+def installed_megatron_version() -> str | None:
+    """Version string of the installed ``megatron-core`` distribution, or None if absent."""
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def require_pinned_megatron() -> None:
+    """Raise :class:`MegatronVersionError` unless megatron-core == PINNED_MEGATRON_CORE."""
+    found = installed_megatron_version()
+    if found == PINNED_MEGATRON_CORE:
+        return
+    found_text = "is not installed" if found is None else f"is version {found}"
+    raise MegatronVersionError(
+        f"canzona_patches needs megatron-core=={PINNED_MEGATRON_CORE}, but megatron-core "
+        f"{found_text}. Install the pinned release: "
+        f"pip install 'megatron-core=={PINNED_MEGATRON_CORE}'."
+    )

@@ -1,0 +1,1 @@
+"""Canzona: matrix-based optimizers (Muon, Shampoo, SOAP) inside Megatron-Core parallelism."""

@@ -1,0 +1,162 @@
+"""Per-matrix cost of one optimizer update: FLOP formulas, or measured seconds.
+
+Formulas follow the operation counts of each algorithm (m×n matrix, a = min, b = max):
+
+* Muon, k Newton-Schulz steps: each step forms A = X Xᵀ (2a²b), B = cA + dA² (2a³) and
+  B X (2a²b), so k·(4a²b + 2a³).
+* Shampoo: statistics G Gᵀ and Gᵀ G (2m²n + 2mn²) and preconditioning L^-¼ G R^-¼
+  (2m²n + 2mn²) every step; eigendecompositions (≈ EIGH_FLOPS_PER_CUBE · d³ per side)
+  every ``precond_every`` steps.
+* SOAP: rotation into the eigenbasis and back (4m²n + 4mn²) and statistics (2m²n + 2mn²)
+  every step; one power-iteration step plus QR (≈ QR_FLOPS_PER_CUBE · d³ per side) every
+  ``precond_every`` steps.
+* Sides larger than ``max_precond_dim`` fall back to a diagonal statistic (O(mn)).
+
+A :class:`Calibration` of measured seconds per shape replaces the formulas: shapes it
+lists cost their measured time, other shapes cost their FLOPs times the median
+seconds-per-FLOP of the listed ones, so every cost is in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+
+from .specs import ParamSpec
+
+EIGH_FLOPS_PER_CUBE = 9.0
+"""Symmetric eigendecomposition with eigenvectors: tridiagonalisation plus QR iterations."""
+QR_FLOPS_PER_CUBE = 10.0 / 3.0
+"""One power-iteration product (2d³) plus a Householder QR (≈ 4/3 d³)."""
+ADAMW_FLOPS_PER_ELEMENT = 12.0
+"""Moments, bias correction, division, weight decay and update, per element."""
+
+COST_KINDS: tuple[str, ...] = ("muon", "shampoo", "soap", "numel")
+
+
+def muon_flops(m: int, n: int, ns_steps: int = 5) -> float:
+    """FLOPs of ``ns_steps`` Newton-Schulz iterations on an m×n matrix."""
+    a, b = min(m, n), max(m, n)
+    return float(ns_steps * (4 * a * a * b + 2 * a**3))
+
+
+def _side_flops(d: int, other: int, *, per_step: int, refresh: float, max_dim: int) -> float:
+    """Cost of one preconditioner side of dimension ``d`` (the other side is ``other``)."""
+    if d > max_dim:
+        return float(per_step // 2 * d * other)  # diagonal statistic and scaling: O(d·other)
+    return float(per_step * d * d * other) + refresh * d**3
+
+
+def shampoo_flops(
+    m: int, n: int, *, precond_every: int = 10, max_precond_dim: int = 10000
+) -> float:
+    """FLOPs of one Shampoo step, eigendecompositions amortised over ``precond_every`` steps."""
+    refresh = EIGH_FLOPS_PER_CUBE / precond_every
+    # Per side: statistic (2d²·other) + one side of L^-¼ G R^-¼ (2d²·other).
+    left = _side_flops(m, n, per_step=4, refresh=refresh, max_dim=max_precond_dim)
+    right = _side_flops(n, m, per_step=4, refresh=refresh, max_dim=max_precond_dim)
+    return left + right
+
+
+def soap_flops(m: int, n: int, *, precond_every: int = 10, max_precond_dim: int = 10000) -> float:
+    """FLOPs of one SOAP step, eigenbasis refresh amortised over ``precond_every`` steps."""
+    refresh = QR_FLOPS_PER_CUBE / precond_every
+    # Per side: rotate in and out (4d²·other) + statistic (2d²·other).
+    left = _side_flops(m, n, per_step=6, refresh=refresh, max_dim=max_precond_dim)
+    right = _side_flops(n, m, per_step=6, refresh=refresh, max_dim=max_precond_dim)
+    return left + right
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Measured seconds per update for one optimizer, keyed by matrix shape."""
+
+    optimizer: str
+    """Cost kind the timings were measured for (``muon``, ``shampoo`` or ``soap``)."""
+    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Seconds per single-matrix update, by (m, n)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in COST_KINDS:
+            raise ValueError(f"calibration optimizer must be one of {COST_KINDS}, got {self.optimizer!r}")
+        if not self.seconds:
+            raise ValueError("a calibration needs at least one measured shape")
+        if any(t <= 0 for t in self.seconds.values()):
+            raise ValueError("calibrated timings must be positive seconds")
+
+    def to_json(self) -> str:
+        rows = [{"m": m, "n": n, "seconds": t} for (m, n), t in sorted(self.seconds.items())]
+        return json.dumps({"optimizer": self.optimizer, "timings": rows})
+
+    @classmethod
+    def from_json(cls, text: str) -> Calibration:
+        data = json.loads(text)
+        return cls(
+            optimizer=data["optimizer"],
+            seconds={(r["m"], r["n"]): float(r["seconds"]) for r in data["timings"]},
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Cost of one optimizer update per matrix, from formulas or a calibration."""
+
+    kind: str = "muon"
+    """``muon``, ``shampoo``, ``soap`` (FLOP formulas) or ``numel`` (element count)."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations per Muon update."""
+    precond_every: int = 10
+    """Steps between Shampoo inverse-root / SOAP eigenbasis refreshes."""
+    max_precond_dim: int = 10000
+    """Sides larger than this use a diagonal statistic (Shampoo and SOAP)."""
+    calibration: Calibration | None = None
+    """Measured seconds that replace the formulas where available."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in COST_KINDS:
+            raise ValueError(f"cost kind must be one of {COST_KINDS}, got {self.kind!r}")
+        if self.ns_steps < 1 or self.precond_every < 1 or self.max_precond_dim < 1:
+            raise ValueError("ns_steps, precond_every and max_precond_dim must be >= 1")
+        if self.calibration is not None and self.calibration.optimizer != self.kind:
+            raise ValueError(
+                f"calibration was measured for {self.calibration.optimizer!r} but the cost "
+                f"model is {self.kind!r}; pass a calibration of the same optimizer"
+            )
+
+    @property
+    def unit(self) -> str:
+        if self.calibration is not None:
+            return "s"
+        return "elements" if self.kind == "numel" else "FLOP"
+
+    def flops(self, m: int, n: int) -> float:
+        """Formula cost of one m×n matrix update (elements for ``numel``)."""
+        if self.kind == "muon":
+            return muon_flops(m, n, self.ns_steps)
+        if self.kind == "shampoo":
+            return shampoo_flops(m, n, precond_every=self.precond_every, max_precond_dim=self.max_precond_dim)
+        if self.kind == "soap":
+            return soap_flops(m, n, precond_every=self.precond_every, max_precond_dim=self.max_precond_dim)
+        return float(m * n)
+
+    def matrix_cost(self, m: int, n: int) -> float:
+        """Cost of one m×n update: measured seconds if calibrated, else the formula."""
+        if self.calibration is None:
+            return self.flops(m, n)
+        measured = self.calibration.seconds.get((m, n))
+        if measured is not None:
+            return measured
+        return self.flops(m, n) * self._seconds_per_flop()
+
+    def _seconds_per_flop(self) -> float:
+        assert self.calibration is not None
+        ratios = [t / self.flops(m, n) for (m, n), t in self.calibration.seconds.items()]
+        return statistics.median(ratios)
+
+    def cost(self, spec: ParamSpec) -> float:
+        """Cost of one update of ``spec``: the sum over the matrices it is split into."""
+        if spec.family == "elementwise":
+            flops = ADAMW_FLOPS_PER_ELEMENT * spec.global_numel
+            return flops * self._seconds_per_flop() if self.calibration else flops
+        return sum(self.matrix_cost(m, n) for m, n in spec.matrices)

@@ -1,0 +1,113 @@
+"""Parameter descriptions: the planner's only view of a model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Family = Literal["matrix", "elementwise"]
+FAMILIES: tuple[str, ...] = ("matrix", "elementwise")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamSpec:
+    """One parameter as the planner sees it: shapes, sharding, optimizer family and order."""
+
+    name: str
+    """Megatron's parameter name, e.g. ``decoder.layers.0.mlp.linear_fc1.weight``."""
+    global_shape: tuple[int, ...]
+    """Shape of the unsharded tensor."""
+    tp_dim: int | None = None
+    """Dimension split across tensor-parallel ranks, or ``None`` if replicated."""
+    tp_size: int = 1
+    """Tensor-parallel size the local shape is computed for."""
+    dtype: str = "bfloat16"
+    """Storage dtype name of the model parameter."""
+    family: Family = "matrix"
+    """``matrix`` for Muon/Shampoo/SOAP, ``elementwise`` for AdamW."""
+    is_expert: bool = False
+    """Whether the parameter belongs to an MoE expert (separate expert-DP group)."""
+    order: int = 0
+    """Position in backprop order: 0 is the first gradient produced by backward."""
+    blocks: tuple[tuple[int, int], ...] = ()
+    """Global shapes of the matrices the optimizer treats separately (split QKV, gate/up);
+    empty means the whole parameter is one matrix."""
+    fused: str | None = None
+    """Fused layout of the tensor (``qkv`` or ``gate_up``), needed to split and re-shard it."""
+
+    def __post_init__(self) -> None:
+        if any(d <= 0 for d in self.global_shape):
+            raise ValueError(f"{self.name}: every dimension must be positive, got {self.global_shape}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"{self.name}: family must be one of {FAMILIES}, got {self.family!r}")
+        if self.family == "matrix" and len(self.global_shape) != 2:
+            raise ValueError(f"{self.name}: a matrix parameter must be 2-D, got {self.global_shape}")
+        if self.tp_size < 1:
+            raise ValueError(f"{self.name}: tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_dim is not None and self.global_shape[self.tp_dim] % self.tp_size:
+            raise ValueError(
+                f"{self.name}: dim {self.tp_dim} of {self.global_shape} is not divisible by "
+                f"tp_size={self.tp_size}; choose a tensor-parallel size that divides it"
+            )
+        for m, n in self.blocks:
+            if m <= 0 or n <= 0:
+                raise ValueError(f"{self.name}: block shapes must be positive, got {(m, n)}")
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of the shard one tensor-parallel rank holds."""
+        if self.tp_dim is None or self.tp_size == 1:
+            return self.global_shape
+        shape = list(self.global_shape)
+        shape[self.tp_dim] //= self.tp_size
+        return tuple(shape)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the local shard: what occupies the data-parallel buffer."""
+        return math.prod(self.local_shape)
+
+    @property
+    def global_numel(self) -> int:
+        return math.prod(self.global_shape)
+
+    @property
+    def matrices(self) -> tuple[tuple[int, int], ...]:
+        """The (m, n) matrices whose updates the optimizer computes for this parameter."""
+        if self.blocks:
+            return self.blocks
+        assert len(self.global_shape) == 2, self.name
+        return (self.global_shape,)  # type: ignore[return-value]
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "global_shape": list(self.global_shape),
+            "local_shape": list(self.local_shape),
+            "tp_dim": self.tp_dim,
+            "tp_size": self.tp_size,
+            "dtype": self.dtype,
+            "family": self.family,
+            "is_expert": self.is_expert,
+            "order": self.order,
+            "blocks": [list(b) for b in self.blocks],
+            "fused": self.fused,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ParamSpec:
+        fields = {k: v for k, v in data.items() if k != "local_shape"}
+        fields["global_shape"] = tuple(fields["global_shape"])
+        fields["blocks"] = tuple(tuple(b) for b in fields.get("blocks", ()))
+        return cls(**fields)
+
+
+def matrix_specs(specs: list[ParamSpec] | tuple[ParamSpec, ...]) -> list[ParamSpec]:
+    """Matrix-family parameters in backprop order."""
+    return sorted((s for s in specs if s.family == "matrix"), key=lambda s: s.order)
+
+
+def elementwise_specs(specs: list[ParamSpec] | tuple[ParamSpec, ...]) -> list[ParamSpec]:
+    """Elementwise-family parameters in backprop order."""
+    return sorted((s for s in specs if s.family == "elementwise"), key=lambda s: s.order)

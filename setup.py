@@ -1,0 +1,22 @@
+"""Canzona: matrix-based optimizers inside Megatron-Core's data and tensor parallelism."""
+
+from setuptools import setup
+
+setup(
+    name="canzona",
+    version="0.1.0",
+    description="Muon, Shampoo and SOAP under Megatron-Core data and tensor parallelism",
+    python_requires=">=3.12",
+    # `megatron` is a namespace package owned by megatron-core; we add megatron.canzona.
+    packages=[
+        "megatron.canzona",
+        "megatron.canzona.planning",
+        "megatron.canzona.optim",
+        "canzona_patches",
+    ],
+    install_requires=["torch", "megatron-core==0.19.2", "numpy"],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]"],
+        "test": ["pytest", "pytest-timeout", "hypothesis"],
+    },
+)

@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+"""Plan Canzona's data- and tensor-parallel work split for a Qwen3 model and compare layouts.
+
+    python tools/plan.py --model qwen3-32b --tp 8 --dp 32 --compare --plot loads.png
+    python tools/plan.py --model qwen3-8b --tp 2 --dp 64 --optimizer soap --json
+    python tools/plan.py --cases            # the README's case matrix
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.canzona.planning import (  # noqa: E402
+    DEFAULT_ALPHA,
+    QWEN3_MODELS,
+    Calibration,
+    CostModel,
+    DPPlan,
+    lower_bound,
+    make_plan,
+    plan_eq1,
+    plan_zero1,
+    qwen3_specs,
+    summarize,
+    tp_summary,
+)
+
+STRATEGIES = ("canzona", "eq1", "megatron_layerwise", "zero1")
+CASES = (
+    ("qwen3-1.7b", 1, (8, 32, 64)),
+    ("qwen3-8b", 2, (16, 64, 128)),
+    ("qwen3-14b", 4, (8, 32, 64)),
+    ("qwen3-32b", 8, (8, 16, 32, 256)),
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-8b", help=f"one of: {', '.join(QWEN3_MODELS)}")
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=8, help="data-parallel size")
+    p.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon", help="matrix optimizer whose cost is balanced")
+    p.add_argument("--cost", choices=("flops", "numel"), default="flops", help="balance optimizer FLOPs or element counts")
+    p.add_argument("--calibration", metavar="FILE", help="JSON of measured seconds per shape (replaces the FLOP formulas)")
+    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="0 favours equal chunk sizes, 1 equal compute")
+    p.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket (default: Megatron's max(40M, 1M*dp))")
+    p.add_argument("--tp-group-budget", type=float, default=None, help="largest per-slot cost of one TP micro-group")
+    p.add_argument("--split-qkv", action="store_true", help="optimize Q, K and V as separate matrices")
+    p.add_argument("--split-gate-up", action="store_true", help="optimize gate and up projections as separate matrices")
+    p.add_argument("--compare", action="store_true", help="also plan eq1, megatron_layerwise and zero1")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--plot", metavar="FILE.png", help="bar chart of per-rank loads, one panel per strategy")
+    p.add_argument("--cases", action="store_true", help="run the README case matrix and print its table")
+    return p.parse_args(argv)
+
+
+def cost_model(args: argparse.Namespace) -> CostModel:
+    kind = "numel" if args.cost == "numel" else args.optimizer
+    calibration = None
+    if args.calibration:
+        with open(args.calibration) as f:
+            calibration = Calibration.from_json(f.read())
+    return CostModel(kind=kind, calibration=calibration)
+
+
+def dp_plans(specs, args, cm: CostModel, strategies) -> tuple[dict[str, DPPlan], dict]:
+    plans, seconds = {}, {}
+    if "megatron_layerwise" in strategies:
+        import canzona_patches.layerwise_baseline  # noqa: F401  (loads Megatron-Core before the clock starts)
+    for name in strategies:
+        start = time.perf_counter()
+        if name == "canzona":
+            full = make_plan(specs, dp_size=args.dp, tp_size=args.tp, cost_model=cm, alpha=args.alpha,
+                             bucket_size=args.bucket_size, tp_budget=args.tp_group_budget)
+            plans[name], plans["_tp"] = full.dp, full
+        elif name == "megatron_layerwise":
+            from canzona_patches.layerwise_baseline import plan_megatron_layerwise
+
+            plans[name] = plan_megatron_layerwise(specs, dp_size=args.dp, cost_model=cm, bucket_size=args.bucket_size)
+        else:
+            plan_fn = plan_eq1 if name == "eq1" else plan_zero1
+            plans[name] = plan_fn(specs, dp_size=args.dp, cost_model=cm, bucket_size=args.bucket_size)
+        seconds[name] = time.perf_counter() - start
+    return plans, seconds
+
+
+def report(args: argparse.Namespace) -> dict:
+    cm = cost_model(args)
+    specs = qwen3_specs(args.model, tp_size=args.tp, split_qkv=args.split_qkv, split_gate_up=args.split_gate_up)
+    strategies = STRATEGIES if args.compare else ("canzona",)
+    plans, seconds = dp_plans(specs, args, cm, strategies)
+    bound = lower_bound(specs, cm, args.dp)
+    return {
+        "config": {
+            "model": args.model, "tp": args.tp, "dp": args.dp, "optimizer": args.optimizer, "cost": cm.kind,
+            "cost_unit": cm.unit, "alpha": args.alpha, "bucket_size": plans["canzona"].bucket_size,
+            "split_qkv": args.split_qkv, "split_gate_up": args.split_gate_up,
+            "num_matrices": sum(s.family == "matrix" for s in specs), "git": git_revision(),
+            "machine": f"{platform.node()} {platform.machine()} python {platform.python_version()}",
+        },
+        "lower_bound": bound,
+        "strategies": {name: {**summarize(plans[name], bound), "plan_seconds": seconds[name]} for name in strategies},
+        "tp_microgroups": tp_summary(plans["_tp"]),
+    }
+
+
+def git_revision() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def print_report(rep: dict) -> None:
+    c = rep["config"]
+    print(f"{c['model']}  TP={c['tp']} DP={c['dp']}  cost={c['cost']} ({c['cost_unit']})  alpha={c['alpha']}  "
+          f"bucket_size={c['bucket_size']:,}  matrices={c['num_matrices']}")
+    print(f"lower bound (max of total/DP and largest matrix): {rep['lower_bound']:.4g} {c['cost_unit']}\n")
+    print(f"{'strategy':<20}{'makespan/LB':>12}{'padding':>10}{'split':>7}{'buckets':>9}{'uniform':>9}{'min/LB':>8}{'plan s':>8}")
+    for name, s in rep["strategies"].items():
+        low = min(s["loads"]) / rep["lower_bound"]
+        print(f"{name:<20}{s['makespan_over_lower_bound']:>12.3f}{s['padding_overhead'] * 100:>9.1f}%{s['split_params']:>7}"
+              f"{s['num_buckets']:>9}{'yes' if s['uniform_collectives'] else 'no':>9}{low:>8.3f}{s['plan_seconds']:>8.3f}")
+    t = rep["tp_microgroups"]
+    print(f"\nTP micro-groups (TP={t['tp_size']}): up to {t['max_groups_per_dp_rank']} groups per DP rank; "
+          f"busiest (DP,TP) rank / mean = {t['dp_x_tp_makespan_over_mean']:.3f}")
+    if t["tp_size"] > 1:
+        loads = t["busiest_group_slot_loads"]
+        for k, slots in enumerate(loads[:8]):
+            print(f"  DP rank {t['busiest_dp_rank']} group {k}: slot loads " + " ".join(f"{x:.3g}" for x in slots))
+        if len(loads) > 8:
+            print(f"  ... {len(loads) - 8} more groups")
+
+
+def plot(rep: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rep["strategies"])
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
+    bound = rep["lower_bound"]
+    for ax, name in zip(axes[0], names):
+        s = rep["strategies"][name]
+        loads = [x / bound for x in s["loads"]]
+        ax.bar(range(len(loads)), loads, width=1.0, color="tab:blue" if name == "canzona" else "tab:gray")
+        ax.axhline(1.0, color="tab:red", linestyle="--", linewidth=1, label="lower bound")
+        ax.set_title(f"{name}\nmakespan/LB {s['makespan_over_lower_bound']:.2f}, pad {s['padding_overhead'] * 100:.0f}%", fontsize=9)
+        ax.set_xlabel("DP rank")
+        ax.set_ylim(0, max(1.2, max(loads) * 1.1))
+        ax.set_ylabel("optimizer compute / lower bound")
+    axes[0][0].legend(fontsize=8)
+    c = rep["config"]
+    fig.suptitle(f"{c['model']} TP={c['tp']} DP={c['dp']}: per-rank {c['cost']} load", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def run_cases(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    print("| model | TP | DP | canzona makespan/LB | layer-wise makespan/LB | eq1 | zero1 (split) | canzona padding | layer-wise padding | plan s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for model, tp, dps in CASES:
+        for dp in dps:
+            case = argparse.Namespace(**{**vars(args), "model": model, "tp": tp, "dp": dp, "compare": True})
+            rep = report(case)
+            s = rep["strategies"]
+            print(f"| {model} | {tp} | {dp} | {s['canzona']['makespan_over_lower_bound']:.3f} | "
+                  f"{s['megatron_layerwise']['makespan_over_lower_bound']:.3f} | {s['eq1']['makespan_over_lower_bound']:.2f} | "
+                  f"{s['zero1']['makespan_over_lower_bound']:.2f} ({s['zero1']['split_params']}) | "
+                  f"{s['canzona']['padding_overhead'] * 100:.1f}% | {s['megatron_layerwise']['padding_overhead'] * 100:.1f}% | "
+                  f"{s['canzona']['plan_seconds']:.2f} |", flush=True)
+            rows.append(rep)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.cases:
+            rows = run_cases(args)
+            if args.json:
+                print(json.dumps(rows))
+            return 0
+        rep = report(args)
+    except (ValueError, OSError) as exc:
+        print(f"plan.py: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        print_report(rep)
+    if args.plot:
+        plot(rep, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
