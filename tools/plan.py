@@ -133,7 +133,7 @@ def print_report(rep: dict) -> None:
               f"{s['num_buckets']:>9}{'yes' if s['uniform_collectives'] else 'no':>9}{low:>8.3f}{s['plan_seconds']:>8.3f}")
     t = rep["tp_microgroups"]
     print(f"\nTP micro-groups (TP={t['tp_size']}): up to {t['max_groups_per_dp_rank']} groups per DP rank; "
-          f"busiest (DP,TP) rank / mean = {t['dp_x_tp_makespan_over_mean']:.3f}")
+          f"busiest (DP,TP) rank / lower bound = {t['dp_x_tp_makespan_over_lower_bound']:.3f}")
     if t["tp_size"] > 1:
         loads = t["busiest_group_slot_loads"]
         for k, slots in enumerate(loads[:8]):

@@ -45,14 +45,16 @@ def tp_summary(plan: CanzonaPlan) -> dict:
     """Micro-group statistics over every DP rank's TP schedule."""
     tp_size = plan.tp[0].tp_size if plan.tp else 1
     rank_loads = [load for tp in plan.tp for load in tp.rank_loads]
-    mean = sum(rank_loads) / len(rank_loads) if rank_loads else 0.0
+    costs = [p.cost for p in plan.dp.matrix.placements]
+    bound = max(sum(costs) / max(len(rank_loads), 1), max(costs, default=0.0))
     busiest = max(range(len(plan.tp)), key=lambda r: sum(plan.tp[r].rank_loads))
     groups = plan.tp[busiest].groups
     return {
         "tp_size": tp_size,
         "budget": plan.tp[busiest].budget,
         "max_groups_per_dp_rank": max(len(tp.groups) for tp in plan.tp),
-        "dp_x_tp_makespan_over_mean": max(rank_loads) / mean if mean > 0 else 1.0,
+        "dp_x_tp_lower_bound": bound,
+        "dp_x_tp_makespan_over_lower_bound": max(rank_loads) / bound if bound > 0 else 1.0,
         "busiest_dp_rank": busiest,
         "busiest_group_slot_loads": [list(g.slot_loads) for g in groups],
     }
