@@ -12,6 +12,8 @@ setup(
         "megatron.canzona",
         "megatron.canzona.planning",
         "megatron.canzona.optim",
+        "megatron.canzona.data",
+        "megatron.canzona.runtime",
         "canzona_patches",
     ],
     install_requires=["torch", "megatron-core==0.19.2", "numpy"],
