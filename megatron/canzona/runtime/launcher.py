@@ -1,0 +1,237 @@
+"""Start N local processes with torch.distributed initialized, for tests and CPU tools.
+
+:func:`launch` is a small torchrun for one machine: it spawns ``world_size`` fresh Python
+processes, gives each the usual ``RANK``/``WORLD_SIZE``/``MASTER_*`` environment, joins them
+into one process group, runs ``fn(*args, **kwargs)`` on every rank and returns the per-rank
+results in rank order. A rank that raises fails the launch at once with that rank's
+traceback; a rank still running at the deadline fails it with :class:`TimeoutError`. Either
+way every child process is stopped before :func:`launch` returns or raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_POLL_S = 0.5
+_STOP_GRACE_S = 5.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """How :func:`launch` starts and supervises its ranks."""
+
+    world_size: int
+    """Number of processes (ranks) to start."""
+    timeout_s: float = 120.0
+    """Wall-clock limit for the whole run; also the process group's collective timeout."""
+    backend: str = "gloo"
+    """torch.distributed backend every rank initializes."""
+    num_threads: int = 1
+    """torch intra-op threads per rank; ranks share the machine's cores."""
+    master_addr: str = "127.0.0.1"
+    """Address of the rendezvous store (rank 0 hosts it)."""
+
+
+class RankError(RuntimeError):
+    """A rank raised or died; the message carries its traceback as seen in the child."""
+
+    def __init__(self, rank: int, remote_traceback: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+def launch(
+    fn: Callable[..., Any], config: LaunchConfig, /, *args: Any, **kwargs: Any
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``config.world_size`` new processes; return their results.
+
+    ``fn`` runs after ``torch.distributed.init_process_group`` and before
+    ``destroy_process_group``. It must be importable by name (a module-level function),
+    because ranks are started with the ``spawn`` method; its arguments must pickle and its
+    return value must go through ``torch.save``. A script that calls :func:`launch` needs the
+    ``if __name__ == "__main__":`` guard, since ``spawn`` re-imports the main module.
+
+    Raises:
+        ValueError: ``config.world_size`` is below 1.
+        RankError: a rank raised (chained from the original exception when it pickles) or
+            exited without reporting.
+        TimeoutError: some rank had not finished after ``config.timeout_s`` seconds.
+    """
+    if config.world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {config.world_size}.")
+    context = multiprocessing.get_context("spawn")
+    results: multiprocessing.Queue = context.Queue()
+    port = _free_port(config.master_addr)
+    processes = [
+        context.Process(
+            target=_run_rank,
+            args=(fn, args, kwargs, rank, port, config, results),
+            name=f"canzona-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(config.world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        by_rank = _collect(processes, results, config)
+    except BaseException:
+        _stop(processes, grace_s=0.0)  # peers of a failed rank may sit in a collective
+        raise
+    _stop(processes, grace_s=_STOP_GRACE_S)
+    return by_rank
+
+
+def _free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((address, 0))
+        return probe.getsockname()[1]
+
+
+def _run_rank(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    rank: int,
+    port: int,
+    config: LaunchConfig,
+    results: multiprocessing.Queue,
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(config.world_size),
+        LOCAL_WORLD_SIZE=str(config.world_size),
+        MASTER_ADDR=config.master_addr,
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(config.num_threads)
+    try:
+        dist.init_process_group(
+            config.backend,
+            rank=rank,
+            world_size=config.world_size,
+            timeout=timedelta(seconds=config.timeout_s),
+        )
+        message = (rank, True, _dumps(fn(*args, **kwargs)))
+    except BaseException as error:  # noqa: BLE001  (reported to the parent, not swallowed)
+        message = (rank, False, (_pickled_error(error), traceback.format_exc()))
+    results.put(message)
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _dumps(result: Any) -> bytes:
+    # Serialize here, not in the queue's feeder thread, so a bad result is reported. torch.save
+    # stores tensor storages itself: plain pickle would defer to torch.storage._load_from_bytes,
+    # which `import megatron.core` replaces, and the parent would need megatron to unpickle.
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    return buffer.getvalue()
+
+
+def _loads(payload: bytes) -> Any:
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
+def _pickled_error(error: BaseException) -> bytes | None:
+    try:
+        return pickle.dumps(error)
+    except Exception:  # noqa: BLE001  (any pickling failure means: send the text only)
+        return None
+
+
+def _unpickled_error(payload: bytes | None) -> BaseException | None:
+    """The child's exception object, or None where it cannot be rebuilt here."""
+    if payload is None:
+        return None
+    try:
+        return pickle.loads(payload)
+    except Exception:  # noqa: BLE001  (the traceback text still carries the failure)
+        return None
+
+
+def _collect(
+    processes: Sequence[multiprocessing.Process],
+    results: multiprocessing.Queue,
+    config: LaunchConfig,
+) -> list[Any]:
+    deadline = time.monotonic() + config.timeout_s
+    by_rank: dict[int, Any] = {}
+    while len(by_rank) < len(processes):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(len(processes))) - set(by_rank))
+            raise TimeoutError(
+                f"ranks {missing} of {len(processes)} still running after "
+                f"{config.timeout_s:.0f} s (LaunchConfig.timeout_s); likely a hung collective."
+            )
+        try:
+            rank, ok, payload = results.get(timeout=min(remaining, _POLL_S))
+        except queue.Empty:
+            _raise_if_died_silently(processes, by_rank, results)
+            continue
+        if not ok:
+            error, remote_traceback = payload
+            _raise_if_died_silently(processes, by_rank, None, also_failed=(rank, remote_traceback))
+            raise RankError(rank, remote_traceback) from _unpickled_error(error)
+        by_rank[rank] = _loads(payload)
+    return [by_rank[rank] for rank in range(len(processes))]
+
+
+def _raise_if_died_silently(
+    processes: Sequence[multiprocessing.Process],
+    by_rank: dict[int, Any],
+    results: multiprocessing.Queue | None,
+    also_failed: tuple[int, str] | None = None,
+) -> None:
+    """Raise for a rank that exited with a nonzero code without sending a message.
+
+    A rank that raises still exits with code 0 after reporting, so a nonzero exit code
+    (``os._exit``, a signal, a segfault) means the rank died without a word. Such a death is
+    the likely root cause when a peer then reports a broken connection (``also_failed``).
+    """
+    if also_failed is not None:
+        time.sleep(_POLL_S)  # let the dead peer's exit code become visible
+    for rank, process in enumerate(processes):
+        if rank in by_rank or process.exitcode in (None, 0):
+            continue
+        if results is not None:
+            with contextlib.suppress(queue.Empty):
+                # It may have reported just before exiting: prefer its own message.
+                late_rank, ok, payload = results.get(timeout=_POLL_S)
+                if not ok:
+                    raise RankError(late_rank, payload[1]) from _unpickled_error(payload[0])
+                by_rank[late_rank] = _loads(payload)
+                continue
+        reason = f"process exited with code {process.exitcode} without reporting"
+        if also_failed is not None:
+            reason += f"; rank {also_failed[0]} then failed:\n{also_failed[1]}"
+        raise RankError(rank, reason)
+
+
+def _stop(processes: Sequence[multiprocessing.Process], grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()

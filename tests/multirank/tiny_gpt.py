@@ -1,0 +1,370 @@
+"""A tiny Megatron GPTModel trained for a few steps on one rank of a local gloo group.
+
+:func:`train_tiny_gpt` is the body every rank runs under
+:func:`megatron.canzona.runtime.launch`: it builds a 2-layer Qwen3-like GPTModel (local
+spec, QK RMSNorm, SwiGLU, GQA, no biases), wraps it in Megatron's DDP with the distributed
+optimizer, trains ``num_steps`` Adam steps on a fixed global batch and returns every
+parameter gathered to its full (TP-unsharded) tensor by name, so that runs of different
+DP x TP shapes can be compared with one single-process reference.
+
+Megatron is imported inside the functions: pytest collects this module in the parent
+process, which never needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+NUM_LAYERS = 2
+HIDDEN = 64
+FFN_HIDDEN = 128
+NUM_HEADS = 4
+NUM_QUERY_GROUPS = 2
+VOCAB = 128
+SEQ_LEN = 16
+
+LAYOUTS = ("megatron", "whole_param", "layer_wise")
+"""``megatron``: DDP computes its default layout; ``whole_param``: :func:`whole_param_layout`;
+``layer_wise``: LayerWiseDistributedOptimizer._compute_per_buffer_param_layout, called
+standalone. The last two put every parameter wholly inside one DP rank's shard."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyRun:
+    """One training run of the tiny GPT; every rank of a launch gets the same value."""
+
+    tp_size: int = 1
+    """Tensor-parallel size; the data-parallel size is world_size / tp_size."""
+    num_steps: int = 3
+    """Optimizer steps to take."""
+    global_batch: int = 8
+    """Sequences per step over all DP ranks; the same tokens whatever the DP size."""
+    micro_batch: int = 2
+    """Sequences per micro-batch; each DP rank accumulates global/(dp*micro) of them."""
+    overlap_grad_reduce: bool = False
+    """Megatron DDP's overlap of bucket reduce-scatters with backward."""
+    bucket_size: int | None = None
+    """DDP bucket size in elements; None keeps Megatron's default (one bucket here)."""
+    layout: str = "megatron"
+    """Which FullParamLayout DDP gets; one of :data:`LAYOUTS`."""
+    seed: int = 1234
+    """Seeds weight init (CPU master weights) and the token stream."""
+    lr: float = 1e-3
+    """Adam learning rate (constant)."""
+
+
+def train_tiny_gpts(runs: list[TinyRun]) -> list[dict[str, Any]]:
+    """Rank body for several runs in one launch (process start-up dominates test time)."""
+    return [train_tiny_gpt(run) for run in runs]
+
+
+def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
+    """Rank body: train, then return full parameters, per-step losses and layout facts."""
+    from canzona_patches.cpu import enable_cpu_mode
+    from megatron.core import parallel_state
+
+    enable_cpu_mode()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.tp_size)
+    try:
+        model, ddp_model, optimizer = _build(run)
+        losses, grad_norms = zip(
+            *(_train_step(run, ddp_model, optimizer, step) for step in range(run.num_steps))
+        )
+        return {
+            "params": _full_params(model),
+            "losses": list(losses),
+            "grad_norms": list(grad_norms),
+            "whole_params_owned": _owned_ranges_are_whole(optimizer),
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _build(run: TinyRun):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(run.seed)  # master weights are drawn from the CPU generator
+    model_parallel_cuda_manual_seed(run.seed)
+    config = _transformer_config(run)
+    model = _gpt_model(config)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=run.overlap_grad_reduce,
+        grad_reduce_in_fp32=True,
+        bucket_size=run.bucket_size,
+    )
+    dp_size = parallel_state.get_data_parallel_world_size()
+    layout = _layout(run, model, dp_size, ddp_config)
+    ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp_model.no_sync
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=run.lr,
+        weight_decay=0.0,
+        clip_grad=0.0,
+        bf16=False,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=True,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
+    return model, ddp_model, optimizer
+
+
+def _transformer_config(run: TinyRun):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=NUM_LAYERS,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN_HIDDEN,
+        num_attention_heads=NUM_HEADS,
+        num_query_groups=NUM_QUERY_GROUPS,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=run.tp_size,
+        params_dtype=torch.float32,
+        # Full master weights drawn on CPU, then split: identical model whatever tp_size.
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        # Fused kernels need CUDA, apex or transformer-engine.
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def _gpt_model(config):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return GPTModel(
+        config,
+        get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ_LEN,
+        position_embedding_type="rope",
+    )
+
+
+def _layout(run: TinyRun, model: torch.nn.Module, dp_size: int, ddp_config):
+    if run.layout not in LAYOUTS:
+        raise ValueError(f"TinyRun.layout must be one of {LAYOUTS}, got {run.layout!r}.")
+    if run.layout == "megatron":
+        return None  # DDP computes DistributedOptimizer's default layout itself
+    params = [p for p in model.parameters() if p.requires_grad]
+    if run.layout == "whole_param":
+        return whole_param_layout(params, dp_size, ddp_config, bucket_numel=run.bucket_size)
+    return layer_wise_layout(params, dp_size, ddp_config, bucket_size=run.bucket_size)
+
+
+def whole_param_layout(params, dp_size: int, ddp_config, *, bucket_numel: int | None):
+    """A FullParamLayout where each parameter lies wholly inside one DP shard of its bucket.
+
+    Per buffer, params are walked in backprop (reverse registration) order and cut into
+    buckets of at least ``bucket_numel`` elements (one bucket if None). Inside a bucket
+    the params are dealt, still in backprop order, into ``dp_size`` contiguous runs of
+    about equal numel; each run starts a shard, and every shard is padded to the largest
+    run. Param starts stay 64-aligned and bucket ends divisible by lcm(dp_size, 128), the
+    rules Megatron's own layouts follow.
+    """
+    from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
+    from megatron.core.optimizer.param_layout import FullParamLayout
+
+    groups = group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32)
+    return FullParamLayout(
+        layouts={
+            key: _whole_param_buffer_layout(group, indices, dp_size, bucket_numel)
+            for key, (group, indices) in groups.items()
+        }
+    )
+
+
+def _whole_param_buffer_layout(params, param_indices, dp_size: int, bucket_numel: int | None):
+    from megatron.core.optimizer.param_layout import PerBufferParamLayout
+
+    layout = PerBufferParamLayout(param_indices=param_indices, num_optimizer_shards=dp_size)
+    for bucket in _buckets_in_backprop_order(params, bucket_numel):
+        _place_bucket(layout, bucket, dp_size)
+    return layout
+
+
+def _buckets_in_backprop_order(params, bucket_numel: int | None) -> Iterator[list]:
+    bucket, numel = [], 0
+    for param in reversed(params):
+        bucket.append(param)
+        numel += param.numel()
+        if bucket_numel is not None and numel >= bucket_numel:
+            yield bucket
+            bucket, numel = [], 0
+    if bucket:
+        yield bucket
+
+
+def _place_bucket(layout, bucket: list, dp_size: int) -> None:
+    from megatron.core.optimizer.param_layout import (
+        bucket_end_divisor,
+        pad_param_start,
+        pad_to_divisor,
+    )
+
+    runs = _contiguous_runs(bucket, dp_size)
+    run_sizes = []
+    for shard_params in runs:
+        cursor = 0
+        for param in shard_params:
+            cursor = pad_param_start(cursor) + param.numel()
+        run_sizes.append(cursor)
+    # Shard starts must stay 64-aligned and dp_size shards must fill a padded bucket end.
+    shard_divisor = math.lcm(64, bucket_end_divisor(dp_size, False) // dp_size)
+    shard_size = pad_to_divisor(max(run_sizes), shard_divisor)
+    bucket_id = len(layout.bucket_indices)
+    bucket_start = layout.bucket_indices[-1][1] if layout.bucket_indices else 0
+    for shard, shard_params in enumerate(runs):
+        cursor = bucket_start + shard * shard_size
+        for param in shard_params:
+            cursor = pad_param_start(cursor)
+            layout.param_index_map[param] = (cursor, cursor + param.numel(), bucket_id)
+            cursor += param.numel()
+    layout.bucket_indices.append((bucket_start, bucket_start + dp_size * shard_size))
+    layout.per_bucket_numel_unpadded.append(sum(p.numel() for p in bucket))
+
+
+def _contiguous_runs(bucket: list, dp_size: int) -> list[list]:
+    """Split ``bucket`` (in order) into ``dp_size`` runs, cutting near each 1/dp_size mark."""
+    total = sum(p.numel() for p in bucket)
+    runs: list[list] = [[] for _ in range(dp_size)]
+    seen = 0
+    for param in bucket:
+        middle = seen + param.numel() / 2
+        runs[min(dp_size - 1, int(middle * dp_size / total))].append(param)
+        seen += param.numel()
+    return runs
+
+
+def layer_wise_layout(params, dp_size: int, ddp_config, *, bucket_size: int | None):
+    """FullParamLayout from LayerWiseDistributedOptimizer's bin-packing, called standalone."""
+    from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+    from megatron.core.optimizer.param_layout import FullParamLayout
+
+    compute = LayerWiseDistributedOptimizer._compute_per_buffer_param_layout
+    groups = group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32)
+    return FullParamLayout(
+        layouts={
+            key: compute(group, bucket_size, dp_size, ddp_config, indices)
+            for key, (group, indices) in groups.items()
+        }
+    )
+
+
+def _train_step(run: TinyRun, ddp_model, optimizer, step: int) -> tuple[float, float]:
+    """One optimizer step; returns (global-batch mean loss, global grad norm)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    micro_batches = _local_micro_batches(run, step)
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iter(micro_batches),
+        model=[ddp_model],
+        num_microbatches=len(micro_batches),
+        seq_length=SEQ_LEN,
+        micro_batch_size=run.micro_batch,
+        forward_only=False,
+    )
+    update_ok, grad_norm, _ = optimizer.step()
+    assert update_ok, "fp32 Adam never skips a step"
+    local_mean = torch.stack([out["loss"] for out in outputs]).mean()
+    dist.all_reduce(local_mean, group=parallel_state.get_data_parallel_group())
+    return float(local_mean) / parallel_state.get_data_parallel_world_size(), float(grad_norm)
+
+
+def _local_micro_batches(run: TinyRun, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This DP rank's share of step ``step``'s global batch, cut into micro-batches."""
+    from megatron.core import parallel_state
+
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    if run.global_batch % (dp_size * run.micro_batch):
+        raise ValueError("global_batch must be a multiple of dp_size * micro_batch.")
+    generator = torch.Generator().manual_seed(run.seed * 1000 + step)
+    tokens = torch.randint(0, VOCAB, (run.global_batch, SEQ_LEN + 1), generator=generator)
+    per_rank = run.global_batch // dp_size
+    local = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    return [
+        (local[i : i + run.micro_batch, :-1], local[i : i + run.micro_batch, 1:])
+        for i in range(0, per_rank, run.micro_batch)
+    ]
+
+
+def _forward_step(data_iterator, model):
+    inputs, labels = next(data_iterator)
+    positions = torch.arange(SEQ_LEN).expand_as(inputs)
+    per_token_loss = model(inputs, positions, None, labels=labels)
+    return per_token_loss, functools.partial(_mean_loss, per_token_loss.numel())
+
+
+def _mean_loss(num_tokens: int, per_token_loss: torch.Tensor):
+    # Mean over this micro-batch; the schedule divides by the number of micro-batches and
+    # DDP by dp_size, so every DP shape optimizes the same global-batch mean.
+    loss = per_token_loss.float().sum() / num_tokens
+    return loss, {"loss": loss.detach().clone()}  # the schedule rescales `loss` in place
+
+
+def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    return {
+        name: _unshard(param.detach().float().clone(), param, tp_group)
+        for name, param in model.named_parameters()
+    }
+
+
+def _unshard(shard: torch.Tensor, param: torch.nn.Parameter, tp_group) -> torch.Tensor:
+    """All-gather a TP-sharded param along its partition dim and undo its stride."""
+    tp_size = dist.get_world_size(tp_group)
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return shard
+    shards = [torch.empty_like(shard) for _ in range(tp_size)]
+    dist.all_gather(shards, shard.contiguous(), group=tp_group)
+    dim, stride = param.partition_dim, param.partition_stride
+    # With stride s, rank r holds master pieces r, r + tp, ..., r + (s-1)tp along dim.
+    pieces = [piece.chunk(stride, dim=dim) for piece in shards]
+    return torch.cat([pieces[r][j] for j in range(stride) for r in range(tp_size)], dim=dim)
+
+
+def _owned_ranges_are_whole(optimizer) -> bool:
+    """True when every param range this rank's DistributedOptimizer owns is a whole param."""
+    for dist_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for buffer_ranges in dist_optimizer.gbuf_ranges:
+            for bucket_ranges in buffer_ranges.values():
+                for bucket in bucket_ranges:
+                    for param, ranges in bucket["param_map"].items():
+                        if ranges["param"].size != param.numel():
+                            return False
+    return True
