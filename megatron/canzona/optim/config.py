@@ -1,0 +1,198 @@
+"""Hyperparameters of the matrix optimizers, one small frozen dataclass per optimizer.
+
+Learning rate and weight decay are deliberately *not* here: schedulers change the
+learning rate every step and weight decay is applied outside the update functions
+(see :func:`megatron.canzona.optim.common.apply_update`), so these configs describe
+only the math that turns a gradient into an update direction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from megatron.canzona.optim.newton_schulz import NS_COEFFICIENTS
+
+ComputeDtype = Literal["bfloat16", "float32", "float64"]
+RootDtype = Literal["float32", "float64"]
+MuonScaleMode = Literal["moonlight", "spectral", "shape_scaling", "unit_rms_norm", "none"]
+
+MUON_SCALE_MODES: tuple[str, ...] = ("moonlight", "spectral", "shape_scaling", "unit_rms_norm", "none")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """Map a config dtype name ("bfloat16", "float32", "float64") to a ``torch.dtype``."""
+    return _DTYPES[name]
+
+
+def _check_beta(owner: str, name: str, value: float, *, allow_one: bool = False) -> None:
+    upper_ok = value <= 1.0 if allow_one else value < 1.0
+    if not (0.0 <= value and upper_ok):
+        bound = "[0, 1]" if allow_one else "[0, 1)"
+        raise ValueError(f"{owner}.{name}={value} is outside {bound}; pick e.g. 0.9 or 0.95.")
+
+
+def _check_choice(owner: str, name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{owner}.{name}={value!r} is not supported; use one of {choices}.")
+
+
+def _check_positive(owner: str, name: str, value: float, *, strict: bool = True) -> None:
+    if value < 0 or (strict and value == 0):
+        sign = "> 0" if strict else ">= 0"
+        raise ValueError(f"{owner}.{name}={value} must be {sign}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MuonConfig:
+    """Muon: momentum, then Newton-Schulz orthogonalisation, then a shape-dependent scale."""
+
+    momentum: float = 0.95
+    """EMA coefficient of the momentum buffer: ``M <- momentum*M + (1-momentum)*G``."""
+    nesterov: bool = False
+    """Orthogonalise ``(1-momentum)*G + momentum*M`` instead of ``M``."""
+    coefficients: str = "quintic"
+    """Key of :data:`megatron.canzona.optim.newton_schulz.NS_COEFFICIENTS`."""
+    num_ns_steps: int = 5
+    """Number of Newton-Schulz iterations."""
+    ns_dtype: ComputeDtype = "bfloat16"
+    """Dtype of the Newton-Schulz matmuls; normalisation and state stay in fp32 (or fp64)."""
+    eps: float = 1e-7
+    """Floor on the Frobenius norm used to normalise the input of Newton-Schulz."""
+    scale_mode: MuonScaleMode = "moonlight"
+    """Shape scale: moonlight 0.2*sqrt(max(m,n)), spectral sqrt(max(m,n)), shape_scaling
+    sqrt(max(1,m/n)), unit_rms_norm sqrt(m/n), none 1 (m rows, n columns)."""
+    extra_scale_factor: float = 1.0
+    """Multiplies the scale above (Megatron's ``--muon-extra-scale-factor``)."""
+
+    def __post_init__(self) -> None:
+        _check_beta("MuonConfig", "momentum", self.momentum)
+        if self.num_ns_steps < 1:
+            raise ValueError(f"MuonConfig.num_ns_steps={self.num_ns_steps} must be >= 1 (5 is usual).")
+        _check_choice("MuonConfig", "ns_dtype", self.ns_dtype, tuple(_DTYPES))
+        _check_choice("MuonConfig", "scale_mode", self.scale_mode, MUON_SCALE_MODES)
+        _check_positive("MuonConfig", "eps", self.eps)
+        _check_positive("MuonConfig", "extra_scale_factor", self.extra_scale_factor)
+        if self.coefficients not in NS_COEFFICIENTS:
+            raise ValueError(
+                f"MuonConfig.coefficients={self.coefficients!r} is unknown; use one of "
+                f"{sorted(NS_COEFFICIENTS)} or register a new set in NS_COEFFICIENTS."
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShampooConfig:
+    """Shampoo with Adam grafting: ``L^(-1/r) M R^(-1/r)`` rescaled to Adam's update norm."""
+
+    momentum: float = 0.9
+    """EMA coefficient of the first moment ``M`` that gets preconditioned (Adam's beta1)."""
+    statistics: Literal["ema", "sum"] = "ema"
+    """``ema``: L <- b*L + (1-b)*G G^T; ``sum``: L <- L + G G^T (original Shampoo)."""
+    shampoo_beta: float = 0.95
+    """EMA coefficient ``b`` of the statistics when ``statistics == "ema"``."""
+    eps: float = 1e-12
+    """Added to the eigenvalues of L and R before the inverse root."""
+    eps_mode: Literal["absolute", "relative"] = "absolute"
+    """absolute: lambda + eps; relative: lambda + eps * lambda_max (scale-free)."""
+    inverse_root: int = 4
+    """r in L^(-1/r); 4 is Shampoo's choice for matrices (two factors of one 1/2 root)."""
+    root_dtype: RootDtype = "float64"
+    """Dtype of the eigendecomposition used for the inverse roots."""
+    precondition_frequency: int = 10
+    """Recompute the inverse roots at steps 1, 1+f, 1+2f, ...; statistics update every step."""
+    max_precond_dim: int = 10000
+    """A side longer than this keeps a diagonal statistic instead of a dense one."""
+    grafting: Literal["adam", "none"] = "adam"
+    """adam: rescale each matrix's direction to the Frobenius norm of Adam's direction."""
+    graft_beta2: float = 0.999
+    """EMA coefficient of the grafting second moment."""
+    graft_eps: float = 1e-8
+    """Epsilon of the grafting Adam denominator."""
+
+    def __post_init__(self) -> None:
+        _check_beta("ShampooConfig", "momentum", self.momentum)
+        _check_beta("ShampooConfig", "shampoo_beta", self.shampoo_beta)
+        _check_beta("ShampooConfig", "graft_beta2", self.graft_beta2)
+        _check_choice("ShampooConfig", "statistics", self.statistics, ("ema", "sum"))
+        _check_choice("ShampooConfig", "eps_mode", self.eps_mode, ("absolute", "relative"))
+        _check_choice("ShampooConfig", "root_dtype", self.root_dtype, ("float32", "float64"))
+        _check_choice("ShampooConfig", "grafting", self.grafting, ("adam", "none"))
+        _check_positive("ShampooConfig", "eps", self.eps)
+        _check_positive("ShampooConfig", "graft_eps", self.graft_eps)
+        if self.inverse_root < 1:
+            raise ValueError(f"ShampooConfig.inverse_root={self.inverse_root} must be >= 1 (4 is usual).")
+        if self.precondition_frequency < 1:
+            raise ValueError(
+                f"ShampooConfig.precondition_frequency={self.precondition_frequency} must be >= 1."
+            )
+        if self.max_precond_dim < 1:
+            raise ValueError(f"ShampooConfig.max_precond_dim={self.max_precond_dim} must be >= 1.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SOAPConfig:
+    """SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's statistics."""
+
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's (beta1, beta2), applied in the rotated space."""
+    shampoo_beta: float = 0.99
+    """EMA coefficient of the statistics L and R."""
+    eps: float = 1e-8
+    """Adam's epsilon."""
+    precondition_frequency: int = 10
+    """Refresh the eigenbasis at steps 1 (eigh), 1+f, 1+2f, ... (power iteration + QR)."""
+    max_precond_dim: int = 10000
+    """A side longer than this is not rotated (identity basis, no statistic kept)."""
+    correct_bias: bool = True
+    """Adam bias correction of both moments."""
+    correct_shampoo_beta_bias: bool = False
+    """Bias-correct the statistics EMA (emerging-optimizers' default ties this to correct_bias)."""
+    refresh: Literal["qr", "eigh"] = "qr"
+    """How later refreshes recompute the basis; the first one always uses eigh."""
+    power_iter_steps: int = 1
+    """Power-iteration + QR rounds per refresh when ``refresh == "qr"``."""
+    eigh_dtype: RootDtype = "float32"
+    """Dtype of the eigendecompositions."""
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2:
+            raise ValueError(f"SOAPConfig.betas={self.betas} must be a pair (beta1, beta2).")
+        _check_beta("SOAPConfig", "betas[0]", self.betas[0])
+        _check_beta("SOAPConfig", "betas[1]", self.betas[1])
+        _check_beta("SOAPConfig", "shampoo_beta", self.shampoo_beta)
+        _check_positive("SOAPConfig", "eps", self.eps)
+        _check_choice("SOAPConfig", "refresh", self.refresh, ("qr", "eigh"))
+        _check_choice("SOAPConfig", "eigh_dtype", self.eigh_dtype, ("float32", "float64"))
+        if self.precondition_frequency < 1:
+            raise ValueError(
+                f"SOAPConfig.precondition_frequency={self.precondition_frequency} must be >= 1."
+            )
+        if self.power_iter_steps < 1:
+            raise ValueError(f"SOAPConfig.power_iter_steps={self.power_iter_steps} must be >= 1.")
+        if self.max_precond_dim < 1:
+            raise ValueError(f"SOAPConfig.max_precond_dim={self.max_precond_dim} must be >= 1.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamWConfig:
+    """AdamW for elementwise parameters (embeddings, output layer, norms, biases)."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's (beta1, beta2)."""
+    eps: float = 1e-8
+    """Added to the square root of the bias-corrected second moment."""
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2:
+            raise ValueError(f"AdamWConfig.betas={self.betas} must be a pair (beta1, beta2).")
+        _check_beta("AdamWConfig", "betas[0]", self.betas[0])
+        _check_beta("AdamWConfig", "betas[1]", self.betas[1])
+        _check_positive("AdamWConfig", "eps", self.eps)

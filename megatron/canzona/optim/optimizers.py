@@ -1,0 +1,276 @@
+"""``torch.optim.Optimizer`` front ends: Muon, Shampoo and SOAP for one device.
+
+Matrix parameters go through the update functions (fused ones split by the group's
+``fused_layout``); everything else goes through AdamW with the same group ``lr`` and
+``weight_decay``. Keys a param group may carry, besides ``params``:
+
+* ``lr``, ``weight_decay``: decoupled, ``p <- p - lr*wd*p - lr*D``;
+* ``config``: the matrix optimizer's config (:class:`MuonConfig`, ...);
+* ``adamw_config``: :class:`AdamWConfig` for the group's non-matrix parameters;
+* ``matrix``: ``True``/``False`` forces the route, ``None`` means "2-D -> matrix";
+* ``fused_layout``: a :class:`~megatron.canzona.optim.split.QKVLayout` or
+  :class:`~megatron.canzona.optim.split.GateUpLayout` for every parameter of the group.
+
+:func:`~megatron.canzona.optim.split.build_param_groups` builds these groups from a
+model's named parameters. With ``batch_same_shape=True`` same-shape matrices of a group
+(including the pieces of split matrices) are stacked and updated in one batched call;
+the result equals the per-matrix loop.
+
+State of a matrix parameter is ``{"pieces": [state dict per piece]}``; of an AdamW
+parameter, the AdamW state dict itself. All of it is fp32, even for bf16 parameters,
+and :meth:`load_state_dict` keeps it so (``torch.optim`` would cast it to the
+parameter dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import torch
+
+from megatron.canzona.optim.adamw import AdamWState, adamw_update
+from megatron.canzona.optim.common import OptimizerState, apply_update, stack_states, unstack_into
+from megatron.canzona.optim.config import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
+from megatron.canzona.optim.muon import MuonState, muon_update
+from megatron.canzona.optim.shampoo import ShampooState, shampoo_update
+from megatron.canzona.optim.soap import SOAPState, soap_update
+from megatron.canzona.optim.split import GateUpLayout, QKVLayout, merge_pieces, split_pieces
+
+ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+_Job = tuple[torch.Tensor, int, torch.Tensor, OptimizerState]
+
+# Param-group values saved as {"type": name, "fields": {...}} so that checkpoints hold only
+# plain containers and load with torch.load(..., weights_only=True).
+_GROUP_OBJECTS = ("config", "adamw_config", "fused_layout")
+_SERIALIZABLE: dict[str, type[Any]] = {
+    cls.__name__: cls
+    for cls in (MuonConfig, ShampooConfig, SOAPConfig, AdamWConfig, QKVLayout, GateUpLayout)
+}
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and type(value).__name__ in _SERIALIZABLE:
+        return {"type": type(value).__name__, "fields": dataclasses.asdict(value)}  # type: ignore[arg-type]
+    return value
+
+
+def _from_plain(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"type", "fields"}:
+        return _SERIALIZABLE[value["type"]](**value["fields"])
+    return value
+
+
+def _copy_to_device(value: Any, device: torch.device) -> Any:
+    """Deep copy of nested state onto ``device``, keeping every tensor's dtype."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, copy=True)
+    if isinstance(value, dict):
+        return {k: _copy_to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_copy_to_device(v, device) for v in value)
+    return value
+
+
+class MatrixOptimizer(torch.optim.Optimizer):
+    """Base class: a matrix update function for 2-D parameters, AdamW for the rest."""
+
+    # What a subclass provides: its config type, its state dataclass (with ``create(shape,
+    # config, *, device, grad_dtype)``) and its update ``(grad, state, config) -> direction``.
+    config_type: ClassVar[type[Any]]
+    state_type: ClassVar[type[Any]]
+    update_fn: ClassVar[Callable[[torch.Tensor, Any, Any], torch.Tensor]]
+
+    def __init__(
+        self,
+        params: ParamsT,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        config: Any = None,
+        adamw_config: AdamWConfig = AdamWConfig(),
+        batch_same_shape: bool = True,
+    ) -> None:
+        """``config`` is the subclass's ``config_type`` (its defaults when omitted)."""
+        config = self.config_type() if config is None else config
+        if lr < 0:
+            raise ValueError(f"lr={lr} must be >= 0.")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay={weight_decay} must be >= 0.")
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, config=config, adamw_config=adamw_config,
+            matrix=None, fused_layout=None,
+        )
+        super().__init__(params, defaults)
+        self.batch_same_shape = batch_same_shape
+        for group in self.param_groups:
+            self._validate_group(group)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        if not isinstance(group["config"], self.config_type):
+            raise TypeError(
+                f"{type(self).__name__} needs config of type {self.config_type.__name__}, "
+                f"got {type(group['config']).__name__}."
+            )
+        if not isinstance(group["adamw_config"], AdamWConfig):
+            got = type(group["adamw_config"]).__name__
+            raise TypeError(f"adamw_config must be an AdamWConfig, got {got}.")
+        for param in group["params"]:
+            if self._is_matrix(group, param) and param.ndim != 2:
+                raise ValueError(
+                    f"a group with matrix=True holds a {param.ndim}-D tensor of shape "
+                    f"{tuple(param.shape)}; reshape it or route it to AdamW (matrix=False)."
+                )
+        if group["fused_layout"] is not None and group["matrix"] is False:
+            raise ValueError(
+                "fused_layout is only meaningful for matrix parameters; drop it or set matrix=True."
+            )
+
+    @staticmethod
+    def _is_matrix(group: dict[str, Any], param: torch.Tensor) -> bool:
+        return group["matrix"] if group["matrix"] is not None else param.ndim == 2
+
+    def _as_matrix(self, param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """The 2-D matrix the update math sees for ``param`` (``tensor`` is it or its grad).
+
+        Plain parameters are their own matrix; a distributed runtime overrides this to
+        view a flat buffer slice as its parameter's full matrix.
+        """
+        return tensor
+
+    # Stepping -----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_matrices(group)
+            self._step_elementwise(group)
+        return loss
+
+    def _piece_states(
+        self, param: torch.Tensor, pieces: list[torch.Tensor], config: Any
+    ) -> list[OptimizerState]:
+        stored = self.state[param]
+        if "pieces" not in stored:
+            stored["pieces"] = [
+                self.state_type.create(
+                    piece.shape, config, device=piece.device, grad_dtype=piece.dtype
+                ).as_dict()
+                for piece in pieces
+            ]
+        return [self.state_type.from_dict(values) for values in stored["pieces"]]
+
+    def _step_matrices(self, group: dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None and self._is_matrix(group, p)]
+        jobs: list[_Job] = []
+        for param in params:
+            if param.grad.is_sparse:
+                raise TypeError(f"{type(self).__name__} does not support sparse gradients.")
+            pieces = split_pieces(self._as_matrix(param, param.grad), group["fused_layout"])
+            states = self._piece_states(param, pieces, group["config"])
+            jobs.extend((param, i, p, s) for i, (p, s) in enumerate(zip(pieces, states)))
+        directions = self._run_jobs(jobs, group["config"])
+        for param in params:
+            pieces = [directions[(id(param), i)] for i in range(len(self.state[param]["pieces"]))]
+            apply_update(
+                self._as_matrix(param, param), merge_pieces(pieces, group["fused_layout"]),
+                lr=group["lr"], weight_decay=group["weight_decay"],
+            )
+
+    def _run_jobs(self, jobs: list[_Job], config: Any) -> dict[tuple[int, int], torch.Tensor]:
+        """Run every job, batching same-shape, same-step ones; directions by (param id, piece)."""
+        buckets: dict[tuple[Any, ...], list[_Job]] = defaultdict(list)
+        for job in jobs:
+            _, _, grad, state = job
+            if self.batch_same_shape:
+                buckets[(tuple(grad.shape), grad.dtype, grad.device, state.step)].append(job)
+            else:
+                buckets[(id(job),)].append(job)
+        directions: dict[tuple[int, int], torch.Tensor] = {}
+        for bucket in buckets.values():
+            if len(bucket) == 1:
+                param, index, grad, state = bucket[0]
+                directions[(id(param), index)] = self.update_fn(grad, state, config)
+                self._store(param, index, state)
+                continue
+            stacked_state = stack_states([job[3] for job in bucket])
+            stacked = self.update_fn(torch.stack([job[2] for job in bucket]), stacked_state, config)
+            unstack_into(stacked_state, [job[3] for job in bucket])
+            for position, (param, index, _, state) in enumerate(bucket):
+                directions[(id(param), index)] = stacked[position]
+                self._store(param, index, state)
+        return directions
+
+    def _store(self, param: torch.Tensor, index: int, state: OptimizerState) -> None:
+        # Update functions may replace tensors (SOAP's bases) and always bump the step.
+        self.state[param]["pieces"][index].update(state.as_dict())
+
+    def _step_elementwise(self, group: dict[str, Any]) -> None:
+        for param in group["params"]:
+            if param.grad is None or self._is_matrix(group, param):
+                continue
+            stored = self.state[param]
+            if not stored:
+                fresh = AdamWState.create(param.shape, device=param.device, grad_dtype=param.grad.dtype)
+                stored.update(fresh.as_dict())
+            state = AdamWState.from_dict(stored)
+            direction = adamw_update(param.grad, state, group["adamw_config"])
+            stored.update(state.as_dict())
+            apply_update(param, direction, lr=group["lr"], weight_decay=group["weight_decay"])
+
+    # Checkpointing --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim`` state dict with configs and layouts as plain dicts."""
+        packed = super().state_dict()
+        for group in packed["param_groups"]:
+            for key in _GROUP_OBJECTS:
+                group[key] = _to_plain(group.get(key))
+        return packed
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`, keeping the saved (fp32) state dtypes."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key in _GROUP_OBJECTS:
+                group[key] = _from_plain(group.get(key))
+        # torch.optim casts floating-point state to the parameter's dtype, which would
+        # round the fp32 state of bf16 parameters; reload it with the saved dtypes.
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, param in zip(saved_ids, params, strict=True):
+            if saved_id in state_dict["state"]:
+                self.state[param] = _copy_to_device(state_dict["state"][saved_id], param.device)
+
+
+class Muon(MatrixOptimizer):
+    """Muon for 2-D parameters (see :func:`~megatron.canzona.optim.muon.muon_update`), AdamW
+    for the rest. With the default ``moonlight`` scale, AdamW learning rates carry over."""
+
+    config_type = MuonConfig
+    state_type = MuonState
+    update_fn = staticmethod(muon_update)
+
+
+class Shampoo(MatrixOptimizer):
+    """Shampoo with Adam grafting for 2-D parameters
+    (see :func:`~megatron.canzona.optim.shampoo.shampoo_update`), AdamW for the rest."""
+
+    config_type = ShampooConfig
+    state_type = ShampooState
+    update_fn = staticmethod(shampoo_update)
+
+
+class SOAP(MatrixOptimizer):
+    """SOAP for 2-D parameters (see :func:`~megatron.canzona.optim.soap.soap_update`),
+    AdamW for the rest."""
+
+    config_type = SOAPConfig
+    state_type = SOAPState
+    update_fn = staticmethod(soap_update)

@@ -1,0 +1,145 @@
+"""Shampoo for matrices, with Adam grafting, on one matrix or a stack of them.
+
+Per step, for ``G`` of shape ``(m, n)`` (``t`` is the 1-based step):
+
+* statistics ``L <- b L + (1-b) G G^T`` and ``R <- b R + (1-b) G^T G`` (or plain sums);
+  a side longer than ``max_precond_dim`` keeps only the diagonal (row or column sums of
+  ``G*G``) and is preconditioned elementwise;
+* at steps 1, 1+f, 1+2f, ... the inverse roots ``P_L = (L + eps)^(-1/r)`` and
+  ``P_R = (R + eps)^(-1/r)`` are recomputed from an eigendecomposition in ``root_dtype``
+  (negative eigenvalues from rounding are clamped to 0 before ``eps`` is added);
+* first moment ``M <- mu M + (1-mu) G``, bias-corrected to ``M_hat``;
+* direction ``S = P_L M_hat P_R``; with Adam grafting it is rescaled per matrix to
+  ``||A||_F`` where ``A = M_hat / (sqrt(V_hat) + graft_eps)`` is Adam's direction from the
+  same first moment and ``V <- b2 V + (1-b2) G*G``. Grafting is what makes the step size
+  independent of the statistics' scale, so the statistics need no bias correction.
+
+``eps`` is absolute by default (``lambda + eps``); ``eps_mode="relative"`` adds
+``eps * lambda_max`` of each matrix, which does not depend on the gradient scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron.canzona.optim.adamw import adam_direction
+from megatron.canzona.optim.common import (
+    OptimizerState,
+    refresh_due,
+    state_dtype_for,
+    symmetric_eigh,
+)
+from megatron.canzona.optim.config import ShampooConfig, resolve_dtype
+
+@dataclasses.dataclass
+class ShampooState(OptimizerState):
+    """Statistics, their inverse roots, and the (grafting) Adam moments.
+
+    ``left``/``left_root`` are ``(..., m, m)``, or ``(..., m)`` when ``m`` exceeds
+    ``max_precond_dim`` (diagonal fallback); likewise ``right`` with ``n``.
+    """
+
+    left: torch.Tensor | None = None
+    right: torch.Tensor | None = None
+    left_root: torch.Tensor | None = None
+    right_root: torch.Tensor | None = None
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+
+    @classmethod
+    def create(
+        cls, shape: torch.Size | tuple[int, ...], config: ShampooConfig, *,
+        device: torch.device | str | None = None, grad_dtype: torch.dtype = torch.float32,
+    ) -> ShampooState:
+        """Zero statistics and moments for a matrix (or stack) of ``shape``."""
+        dtype = state_dtype_for(grad_dtype)
+        *lead, rows, cols = shape
+
+        def side(size: int) -> torch.Tensor:
+            dims = (size,) if size > config.max_precond_dim else (size, size)
+            return torch.zeros(*lead, *dims, device=device, dtype=dtype)
+
+        zeros = torch.zeros(shape, device=device, dtype=dtype)
+        return cls(
+            left=side(rows), right=side(cols), left_root=side(rows), right_root=side(cols),
+            exp_avg=zeros, exp_avg_sq=zeros.clone() if config.grafting == "adam" else None,
+        )
+
+
+def _accumulate(statistic: torch.Tensor, grad: torch.Tensor, config: ShampooConfig) -> None:
+    """Fold ``grad grad^T`` (rows side; pass ``grad.mT`` for columns) into ``statistic``."""
+    is_diagonal = statistic.ndim == grad.ndim - 1
+    outer = grad.square().sum(-1) if is_diagonal else grad @ grad.mT
+    if config.statistics == "sum":
+        statistic.add_(outer)
+    else:
+        statistic.lerp_(outer, 1 - config.shampoo_beta)
+
+
+def _regularised(values: torch.Tensor, config: ShampooConfig) -> torch.Tensor:
+    values = values.clamp_min(0.0)
+    if config.eps_mode == "relative":
+        return values + config.eps * values.amax(-1, keepdim=True)
+    return values + config.eps
+
+
+def inverse_root(statistic: torch.Tensor, config: ShampooConfig, *, diagonal: bool) -> torch.Tensor:
+    """``(statistic + eps)^(-1/r)``: of a dense ``(..., k, k)`` statistic through its
+    eigendecomposition, or elementwise of a diagonal ``(..., k)`` one."""
+    exponent = -1.0 / config.inverse_root
+    work_dtype = resolve_dtype(config.root_dtype)
+    if diagonal:
+        return _regularised(statistic.to(work_dtype), config).pow(exponent).to(statistic.dtype)
+    values, vectors = symmetric_eigh(statistic, work_dtype)
+    powered = _regularised(values, config).pow(exponent)
+    return ((vectors * powered.unsqueeze(-2)) @ vectors.mT).to(statistic.dtype)
+
+
+def _precondition(
+    direction: torch.Tensor, left_root: torch.Tensor, right_root: torch.Tensor
+) -> torch.Tensor:
+    if left_root.ndim == direction.ndim - 1:
+        direction = left_root.unsqueeze(-1) * direction
+    else:
+        direction = left_root @ direction
+    if right_root.ndim == direction.ndim - 1:
+        return direction * right_root.unsqueeze(-2)
+    return direction @ right_root
+
+
+@torch.no_grad()
+def shampoo_update(grad: torch.Tensor, state: ShampooState, config: ShampooConfig) -> torch.Tensor:
+    """One Shampoo step for a matrix or a stack ``(..., m, n)``; returns the direction."""
+    assert state.left is not None and state.right is not None and state.exp_avg is not None
+    assert state.left_root is not None and state.right_root is not None
+    grad = grad.to(state.exp_avg.dtype)
+    step = state.step + 1
+    _accumulate(state.left, grad, config)
+    _accumulate(state.right, grad.mT, config)
+    if refresh_due(step, config.precondition_frequency):
+        # A statistic with one dimension fewer than the gradient is a diagonal fallback.
+        state.left_root.copy_(inverse_root(state.left, config, diagonal=state.left.ndim < grad.ndim))
+        state.right_root.copy_(
+            inverse_root(state.right, config, diagonal=state.right.ndim < grad.ndim)
+        )
+    beta1 = config.momentum
+    if config.grafting == "adam":
+        assert state.exp_avg_sq is not None
+        graft = adam_direction(
+            grad, state.exp_avg, state.exp_avg_sq,
+            betas=(beta1, config.graft_beta2), eps=config.graft_eps, step=step,
+        )
+    else:
+        state.exp_avg.lerp_(grad, 1 - beta1)
+    first_moment = state.exp_avg / (1 - beta1**step)
+    direction = _precondition(first_moment, state.left_root, state.right_root)
+    if config.grafting == "adam":
+        tiny = torch.finfo(direction.dtype).tiny
+        ratio = torch.linalg.matrix_norm(graft, keepdim=True) / torch.linalg.matrix_norm(
+            direction, keepdim=True
+        ).clamp_min(tiny)
+        direction = direction * ratio
+    state.step = step
+    return direction

@@ -1,0 +1,315 @@
+#!/usr/bin/env python
+"""Seconds per matrix update of Muon, Shampoo, SOAP and AdamW on Qwen3-shaped matrices,
+batched (one call on a stack of same-shape matrices) against looped (one call each).
+
+    python tools/bench_optim.py                                   # CPU default, < 2 min on 2 cores
+    python tools/bench_optim.py --device cuda --models qwen3-1.7b qwen3-8b --stack 8 --repeats 10
+    python tools/bench_optim.py --models qwen3-tiny --shrink 1 --stack 16 --repeats 5  # small matrices
+    python tools/bench_optim.py --optimizer muon --json bench.json --calibration-dir calib/
+
+Shapes are the TP=1 matrices of each layer: fused QKV, attention output projection, fused
+gate/up (fc1) and fc2; ``--shrink k`` divides every dimension by k (keeps aspect ratios)
+so that CPU runs stay short. Shampoo and SOAP recompute their preconditioner every
+``f`` steps; their steady-state time is measured as ``plain + (refresh - plain) / f``
+from a plain step and a refresh step timed separately. FLOPs come from the project's
+cost model (megatron.canzona.planning.cost); on CUDA the bf16 matmul peak of the card is
+measured first and Muon's Newton-Schulz rate is reported as a fraction of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.canzona.optim import (  # noqa: E402
+    AdamWConfig,
+    AdamWState,
+    MuonConfig,
+    MuonState,
+    ShampooConfig,
+    ShampooState,
+    SOAPConfig,
+    SOAPState,
+    adamw_update,
+    muon_update,
+    shampoo_update,
+    soap_update,
+)
+from megatron.canzona.planning import Calibration, get_qwen3_config  # noqa: E402
+from megatron.canzona.planning.cost import (  # noqa: E402
+    ADAMW_FLOPS_PER_ELEMENT,
+    muon_flops,
+    shampoo_flops,
+    soap_flops,
+)
+
+OPTIMIZERS = ("muon", "shampoo", "soap", "adamw")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How to build state, run and cost one optimizer."""
+
+    config: Any
+    state: Callable[[tuple[int, ...], torch.device], Any]
+    update: Callable[[torch.Tensor, Any, Any], torch.Tensor]
+    flops: Callable[[int, int], float]
+    refresh_every: int  # 0: no periodic refresh
+
+
+def make_kinds(args: argparse.Namespace) -> dict[str, Kind]:
+    muon = MuonConfig(ns_dtype=args.ns_dtype)
+    shampoo = ShampooConfig(precondition_frequency=args.precondition_frequency)
+    soap = SOAPConfig(precondition_frequency=args.precondition_frequency)
+    adamw = AdamWConfig()
+    f = args.precondition_frequency
+    return {
+        "muon": Kind(
+            muon, lambda s, d: MuonState.create(s, device=d), muon_update,
+            lambda m, n: muon_flops(m, n, muon.num_ns_steps), 0,
+        ),
+        "shampoo": Kind(
+            shampoo, lambda s, d: ShampooState.create(s, shampoo, device=d), shampoo_update,
+            lambda m, n: shampoo_flops(m, n, precond_every=f, max_precond_dim=shampoo.max_precond_dim), f,
+        ),
+        "soap": Kind(
+            soap, lambda s, d: SOAPState.create(s, soap, device=d), soap_update,
+            lambda m, n: soap_flops(m, n, precond_every=f, max_precond_dim=soap.max_precond_dim), f,
+        ),
+        "adamw": Kind(
+            adamw, lambda s, d: AdamWState.create(s, device=d), adamw_update,
+            lambda m, n: ADAMW_FLOPS_PER_ELEMENT * m * n, 0,
+        ),
+    }
+
+
+def qwen3_shapes(model: str, shrink: int) -> list[tuple[str, int, int]]:
+    """(name, rows, cols) of the TP=1 matrices of one Qwen3 layer."""
+    cfg = get_qwen3_config(model)
+    hidden, ffn, heads = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads
+    q_size = heads * cfg.kv_channels
+    kv_size = cfg.num_query_groups * cfg.kv_channels
+    shapes = [
+        ("qkv", q_size + 2 * kv_size, hidden),
+        ("proj", hidden, q_size),
+        ("fc1", 2 * ffn, hidden),
+        ("fc2", hidden, ffn),
+    ]
+    return [(name, max(1, m // shrink), max(1, n // shrink)) for name, m, n in shapes]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_variant(kind: Kind, grads: torch.Tensor, batched: bool, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds per call of the whole stack: plain step, refresh step, steady-state mix."""
+    device = grads.device
+    stack = grads.shape[0]
+    states = [kind.state(tuple(grads.shape), device)] if batched else [
+        kind.state(tuple(grads.shape[1:]), device) for _ in range(stack)
+    ]
+    inputs = [grads] if batched else list(grads.unbind(0))
+
+    def run(step_before: int) -> None:
+        for state, grad in zip(states, inputs):
+            state.step = step_before
+            kind.update(grad, state, kind.config)
+
+    run(0)  # step 1: the first eigendecompositions, not part of the steady state
+    for _ in range(args.warmup):
+        run(1)
+    plain = median_seconds(lambda: run(1), args.repeats, device)  # step 2: no refresh for f > 1
+    result = {"plain": plain, "steady": plain}
+    if kind.refresh_every > 1:
+        # Step f + 1 refreshes (steps 1, 1 + f, ...); amortise it over f steps.
+        refresh = median_seconds(lambda: run(kind.refresh_every), args.repeats, device)
+        result.update(refresh=refresh, steady=plain + (refresh - plain) / kind.refresh_every)
+    return result
+
+
+def measure_matmul_peak(device: torch.device, size: int = 8192, repeats: int = 10) -> float:
+    """Best bf16 GEMM rate of this card in FLOP/s."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best = min(median_seconds(lambda: a @ b, 1, device) for _ in range(repeats))
+    return 2.0 * size**3 / best
+
+
+def git_revision() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--optimizer", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    p.add_argument("--models", "--shapes", dest="models", nargs="+", default=None,
+                   help="Qwen3 models whose layer shapes to use (default: qwen3-1.7b qwen3-8b)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="gradient dtype")
+    p.add_argument("--ns-dtype", choices=("bfloat16", "float32"), default="bfloat16", help="Muon Newton-Schulz dtype")
+    p.add_argument("--stack", type=int, default=None, help="matrices per batched call (default: 4 on CPU, 8 on CUDA)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats, median reported (default: 3 CPU, 10 CUDA)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed plain steps before timing")
+    p.add_argument("--shrink", type=int, default=None, help="divide every dimension by this (default: 8 on CPU, 1 on CUDA)")
+    p.add_argument("--precondition-frequency", type=int, default=10, help="Shampoo/SOAP refresh every f steps")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout only)")
+    p.add_argument("--calibration-dir", metavar="DIR",
+                   help="write <optimizer>.json calibrations (batched seconds per matrix) for tools/plan.py")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA build of torch and a visible GPU")
+    args.models = args.models or (["qwen3-1.7b", "qwen3-8b"] if cuda else ["qwen3-1.7b"])
+    args.stack = args.stack or (8 if cuda else 4)
+    args.repeats = args.repeats or (10 if cuda else 3)
+    args.shrink = args.shrink or (1 if cuda else 8)
+    return args
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    kinds = make_kinds(args)
+    report: dict[str, Any] = {
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "git": git_revision(), "machine": machine(device),
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "calibration_dir")},
+        "optimizer_configs": {name: repr(kind.config) for name, kind in kinds.items() if name in args.optimizer},
+        "rows": [],
+    }
+    if device.type == "cuda":
+        print("measuring bf16 matmul peak ...", file=sys.stderr)
+        report["bf16_matmul_peak_flops"] = measure_matmul_peak(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    for model in args.models:
+        for shape_name, m, n in qwen3_shapes(model, args.shrink):
+            grads = torch.randn(args.stack, m, n, device=device, generator=gen).to(dtype)
+            for name in args.optimizer:
+                print(f"{model} {shape_name} {m}x{n} {name} ...", file=sys.stderr, flush=True)
+                report["rows"].append(bench_one(kinds[name], name, model, shape_name, grads, args, report))
+    return report
+
+
+def bench_one(kind: Kind, name: str, model: str, shape_name: str, grads: torch.Tensor,
+              args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    stack, m, n = grads.shape
+    looped = time_variant(kind, grads, batched=False, args=args)
+    batched = time_variant(kind, grads, batched=True, args=args)
+    flops = kind.flops(m, n)
+    row = {
+        "optimizer": name, "model": model, "matrix": shape_name, "m": m, "n": n, "stack": stack,
+        "looped_s": looped["steady"] / stack, "batched_s": batched["steady"] / stack,
+        "speedup": looped["steady"] / batched["steady"], "model_flops": flops,
+        "achieved_flops_per_s": flops * stack / batched["steady"],
+        "batched_plain_s": batched["plain"] / stack, "batched_refresh_s": batched.get("refresh", 0.0) / stack,
+    }
+    peak = report.get("bf16_matmul_peak_flops")
+    if peak and name == "muon":
+        row["fraction_of_bf16_peak"] = row["achieved_flops_per_s"] / peak
+    return row
+
+
+def format_report(report: dict[str, Any]) -> str:
+    cfg, peak = report["config"], report.get("bf16_matmul_peak_flops")
+    lines = [
+        f"# {report['command']}",
+        f"git {report['git']}  " + "  ".join(f"{k}={v}" for k, v in report["machine"].items()),
+        f"models={cfg['models']} shrink={cfg['shrink']} stack={cfg['stack']} repeats={cfg['repeats']} "
+        f"grad dtype={cfg['dtype']} muon ns_dtype={cfg['ns_dtype']} "
+        f"precondition_frequency={cfg['precondition_frequency']}",
+    ]
+    if peak:
+        lines.append(f"bf16 matmul peak: {peak / 1e12:.1f} TFLOP/s")
+    header = (f"{'optimizer':<8} {'model':<11} {'matrix':<5} {'shape':>11} {'stack':>5} {'looped s':>10} "
+              f"{'batched s':>10} {'speedup':>7} {'GFLOP/upd':>10} {'GFLOP/s':>9}")
+    header += f" {'of peak':>7}" if peak else ""
+    lines += [header, "-" * len(header)]
+    for r in report["rows"]:
+        line = (f"{r['optimizer']:<8} {r['model']:<11} {r['matrix']:<5} {r['m']:>5}x{r['n']:<5} "
+                f"{r['stack']:>5} {r['looped_s']:>10.4g} {r['batched_s']:>10.4g} {r['speedup']:>6.2f}x "
+                f"{r['model_flops'] / 1e9:>10.3g} {r['achieved_flops_per_s'] / 1e9:>9.1f}")
+        if "fraction_of_bf16_peak" in r:
+            line += f" {100 * r['fraction_of_bf16_peak']:>6.1f}%"
+        lines.append(line)
+    lines.append("s = seconds per matrix update (steady state, refreshes amortised); "
+                 "GFLOP/s = cost-model FLOPs / batched seconds")
+    return "\n".join(lines)
+
+
+def write_calibrations(report: dict[str, Any], directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    for name in ("muon", "shampoo", "soap"):
+        rows = [r for r in report["rows"] if r["optimizer"] == name]
+        if not rows:
+            continue
+        seconds = {(r["m"], r["n"]): r["batched_s"] for r in rows}
+        with open(os.path.join(directory, f"{name}.json"), "w") as f:
+            f.write(Calibration(optimizer=name, seconds=seconds).to_json())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    report = run_benchmark(args)
+    if args.json != "-":
+        print(format_report(report))
+    if args.json:
+        text = json.dumps(report, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text)
+    if args.calibration_dir:
+        write_calibrations(report, args.calibration_dir)
+
+
+if __name__ == "__main__":
+    main()
