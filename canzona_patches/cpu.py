@@ -34,6 +34,11 @@ meant to be a CPU test or tool process; nothing is undone):
    ``Tensor.type``/``Tensor.cuda`` are replaced by pass-throughs that behave exactly as
    before outside those calls.
 
+4. :func:`enable_cpu_training_mode` (for ``pretrain_gpt.py``) adds what
+   ``megatron.training`` needs: hook 1 for :data:`CPU_TORCH_TRAINING_MODULES` (with one CPU
+   "device" per process), hook 3 around ``training.get_model``, ``allow_no_cuda=True`` for
+   ``initialize_megatron`` and a CUDA-free ``get_device_arch_version`` for ``validate_args``.
+
 See ``docs/megatron-cpu-notes.md`` for the upstream line each hook exists for.
 """
 
@@ -186,7 +191,9 @@ class _CpuTorch:
 
     cuda = CPU_CUDA
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: _CpuCuda | None = None) -> None:
+        if cuda is not None:
+            self.cuda = cuda  # the instance attribute shadows the class default
         self._factories = {name: _on_cpu(getattr(torch, name)) for name in _FACTORIES}
 
     def __getattr__(self, name: str) -> Any:
@@ -336,7 +343,11 @@ def _install_pretend_cuda() -> None:
     """Hook 3: CPU tensors pretend to be CUDA tensors inside :data:`_PRETEND_CUDA_FUNCTIONS`."""
     torch.Tensor.type = _tensor_type
     torch.Tensor.cuda = _tensor_cuda
-    for module_name, qualname in _PRETEND_CUDA_FUNCTIONS:
+    _wrap_pretending_cuda(_PRETEND_CUDA_FUNCTIONS)
+
+
+def _wrap_pretending_cuda(functions: tuple[tuple[str, str], ...]) -> None:
+    for module_name, qualname in functions:
         *owner_path, name = qualname.split(".")
         owner = importlib.import_module(module_name)
         for part in owner_path:
@@ -371,4 +382,83 @@ def enable_cpu_mode() -> bool:
     _install_rng_tracker()
     _install_pretend_cuda()
     _cpu_mode = True
+    return True
+
+
+# --- megatron.training (pretrain_gpt.py) -------------------------------------------------
+
+
+class _CpuCudaOneDevice(_CpuCuda):
+    """``torch.cuda`` for the :data:`CPU_TORCH_TRAINING_MODULES`: one CPU "device" per process.
+
+    ``megatron.training.initialize`` runs ``initialize_model_parallel`` and seeds the
+    tensor-parallel RNG tracker only when ``torch.cuda.device_count() > 0``
+    (``_initialize_distributed``, initialize.py:270/358; ``_set_random_seed``, :447).
+    """
+
+    device_count = staticmethod(lambda: 1)
+
+
+CPU_TORCH_TRAINING_MODULES = (
+    "megatron.training.training",
+    "megatron.training.initialize",
+    "megatron.training.utils.common_utils",
+    "megatron.training.checkpointing",
+)
+"""``megatron.training`` modules whose ``torch`` global becomes :class:`_CpuTorch` with
+:class:`_CpuCudaOneDevice` (hook 4); see docs/megatron-cpu-notes.md for the call sites."""
+
+_PRETEND_CUDA_TRAINING_FUNCTIONS = (
+    # get_model moves every chunk with model_module.cuda(torch.cuda.current_device()):
+    ("megatron.training.training", "get_model"),
+)  # fmt: skip
+"""Hook 3's windows for ``megatron.training`` (same mechanism, separate list: importing
+``megatron.training`` costs seconds that Megatron-Core-only users need not pay)."""
+
+
+def _allowing_no_cuda(initialize_megatron: Callable[..., Any]) -> Callable[..., Any]:
+    """``initialize_megatron`` with ``allow_no_cuda=True`` (it asserts CUDA otherwise)."""
+
+    @functools.wraps(initialize_megatron)
+    def initialize_megatron_on_cpu(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return initialize_megatron(*args, **kwargs)
+
+    initialize_megatron_on_cpu.__canzona_cpu_hook__ = True
+    return initialize_megatron_on_cpu
+
+
+def _no_cuda_arch() -> int:
+    """Stand-in for ``get_device_arch_version`` (common_utils.py:502), which asks CUDA for
+    device 0's compute capability; ``validate_args`` (arguments.py:1414, 1444, 1484) calls it
+    for TP/CP > 1. 0 = no CUDA architecture: the pre-Blackwell branches apply."""
+    return 0
+
+
+_cpu_training_mode = False
+
+
+def enable_cpu_training_mode() -> bool:
+    """:func:`enable_cpu_mode`, plus the redirects ``megatron.training``'s loop needs; idempotent.
+
+    Hook 4: the :data:`CPU_TORCH_TRAINING_MODULES` see :class:`_CpuTorch` (one CPU device
+    per process); hook 3's pretend-CUDA window wraps ``training.get_model``; the
+    ``initialize_megatron`` that ``training.pretrain`` calls gets ``allow_no_cuda=True``;
+    ``arguments.get_device_arch_version`` answers 0 (:func:`_no_cuda_arch`).
+    Returns False (and touches nothing) when CUDA is available.
+    """
+    global _cpu_training_mode
+    if not enable_cpu_mode():
+        return False
+    if _cpu_training_mode:
+        return True
+    cpu_torch = _CpuTorch(cuda=_CpuCudaOneDevice())
+    for module_name in CPU_TORCH_TRAINING_MODULES:
+        importlib.import_module(module_name).torch = cpu_torch
+    _wrap_pretending_cuda(_PRETEND_CUDA_TRAINING_FUNCTIONS)
+    importlib.import_module("megatron.training.arguments").get_device_arch_version = _no_cuda_arch
+    training = importlib.import_module("megatron.training.training")
+    if not getattr(training.initialize_megatron, "__canzona_cpu_hook__", False):
+        training.initialize_megatron = _allowing_no_cuda(training.initialize_megatron)
+    _cpu_training_mode = True
     return True

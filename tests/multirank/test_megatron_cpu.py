@@ -42,21 +42,11 @@ REFERENCE = TinyRun(lr=LR)
 INIT_ONLY = TinyRun(lr=0.0, num_steps=1)
 CASES: dict[str, tuple[int, TinyRun]] = {
     "dp2": (2, TinyRun(lr=LR)),
-    "dp2_whole_param_layout": (
-        2,
-        TinyRun(lr=LR, layout="whole_param", overlap_grad_reduce=True, bucket_size=BUCKET),
-    ),
     "dp2_layer_wise_layout": (
         2,
         TinyRun(lr=LR, layout="layer_wise", overlap_grad_reduce=True, bucket_size=BUCKET),
     ),
     "tp2_dp2": (4, TinyRun(lr=LR, tp_size=2, overlap_grad_reduce=True, bucket_size=BUCKET)),
-    "tp2_dp2_whole_param_layout": (
-        4,
-        TinyRun(
-            lr=LR, tp_size=2, layout="whole_param", overlap_grad_reduce=True, bucket_size=BUCKET
-        ),
-    ),
 }
 INIT_CASES = {"tp2_dp2_init_only": (4, TinyRun(lr=0.0, num_steps=1, tp_size=2))}
 CUSTOM_LAYOUT_CASES = [name for name, (_, run) in CASES.items() if run.layout != "megatron"]

@@ -1,9 +1,9 @@
 """FullParamLayout geometry, checked without processes on meta tensors.
 
 Megatron's DistributedOptimizer layout, LayerWiseDistributedOptimizer's bin-packing (called
-standalone, no process group) and the hand-built ``whole_param_layout`` of ``tiny_gpt`` all
-obey the rules DDP's buffer and the distributed optimizer rely on; the last two also keep
-every parameter inside one DP shard. See docs/megatron-cpu-notes.md for the rules.
+standalone, no process group) obey the rules DDP's buffer and the distributed optimizer
+rely on; the second also keeps every parameter inside one DP shard. (The Canzona planner's
+geometry is checked in tests/unit and tests/integration.) See docs/megatron-cpu-notes.md for the rules.
 """
 
 import math
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from .tiny_gpt import layer_wise_layout, whole_param_layout
+from .tiny_gpt import layer_wise_layout
 
 # The tiny GPT at TP1, in registration (forward) order.
 _LAYER = [
@@ -94,13 +94,10 @@ def _only_layout(full_layout):
 
 @pytest.mark.parametrize("dp_size", [2, 3, 4])
 @pytest.mark.parametrize("bucket_size", [None, 20_000])
-@pytest.mark.parametrize("build", [_megatron_layout, layer_wise_layout, whole_param_layout])
+@pytest.mark.parametrize("build", [_megatron_layout, layer_wise_layout])
 def test_layout_geometry(build, dp_size: int, bucket_size: int | None) -> None:
     params = _meta_params()
-    if build is whole_param_layout:
-        full_layout = build(params, dp_size, _ddp_config(), bucket_numel=bucket_size)
-    else:
-        full_layout = build(params, dp_size, _ddp_config(), bucket_size=bucket_size)
+    full_layout = build(params, dp_size, _ddp_config(), bucket_size=bucket_size)
     layout = _only_layout(full_layout)
     assert geometry_violations(layout, params, dp_size) == []
     if build is not _megatron_layout:

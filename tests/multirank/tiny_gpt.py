@@ -14,8 +14,6 @@ process, which never needs it.
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +28,15 @@ NUM_QUERY_GROUPS = 2
 VOCAB = 128
 SEQ_LEN = 16
 
-LAYOUTS = ("megatron", "whole_param", "layer_wise")
-"""``megatron``: DDP computes its default layout; ``whole_param``: :func:`whole_param_layout`;
-``layer_wise``: LayerWiseDistributedOptimizer._compute_per_buffer_param_layout, called
-standalone. The last two put every parameter wholly inside one DP rank's shard."""
+LAYOUTS = ("megatron", "canzona", "layer_wise")
+"""``megatron``: DDP computes its default layout; ``canzona``: the α-balanced plan
+(canzona_patches.optimizer.build_full_param_layouts); ``layer_wise``:
+LayerWiseDistributedOptimizer._compute_per_buffer_param_layout, called standalone. The
+last two put every parameter wholly inside one DP rank's shard."""
+OPTIMIZERS = ("adam", "megatron_muon", "muon", "shampoo", "soap")
+"""``adam``: Megatron's Adam DistributedOptimizer; ``megatron_muon``: Megatron's layer-wise
+Muon, wired as ``megatron.training`` wires it (its own layout; ``layout`` is ignored);
+``muon``/``shampoo``/``soap``: the Canzona optimizer (needs ``layout="canzona"``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +60,17 @@ class TinyRun:
     seed: int = 1234
     """Seeds weight init (CPU master weights) and the token stream."""
     lr: float = 1e-3
-    """Adam learning rate (constant)."""
+    """Learning rate (constant)."""
+    optimizer: str = "adam"
+    """One of :data:`OPTIMIZERS`."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (Megatron skips vectors and biases)."""
+    split_qkv: bool = True
+    """Canzona and Megatron Muon: optimize Q, K, V as separate matrices."""
+    split_gate_up: bool = False
+    """Canzona: optimize gate and up of fc1 as separate matrices."""
+    alpha: float = 0.5
+    """Canzona planner balance knob."""
 
 
 def train_tiny_gpts(runs: list[TinyRun]) -> list[dict[str, Any]]:
@@ -82,6 +95,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "losses": list(losses),
             "grad_norms": list(grad_norms),
             "whole_params_owned": _owned_ranges_are_whole(optimizer),
+            "updated": list(getattr(_inner(optimizer), "last_step_updates", [])),
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -112,17 +126,69 @@ def _build(run: TinyRun):
     ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp_model.no_sync
+    optimizer = _optimizer(run, ddp_model, OptimizerConfig, get_megatron_optimizer)
+    return model, ddp_model, optimizer
+
+
+def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer):
+    if run.optimizer not in OPTIMIZERS:
+        raise ValueError(f"TinyRun.optimizer must be one of {OPTIMIZERS}, got {run.optimizer!r}.")
+    megatron_muon = run.optimizer == "megatron_muon"
     optimizer_config = OptimizerConfig(
-        optimizer="adam",
+        optimizer="muon" if megatron_muon else "adam",
         lr=run.lr,
-        weight_decay=0.0,
+        weight_decay=run.weight_decay,
         clip_grad=0.0,
         bf16=False,
         params_dtype=torch.float32,
-        use_distributed_optimizer=True,
+        # Megatron's own switch for Muon: the layer-wise optimizer replaces the distributed one.
+        use_distributed_optimizer=not megatron_muon,
+        use_layer_wise_distributed_optimizer=megatron_muon,
+        **(MEGATRON_MUON if megatron_muon else {}),
+        muon_split_qkv=run.split_qkv,
     )
-    optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
-    return model, ddp_model, optimizer
+    if run.optimizer in ("adam", "megatron_muon"):
+        from canzona_patches.megatron_fixes import apply_all
+
+        apply_all()  # fp32 layer-wise Muon cannot be built on stock 0.19.2
+        return get_megatron_optimizer(optimizer_config, [ddp_model])
+    if run.layout != "canzona":
+        raise ValueError("the Canzona optimizers need TinyRun.layout='canzona'.")
+    from canzona_patches.optimizer import build_canzona_optimizer
+
+    return build_canzona_optimizer(optimizer_config, [ddp_model], canzona_config(run), tp_size=run.tp_size)
+
+
+# Megatron's Muon and Canzona's configured to the same math: fp32 Newton-Schulz
+# ("high" matmul precision), the fixed quintic (3.4445, -4.775, 2.0315) that Megatron calls
+# "simple", 5 steps, spectral scale sqrt(max(m, n)).
+MEGATRON_MUON = dict(
+    muon_momentum=0.95, muon_nesterov=False, muon_num_ns_steps=5, muon_scale_mode="spectral",
+    muon_fp32_matmul_prec="high", muon_coefficient_type="simple", muon_extra_scale_factor=1.0,
+)
+
+
+def canzona_config(run: TinyRun):
+    """The Canzona configuration a run uses; exact math (fp32/fp64 factorizations)."""
+    from megatron.canzona.optim import MuonConfig, ShampooConfig, SOAPConfig
+    from megatron.canzona.runtime.config import CanzonaConfig
+
+    matrix = {
+        "muon": MuonConfig(ns_dtype="float32", scale_mode="spectral", coefficients="quintic"),
+        "shampoo": ShampooConfig(precondition_frequency=2, root_dtype="float64", eps=1e-4, eps_mode="relative"),
+        "soap": SOAPConfig(precondition_frequency=2, eigh_dtype="float64", max_precond_dim=64, eps=1e-4),
+    }.get(run.optimizer, MuonConfig())
+    return CanzonaConfig(
+        optimizer=run.optimizer if run.optimizer in ("muon", "shampoo", "soap") else "muon",
+        matrix=matrix, alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
+    )
+
+
+def _inner(optimizer):
+    """The Canzona inner optimizer (None for Megatron's own, which may be chained)."""
+    if hasattr(optimizer, "chained_optimizers"):
+        return None
+    return getattr(optimizer, "optimizer", None)
 
 
 def _transformer_config(run: TinyRun):
@@ -171,96 +237,35 @@ def _gpt_model(config):
 def _layout(run: TinyRun, model: torch.nn.Module, dp_size: int, ddp_config):
     if run.layout not in LAYOUTS:
         raise ValueError(f"TinyRun.layout must be one of {LAYOUTS}, got {run.layout!r}.")
+    if run.optimizer == "megatron_muon":
+        return megatron_layer_wise_muon_layout(model, dp_size, ddp_config, bucket_size=run.bucket_size)
     if run.layout == "megatron":
         return None  # DDP computes DistributedOptimizer's default layout itself
+    if run.layout == "canzona":
+        from megatron.core import parallel_state
+
+        from canzona_patches.optimizer import build_full_param_layouts
+
+        (layout,) = build_full_param_layouts(
+            [model], ddp_config, canzona_config(run), dp_size=dp_size,
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        )
+        return layout
     params = [p for p in model.parameters() if p.requires_grad]
-    if run.layout == "whole_param":
-        return whole_param_layout(params, dp_size, ddp_config, bucket_numel=run.bucket_size)
     return layer_wise_layout(params, dp_size, ddp_config, bucket_size=run.bucket_size)
 
 
-def whole_param_layout(params, dp_size: int, ddp_config, *, bucket_numel: int | None):
-    """A FullParamLayout where each parameter lies wholly inside one DP shard of its bucket.
-
-    Per buffer, params are walked in backprop (reverse registration) order and cut into
-    buckets of at least ``bucket_numel`` elements (one bucket if None). Inside a bucket
-    the params are dealt, still in backprop order, into ``dp_size`` contiguous runs of
-    about equal numel; each run starts a shard, and every shard is padded to the largest
-    run. Param starts stay 64-aligned and bucket ends divisible by lcm(dp_size, 128), the
-    rules Megatron's own layouts follow.
-    """
-    from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
-    from megatron.core.optimizer.param_layout import FullParamLayout
-
-    groups = group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32)
-    return FullParamLayout(
-        layouts={
-            key: _whole_param_buffer_layout(group, indices, dp_size, bucket_numel)
-            for key, (group, indices) in groups.items()
-        }
+def megatron_layer_wise_muon_layout(model, dp_size: int, ddp_config, *, bucket_size: int | None):
+    """What ``megatron.training`` does for ``--optimizer muon --use-distributed-optimizer``:
+    tag the parameters for buffer routing and take LayerWiseDistributedOptimizer's layout."""
+    from megatron.core.optimizer.layer_wise_optimizer import (
+        LayerWiseDistributedOptimizer,
+        tag_params_for_buffer_routing,
     )
 
-
-def _whole_param_buffer_layout(params, param_indices, dp_size: int, bucket_numel: int | None):
-    from megatron.core.optimizer.param_layout import PerBufferParamLayout
-
-    layout = PerBufferParamLayout(param_indices=param_indices, num_optimizer_shards=dp_size)
-    for bucket in _buckets_in_backprop_order(params, bucket_numel):
-        _place_bucket(layout, bucket, dp_size)
-    return layout
-
-
-def _buckets_in_backprop_order(params, bucket_numel: int | None) -> Iterator[list]:
-    bucket, numel = [], 0
-    for param in reversed(params):
-        bucket.append(param)
-        numel += param.numel()
-        if bucket_numel is not None and numel >= bucket_numel:
-            yield bucket
-            bucket, numel = [], 0
-    if bucket:
-        yield bucket
-
-
-def _place_bucket(layout, bucket: list, dp_size: int) -> None:
-    from megatron.core.optimizer.param_layout import (
-        bucket_end_divisor,
-        pad_param_start,
-        pad_to_divisor,
-    )
-
-    runs = _contiguous_runs(bucket, dp_size)
-    run_sizes = []
-    for shard_params in runs:
-        cursor = 0
-        for param in shard_params:
-            cursor = pad_param_start(cursor) + param.numel()
-        run_sizes.append(cursor)
-    # Shard starts must stay 64-aligned and dp_size shards must fill a padded bucket end.
-    shard_divisor = math.lcm(64, bucket_end_divisor(dp_size, False) // dp_size)
-    shard_size = pad_to_divisor(max(run_sizes), shard_divisor)
-    bucket_id = len(layout.bucket_indices)
-    bucket_start = layout.bucket_indices[-1][1] if layout.bucket_indices else 0
-    for shard, shard_params in enumerate(runs):
-        cursor = bucket_start + shard * shard_size
-        for param in shard_params:
-            cursor = pad_param_start(cursor)
-            layout.param_index_map[param] = (cursor, cursor + param.numel(), bucket_id)
-            cursor += param.numel()
-    layout.bucket_indices.append((bucket_start, bucket_start + dp_size * shard_size))
-    layout.per_bucket_numel_unpadded.append(sum(p.numel() for p in bucket))
-
-
-def _contiguous_runs(bucket: list, dp_size: int) -> list[list]:
-    """Split ``bucket`` (in order) into ``dp_size`` runs, cutting near each 1/dp_size mark."""
-    total = sum(p.numel() for p in bucket)
-    runs: list[list] = [[] for _ in range(dp_size)]
-    seen = 0
-    for param in bucket:
-        middle = seen + param.numel() / 2
-        runs[min(dp_size - 1, int(middle * dp_size / total))].append(param)
-        seen += param.numel()
-    return runs
+    tag_params_for_buffer_routing([model])
+    params = [p for p in model.parameters() if p.requires_grad]
+    return LayerWiseDistributedOptimizer.compute_full_param_layout(params, bucket_size, dp_size, ddp_config)
 
 
 def layer_wise_layout(params, dp_size: int, ddp_config, *, bucket_size: int | None):
@@ -359,12 +364,16 @@ def _unshard(shard: torch.Tensor, param: torch.nn.Parameter, tp_group) -> torch.
 
 
 def _owned_ranges_are_whole(optimizer) -> bool:
-    """True when every param range this rank's DistributedOptimizer owns is a whole param."""
+    """True when every (matrix) param range this rank's DistributedOptimizer owns is whole."""
     for dist_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for buffer_ranges in dist_optimizer.gbuf_ranges:
+        # Megatron's layer-wise optimizer owns whole params by construction (no gbuf_ranges).
+        for buffer_ranges in getattr(dist_optimizer, "gbuf_ranges", []):
             for bucket_ranges in buffer_ranges.values():
                 for bucket in bucket_ranges:
                     for param, ranges in bucket["param_map"].items():
+                        # A Canzona layout keeps matrices whole; AdamW params may be split.
+                        if not getattr(param, "is_managed_by_layer_wise_optimizer", True):
+                            continue
                         if ranges["param"].size != param.numel():
                             return False
     return True

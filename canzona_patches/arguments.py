@@ -1,0 +1,237 @@
+"""Canzona's command-line flags for ``pretrain_gpt.py``, in Megatron-LM's naming style.
+
+:func:`add_canzona_args` is an ``extra_args_provider`` for
+``megatron.training.arguments.parse_args``: it adds an argument group ``canzona`` and
+extends the choices of Megatron's own ``--optimizer`` with ``shampoo`` (0.19.2 already
+accepts ``muon`` and ``soap``). Muon keeps Megatron's ``--muon-*`` flags (momentum,
+``--muon-nesterov``, ``--muon-num-ns-steps``, ``--muon-scale-mode``,
+``--muon-coefficient-type``, ``--muon-extra-scale-factor``, ``--muon-no-split-qkv``).
+
+:func:`validate_canzona_args` runs *before* Megatron's ``validate_args`` (whose asserts
+would otherwise answer first, with a traceback) and raises
+:class:`CanzonaArgumentError` with a one-line message that names the fix.
+:func:`finalize_canzona_args` runs after ``validate_args`` and undoes the one rewrite of
+Megatron's that contradicts Canzona (see its docstring).
+
+Hooks (megatron-core 0.19.2): ``megatron.training.arguments.parse_args`` (the parser it
+hands to ``extra_args_provider``) and ``validate_args`` (arguments.py:1669-1682, the
+emerging-optimizer rewrite of ``--use-distributed-optimizer``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from canzona_patches.version import require_pinned_megatron
+
+require_pinned_megatron()
+
+MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
+"""Optimizers Canzona partitions (``--canzona`` accepts exactly these)."""
+
+CANZONA_ONLY_OPTIMIZERS = ("shampoo",)
+"""Choices of ``--optimizer`` that only Canzona implements (Megatron 0.19.2 has no Shampoo)."""
+
+COST_MODELS = ("flops", "numel")
+TP_MODES = ("async", "sync")
+
+# Release defaults (reference notes §5); SOAP's shampoo beta and preconditioner frequency
+# also reach Megatron's own emerging-optimizers SOAP through OptimizerConfig fields of
+# the same names (soap_shampoo_beta, soap_precondition_frequency).
+_SOAP_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "shampoo_beta": 0.99, "frequency": 10}
+_SHAMPOO_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "epsilon": 1e-12, "frequency": 10}
+_MAX_PRECOND_DIM = 10000
+
+
+class CanzonaArgumentError(ValueError):
+    """A bad combination of flags; the message is one line and names the fix."""
+
+
+def add_canzona_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``extra_args_provider``: add the ``canzona`` group and ``--optimizer shampoo``."""
+    _extend_optimizer_choices(parser, CANZONA_ONLY_OPTIMIZERS)
+    # Megatron's usage line lists every one of its ~900 flags and argparse prints it before
+    # each error, burying the one line that names the fix: keep the error line alone.
+    parser.usage = "%(prog)s [Megatron-LM flags] [Canzona flags]"
+    parser.error = functools.partial(_one_line_error, parser)
+    group = parser.add_argument_group(title="canzona")
+    _add_canzona_core_args(group)
+    _add_shampoo_args(group)
+    _add_soap_args(group)
+    return parser
+
+
+def _one_line_error(parser: argparse.ArgumentParser, message: str) -> None:
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def _extend_optimizer_choices(parser: argparse.ArgumentParser, extra: tuple[str, ...]) -> None:
+    # Extend Megatron's own --optimizer rather than adding a second flag for the same thing.
+    for action in parser._actions:  # argparse keeps its actions only in this private list
+        if "--optimizer" in action.option_strings:
+            action.choices = list(action.choices) + [c for c in extra if c not in action.choices]
+            return
+    raise RuntimeError("Megatron's parser has no --optimizer flag; is megatron-core 0.19.2 installed?")
+
+
+def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--canzona", action="store_true",
+                       help="Partition the matrix optimizer (--optimizer muon|shampoo|soap) over "
+                       "DP and TP ranks with Canzona (needs --use-distributed-optimizer).")
+    group.add_argument("--canzona-alpha", type=float, default=0.5,
+                       help="Balance weight in [0, 1]: 0 favours least padding (communication), "
+                       "1 favours equal optimizer compute per rank.")
+    group.add_argument("--canzona-cost", choices=COST_MODELS, default="flops",
+                       help="What is balanced across ranks: the optimizer's FLOPs per matrix or "
+                       "its element count.")
+    group.add_argument("--canzona-split-qkv", action="store_true", dest="canzona_split_qkv",
+                       default=True,
+                       help="Treat Q, K and V of the fused QKV weight as separate matrices "
+                       "(default, as Megatron's Muon).")
+    group.add_argument("--canzona-no-split-qkv", action="store_false", dest="canzona_split_qkv",
+                       help="Treat the fused QKV weight as one matrix.")
+    group.add_argument("--canzona-split-gate-up", action="store_true",
+                       help="Treat gate and up halves of the fused SwiGLU fc1 weight as separate "
+                       "matrices.")
+    group.add_argument("--canzona-tp-mode", choices=TP_MODES, default="async",
+                       help="Tensor-parallel update: async = one host rank per matrix with "
+                       "micro-grouped all-to-alls; sync = every TP rank computes every update.")
+    group.add_argument("--canzona-tp-group-budget", type=float, default=None,
+                       help="Cost budget C of one TP micro-group (default: chosen by the planner).")
+    group.add_argument("--canzona-metrics-file", type=str, default=None,
+                       help="Append one JSON line per --log-interval (iteration, loss, grad norm, "
+                       "learning rate, optimizer step time, tokens/s) to this file; plot with "
+                       "tools/plot_loss.py.")
+
+
+def _add_shampoo_args(group: argparse._ArgumentGroup) -> None:
+    d = _SHAMPOO_DEFAULTS
+    group.add_argument("--shampoo-beta1", type=float, default=d["beta1"],
+                       help="Shampoo: momentum of the preconditioned first moment.")
+    group.add_argument("--shampoo-beta2", type=float, default=d["beta2"],
+                       help="Shampoo: EMA coefficient of the statistics L and R.")
+    group.add_argument("--shampoo-epsilon", type=float, default=d["epsilon"],
+                       help="Shampoo: added to the eigenvalues before the inverse root.")
+    group.add_argument("--shampoo-precondition-frequency", type=int, default=d["frequency"],
+                       help="Shampoo: recompute the inverse roots every this many steps.")
+    group.add_argument("--shampoo-max-precond-dim", type=int, default=_MAX_PRECOND_DIM,
+                       help="Shampoo: a side longer than this keeps a diagonal statistic.")
+
+
+def _add_soap_args(group: argparse._ArgumentGroup) -> None:
+    d = _SOAP_DEFAULTS
+    group.add_argument("--soap-beta1", type=float, default=d["beta1"],
+                       help="SOAP: Adam beta1 in the rotated space.")
+    group.add_argument("--soap-beta2", type=float, default=d["beta2"],
+                       help="SOAP: Adam beta2 in the rotated space.")
+    group.add_argument("--soap-shampoo-beta", type=float, default=d["shampoo_beta"],
+                       help="SOAP: EMA coefficient of the statistics L and R.")
+    group.add_argument("--soap-precondition-frequency", type=int, default=d["frequency"],
+                       help="SOAP: refresh the eigenbasis every this many steps.")
+    group.add_argument("--soap-max-precond-dim", type=int, default=_MAX_PRECOND_DIM,
+                       help="SOAP: a side longer than this is not rotated.")
+
+
+def validate_canzona_args(args: argparse.Namespace) -> None:
+    """Check the Canzona flags against the rest; raise :class:`CanzonaArgumentError` if bad.
+
+    Runs before Megatron's ``validate_args``, on the parsed flags as given.
+    """
+    if args.optimizer in CANZONA_ONLY_OPTIMIZERS and not args.canzona:
+        raise CanzonaArgumentError(
+            f"--optimizer {args.optimizer} is implemented by Canzona only: add --canzona "
+            "(with --use-distributed-optimizer)")
+    if not args.canzona:
+        return
+    if args.optimizer not in MATRIX_OPTIMIZERS:
+        raise CanzonaArgumentError(
+            f"--canzona needs a matrix optimizer: pass --optimizer {'|'.join(MATRIX_OPTIMIZERS)} "
+            f"(not {args.optimizer})")
+    for flag in ("use_megatron_fsdp", "use_torch_fsdp2"):
+        if getattr(args, flag, False):
+            raise CanzonaArgumentError(
+                f"--canzona does not work with --{flag.replace('_', '-')} (FSDP shards matrices "
+                "itself): drop that flag and use --use-distributed-optimizer")
+    if args.optimizer_cpu_offload:
+        raise CanzonaArgumentError(
+            "--canzona does not work with --optimizer-cpu-offload (the matrix update runs on "
+            "the owning rank's device): drop --optimizer-cpu-offload")
+    if not args.use_distributed_optimizer:
+        raise CanzonaArgumentError(
+            "--canzona partitions the distributed optimizer: add --use-distributed-optimizer")
+    _check_ranges(args)
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    if not 0.0 <= args.canzona_alpha <= 1.0:
+        raise CanzonaArgumentError(
+            f"--canzona-alpha {args.canzona_alpha} is outside [0, 1]: pass e.g. --canzona-alpha 0.5")
+    budget = args.canzona_tp_group_budget
+    if budget is not None and budget <= 0:
+        raise CanzonaArgumentError(
+            f"--canzona-tp-group-budget {budget} must be positive: pass a cost budget or omit it")
+    for flag in ("shampoo_precondition_frequency", "soap_precondition_frequency",
+                 "shampoo_max_precond_dim", "soap_max_precond_dim"):
+        if getattr(args, flag) < 1:
+            raise CanzonaArgumentError(
+                f"--{flag.replace('_', '-')} {getattr(args, flag)} must be 1 or more")
+
+
+def finalize_canzona_args(args: argparse.Namespace) -> None:
+    """After Megatron's ``validate_args``: keep the stock distributed optimizer under Canzona.
+
+    For any optimizer other than adam/sgd, ``validate_args`` turns
+    ``--use-distributed-optimizer`` into Megatron's layer-wise distributed optimizer
+    (``use_layer_wise_distributed_optimizer=True``, ``use_distributed_optimizer=False``).
+    Canzona instead keeps the stock ``DistributedOptimizer`` geometry (reduce-scatter and
+    all-gather over equal shards) with a layout in which every matrix lies whole in one
+    shard, so the rewrite is undone here.
+    """
+    if not args.canzona:
+        return
+    args.use_layer_wise_distributed_optimizer = False
+    args.use_distributed_optimizer = True
+
+
+def canzona_config_from_args(args: argparse.Namespace):
+    """The ``megatron.canzona.runtime.config.CanzonaConfig`` the flags describe.
+
+    Muon reads Megatron's ``--muon-*`` flags, Shampoo and SOAP the ``--shampoo-*`` and
+    ``--soap-*`` flags above, and AdamW (embeddings, output layer, vectors) Megatron's
+    ``--adam-beta1/--adam-beta2/--adam-eps``. Imported lazily: the runtime is optional
+    for every run without ``--canzona``.
+    """
+    from megatron.canzona.optim import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
+    from megatron.canzona.optim.newton_schulz import EMERGING_OPTIMIZERS_COEFFICIENTS
+    from megatron.canzona.runtime.config import CanzonaConfig
+
+    matrix = {
+        # Megatron's coefficient names differ from ours ("quintic" is their tuned schedule);
+        # fp32 matmul precision "high" keeps Newton-Schulz in fp32, lower ones run it in bf16.
+        "muon": lambda: MuonConfig(
+            momentum=args.muon_momentum, nesterov=args.muon_nesterov,
+            coefficients=EMERGING_OPTIMIZERS_COEFFICIENTS.get(args.muon_coefficient_type, args.muon_coefficient_type),
+            ns_dtype="float32" if args.muon_fp32_matmul_prec == "high" else "bfloat16",
+            num_ns_steps=args.muon_num_ns_steps,
+            scale_mode=args.muon_scale_mode, extra_scale_factor=args.muon_extra_scale_factor),
+        "shampoo": lambda: ShampooConfig(
+            momentum=args.shampoo_beta1, shampoo_beta=args.shampoo_beta2, eps=args.shampoo_epsilon,
+            precondition_frequency=args.shampoo_precondition_frequency,
+            max_precond_dim=args.shampoo_max_precond_dim),
+        "soap": lambda: SOAPConfig(
+            betas=(args.soap_beta1, args.soap_beta2), shampoo_beta=args.soap_shampoo_beta,
+            precondition_frequency=args.soap_precondition_frequency,
+            max_precond_dim=args.soap_max_precond_dim),
+    }[args.optimizer]()
+    return CanzonaConfig(
+        optimizer=args.optimizer,
+        matrix=matrix,
+        adamw=AdamWConfig(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps),
+        alpha=args.canzona_alpha,
+        cost=args.canzona_cost,
+        split_qkv=args.canzona_split_qkv,
+        split_gate_up=args.canzona_split_gate_up,
+        tp_mode=args.canzona_tp_mode,
+        tp_group_budget=args.canzona_tp_group_budget,
+    )

@@ -1,0 +1,308 @@
+"""Hooks into ``megatron.training`` (megatron-core 0.19.2) for ``pretrain_gpt.py``.
+
+:func:`install_training_hooks` is called once per process, after the flags are parsed and
+before ``megatron.training.pretrain``. Every hook replaces a module attribute that
+``megatron.training.training`` (or the dataset utilities) looks up by name at call time:
+
+* ``megatron.core.datasets.utils.compile_helpers`` (called by ``initialize._compile_
+  dependencies``) -> ``megatron.canzona.data.ensure_dataset_helpers``: the registry wheel
+  ships the prebuilt helpers but no Makefile, so ``make`` fails and initialization exits.
+* ``training.setup_model_and_optimizer`` -> the same, then the returned optimizer's
+  ``step`` is timed (:class:`IntervalMetrics`).
+* ``training.training_log`` -> the same, then one more line per ``--log-interval`` (optimizer
+  step time, tokens/s, progress) and, with ``--canzona-metrics-file``, one JSON line.
+* ``megatron.training.arguments.parse_args`` -> the same with Canzona's flags added by
+  default: ``pretrain`` re-parses the command line (``ft_integration.setup``) without an
+  ``extra_args_provider``, and would reject ``--canzona`` or ``--optimizer shampoo``.
+* Only with ``--canzona``: ``training.wrap_model_chunks_with_ddp`` wraps each chunk in DDP
+  with the layout from ``canzona_patches.optimizer.canzona_full_param_layouts`` (called on
+  the unwrapped chunks, before DDP), and ``training.get_megatron_optimizer`` (as
+  ``setup_model_and_optimizer`` calls it) builds ``canzona_patches.optimizer.
+  get_canzona_optimizer`` instead.
+
+The CPU redirects of ``megatron.training`` live in :func:`canzona_patches.cpu.
+enable_cpu_training_mode`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from canzona_patches.version import require_pinned_megatron
+
+require_pinned_megatron()
+
+import megatron.core.datasets.utils as _dataset_utils  # noqa: E402  (after the version check)
+import megatron.training.arguments as _arguments  # noqa: E402
+import megatron.training.training as _training  # noqa: E402
+
+LOSS_KEY = "lm loss"
+"""The loss ``pretrain_gpt.py`` reports (Megatron-LM's name)."""
+
+_HOOK_MARK = "__canzona_training_hook__"
+
+
+def install_training_hooks(args: argparse.Namespace) -> None:
+    """Install the hooks above (the Canzona ones only when ``args.canzona``); idempotent."""
+    _replace(_dataset_utils, "compile_helpers", _compile_helpers)
+    _replace(_arguments, "parse_args", _with_canzona_flags(_arguments.parse_args))
+    metrics = IntervalMetrics(args)
+    _replace(_training, "setup_model_and_optimizer",
+             _timing_optimizer_step(_training.setup_model_and_optimizer, metrics))
+    _replace(_training, "training_log", _logging_interval_metrics(_training.training_log, metrics))
+    if args.canzona:
+        _replace(_training, "wrap_model_chunks_with_ddp",
+                 _with_canzona_layouts(_training.wrap_model_chunks_with_ddp))
+        _replace(_training, "get_megatron_optimizer",
+                 _canzona_optimizer(_training.get_megatron_optimizer))
+
+
+def _replace(owner: Any, name: str, hook: Callable[..., Any]) -> None:
+    if getattr(getattr(owner, name), _HOOK_MARK, False):
+        return  # installed already (a second call must not wrap twice)
+    setattr(hook, _HOOK_MARK, True)
+    setattr(owner, name, hook)
+
+
+def _with_canzona_flags(parse_args: Callable[..., Any]) -> Callable[..., Any]:
+    """``parse_args`` whose parser knows Canzona's flags even when the caller adds none."""
+    from canzona_patches.arguments import add_canzona_args
+
+    @functools.wraps(parse_args)
+    def parse_args_with_canzona_flags(extra_args_provider=None, ignore_unknown_args=False):
+        return parse_args(extra_args_provider=extra_args_provider or add_canzona_args,
+                          ignore_unknown_args=ignore_unknown_args)
+
+    return parse_args_with_canzona_flags
+
+
+def _compile_helpers() -> None:
+    """Stand-in for ``megatron.core.datasets.utils.compile_helpers`` (no Makefile in the wheel)."""
+    from megatron.canzona.data import ensure_dataset_helpers
+
+    ensure_dataset_helpers()
+
+
+# --- Canzona: layout before DDP, optimizer after ------------------------------------------
+
+
+def _canzona_api(name: str) -> Callable[..., Any]:
+    """``canzona_patches.optimizer.<name>``, or a clear error while it does not exist yet."""
+    try:
+        import canzona_patches.optimizer as canzona_optimizer
+    except ImportError as error:
+        raise RuntimeError(
+            f"--canzona needs canzona_patches.optimizer.{name}, which could not be imported "
+            f"({error}); run without --canzona until the Canzona optimizer is installed"
+        ) from error
+    function = getattr(canzona_optimizer, name, None)
+    if function is None:
+        raise RuntimeError(
+            f"--canzona needs canzona_patches.optimizer.{name}, which this checkout does not "
+            "have yet; run without --canzona until the Canzona optimizer is installed")
+    return function
+
+
+def _with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrap_model_chunks_with_ddp`` with Canzona's ``FullParamLayout`` per chunk.
+
+    Upstream computes ``DistributedOptimizer.compute_full_param_layout`` per chunk and wraps
+    each chunk in ``DP(config=, ddp_config=, module=, disable_bucketing=,
+    full_param_layout=)``; here the layouts come from
+    ``canzona_full_param_layouts(model_chunks, ddp_config, args)`` instead (it also tags
+    the parameters). FSDP variants are rejected by the flag validation, so ``DP`` is DDP.
+    """
+
+    @functools.wraps(wrap_model_chunks_with_ddp)
+    def wrap_with_canzona_layouts(model_chunks, config, ddp_config, *, DP=_training.DDP,
+                                  bucket_sizes=None, disable_bucketing_per_chunk=None,
+                                  **unused: Any):
+        if DP is not _training.DDP:
+            raise RuntimeError("--canzona supports Megatron's DistributedDataParallel only")
+        layouts = _canzona_api("canzona_full_param_layouts")(
+            model_chunks, ddp_config, _training.get_args())
+        if len(layouts) != len(model_chunks):
+            raise RuntimeError(
+                f"canzona_full_param_layouts returned {len(layouts)} layouts for "
+                f"{len(model_chunks)} model chunks")
+        disable = disable_bucketing_per_chunk or [False] * len(model_chunks)
+        return [
+            DP(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=off,
+               full_param_layout=layout)
+            for chunk, layout, off in zip(model_chunks, layouts, disable)
+        ]
+
+    return wrap_with_canzona_layouts
+
+
+def _canzona_optimizer(get_megatron_optimizer: Callable[..., Any]) -> Callable[..., Any]:
+    """``get_megatron_optimizer(config, model_chunks, ...)`` -> Canzona's optimizer."""
+
+    @functools.wraps(get_megatron_optimizer)
+    def get_canzona_optimizer(config, model_chunks, *unused_args: Any, **unused: Any):
+        # Megatron's per-parameter config_overrides (no weight decay on norms/biases, Adam
+        # for embeddings under Muon) are the Canzona optimizer's own business.
+        return _canzona_api("get_canzona_optimizer")(config, model_chunks, _training.get_args())
+
+    return get_canzona_optimizer
+
+
+# --- Logging ------------------------------------------------------------------------------
+
+
+class IntervalMetrics:
+    """What Megatron's ``training_log`` does not print, gathered over one log interval.
+
+    Megatron resets its interval statistics at each log iteration except the first, which
+    it prints without resetting; this follows the same rule so both lines cover the same
+    iterations.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self._args = args
+        self._path = Path(args.canzona_metrics_file) if args.canzona_metrics_file else None
+        self._loss_sum = 0.0
+        self._loss_count = 0
+        self._step_seconds = 0.0
+        self._iterations = 0
+
+    def time_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap ``optimizer.step`` to accumulate its wall time (device work included)."""
+
+        @functools.wraps(step)
+        def timed_step(*args: Any, **kwargs: Any) -> Any:
+            _synchronize()
+            start = time.perf_counter()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                _synchronize()
+                self._step_seconds += time.perf_counter() - start
+
+        return timed_step
+
+    def record(self, loss_dict: dict[str, torch.Tensor], skipped_iter: int) -> None:
+        """Account one iteration (``training_log`` is called once per iteration)."""
+        self._iterations += 1
+        loss = loss_dict.get(LOSS_KEY)
+        if loss is not None and not skipped_iter:
+            # .item() syncs once per iteration; Megatron's own total_loss_dict does too at
+            # each log, and this loop is CPU/debug-scale where it does not matter.
+            self._loss_sum += float(loss.float().sum())
+            self._loss_count += 1
+
+    def report(self, *, iteration: int, interval_s: float, learning_rate: float | None,
+               grad_norm: float | None, reset: bool) -> dict[str, Any]:
+        """The interval's numbers; printed by the last rank, written as JSON if asked."""
+        args = self._args
+        iterations = max(1, self._iterations)
+        step_s = _max_over_ranks(self._step_seconds) / iterations
+        tokens = iterations * args.global_batch_size * args.seq_length
+        metrics = {
+            "iteration": iteration,
+            "train_iters": args.train_iters,
+            "consumed_samples": args.consumed_train_samples,
+            "lm_loss": self._loss_sum / self._loss_count if self._loss_count else None,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "learning_rate": learning_rate,
+            "iteration_ms": 1000.0 * interval_s / iterations,
+            "optimizer_step_ms": 1000.0 * step_s,
+            "tokens_per_s": tokens / interval_s if interval_s > 0 else None,
+            "progress": iteration / args.train_iters if args.train_iters else None,
+            "optimizer": args.optimizer,
+            "canzona": bool(args.canzona),
+            "dp_size": args.data_parallel_size,
+            "tp_size": args.tensor_model_parallel_size,
+        }
+        if reset:
+            self._loss_sum, self._loss_count, self._step_seconds, self._iterations = 0.0, 0, 0.0, 0
+        self._write(metrics)
+        return metrics
+
+    def _write(self, metrics: dict[str, Any]) -> None:
+        if self._path is None or not _is_last_rank():
+            return
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        with self._path.open("a") as stream:
+            stream.write(json.dumps(metrics) + "\n")
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    """One Megatron-style line (`` name: value |`` fields) for :meth:`IntervalMetrics.report`."""
+    line = " [canzona] iteration {:8d}/{:8d} |".format(metrics["iteration"], metrics["train_iters"] or 0)
+    line += f" optimizer step (ms): {metrics['optimizer_step_ms']:.2f} |"
+    if metrics["tokens_per_s"] is not None:
+        line += f" throughput (tokens/s): {metrics['tokens_per_s']:.1f} |"
+    if metrics["progress"] is not None:
+        line += f" progress: {100.0 * metrics['progress']:.1f}% |"
+    return line
+
+
+def _timing_optimizer_step(setup_model_and_optimizer: Callable[..., Any],
+                           metrics: IntervalMetrics) -> Callable[..., Any]:
+    """``setup_model_and_optimizer`` whose optimizer's ``step`` feeds ``metrics``."""
+
+    @functools.wraps(setup_model_and_optimizer)
+    def setup_with_timed_step(*args: Any, **kwargs: Any):
+        model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
+        if optimizer is not None:
+            # An instance attribute shadows the class's step; train_step calls optimizer.step().
+            optimizer.step = metrics.time_step(optimizer.step)
+        return model, optimizer, scheduler
+
+    return setup_with_timed_step
+
+
+def _logging_interval_metrics(training_log: Callable[..., Any],
+                              metrics: IntervalMetrics) -> Callable[..., Any]:
+    """``training_log`` followed, at log iterations, by :func:`format_metrics`'s line."""
+
+    @functools.wraps(training_log)
+    def training_log_with_metrics(loss_dict, total_loss_dict, learning_rate, iteration,
+                                  loss_scale, report_memory_flag, skipped_iter, grad_norm,
+                                  *rest: Any, is_first_iteration: bool = False, **kwargs: Any):
+        args = _training.get_args()
+        metrics.record(loss_dict, skipped_iter)
+        logging_now = iteration % args.log_interval == 0 or is_first_iteration
+        # Read Megatron's interval timer before training_log resets it.
+        interval_s = _training.get_timers()("interval-time").elapsed(reset=False) if logging_now else 0.0
+        result = training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                              report_memory_flag, skipped_iter, grad_norm, *rest,
+                              is_first_iteration=is_first_iteration, **kwargs)
+        if logging_now:
+            report = metrics.report(iteration=iteration, interval_s=interval_s,
+                                    learning_rate=learning_rate, grad_norm=grad_norm,
+                                    reset=not is_first_iteration)
+            _training.print_rank_last(format_metrics(report))
+        return result
+
+    return training_log_with_metrics
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _is_last_rank() -> bool:
+    if not torch.distributed.is_initialized():
+        return True
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
+def _max_over_ranks(value: float) -> float:
+    """The largest value over all ranks: a partitioned optimizer step is as slow as its slowest rank."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return float(tensor.item())

@@ -1,0 +1,54 @@
+"""Configuration of the Canzona runtime: which optimizer, how to plan, how to run TP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron.canzona.optim import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
+from megatron.canzona.planning import DEFAULT_ALPHA
+
+MATRIX_OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap")
+MatrixConfig = MuonConfig | ShampooConfig | SOAPConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanzonaConfig:
+    """What ``--canzona`` runs: the matrix optimizer and how work is split across ranks."""
+
+    optimizer: Literal["muon", "shampoo", "soap"] = "muon"
+    """Matrix optimizer for 2-D weights; embeddings, output layer and vectors use AdamW."""
+    matrix: MatrixConfig = MuonConfig()
+    """Hyperparameters of the matrix optimizer (type must match ``optimizer``)."""
+    adamw: AdamWConfig = AdamWConfig()
+    """Hyperparameters of AdamW for the elementwise parameters."""
+    alpha: float = DEFAULT_ALPHA
+    """Planner balance knob: 0 favours equal shard sizes, 1 equal compute."""
+    cost: Literal["flops", "numel"] = "flops"
+    """Balance the optimizer's FLOPs or plain element counts."""
+    split_qkv: bool = True
+    """Optimize Q, K and V of the fused QKV weight as separate matrices."""
+    split_gate_up: bool = False
+    """Optimize gate and up of the fused SwiGLU fc1 weight as separate matrices."""
+    tp_mode: Literal["async", "sync"] = "async"
+    """``async``: one host TP rank per matrix; ``sync``: every TP rank computes every matrix."""
+    tp_group_budget: float | None = None
+    """Largest per-slot cost of a TP micro-group (default: the largest matrix)."""
+
+    def __post_init__(self) -> None:
+        expected = {"muon": MuonConfig, "shampoo": ShampooConfig, "soap": SOAPConfig}.get(self.optimizer)
+        if expected is None:
+            raise ValueError(f"unknown matrix optimizer {self.optimizer!r}; choose one of {MATRIX_OPTIMIZERS}")
+        if not isinstance(self.matrix, expected):
+            raise TypeError(f"optimizer={self.optimizer!r} needs a {expected.__name__}, got {type(self.matrix).__name__}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
+        if self.cost not in ("flops", "numel"):
+            raise ValueError(f"cost must be 'flops' or 'numel', got {self.cost!r}")
+        if self.tp_mode not in ("async", "sync"):
+            raise ValueError(f"tp_mode must be 'async' or 'sync', got {self.tp_mode!r}")
+
+    @property
+    def cost_kind(self) -> str:
+        """Planner cost kind: the optimizer's FLOP formula, or ``numel``."""
+        return "numel" if self.cost == "numel" else self.optimizer

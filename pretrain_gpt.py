@@ -1,0 +1,262 @@
+#!/usr/bin/env python
+"""Pretrain a Qwen3-style GPT with ``megatron.training``, optionally with Canzona's optimizer.
+
+Megatron-LM's command line (``--num-layers``, ``--hidden-size``, ``--tensor-model-parallel-
+size``, ``--use-distributed-optimizer``, ``--data-path``, ...) plus Canzona's flags
+(``canzona_patches/arguments.py``: ``--canzona``, ``--canzona-alpha``, ``--optimizer
+shampoo``, ``--canzona-metrics-file``, ...). Launch one process per rank, e.g.::
+
+    torchrun --nproc-per-node 4 pretrain_gpt.py --num-layers 2 --hidden-size 64 ...
+
+On a machine without CUDA it runs on CPU: ``canzona_patches.cpu.enable_cpu_training_mode``
+redirects Megatron's CUDA calls, and :func:`adapt_args_to_cpu` switches the flags that
+name CUDA-only pieces (NCCL, transformer-engine, fused kernels) to their CPU equivalents.
+With CUDA nothing is redirected and the flags are used as given.
+
+See ``examples/qwen3/pretrain_qwen3_tiny_cpu.sh`` for a complete tiny run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from typing import Any
+
+import torch
+
+from canzona_patches.arguments import (
+    CanzonaArgumentError,
+    add_canzona_args,
+    finalize_canzona_args,
+    validate_canzona_args,
+)
+from canzona_patches.cpu import enable_cpu_training_mode
+from canzona_patches.training import LOSS_KEY, install_training_hooks
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
+from megatron.training.argument_utils import (
+    core_transformer_config_from_args,
+    pretrain_cfg_container_from_args,
+)
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.global_vars import set_global_variables
+
+# Fused kernels that need CUDA, apex or transformer-engine, as (args attribute, CPU value).
+_CPU_FLAG_VALUES = (
+    ("masked_softmax_fusion", False),
+    ("bias_dropout_fusion", False),
+    ("bias_gelu_fusion", False),
+    ("bias_swiglu_fusion", False),
+    ("apply_rope_fusion", False),
+    ("gradient_accumulation_fusion", False),
+    ("no_persist_layer_norm", True),
+)
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                   config: Any = None, pg_collection: Any = None) -> GPTModel:
+    """The GPT of the flags: a Qwen3 block is RMSNorm, SwiGLU, QK-RMSNorm, GQA and RoPE.
+
+    Transformer-engine layers when ``--transformer-impl transformer_engine`` (and TE
+    imports), Megatron-Core's local layers otherwise (always on CPU).
+    """
+    args = get_args()
+    print_rank_0("building GPT model ...")
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(args),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+
+
+def _layer_spec(args: argparse.Namespace) -> Any:
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if args.num_experts:
+        raise ValueError("pretrain_gpt.py builds dense models only: drop --num-experts")
+    if args.transformer_impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=args.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+
+
+def train_valid_test_datasets_provider(num_samples: tuple[int, int, int]) -> list[Any]:
+    """``[train, valid, test]`` GPTDatasets from the one ``--data-path`` prefix and ``--split``."""
+    from megatron.canzona.data import GPTDataConfig, build_gpt_datasets
+
+    args = get_args()
+    if not args.data_path or len(args.data_path) != 1:
+        raise ValueError(
+            f"pretrain_gpt.py reads one dataset prefix, got --data-path {args.data_path}: pass "
+            "e.g. --data-path data/demo/demo_text_document (no weights, no blends)")
+    split = args.split or "949,50,1"
+    _check_every_split_has_documents(args.data_path[0], split)
+    config = GPTDataConfig(
+        data_prefix=args.data_path[0],
+        seq_length=args.seq_length,
+        split=split,
+        seed=args.seed,
+        cache_dir=args.data_cache_path,
+        eod_mask_loss=args.eod_mask_loss,
+    )
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    return build_gpt_datasets(config, get_tokenizer(), num_samples)
+
+
+def _check_every_split_has_documents(prefix: str, split: str) -> None:
+    """Fail fast on a split with weight but no documents.
+
+    Megatron-Core 0.19.2's ``GPTDataset._get_num_epochs`` (gpt_dataset.py:676) loops forever
+    for a split of zero tokens, so a small corpus with ``--split 949,50,1`` hangs there.
+    The split bounds are computed as ``BlendedMegatronDatasetBuilder`` does.
+    """
+    from pathlib import Path
+
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    if not Path(prefix + ".idx").is_file():
+        return  # build_gpt_datasets reports the missing file with its fix
+    num_documents = IndexedDataset(prefix).document_indices.shape[0] - 1
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for name, bound in zip(("train", "validation", "test"), bounds):
+        if bound is not None and round(bound[1] * num_documents) == round(bound[0] * num_documents):
+            raise ValueError(
+                f"--split {split} leaves the {name} split of {prefix} ({num_documents} documents) "
+                "empty, which hangs Megatron's GPTDataset: give it a larger weight or weight 0")
+
+
+# Every rank builds the datasets itself (no broadcast of batches over TP ranks needed):
+# Megatron's build_train_valid_test_data_loaders honours this attribute.
+train_valid_test_datasets_provider.is_distributed = True
+
+
+def get_batch(data_iterator: Any) -> dict[str, torch.Tensor]:
+    """The next micro-batch, on this rank's device.
+
+    All TP ranks of one DP rank read the same samples (the sampler is keyed by DP rank),
+    so each reads its own iterator instead of receiving a broadcast from TP rank 0.
+    """
+    batch = next(data_iterator)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return {key: value if value is None or device is None else value.to(device, non_blocking=True)
+            for key, value in batch.items()}
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Masked token-loss sum, token count, and the ``lm loss`` report as [sum, count].
+
+    Returning the count lets Megatron's schedule divide by it and ``train_step`` average
+    the report over all tokens of the global batch.
+    """
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(output_tensor.view(-1).float() * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach().clone(), num_tokens.float()])
+    return loss, num_tokens, {LOSS_KEY: report}
+
+
+def forward_step(data_iterator: Any, model: GPTModel):
+    """Megatron's ``forward_step_func``: per-token losses and the function that reduces them."""
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    batch = get_batch(data_iterator)
+    timers("batch-generator").stop()
+    output_tensor = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                          labels=batch["labels"])
+    return output_tensor, functools.partial(loss_func, batch["loss_mask"])
+
+
+def adapt_args_to_cpu(args: argparse.Namespace) -> list[str]:
+    """Switch CUDA-only choices to CPU ones; return ``flag=value`` notes of what changed."""
+    changed = []
+    # validate_args requires it for TP/CP > 1 before Blackwell; CPU has no device queues.
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        changed.append("CUDA_DEVICE_MAX_CONNECTIONS=1")
+    if args.distributed_backend == "nccl":
+        args.distributed_backend = "gloo"
+        changed.append("--distributed-backend=gloo")
+    if args.transformer_impl == "transformer_engine":
+        args.transformer_impl = "local"
+        changed.append("--transformer-impl=local")
+    for name, value in _CPU_FLAG_VALUES:
+        if getattr(args, name) != value:
+            setattr(args, name, value)
+            changed.append(f"{name}={value}")
+    return changed
+
+
+def _transformer_engine_importable() -> bool:
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)
+
+
+def parse_and_validate() -> argparse.Namespace:
+    """Megatron's flags + Canzona's, checked, and set as Megatron's global args.
+
+    Megatron's own ``parse_and_validate_args`` in three steps, so that Canzona's checks run
+    first (one-line errors) and its one correction runs after ``validate_args``.
+    """
+    args = parse_args(extra_args_provider=add_canzona_args)
+    validate_canzona_args(args)
+    on_cpu = enable_cpu_training_mode()
+    notes = adapt_args_to_cpu(args) if on_cpu else []
+    if not on_cpu and args.transformer_impl == "transformer_engine" and not _transformer_engine_importable():
+        args.transformer_impl = "local"
+        notes.append("--transformer-impl=local (transformer-engine is not installed)")
+    validate_args(args)
+    finalize_canzona_args(args)
+    set_global_variables(args)
+    if notes:
+        reason = "no CUDA, running on CPU" if on_cpu else "flags adjusted"
+        print_rank_0(f"> {reason}: {', '.join(notes)}")
+    return args
+
+
+def main() -> int:
+    """Parse, validate, install the hooks and run ``megatron.training.pretrain``."""
+    try:
+        args = parse_and_validate()
+    except CanzonaArgumentError as error:
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
+        return 2
+    install_training_hooks(args)
+    try:
+        pretrain(
+            pretrain_cfg_container_from_args(args),
+            train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            model_provider=model_provider,
+        )
+    except CanzonaArgumentError as error:  # found once the model exists (e.g. bucket too small)
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

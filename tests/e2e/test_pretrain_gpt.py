@@ -1,0 +1,181 @@
+"""pretrain_gpt.py as a user runs it: torchrun on CPU with gloo, a tiny Qwen3, real text.
+
+Each multi-process run has a deadline (a hang fails the test). On 2 cores a run of 20
+iterations takes ~20 s, most of it importing Megatron in every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .support import ROOT, DemoData, run_with_deadline, torchrun
+
+pytestmark = pytest.mark.slow
+
+RUN_TIMEOUT_S = 240
+NUM_ITERS = 20
+LOG_INTERVAL = 5
+MIN_LOSS_DROP = 0.3  # ln(512) = 6.24 at the start; 20 AdamW steps at lr 3e-3 reach ~5.6
+
+QWEN3_TINY = [
+    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "176",
+    "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+    "--kv-channels", "16", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu",
+    "--qk-layernorm", "--disable-bias-linear", "--position-embedding-type", "rope",
+    "--rotary-base", "1000000", "--untie-embeddings-and-output-weights",
+    "--seq-length", "64", "--max-position-embeddings", "64",
+]
+
+
+def pretrain_args(data: DemoData, tmp_path: Path, *extra: str) -> list[str]:
+    """A complete tiny run: AdamW, 20 iterations, a log line every 5, metrics to tmp_path."""
+    return [
+        *QWEN3_TINY,
+        "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", str(NUM_ITERS),
+        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "3",
+        "--weight-decay", "0.1", "--clip-grad", "1.0",
+        "--log-interval", str(LOG_INTERVAL), "--eval-interval", "10", "--eval-iters", "1",
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(data.tokenizer_model),
+        "--data-path", data.data_prefix, "--split", "80,10,10",
+        "--data-cache-path", str(tmp_path / "cache"), "--num-workers", "0",
+        "--canzona-metrics-file", str(tmp_path / "metrics.jsonl"),
+        *extra,
+    ]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    assert path.is_file(), f"no metrics file at {path}"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_training(result: subprocess.CompletedProcess, metrics_path: Path, *, dp_size: int,
+                   tp_size: int) -> list[dict]:
+    """Exit 0, one metrics line per log interval (and iteration 1), falling loss."""
+    assert result.returncode == 0, result.stdout[-6000:]
+    metrics = read_metrics(metrics_path)
+    assert [m["iteration"] for m in metrics] == [1, *range(LOG_INTERVAL, NUM_ITERS + 1, LOG_INTERVAL)]
+    for m in metrics:
+        assert (m["dp_size"], m["tp_size"]) == (dp_size, tp_size)
+        assert m["optimizer_step_ms"] > 0 and m["tokens_per_s"] > 0 and m["learning_rate"] > 0
+        assert m["grad_norm"] > 0 and 0 < m["progress"] <= 1
+    losses = [m["lm_loss"] for m in metrics]
+    assert losses[-1] < losses[0] - MIN_LOSS_DROP, f"loss did not fall: {losses}"
+    assert metrics[-1]["consumed_samples"] == NUM_ITERS * 8
+    return metrics
+
+
+def test_dp2_trains_logs_and_writes_metrics(demo_data: DemoData, tmp_path: Path) -> None:
+    args = pretrain_args(demo_data, tmp_path, "--optimizer", "adam", "--use-distributed-optimizer",
+                         "--overlap-grad-reduce", "--overlap-param-gather")
+    result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    check_training(result, tmp_path / "metrics.jsonl", dp_size=2, tp_size=1)
+    # Ranks share one pipe, so a line may be cut by another rank's output: count and search
+    # the whole output rather than lines.
+    out = result.stdout
+    assert out.count("consumed samples:") == 5 and out.count("[canzona] iteration") == 5, out[-6000:]
+    for field in ("lm loss:", "grad norm:", "learning rate:", "optimizer step (ms):",
+                  "throughput (tokens/s):", "progress: 100.0%", "validation loss at iteration 20"):
+        assert field in out, f"{field!r} missing:\n{out[-6000:]}"
+
+
+def test_tp2_trains(demo_data: DemoData, tmp_path: Path) -> None:
+    args = pretrain_args(demo_data, tmp_path, "--optimizer", "adam", "--tensor-model-parallel-size", "2",
+                         "--use-distributed-optimizer")
+    result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    check_training(result, tmp_path / "metrics.jsonl", dp_size=1, tp_size=2)
+
+
+CANZONA_RUNS = {
+    # Muon in bf16 with fp32 main weights and both overlaps; Shampoo and SOAP in fp32.
+    "muon_bf16_overlap": ["--optimizer", "muon", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather"],
+    "shampoo": ["--optimizer", "shampoo", "--shampoo-precondition-frequency", "5"],
+    "soap": ["--optimizer", "soap", "--soap-precondition-frequency", "5"],
+}
+
+
+@pytest.mark.parametrize("run", CANZONA_RUNS)
+def test_canzona_dp2_trains(demo_data: DemoData, tmp_path: Path, run: str) -> None:
+    """pretrain_gpt.py --canzona for real: the α-balanced layout, the Canzona optimizer, DP 2."""
+    args = pretrain_args(demo_data, tmp_path, *CANZONA_RUNS[run], "--canzona", "--use-distributed-optimizer",
+                         "--canzona-alpha", "0.25")
+    result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    metrics = check_training(result, tmp_path / "metrics.jsonl", dp_size=2, tp_size=1)
+    assert metrics[-1]["canzona"] and metrics[-1]["optimizer"] == CANZONA_RUNS[run][1]
+    assert "number of skipped iterations:   0" in result.stdout
+    # The plan is logged once, with its balance, before training starts.
+    assert "[canzona] plan:" in result.stdout, result.stdout[-4000:]
+
+
+def test_canzona_bucket_smaller_than_a_matrix_names_the_fix(demo_data: DemoData, tmp_path: Path) -> None:
+    """Found only once the model exists: every rank stops with the same one-line error."""
+    args = pretrain_args(demo_data, tmp_path, "--optimizer", "muon", "--canzona", "--use-distributed-optimizer",
+                         "--overlap-grad-reduce", "--ddp-bucket-size", "1000")
+    result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode != 0
+    assert "pretrain_gpt.py: error: --ddp-bucket-size 1000 is smaller than the largest matrix" in result.stdout
+    # torchrun prints its own traceback for a failed child; the ranks print none.
+    assert "pass --ddp-bucket-size >=" in result.stdout and "]: Traceback" not in result.stdout
+
+
+BAD_INPUTS = {
+    "adam": (["--canzona", "--optimizer", "adam", "--use-distributed-optimizer"],
+             "--canzona needs a matrix optimizer: pass --optimizer muon|shampoo|soap"),
+    "sgd": (["--canzona", "--optimizer", "sgd", "--use-distributed-optimizer"],
+            "--canzona needs a matrix optimizer: pass --optimizer muon|shampoo|soap"),
+    "megatron_fsdp": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer", "--use-megatron-fsdp"],
+                      "--use-megatron-fsdp"),
+    "torch_fsdp2": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer", "--use-torch-fsdp2"],
+                    "--use-torch-fsdp2"),
+    "cpu_offload": (["--canzona", "--optimizer", "soap", "--use-distributed-optimizer", "--optimizer-cpu-offload"],
+                    "drop --optimizer-cpu-offload"),
+    "unknown_optimizer": (["--optimizer", "lamb"], "choose from"),
+    "shampoo_without_canzona": (["--optimizer", "shampoo"], "add --canzona"),
+    "no_distributed_optimizer": (["--canzona", "--optimizer", "muon"], "add --use-distributed-optimizer"),
+}
+
+
+def check_one_line_error(name: str, returncode: int, stderr: str) -> None:
+    expected = BAD_INPUTS[name][1]
+    assert returncode == 2, f"{name}: exit {returncode}\n{stderr[-2000:]}"
+    error_lines = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, f"{name}: {error_lines}"
+    assert stderr.rstrip().splitlines()[-1] == error_lines[0], f"{name}: the error is not the last line"
+    assert error_lines[0].startswith("pretrain_gpt.py: error: ") and expected in error_lines[0], error_lines[0]
+    assert "Traceback" not in stderr, f"{name}: {stderr[-2000:]}"
+
+
+def test_bad_flags_fail_with_one_line_naming_the_fix() -> None:
+    """Every case through pretrain_gpt.main() (tests/e2e/flag_errors.py forks one child per
+    case after one import), and one case as a plain command line beside it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cli = subprocess.Popen([sys.executable, "pretrain_gpt.py", *BAD_INPUTS["adam"][0]], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cases = {name: flags for name, (flags, _) in BAD_INPUTS.items()}
+    forked = run_with_deadline([sys.executable, "tests/e2e/flag_errors.py", json.dumps(cases)],
+                               timeout_s=RUN_TIMEOUT_S)
+    try:
+        _, cli_stderr = cli.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        cli.kill()
+        pytest.fail(f"pretrain_gpt.py gave no answer in {RUN_TIMEOUT_S} s")
+    check_one_line_error("adam", cli.returncode, cli_stderr)
+    assert forked.returncode == 0, forked.stdout[-4000:]
+    results = json.loads(forked.stdout.strip().splitlines()[-1])
+    assert set(results) == set(BAD_INPUTS)
+    for name, result in results.items():
+        check_one_line_error(name, result["returncode"], result["stderr"])
+
+
+def test_a_split_without_documents_fails_instead_of_hanging(demo_data: DemoData, tmp_path: Path) -> None:
+    """38 documents and --split 949,50,1 leave the test split empty (Megatron's GPTDataset would spin)."""
+    args = pretrain_args(demo_data, tmp_path, "--optimizer", "adam")
+    args[args.index("--split") + 1] = "949,50,1"
+    result = run_with_deadline(torchrun(1, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode != 0
+    assert "--split 949,50,1 leaves the test split" in result.stdout
