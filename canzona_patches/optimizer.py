@@ -180,9 +180,15 @@ def _fused_layout(name: str, chunk: torch.nn.Module, cfg: CanzonaConfig, tp_size
     return None
 
 
-def _route_groups(groups: list[dict], model_chunks: list, cfg: CanzonaConfig, tp_size: int) -> list[dict]:
+def _route_groups(
+    groups: list[dict], model_chunks: list, cfg: CanzonaConfig, tp_size: int, weight_decay: float
+) -> list[dict]:
     """Split each Megatron param group into matrix groups (one per fused layout) and an
-    elementwise group; every rank makes the same groups, as checkpoints require."""
+    elementwise group; every rank makes the same groups, as checkpoints require.
+
+    Each group starts with the weight decay Megatron's scheduler would give it
+    (``weight_decay * wd_mult``: none for norms and biases), so the first step is right
+    also when no ``OptimizerParamScheduler`` drives the optimizer."""
     where = {p: (n, c.module) for c in model_chunks for n, p in c.module.named_parameters()}
     routed = []
     for group in groups:
@@ -192,7 +198,10 @@ def _route_groups(groups: list[dict], model_chunks: list, cfg: CanzonaConfig, tp
             key = ("matrix", _fused_layout(name, chunk, cfg, tp_size)) if getattr(p, BUFFER_ROUTING_ATTR) else ("elementwise", None)
             buckets.setdefault(key, []).append(p)
         for (kind, layout), params in buckets.items():
-            routed.append({**group, "params": params, "matrix": kind == "matrix", "fused_layout": layout})
+            routed.append({
+                **group, "params": params, "matrix": kind == "matrix", "fused_layout": layout,
+                "weight_decay": weight_decay * group.get("wd_mult", 1.0),
+            })
     return routed
 
 
@@ -242,7 +251,7 @@ def build_canzona_optimizer(optimizer_config: Any, model_chunks: list, cfg: Canz
         filter_fn=lambda g: not g["is_expert_parallel"], buffer_name="buffers",
     )
     inner = SHARDED_OPTIMIZERS[cfg.optimizer](
-        _route_groups(groups, model_chunks, cfg, tp_size), lr=optimizer_config.lr,
+        _route_groups(groups, model_chunks, cfg, tp_size, optimizer_config.weight_decay), lr=optimizer_config.lr,
         weight_decay=optimizer_config.weight_decay, config=cfg.matrix, adamw_config=cfg.adamw, batch_same_shape=True,
     )
     optimizer = CanzonaDistributedOptimizer(

@@ -14,6 +14,7 @@ process, which never needs it.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +34,12 @@ LAYOUTS = ("megatron", "canzona", "layer_wise")
 (canzona_patches.optimizer.build_full_param_layouts); ``layer_wise``:
 LayerWiseDistributedOptimizer._compute_per_buffer_param_layout, called standalone. The
 last two put every parameter wholly inside one DP rank's shard."""
-OPTIMIZERS = ("adam", "megatron_muon", "muon", "shampoo", "soap")
+OPTIMIZERS = ("adam", "megatron_muon", "sync_muon", "muon", "shampoo", "soap")
 """``adam``: Megatron's Adam DistributedOptimizer; ``megatron_muon``: Megatron's layer-wise
 Muon, wired as ``megatron.training`` wires it (its own layout; ``layout`` is ignored);
-``muon``/``shampoo``/``soap``: the Canzona optimizer (needs ``layout="canzona"``)."""
+``sync_muon``: synchronous compute, gradients all-reduced and every rank running the whole
+Muon step (Canzona's Muon math, no distributed optimizer); ``muon``/``shampoo``/``soap``:
+the Canzona optimizer (needs ``layout="canzona"``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +74,12 @@ class TinyRun:
     """Canzona: optimize gate and up of fc1 as separate matrices."""
     alpha: float = 0.5
     """Canzona planner balance knob."""
+    num_layers: int = NUM_LAYERS
+    """Transformer layers (benchmarks grow the model; tests keep the default)."""
+    hidden: int = HIDDEN
+    """Hidden size; heads keep NUM_HEADS, so the head dim grows with it."""
+    ffn_hidden: int = FFN_HIDDEN
+    """SwiGLU intermediate size."""
 
 
 def train_tiny_gpts(runs: list[TinyRun]) -> list[dict[str, Any]]:
@@ -87,15 +96,16 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.tp_size)
     try:
         model, ddp_model, optimizer = _build(run)
-        losses, grad_norms = zip(
+        losses, grad_norms, step_seconds = map(list, zip(
             *(_train_step(run, ddp_model, optimizer, step) for step in range(run.num_steps))
-        )
+        ))
         return {
             "params": _full_params(model),
             "losses": list(losses),
             "grad_norms": list(grad_norms),
             "whole_params_owned": _owned_ranges_are_whole(optimizer),
             "updated": list(getattr(_inner(optimizer), "last_step_updates", [])),
+            "step_seconds": step_seconds,
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -116,7 +126,7 @@ def _build(run: TinyRun):
     config = _transformer_config(run)
     model = _gpt_model(config)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=run.optimizer != "sync_muon",
         overlap_grad_reduce=run.overlap_grad_reduce,
         grad_reduce_in_fp32=True,
         bucket_size=run.bucket_size,
@@ -147,16 +157,49 @@ def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer)
         **(MEGATRON_MUON if megatron_muon else {}),
         muon_split_qkv=run.split_qkv,
     )
+    if run.optimizer == "sync_muon":
+        return _sync_muon(run, ddp_model, optimizer_config)
     if run.optimizer in ("adam", "megatron_muon"):
         from canzona_patches.megatron_fixes import apply_all
 
         apply_all()  # fp32 layer-wise Muon cannot be built on stock 0.19.2
-        return get_megatron_optimizer(optimizer_config, [ddp_model])
+        optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
+        # What OptimizerParamScheduler does before the first step (no scheduler here):
+        # norms and biases (wd_mult 0) get no weight decay.
+        for group in optimizer.param_groups:
+            group["weight_decay"] = run.weight_decay * group.get("wd_mult", 1.0)
+        return optimizer
     if run.layout != "canzona":
         raise ValueError("the Canzona optimizers need TinyRun.layout='canzona'.")
     from canzona_patches.optimizer import build_canzona_optimizer
 
     return build_canzona_optimizer(optimizer_config, [ddp_model], canzona_config(run), tp_size=run.tp_size)
+
+
+def _sync_muon(run: TinyRun, ddp_model, optimizer_config):
+    """Every rank updates every matrix: Canzona's single-device Muon behind Megatron's
+    FP32Optimizer (which reads DDP's all-reduced ``main_grad``)."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    from canzona_patches.layout import is_matrix_param
+    from canzona_patches.optimizer import _fused_layout
+    from megatron.canzona.optim import Muon
+
+    cfg = canzona_config(run)
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    model = ddp_model.module
+    groups: dict[tuple, list] = {}
+    for name, param in model.named_parameters():
+        matrix = is_matrix_param(name, param)
+        key = (matrix, _fused_layout(name, model, cfg, tp_size) if matrix else None, param.ndim == 1)
+        groups.setdefault(key, []).append(param)
+    param_groups = [
+        {"params": params, "matrix": matrix, "fused_layout": layout, "weight_decay": 0.0 if vector else run.weight_decay}
+        for (matrix, layout, vector), params in groups.items()
+    ]
+    inner = Muon(param_groups, lr=run.lr, weight_decay=run.weight_decay, config=cfg.matrix, adamw_config=cfg.adamw)
+    return FP32Optimizer(inner, optimizer_config, lambda *unused: None)
 
 
 # Megatron's Muon and Canzona's configured to the same math: fp32 Newton-Schulz
@@ -177,10 +220,10 @@ def canzona_config(run: TinyRun):
         "muon": MuonConfig(ns_dtype="float32", scale_mode="spectral", coefficients="quintic"),
         "shampoo": ShampooConfig(precondition_frequency=2, root_dtype="float64", eps=1e-4, eps_mode="relative"),
         "soap": SOAPConfig(precondition_frequency=2, eigh_dtype="float64", max_precond_dim=64, eps=1e-4),
-    }.get(run.optimizer, MuonConfig())
+    }
+    name = run.optimizer if run.optimizer in matrix else "muon"  # sync_muon: Muon's math
     return CanzonaConfig(
-        optimizer=run.optimizer if run.optimizer in ("muon", "shampoo", "soap") else "muon",
-        matrix=matrix, alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
+        optimizer=name, matrix=matrix[name], alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
     )
 
 
@@ -195,9 +238,9 @@ def _transformer_config(run: TinyRun):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=NUM_LAYERS,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN_HIDDEN,
+        num_layers=run.num_layers,
+        hidden_size=run.hidden,
+        ffn_hidden_size=run.ffn_hidden,
         num_attention_heads=NUM_HEADS,
         num_query_groups=NUM_QUERY_GROUPS,
         gated_linear_unit=True,
@@ -284,8 +327,10 @@ def layer_wise_layout(params, dp_size: int, ddp_config, *, bucket_size: int | No
     )
 
 
-def _train_step(run: TinyRun, ddp_model, optimizer, step: int) -> tuple[float, float]:
-    """One optimizer step; returns (global-batch mean loss, global grad norm)."""
+def _train_step(run: TinyRun, ddp_model, optimizer, step: int) -> tuple[float, float, float]:
+    """One optimizer step; returns (global-batch mean loss, global grad norm, step seconds).
+
+    The step time is ``optimizer.step()`` alone (after a barrier), all-gather included."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -301,11 +346,15 @@ def _train_step(run: TinyRun, ddp_model, optimizer, step: int) -> tuple[float, f
         micro_batch_size=run.micro_batch,
         forward_only=False,
     )
+    dist.barrier()
+    start = time.perf_counter()
     update_ok, grad_norm, _ = optimizer.step()
-    assert update_ok, "fp32 Adam never skips a step"
+    seconds = time.perf_counter() - start
+    assert update_ok, "fp32 runs never skip a step"
     local_mean = torch.stack([out["loss"] for out in outputs]).mean()
     dist.all_reduce(local_mean, group=parallel_state.get_data_parallel_group())
-    return float(local_mean) / parallel_state.get_data_parallel_world_size(), float(grad_norm)
+    loss = float(local_mean) / parallel_state.get_data_parallel_world_size()
+    return loss, float("nan") if grad_norm is None else float(grad_norm), seconds
 
 
 def _local_micro_batches(run: TinyRun, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
