@@ -2,7 +2,7 @@
 """Optimizer-step time of Canzona against synchronous compute and Megatron's layer-wise Muon.
 
     python tools/bench_step.py                          # DP 2 on gloo, one thread per rank
-    python tools/bench_step.py --dp 4 --layers 4 --hidden 512 --steps 12 --json step.json
+    python tools/bench_step.py --dp 4 --layers 4 --hidden 512 --steps 8 --rounds 4 --json step.json
 
 Every variant trains the same Qwen3-like GPT (QK-norm, SwiGLU, GQA) with Megatron-Core's
 DDP on gloo, one process and one torch thread per DP rank, and times ``optimizer.step()``
@@ -44,14 +44,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=384, help="hidden size (4 heads, 2 query groups)")
     parser.add_argument("--ffn-hidden", type=int, default=None, help="SwiGLU size (default: 8/3 hidden)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (after --warmup)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed first steps per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed first steps per variant and round")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="variants run in turn this many times, so load drift hits them alike")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a hung launch fails")
     parser.add_argument("--json", metavar="FILE", help="also write the JSON result here")
     args = parser.parse_args(argv)
     if args.dp < 1:
         parser.error(f"--dp {args.dp} must be at least 1")
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be at least 1 and --warmup at least 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--steps and --rounds must be at least 1 and --warmup at least 0")
     if args.hidden % 4:
         parser.error(f"--hidden {args.hidden} must be a multiple of the 4 attention heads")
     args.ffn_hidden = args.ffn_hidden or 8 * args.hidden // 3
@@ -67,6 +69,7 @@ def runs_for(args: argparse.Namespace) -> list[TinyRun]:
             lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
             ffn_hidden=args.ffn_hidden,
         )
+        for _ in range(args.rounds)
         for optimizer in VARIANTS.values()
     ]
 
@@ -81,18 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     runs = runs_for(args)
     print(f"bench_step: DP {args.dp} on gloo, {args.layers} layers, hidden {args.hidden}, "
-          f"ffn {args.ffn_hidden}; {args.warmup} + {args.steps} steps per variant ...", flush=True)
+          f"ffn {args.ffn_hidden}; {args.rounds} rounds of {args.warmup} + {args.steps} steps per variant ...",
+          flush=True)
     start = time.perf_counter()
     per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=args.dp, timeout_s=args.timeout), runs)
-    results = {
-        name: step_times([rank[i] for rank in per_rank], args.warmup) for i, name in enumerate(VARIANTS)
-    }
+    results: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for i in range(len(runs)):
+        name = list(VARIANTS)[i % len(VARIANTS)]
+        results[name] += step_times([rank[i] for rank in per_rank], args.warmup)
     medians = {name: statistics.median(times) for name, times in results.items()}
     sync = medians["sync"]
     report = {
         "dp_size": args.dp,
         "model": {"layers": args.layers, "hidden": args.hidden, "ffn_hidden": args.ffn_hidden},
-        "steps": args.steps,
+        "timed_steps_per_variant": args.rounds * args.steps,
         "median_step_ms": {name: 1e3 * m for name, m in medians.items()},
         "ratio_to_sync": {name: m / sync for name, m in medians.items()},
         "ideal_ratio_to_sync": 1.0 / args.dp,

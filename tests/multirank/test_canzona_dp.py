@@ -8,6 +8,8 @@ between the runs is the order in which gradient shards are summed by the reduce-
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -68,7 +70,11 @@ def results() -> dict[tuple[str, int], list[dict]]:
     out = {}
     for dp in (1, 2, 4):
         names = OPTIMIZERS + (BASELINES if dp == 2 else ())
-        for opt, per_rank in zip(names, _launch(dp, [_run(opt) for opt in names])):
+        runs = [_run(opt) for opt in names]
+        if dp == 2:  # the same Muon run with a NaN gradient at its last step, and one step shorter
+            names += ("muon_nan_last", "muon_short")
+            runs += [replace(_run("muon"), nan_grad_at_step=STEPS - 1), replace(_run("muon"), num_steps=STEPS - 1)]
+        for opt, per_rank in zip(names, _launch(dp, runs)):
             out[(opt, dp)] = per_rank
     return out
 
@@ -115,3 +121,23 @@ def test_muon_equals_the_baselines(results, baseline: str) -> None:
                 ours["params"][name], expected, rtol=0, atol=PARAM_ATOL["muon"],
                 msg=lambda m: f"{baseline} rank {rank} {name}: {m}",
             )
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_grad_norm_does_not_depend_on_dp(results, optimizer: str) -> None:
+    """Global-norm clipping sees every gradient element once whatever the layout."""
+    (reference,) = results[(optimizer, 1)]
+    for dp in (2, 4):
+        for result in results[(optimizer, dp)]:
+            assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_nan_gradient_on_one_rank_skips_the_step_everywhere(results) -> None:
+    """Without a loss scaler, CanzonaDistributedOptimizer checks gradients itself: a NaN on
+    rank 0 only makes every rank skip the step, leaving parameters and state untouched."""
+    for nan_run, short_run in zip(results[("muon_nan_last", 2)], results[("muon_short", 2)]):
+        assert nan_run["skipped_steps"] == [STEPS - 1] and short_run["skipped_steps"] == []
+        for name, expected in short_run["params"].items():
+            assert torch.equal(nan_run["params"][name], expected), name

@@ -80,6 +80,8 @@ class TinyRun:
     """Hidden size; heads keep NUM_HEADS, so the head dim grows with it."""
     ffn_hidden: int = FFN_HIDDEN
     """SwiGLU intermediate size."""
+    nan_grad_at_step: int | None = None
+    """Fill rank 0's gradient buffers with NaN before this step's update (the step must be skipped)."""
 
 
 def train_tiny_gpts(runs: list[TinyRun]) -> list[dict[str, Any]]:
@@ -96,7 +98,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.tp_size)
     try:
         model, ddp_model, optimizer = _build(run)
-        losses, grad_norms, step_seconds = map(list, zip(
+        losses, grad_norms, step_seconds, applied = map(list, zip(
             *(_train_step(run, ddp_model, optimizer, step) for step in range(run.num_steps))
         ))
         return {
@@ -106,6 +108,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "whole_params_owned": _owned_ranges_are_whole(optimizer),
             "updated": list(getattr(_inner(optimizer), "last_step_updates", [])),
             "step_seconds": step_seconds,
+            "skipped_steps": [step for step, ok in enumerate(applied) if not ok],
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -327,8 +330,9 @@ def layer_wise_layout(params, dp_size: int, ddp_config, *, bucket_size: int | No
     )
 
 
-def _train_step(run: TinyRun, ddp_model, optimizer, step: int) -> tuple[float, float, float]:
-    """One optimizer step; returns (global-batch mean loss, global grad norm, step seconds).
+def _train_step(run: TinyRun, ddp_model, optimizer, step: int) -> tuple[float, float, float, bool]:
+    """One optimizer step; returns (global-batch mean loss, global grad norm, step seconds,
+    whether the update was applied).
 
     The step time is ``optimizer.step()`` alone (after a barrier), all-gather included."""
     from megatron.core import parallel_state
@@ -346,15 +350,17 @@ def _train_step(run: TinyRun, ddp_model, optimizer, step: int) -> tuple[float, f
         micro_batch_size=run.micro_batch,
         forward_only=False,
     )
+    if step == run.nan_grad_at_step and dist.get_rank() == 0:
+        for buffer in ddp_model.buffers:
+            buffer.grad_data.fill_(float("nan"))
     dist.barrier()
     start = time.perf_counter()
     update_ok, grad_norm, _ = optimizer.step()
     seconds = time.perf_counter() - start
-    assert update_ok, "fp32 runs never skip a step"
     local_mean = torch.stack([out["loss"] for out in outputs]).mean()
     dist.all_reduce(local_mean, group=parallel_state.get_data_parallel_group())
     loss = float(local_mean) / parallel_state.get_data_parallel_world_size()
-    return loss, float("nan") if grad_norm is None else float(grad_norm), seconds
+    return loss, float("nan") if grad_norm is None else float(grad_norm), seconds, bool(update_ok)
 
 
 def _local_micro_batches(run: TinyRun, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
