@@ -29,6 +29,7 @@ from canzona_patches.layout import (
     tag_params_for_buffers,
     to_full_param_layout,
 )
+from canzona_patches.tensor_parallel import bind_tensor_parallel
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim import GateUpLayout, QKVLayout
 from megatron.canzona.planning import CanzonaPlan, CostModel, ParamSpec, make_plan
@@ -41,6 +42,7 @@ from megatron.canzona.planning.metrics import (
 )
 from megatron.canzona.runtime.config import CanzonaConfig
 from megatron.canzona.runtime.sharded import SHARDED_OPTIMIZERS, MatrixInfo, init_state_fn
+from megatron.canzona.runtime.tp_sharded import TP_SHARDED_OPTIMIZERS
 
 require_pinned_megatron()
 
@@ -242,15 +244,13 @@ def build_canzona_optimizer(optimizer_config: Any, model_chunks: list, cfg: Canz
     """The Canzona optimizer for DDP-wrapped chunks laid out by :func:`build_full_param_layouts`."""
     if not optimizer_config.use_distributed_optimizer:
         raise ValueError("--canzona needs the distributed optimizer: pass --use-distributed-optimizer")
-    if tp_size > 1:
-        raise NotImplementedError("tensor parallelism with --canzona is not available yet; use TP 1")
     pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, True)
     groups, buffers = _get_param_groups_and_buffers(
         model_chunks, model_chunk_offset=0, config=optimizer_config,
         config_overrides=get_standard_config_overrides(optimizer_config),
         filter_fn=lambda g: not g["is_expert_parallel"], buffer_name="buffers",
     )
-    inner = SHARDED_OPTIMIZERS[cfg.optimizer](
+    inner = (TP_SHARDED_OPTIMIZERS if tp_size > 1 else SHARDED_OPTIMIZERS)[cfg.optimizer](
         _route_groups(groups, model_chunks, cfg, tp_size, optimizer_config.weight_decay), lr=optimizer_config.lr,
         weight_decay=optimizer_config.weight_decay, config=cfg.matrix, adamw_config=cfg.adamw, batch_same_shape=True,
     )
@@ -263,6 +263,11 @@ def build_canzona_optimizer(optimizer_config: Any, model_chunks: list, cfg: Canz
     optimizer.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
     optimizer.tp_group = ProcessGroupCollection.use_mpu_process_groups().tp
     inner.bind_matrices(_matrix_infos(optimizer, model_chunks))
+    if tp_size > 1:  # TP-sharded matrices: gathered to a host TP rank, updated there once
+        bind_tensor_parallel(
+            inner, optimizer, model_chunks, dp_rank=get_pg_rank(pgs["dp_cp_group"]), tp_group=optimizer.tp_group,
+            mode=cfg.tp_mode, full_layout=lambda name, chunk: _fused_layout(name, chunk, cfg, 1),
+        )
     return optimizer
 
 

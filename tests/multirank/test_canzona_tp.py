@@ -1,0 +1,182 @@
+"""Canzona tensor parallelism on Megatron-Core equals single-device math.
+
+The tiny GPT (``tiny_gpt.py``) trains a few steps with the Canzona optimizer (Muon,
+Shampoo, SOAP) on the same global batches at TP 1 x DP 1, TP 2 and TP 2 x DP 2, with the
+fused QKV and gate/up weights split into separately optimized matrices and kept fused.
+At TP 2 every matrix is gathered to its host TP rank, updated there and scattered back
+(``async``) or gathered and updated on every TP rank (``sync``). The runs must end with
+the TP 1 run's parameters; ``async`` and ``sync`` must agree bit for bit; and each matrix
+must be computed exactly once per step, by the (DP, TP) rank the plan names.
+
+Runs of one world size share one launch: starting processes and importing Megatron costs
+more than the training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.canzona.planning import CanzonaPlan
+from megatron.canzona.runtime import LaunchConfig, launch
+
+from . import tiny_gpt
+from .tiny_gpt import TinyRun
+
+pytestmark = [
+    pytest.mark.multirank,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo runs of the CUDA->CPU redirect"),
+]
+
+LR = 2e-3
+STEPS = 4  # Shampoo and SOAP (frequency 2) refresh their preconditioners at steps 1 and 3
+TP = 2
+# TP runs differ from TP 1 by fp32 reordering: the DP reduce-scatter and TP's partial sums
+# (row-parallel all-reduce, vocab-parallel cross entropy). Each optimizer normalises its
+# update, so an element moves by about lr per step, and a lost, doubled or misrouted
+# matrix update moves every element of the matrix by ~lr. Measured worst differences
+# after 4 steps over TP 2 and TP 2 x DP 2, split and fused:
+# * Muon and Shampoo matrices: 3.2e-7 (1e-3 * lr = 2e-6 allowed); AdamW parameters
+#   (embedding, output layer, norms): 3.5e-6, an embedding row whose first Adam step is
+#   sign-like (0.01 * lr allowed); mean absolute difference of any tensor: 3e-8 (1e-4 * lr).
+# * SOAP (Adam in an eigenbasis amplifies rounding, see test_canzona_dp.py): matrices
+#   4.2e-4 on a few elements of one QKV weight at TP 2 x DP 2 -- TP 1 x DP 4, with no
+#   TP at all, differs from TP 1 x DP 1 by the same 4.2e-4 there -- so the maximum allows
+#   0.5 * lr; AdamW parameters 2.0e-4 (0.25 * lr allowed). The mean absolute difference,
+#   at most 2.6e-5 (0.013 lr), is what separates rounding from a lost update: 0.05 * lr.
+MATRIX_ATOL = {"muon": 1e-3 * LR, "shampoo": 1e-3 * LR, "soap": 0.5 * LR}
+ELEMENTWISE_ATOL = {"muon": 0.01 * LR, "shampoo": 0.01 * LR, "soap": 0.25 * LR}
+MEAN_ATOL = {"muon": 1e-4 * LR, "shampoo": 1e-4 * LR, "soap": 0.05 * LR}
+LOSS_RTOL = 1e-5  # measured 1.1e-6 (SOAP), 1e-7 (Muon, Shampoo)
+# SOAP's "split" case splits gate/up only. Split K and V pieces are 32 x 64: G^T G is
+# rank-deficient, its null-space eigenbasis is picked by rounding, and TP 1 x DP 2 differs
+# from TP 1 x DP 1 by 7e-3 (3.5 lr) there already, with no TP involved (measured). Gate
+# and up pieces (128 x 64 at this size) are rotated on the full-rank 64 side only.
+SPLITS = {
+    "muon": {"split": (True, True), "fused": (False, False)},
+    "shampoo": {"split": (True, True), "fused": (False, False)},
+    "soap": {"split": (False, True), "fused": (False, False)},
+}
+CASES = [(opt, split) for opt in SPLITS for split in ("split", "fused")]
+SYNC_AT_DP2 = ("muon", "split")  # also compare async and sync at TP 2 x DP 2 for one case
+MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+# Measured on 2 cores: the three launches (1, 2 and 4 ranks) take 65-70 s together, the
+# 4-rank one up to ~95 s alone on a busy machine.
+LAUNCH_TIMEOUT_S = 300.0
+TEST_TIMEOUT_S = 3 * LAUNCH_TIMEOUT_S
+
+
+def _run(optimizer: str, split: str, tp_size: int) -> TinyRun:
+    split_qkv, split_gate_up = SPLITS[optimizer][split]
+    return TinyRun(
+        tp_size=tp_size, lr=LR, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1,
+        split_qkv=split_qkv, split_gate_up=split_gate_up,
+    )
+
+
+def train_in_modes(cases: list[tuple[TinyRun, str]]) -> list[dict[str, Any]]:
+    """Rank body: each run with ``tp_mode`` set, returning also the plan and global rank."""
+    import canzona_patches.optimizer as canzona_optimizer
+
+    original_config, original_layouts = tiny_gpt.canzona_config, canzona_optimizer.build_full_param_layouts
+    results = []
+    for run, mode in cases:
+        plans: list[CanzonaPlan] = []
+
+        def layouts(model_chunks, *args, **kwargs):
+            out = original_layouts(model_chunks, *args, **kwargs)
+            plans.append(model_chunks[0].canzona_plan)
+            return out
+
+        tiny_gpt.canzona_config = lambda r, mode=mode: dataclasses.replace(original_config(r), tp_mode=mode)
+        canzona_optimizer.build_full_param_layouts = layouts
+        try:
+            result = tiny_gpt.train_tiny_gpt(run)
+        finally:
+            tiny_gpt.canzona_config = original_config
+            canzona_optimizer.build_full_param_layouts = original_layouts
+        results.append({**result, "plan": plans[0].to_json(), "rank": dist.get_rank()})
+    return results
+
+
+def _launch(world_size: int, cases: list[tuple[TinyRun, str]]) -> list[list[dict]]:
+    per_rank = launch(train_in_modes, LaunchConfig(world_size=world_size, timeout_s=LAUNCH_TIMEOUT_S), cases)
+    return [[rank[i] for rank in per_rank] for i in range(len(cases))]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[tuple[str, str, int, str], list[dict]]:
+    """(optimizer, split, world size, tp mode) -> per-rank results; one launch per world size."""
+    launches = {
+        1: [(_run(opt, split, 1), "async") for opt, split in CASES],
+        2: [(_run(opt, split, TP), mode) for opt, split in CASES for mode in ("async", "sync")],
+        4: [(_run(opt, split, TP), "async") for opt, split in CASES] + [(_run(*SYNC_AT_DP2, TP), "sync")],
+    }
+    out = {}
+    for world_size, cases in launches.items():
+        for (run, mode), per_rank in zip(cases, _launch(world_size, cases)):
+            split = "split" if SPLITS[run.optimizer]["split"] == (run.split_qkv, run.split_gate_up) else "fused"
+            out[(run.optimizer, split, world_size, mode)] = per_rank
+    return out
+
+
+def _is_matrix(name: str) -> bool:
+    return name.endswith(MATRIX_SUFFIXES)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize(("optimizer", "split"), CASES)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tp_equals_single_process(results, optimizer: str, split: str, world_size: int) -> None:
+    (reference,) = results[(optimizer, split, 1, "async")]
+    for rank, result in enumerate(results[(optimizer, split, world_size, "async")]):
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=LOSS_RTOL, atol=0)
+        for name, expected in reference["params"].items():
+            atol = (MATRIX_ATOL if _is_matrix(name) else ELEMENTWISE_ATOL)[optimizer]
+            where = f"{optimizer} {split} world {world_size} rank {rank} {name}"
+            torch.testing.assert_close(
+                result["params"][name], expected, rtol=0, atol=atol, msg=lambda m: f"{where}: {m}"
+            )
+            mean = float((result["params"][name] - expected).abs().mean())
+            assert mean <= MEAN_ATOL[optimizer], f"{where}: mean absolute difference {mean:.3g}"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize(
+    ("optimizer", "split", "world_size"), [(opt, split, 2) for opt, split in CASES] + [(*SYNC_AT_DP2, 4)]
+)
+def test_async_and_sync_modes_agree_bitwise(results, optimizer: str, split: str, world_size: int) -> None:
+    async_ranks = results[(optimizer, split, world_size, "async")]
+    sync_ranks = results[(optimizer, split, world_size, "sync")]
+    for rank, (a, s) in enumerate(zip(async_ranks, sync_ranks)):
+        assert a["losses"] == s["losses"]
+        for name in a["params"]:
+            assert torch.equal(a["params"][name], s["params"][name]), f"rank {rank} {name}"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize(("optimizer", "split"), CASES)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_matrix_is_computed_once_by_its_planned_rank(results, optimizer: str, split: str, world_size: int) -> None:
+    per_rank = results[(optimizer, split, world_size, "async")]
+    matrices = [n for n in per_rank[0]["params"] if _is_matrix(n)]
+    computed = [name for result in per_rank for name in result["updated"]]
+    assert sorted(computed) == sorted(matrices)
+    plan = CanzonaPlan.from_json(per_rank[0]["plan"])
+    for result in per_rank:  # Megatron's rank order: TP fastest, then DP
+        where = (result["rank"] // TP, result["rank"] % TP)
+        assert set(result["updated"]) == {n for n in matrices if plan.compute_rank(n) == where}
+        assert result["updated"], f"rank {result['rank']} computes nothing; the plan should spread the work"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_sync_mode_computes_every_matrix_on_every_tp_rank(results) -> None:
+    for world_size in (2, 4):
+        per_rank = results[(*SYNC_AT_DP2, world_size, "sync")]
+        matrices = [n for n in per_rank[0]["params"] if _is_matrix(n)]
+        computed = [name for result in per_rank for name in result["updated"]]
+        assert sorted(computed) == sorted(matrices * TP)
