@@ -1,5 +1,5 @@
 # Canzona: `make` bootstraps the environment; `make test` runs the suite; `make demo` runs the main job
-# (Qwen3-tiny, Muon with --canzona on 4 gloo processes); `make plan` plans Qwen3-32B.
+# (Qwen3-tiny, Muon with --canzona at TP 2 x DP 2 on 4 gloo processes); `make plan` plans Qwen3-32B.
 # First Python 3.12 interpreter that actually runs (pyenv shims may exist but refuse).
 PYTHON_BOOT ?= $(shell for p in python3.12 $$(ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12 2>/dev/null); do $$p -c "import sys; assert sys.version_info[:2]==(3,12)" 2>/dev/null && { echo $$p; break; }; done)
 VENV := .venv
@@ -24,7 +24,7 @@ test: venv
 	$(PY) -m pytest -q tests
 
 demo: venv
-	PYTHON=$(abspath $(PY)) examples/qwen3/pretrain_qwen3_tiny_cpu.sh
+	TP=2 PYTHON=$(abspath $(PY)) examples/qwen3/pretrain_qwen3_tiny_cpu.sh
 
 plan: venv
 	$(PY) tools/plan.py --model qwen3-32b --tp 8 --dp 32 --compare --plot plan_qwen3-32b_tp8_dp32.png

@@ -112,6 +112,16 @@ def test_canzona_dp2_trains(demo_data: DemoData, tmp_path: Path, run: str) -> No
     assert "[canzona] plan:" in result.stdout, result.stdout[-4000:]
 
 
+def test_canzona_tp2_dp2_trains(demo_data: DemoData, tmp_path: Path) -> None:
+    """The README's main job in small: Muon with --canzona at TP 2 x DP 2 (4 processes)."""
+    args = pretrain_args(demo_data, tmp_path, "--optimizer", "muon", "--canzona", "--use-distributed-optimizer",
+                         "--tensor-model-parallel-size", "2", "--overlap-grad-reduce", "--overlap-param-gather")
+    result = run_with_deadline(torchrun(4, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    metrics = check_training(result, tmp_path / "metrics.jsonl", dp_size=2, tp_size=2)
+    assert metrics[-1]["canzona"] and "number of skipped iterations:   0" in result.stdout
+    assert "DP x TP makespan / lower bound" in result.stdout, result.stdout[-4000:]
+
+
 def test_canzona_bucket_smaller_than_a_matrix_names_the_fix(demo_data: DemoData, tmp_path: Path) -> None:
     """Found only once the model exists: every rank stops with the same one-line error."""
     args = pretrain_args(demo_data, tmp_path, "--optimizer", "muon", "--canzona", "--use-distributed-optimizer",

@@ -80,6 +80,10 @@ class TinyRun:
     """Hidden size; heads keep NUM_HEADS, so the head dim grows with it."""
     ffn_hidden: int = FFN_HIDDEN
     """SwiGLU intermediate size."""
+    tp_mode: str = "async"
+    """Canzona at TP > 1: ``async`` host-rank compute or ``sync`` (every TP rank computes)."""
+    megatron_muon_tp_mode: str = "duplicated"
+    """Megatron's ``muon_tp_mode`` at TP > 1 (``duplicated`` keeps the exact math)."""
     nan_grad_at_step: int | None = None
     """Fill rank 0's gradient buffers with NaN before this step's update (the step must be skipped)."""
 
@@ -109,6 +113,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "updated": list(getattr(_inner(optimizer), "last_step_updates", [])),
             "step_seconds": step_seconds,
             "skipped_steps": [step for step, ok in enumerate(applied) if not ok],
+            "tp_stats": _tp_stats(optimizer),
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -157,7 +162,7 @@ def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer)
         # Megatron's own switch for Muon: the layer-wise optimizer replaces the distributed one.
         use_distributed_optimizer=not megatron_muon,
         use_layer_wise_distributed_optimizer=megatron_muon,
-        **(MEGATRON_MUON if megatron_muon else {}),
+        **({**MEGATRON_MUON, "muon_tp_mode": run.megatron_muon_tp_mode} if megatron_muon else {}),
         muon_split_qkv=run.split_qkv,
     )
     if run.optimizer == "sync_muon":
@@ -227,7 +232,16 @@ def canzona_config(run: TinyRun):
     name = run.optimizer if run.optimizer in matrix else "muon"  # sync_muon: Muon's math
     return CanzonaConfig(
         optimizer=name, matrix=matrix[name], alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
+        tp_mode=run.tp_mode,
     )
+
+
+def _tp_stats(optimizer) -> dict[str, Any] | None:
+    """The Canzona TP engine's record of the last step (bytes, timeline), if it ran one."""
+    import dataclasses
+
+    stats = getattr(_inner(optimizer), "last_stats", None)
+    return dataclasses.asdict(stats) if stats is not None else None
 
 
 def _inner(optimizer):
