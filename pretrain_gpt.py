@@ -33,6 +33,7 @@ from canzona_patches.arguments import (
     validate_canzona_args,
 )
 from canzona_patches.cpu import enable_cpu_training_mode
+from canzona_patches.megatron_fixes import apply_all as apply_megatron_fixes
 from canzona_patches.training import LOSS_KEY, install_training_hooks
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
@@ -244,6 +245,7 @@ def main() -> int:
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
         return 2
     install_training_hooks(args)
+    apply_megatron_fixes()  # lets the fp32 layer-wise Muon baseline run (canzona_patches/megatron_fixes.py)
     try:
         pretrain(
             pretrain_cfg_container_from_args(args),

@@ -23,6 +23,12 @@ TP="${TP:-1}"
 ITERS="${ITERS:-200}"
 OPTIMIZER="${OPTIMIZER:-muon}"
 CANZONA="${CANZONA:-1}"
+CANZONA_FLAGS=()
+LABEL="qwen3-tiny $OPTIMIZER"
+if [[ "$CANZONA" == 1 ]]; then
+    CANZONA_FLAGS=(--canzona)
+    LABEL="$LABEL --canzona"
+fi
 OUT_DIR="${OUT_DIR:-$ROOT/build/qwen3-tiny-cpu}"
 DATA_DIR="$ROOT/data/demo"
 
@@ -45,7 +51,7 @@ MODEL_ARGS=(
 )
 TRAINING_ARGS=(
     --micro-batch-size 4 --global-batch-size 16 --train-iters "$ITERS"
-    --optimizer "$OPTIMIZER" $( [[ "$CANZONA" == 1 ]] && echo --canzona ) --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20
+    --optimizer "$OPTIMIZER" "${CANZONA_FLAGS[@]}" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
     --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
 )
@@ -67,5 +73,5 @@ start=$(date +%s)
     | grep --line-buffered -E "iteration +[0-9]+/|validation loss|error:|Error|Traceback"
 echo "training wall time: $(( $(date +%s) - start )) s (log: $OUT_DIR/train.log)"
 
-"$PYTHON" tools/plot_loss.py "$OUT_DIR/metrics.jsonl" --label "qwen3-tiny $OPTIMIZER$( [[ "$CANZONA" == 1 ]] && echo ' --canzona' ), TP $TP x DP $(( NPROC / TP ))" \
+"$PYTHON" tools/plot_loss.py "$OUT_DIR/metrics.jsonl" --label "$LABEL, TP $TP x DP $(( NPROC / TP ))" \
     --title "qwen3-tiny on CPU (seq 128, global batch 16)" --output "$OUT_DIR/loss.png"

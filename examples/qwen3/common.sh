@@ -1,0 +1,232 @@
+# shellcheck shell=bash
+# Shared flags and launcher of the Qwen3 recipes (examples/qwen3/pretrain_qwen3_*.sh).
+#
+# A recipe sets its architecture (NUM_LAYERS, HIDDEN_SIZE, FFN_HIDDEN_SIZE, NUM_HEADS,
+# NUM_QUERY_GROUPS, KV_CHANNELS, VOCAB_SIZE, TIED_EMBEDDINGS, the numbers of
+# megatron/canzona/planning/qwen3.py) and its defaults for the layout and batch, sources
+# this file and calls `qwen3_recipe_main "$@"`. Arguments go to pretrain_gpt.py last, so
+# they win over every flag below.
+#
+# Environment (all optional):
+#   VARIANT        canzona (default): --optimizer $OPTIMIZER --canzona, asynchronous TP compute
+#                  sync:      --canzona --canzona-tp-mode sync (every TP rank computes every matrix)
+#                  layerwise: Megatron-Core's own layer-wise distributed Muon, no --canzona
+#                  adamw:     --optimizer adam with Megatron's distributed optimizer
+#   OPTIMIZER      matrix optimizer of canzona/sync/layerwise: muon (default) | shampoo | soap
+#   TP PP          tensor / pipeline parallel sizes (the recipe's defaults suit 8-GPU nodes)
+#   SEQ_LENGTH GLOBAL_BATCH MICRO_BATCH TRAIN_ITERS LR MIN_LR WARMUP_ITERS PRECISION(bf16|fp32)
+#   DATA_PATH      indexed dataset prefix (<prefix>.bin/.idx, from tools/preprocess_data.py)
+#   SPLIT          train,validation,test weights of its documents (default 989,10,1)
+#   TOKENIZER_TYPE TOKENIZER_MODEL   the tokenizer the dataset was made with
+#   CKPT_DIR       --save and --load directory: a requeued job resumes from its latest checkpoint
+#                  (CKPT_DIR=none: no checkpoints)
+#   SAVE_INTERVAL CKPT_FORMAT(torch_dist|torch) LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS
+#   LOG_DIR        metrics.jsonl and the dataset index cache (default build/<model>-<variant>;
+#                  checkpoints go to its checkpoints/ unless CKPT_DIR is set)
+#   NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun's rendezvous; under
+#                  SLURM (slurm_pretrain.sbatch) NNODES and NODE_RANK come from SLURM_NNODES
+#                  and SLURM_NODEID, the master from the sbatch script
+#   PYTHON         interpreter (default .venv/bin/python of the repository, else python3)
+#   DRY_RUN=1      print the command (`env [VAR=value...] python -m torch.distributed.run ...`,
+#                  shell-quoted, one line) and exit
+#
+# On a machine without CUDA pretrain_gpt.py runs on CPU with gloo (it switches NCCL and the
+# fused kernels off by itself); only pretrain_qwen3_tiny.sh is small enough for that.
+
+QWEN3_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+
+qwen3_die() {
+    echo "$(basename "$0"): error: $*" >&2
+    exit 2
+}
+
+# Flags of the optimizer setup being compared; Muon's settings are the same for every
+# variant so that only the distribution differs (momentum 0.95, 5 quintic Newton-Schulz
+# steps, update scaled by 0.2*sqrt(max(m, n)) so its RMS matches AdamW's: Megatron's
+# "spectral" mode is sqrt(max(m, n)), the 0.2 is the extra factor).
+qwen3_optimizer_args() {
+    local optimizer="${OPTIMIZER:-muon}"
+    local muon=(--muon-momentum 0.95 --muon-num-ns-steps 5 --muon-coefficient-type quintic
+                --muon-scale-mode spectral --muon-extra-scale-factor 0.2)
+    case "${VARIANT:-canzona}" in
+        canzona) OPTIMIZER_ARGS=(--optimizer "$optimizer" --canzona --canzona-tp-mode async "${muon[@]}") ;;
+        sync) OPTIMIZER_ARGS=(--optimizer "$optimizer" --canzona --canzona-tp-mode sync "${muon[@]}") ;;
+        # Megatron's layer-wise optimizer; "duplicated" gathers each TP-sharded matrix and
+        # runs Newton-Schulz on the whole of it (the same math as Canzona, computed on
+        # every TP rank) rather than on the local shard ("blockwise", its default).
+        layerwise) OPTIMIZER_ARGS=(--optimizer "$optimizer" --muon-tp-mode duplicated "${muon[@]}") ;;
+        adamw) OPTIMIZER_ARGS=(--optimizer adam) ;;
+        *) qwen3_die "VARIANT=${VARIANT} is not one of canzona, sync, layerwise, adamw" ;;
+    esac
+}
+
+qwen3_model_args() {
+    # Megatron pads the tokenizer's vocabulary to a multiple of this times TP. Qwen3's
+    # embedding has VOCAB_SIZE rows, a multiple of 128; with VOCAB_SIZE/128 as the divisor
+    # the padded size is VOCAB_SIZE itself for every TP size that divides 128.
+    local vocab_divisor=$(( VOCAB_SIZE / 128 ))
+    MODEL_ARGS=(
+        --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --ffn-hidden-size "$FFN_HIDDEN_SIZE"
+        --num-attention-heads "$NUM_HEADS" --group-query-attention
+        --num-query-groups "$NUM_QUERY_GROUPS" --kv-channels "$KV_CHANNELS"
+        --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --qk-layernorm --disable-bias-linear
+        --position-embedding-type rope --rotary-base 1000000
+        --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
+        --make-vocab-size-divisible-by "$vocab_divisor"
+        --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02
+    )
+    if [[ "$TIED_EMBEDDINGS" != 1 ]]; then
+        MODEL_ARGS+=(--untie-embeddings-and-output-weights)
+    fi
+}
+
+qwen3_training_args() {
+    TRAINING_ARGS=(
+        --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
+        --train-iters "$TRAIN_ITERS"
+        --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-iters "$WARMUP_ITERS"
+        --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8
+        --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+        --seed 1234
+        # A NaN or Inf in the loss or the gradients stops the job at once, the error naming
+        # the rank and iteration. (Megatron's default re-runs the step, then saves and exits
+        # asking for a run on other GPUs to tell a hardware fault from a real divergence.)
+        --rerun-mode disabled
+    )
+    case "$PRECISION" in
+        bf16) TRAINING_ARGS+=(--bf16) ;;
+        fp32) ;;
+        *) qwen3_die "PRECISION=$PRECISION is not bf16 or fp32" ;;
+    esac
+}
+
+qwen3_parallel_args() {
+    PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+    if (( TP > 1 )); then
+        PARALLEL_ARGS+=(--sequence-parallel)
+    fi
+}
+
+qwen3_data_args() {
+    DATA_ARGS=(
+        --data-path "$DATA_PATH" --split "$SPLIT"
+        --tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL"
+        --data-cache-path "$LOG_DIR/data-cache" --num-workers "$NUM_WORKERS"
+    )
+}
+
+qwen3_checkpoint_args() {
+    # --load and --save name the same directory: the first run finds no checkpoint there and
+    # starts from scratch, a requeued or resubmitted job continues from the latest one.
+    if [[ "$CKPT_DIR" == none ]]; then
+        CHECKPOINT_ARGS=()
+        return
+    fi
+    CHECKPOINT_ARGS=(
+        --save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval "$SAVE_INTERVAL"
+        --ckpt-format "$CKPT_FORMAT"
+    )
+}
+
+qwen3_logging_args() {
+    LOGGING_ARGS=(
+        --log-interval "$LOG_INTERVAL" --log-throughput
+        --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
+        --canzona-metrics-file "$LOG_DIR/metrics.jsonl"
+    )
+}
+
+# torchrun on this node (behind `env` and the variables it needs): one process per GPU,
+# static rendezvous at MASTER_ADDR:MASTER_PORT
+# with NNODES nodes, this one being NODE_RANK. A lone node without a master uses a free
+# local port (--standalone).
+qwen3_launcher() {
+    local nnodes="${NNODES:-${SLURM_NNODES:-1}}"
+    local node_rank="${NODE_RANK:-${SLURM_NODEID:-0}}"
+    LAUNCHER=(env)
+    if (( TP > 1 )); then
+        # Megatron's validate_args requires it for TP > 1 before Blackwell: one CUDA work
+        # queue keeps the sequence-parallel communication kernels in issue order.
+        LAUNCHER+=(CUDA_DEVICE_MAX_CONNECTIONS=1)
+    fi
+    LAUNCHER+=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE")
+    if (( nnodes == 1 )) && [[ -z "${MASTER_ADDR:-}" ]]; then
+        LAUNCHER+=(--standalone)
+    else
+        [[ -n "${MASTER_ADDR:-}" ]] || qwen3_die "NNODES=$nnodes needs MASTER_ADDR (slurm_pretrain.sbatch sets it)"
+        LAUNCHER+=(--nnodes "$nnodes" --node-rank "$node_rank"
+                   --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}")
+    fi
+}
+
+qwen3_defaults() {
+    : "${MODEL:?the recipe sets MODEL}"
+    VARIANT="${VARIANT:-canzona}"
+    OPTIMIZER="${OPTIMIZER:-muon}"
+    PRECISION="${PRECISION:-bf16}"
+    NPROC_PER_NODE="${NPROC_PER_NODE:-8}"
+    TP="${TP:-1}"
+    PP="${PP:-1}"
+    SEQ_LENGTH="${SEQ_LENGTH:-4096}"
+    GLOBAL_BATCH="${GLOBAL_BATCH:-128}"
+    MICRO_BATCH="${MICRO_BATCH:-1}"
+    TRAIN_ITERS="${TRAIN_ITERS:-2000}"
+    LR="${LR:-4e-4}"
+    MIN_LR="${MIN_LR:-4e-5}"
+    WARMUP_ITERS="${WARMUP_ITERS:-50}"
+    NUM_WORKERS="${NUM_WORKERS:-2}"
+    TOKENIZER_TYPE="${TOKENIZER_TYPE:-HuggingFaceTokenizer}"
+    TOKENIZER_MODEL="${TOKENIZER_MODEL:-Qwen/Qwen3-8B}"
+    DATA_PATH="${DATA_PATH:-$QWEN3_ROOT/data/pretrain/pretrain_text_document}"
+    SPLIT="${SPLIT:-989,10,1}"
+    LOG_DIR="${LOG_DIR:-$QWEN3_ROOT/build/$MODEL-$VARIANT}"
+    CKPT_DIR="${CKPT_DIR:-$LOG_DIR/checkpoints}"
+    SAVE_INTERVAL="${SAVE_INTERVAL:-500}"
+    CKPT_FORMAT="${CKPT_FORMAT:-torch_dist}"
+    LOG_INTERVAL="${LOG_INTERVAL:-10}"
+    EVAL_INTERVAL="${EVAL_INTERVAL:-1000}"
+    EVAL_ITERS="${EVAL_ITERS:-10}"
+    if [[ -z "${PYTHON:-}" ]]; then
+        if [[ -x "$QWEN3_ROOT/.venv/bin/python" ]]; then
+            PYTHON="$QWEN3_ROOT/.venv/bin/python"
+        else
+            PYTHON=python3
+        fi
+    fi
+}
+
+# The whole command of this node, in CMD.
+qwen3_command() {
+    qwen3_defaults
+    qwen3_model_args
+    qwen3_optimizer_args
+    qwen3_training_args
+    qwen3_parallel_args
+    qwen3_data_args
+    qwen3_checkpoint_args
+    qwen3_logging_args
+    qwen3_launcher
+    CMD=("${LAUNCHER[@]}" "$QWEN3_ROOT/pretrain_gpt.py"
+         "${MODEL_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}"
+         "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@")
+}
+
+qwen3_recipe_main() {
+    qwen3_command "$@"
+    if [[ "${DRY_RUN:-0}" == 1 ]]; then
+        printf '%q ' "${CMD[@]}"
+        printf '\n'
+        return 0
+    fi
+    if [[ ! -f "$DATA_PATH.idx" || ! -f "$DATA_PATH.bin" ]]; then
+        qwen3_die "no dataset at DATA_PATH=$DATA_PATH (.bin/.idx): tokenize a corpus with" \
+            "tools/preprocess_data.py and pass its output prefix as DATA_PATH"
+    fi
+    mkdir -p "$LOG_DIR"
+    cd "$QWEN3_ROOT" || exit 1
+    local optimizer="$OPTIMIZER"
+    [[ "$VARIANT" == adamw ]] && optimizer=adam
+    echo "[$MODEL] variant $VARIANT ($optimizer), TP $TP x PP $PP, $NPROC_PER_NODE processes" \
+        "on node ${NODE_RANK:-${SLURM_NODEID:-0}} of ${NNODES:-${SLURM_NNODES:-1}}; checkpoints: $CKPT_DIR"
+    exec "${CMD[@]}"
+}

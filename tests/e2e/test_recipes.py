@@ -1,0 +1,373 @@
+"""The Qwen3 recipes of examples/qwen3: their flags pass pretrain_gpt.py's own parsing and
+validation, and they declare the architectures of megatron/canzona/planning/qwen3.py.
+
+Each recipe runs with ``DRY_RUN=1`` (it prints its torchrun command and exits); the
+pretrain_gpt.py flags of every recipe x variant then go through
+``pretrain_gpt.parse_and_validate`` (Megatron's ``parse_args`` with Canzona's flags,
+Canzona's checks, Megatron's ``validate_args``) in one child process, at the world sizes
+of one and of eight 8-GPU nodes. The child is this file run as a script: Megatron is
+imported once, and the CPU redirects it installs stay out of pytest's process. The
+environment the recipe launches with (``env VAR=...``) is the one validated, not the CPU
+adaptation's. The tiny recipe also trains for a few iterations with each Muon variant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES_DIR = ROOT / "examples" / "qwen3"
+
+RECIPES = {
+    "qwen3-1.7b": "pretrain_qwen3_1.7b.sh",
+    "qwen3-4b": "pretrain_qwen3_4b.sh",
+    "qwen3-8b": "pretrain_qwen3_8b.sh",
+    "qwen3-14b": "pretrain_qwen3_14b.sh",
+    "qwen3-32b": "pretrain_qwen3_32b.sh",
+    "qwen3-tiny": "pretrain_qwen3_tiny.sh",
+}
+GPU_RECIPES = [model for model in RECIPES if model != "qwen3-tiny"]
+VARIANTS = ("canzona", "sync", "layerwise", "adamw")
+
+# Entries of Qwen3's tokenizer (151,643 BPE tokens + 26 special ones) and of the demo
+# SentencePiece tokenizer; Megatron pads them to the embedding size of the catalog.
+TOKENIZER_VOCAB = {"qwen3-tiny": 1024}
+QWEN3_TOKENIZER_VOCAB = 151669
+# One node and eight nodes of 8 GPUs; the tiny recipe runs 2 CPU ranks.
+WORLD_SIZES = {model: (8, 64) for model in GPU_RECIPES} | {"qwen3-tiny": (2,)}
+CHECK_TIMEOUT_S = 240
+TINY_RUN_TIMEOUT_S = 240
+
+
+def dry_run(recipe: str, *args: str, **env: str) -> list[str]:
+    """The recipe's torchrun command (DRY_RUN=1), split into words."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("SLURM_", "MASTER_", "NNODES", "NODE_RANK", "VARIANT", "OPTIMIZER", "TP", "PP"))}
+    result = subprocess.run(["bash", str(RECIPES_DIR / recipe), *args], env={**clean, "DRY_RUN": "1", **env},
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout
+    return shlex.split(lines[0])
+
+
+def split_command(words: list[str]) -> tuple[list[str], list[str]]:
+    """(torchrun words up to pretrain_gpt.py inclusive, pretrain_gpt.py flags), without ``env VAR=...``."""
+    assert words[0] == "env", words[:3]
+    start = next(i for i, word in enumerate(words[1:], 1) if "=" not in word)
+    index = next(i for i, word in enumerate(words) if word.endswith("pretrain_gpt.py"))
+    return words[start: index + 1], words[index + 1:]
+
+
+def launch_env(words: list[str]) -> dict[str, str]:
+    """The ``VAR=value`` words of the ``env`` prefix."""
+    return dict(word.split("=", 1) for word in words[1:next(i for i, w in enumerate(words[1:], 1) if "=" not in w)])
+
+
+def flag_value(words: list[str], flag: str) -> str:
+    """The value after the last occurrence of ``flag``."""
+    index = len(words) - 1 - words[::-1].index(flag)
+    return words[index + 1]
+
+
+# --- the scripts themselves ------------------------------------------------------------------
+
+
+def shell_scripts() -> list[Path]:
+    return sorted([*RECIPES_DIR.glob("*.sh"), *RECIPES_DIR.glob("*.sbatch"), ROOT / "tools" / "slurm_local.sh"])
+
+
+@pytest.mark.parametrize("script", shell_scripts(), ids=lambda path: path.name)
+def test_script_parses_with_bash_n(script: Path) -> None:
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+def test_scripts_pass_shellcheck() -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    ours = [*(RECIPES_DIR / name for name in RECIPES.values()), RECIPES_DIR / "common.sh",
+            RECIPES_DIR / "slurm_pretrain.sbatch", ROOT / "tools" / "slurm_local.sh"]
+    result = subprocess.run(["shellcheck", "-x", *map(str, ours)], cwd=ROOT, capture_output=True,
+                            text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- what the dry run prints -----------------------------------------------------------------
+
+
+def test_single_node_uses_a_free_local_port() -> None:
+    launcher, _ = split_command(dry_run(RECIPES["qwen3-8b"]))
+    assert launcher[1:3] == ["-m", "torch.distributed.run"]
+    assert "--standalone" in launcher and flag_value(launcher, "--nproc-per-node") == "8"
+
+
+def test_tensor_parallel_runs_get_one_cuda_work_queue() -> None:
+    """Megatron's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 for TP > 1 (before Blackwell)."""
+    assert launch_env(dry_run(RECIPES["qwen3-8b"])) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert launch_env(dry_run(RECIPES["qwen3-1.7b"])) == {}
+    assert launch_env(dry_run(RECIPES["qwen3-1.7b"], TP="2")) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def test_slurm_environment_sets_the_rendezvous() -> None:
+    """Inside an srun task: node count and rank from SLURM, master from the sbatch script."""
+    words = dry_run(RECIPES["qwen3-32b"], SLURM_NNODES="4", SLURM_NODEID="2",
+                    MASTER_ADDR="gpu-node-07", MASTER_PORT="23456")
+    launcher, _ = split_command(words)
+    assert "--standalone" not in launcher
+    assert [flag_value(launcher, flag) for flag in ("--nnodes", "--node-rank", "--master-addr", "--master-port")] \
+        == ["4", "2", "gpu-node-07", "23456"]
+
+
+FAKE_SCONTROL = """#!/usr/bin/env bash
+[[ "$1 $2" == "show hostnames" ]] && printf 'gpu-a17\\ngpu-a18\\ngpu-b02\\n'
+"""
+# srun as SLURM would run it: the command once per node, with that node's SLURM_NODEID.
+FAKE_SRUN = """#!/usr/bin/env bash
+echo "srun $*" >&2
+while [[ "$1" == -* ]]; do shift; done
+for (( node = 0; node < SLURM_NNODES; node++ )); do SLURM_NODEID=$node "$@" || exit; done
+"""
+
+
+def test_sbatch_starts_one_torchrun_per_node_with_slurm_rendezvous(tmp_path: Path) -> None:
+    """slurm_pretrain.sbatch with stand-ins for scontrol and srun: one launch per node, ranks
+    0..N-1, the first host as master, the port from the job id."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "DRY_RUN": "1", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "gpu-a[17-18],gpu-b02", "SLURM_NNODES": "3", "SLURM_SUBMIT_DIR": str(ROOT),
+           "SLURM_CPUS_ON_NODE": "96", "SLURM_GPUS_ON_NODE": "8"}
+    result = subprocess.run(["bash", str(RECIPES_DIR / "slurm_pretrain.sbatch"), "examples/qwen3/pretrain_qwen3_14b.sh",
+                             "--train-iters", "9"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "--ntasks-per-node=1" in result.stderr and "--kill-on-bad-exit=1" in result.stderr
+    assert "--cpus-per-task=96" in result.stderr
+    launches = [shlex.split(line) for line in result.stdout.splitlines() if "torch.distributed.run" in line]
+    assert len(launches) == 3, result.stdout
+    for node_rank, words in enumerate(launches):
+        launcher, flags = split_command(words)
+        assert [flag_value(launcher, f) for f in ("--nnodes", "--node-rank", "--master-addr", "--master-port",
+                                                  "--nproc-per-node")] == ["3", str(node_rank), "gpu-a17", "24242", "8"]
+        assert flags[-2:] == ["--train-iters", "9"]
+
+
+def test_several_nodes_without_master_is_an_error() -> None:
+    result = subprocess.run(["bash", str(RECIPES_DIR / RECIPES["qwen3-8b"])], capture_output=True, text=True,
+                            env={"PATH": os.environ["PATH"], "DRY_RUN": "1", "NNODES": "2"}, check=False)
+    assert result.returncode == 2 and "MASTER_ADDR" in result.stderr, result.stderr
+
+
+def test_unknown_variant_is_an_error() -> None:
+    result = subprocess.run(["bash", str(RECIPES_DIR / RECIPES["qwen3-8b"])], capture_output=True, text=True,
+                            env={"PATH": os.environ["PATH"], "DRY_RUN": "1", "VARIANT": "zero3"}, check=False)
+    assert result.returncode == 2 and "VARIANT=zero3" in result.stderr, result.stderr
+
+
+def test_variants_select_the_compared_optimizers() -> None:
+    flags = {variant: split_command(dry_run(RECIPES["qwen3-8b"], VARIANT=variant))[1] for variant in VARIANTS}
+    assert "--canzona" in flags["canzona"] and flag_value(flags["canzona"], "--canzona-tp-mode") == "async"
+    assert "--canzona" in flags["sync"] and flag_value(flags["sync"], "--canzona-tp-mode") == "sync"
+    assert "--canzona" not in flags["layerwise"] and flag_value(flags["layerwise"], "--muon-tp-mode") == "duplicated"
+    assert "--canzona" not in flags["adamw"] and flag_value(flags["adamw"], "--optimizer") == "adam"
+    for variant in ("canzona", "sync", "layerwise"):
+        assert flag_value(flags[variant], "--optimizer") == "muon"
+    # Only the distribution differs: the training recipe is the same for all four.
+    shared = ("--lr", "--min-lr", "--lr-warmup-iters", "--global-batch-size", "--seq-length", "--clip-grad")
+    assert len({tuple(flag_value(f, name) for name in shared) for f in flags.values()}) == 1
+
+
+def test_checkpoints_are_saved_and_loaded_in_one_directory() -> None:
+    _, flags = split_command(dry_run(RECIPES["qwen3-14b"], CKPT_DIR="/shared/ckpt/14b"))
+    assert flag_value(flags, "--save") == flag_value(flags, "--load") == "/shared/ckpt/14b"
+    assert "--save-interval" in flags
+    _, flags = split_command(dry_run(RECIPES["qwen3-14b"], CKPT_DIR="none"))
+    assert "--save" not in flags and "--load" not in flags
+
+
+def test_extra_arguments_come_last() -> None:
+    _, flags = split_command(dry_run(RECIPES["qwen3-1.7b"], "--train-iters", "7"))
+    assert flags[-2:] == ["--train-iters", "7"]
+
+
+# --- the tiny recipe for real --------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["canzona", "sync", "layerwise"])
+def test_tiny_recipe_trains_with_the_variant(demo_data, tmp_path: Path, variant: str) -> None:
+    """Four iterations of pretrain_qwen3_tiny.sh on 2 gloo ranks (AdamW runs in test_failures.py
+    and under SLURM in tests/slurm)."""
+    from .support import run_with_deadline
+
+    env = {"VARIANT": variant, "DATA_PATH": demo_data.data_prefix, "TOKENIZER_MODEL": str(demo_data.tokenizer_model),
+           "SPLIT": "80,10,10", "LOG_DIR": str(tmp_path), "CKPT_DIR": "none", "TRAIN_ITERS": "4",
+           "WARMUP_ITERS": "1", "LOG_INTERVAL": "1", "EVAL_INTERVAL": "1000"}
+    result = run_with_deadline(["bash", str(RECIPES_DIR / RECIPES["qwen3-tiny"])], timeout_s=TINY_RUN_TIMEOUT_S,
+                               env=env)
+    assert result.returncode == 0, result.stdout[-6000:]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
+    assert all(0 < m["lm_loss"] < 10 for m in metrics), metrics
+    assert all(m["canzona"] == (variant != "layerwise") for m in metrics)
+
+
+# --- the flags through pretrain_gpt.py's parser and validation --------------------------------
+
+
+@pytest.fixture(scope="module")
+def validated() -> dict[str, dict]:
+    """``"<model>/<variant>/<world size>"`` -> the validated arguments (or the error)."""
+    cases = []
+    for model, recipe in RECIPES.items():
+        for variant in VARIANTS:
+            words = dry_run(recipe, VARIANT=variant)
+            _, flags = split_command(words)
+            for world_size in WORLD_SIZES[model]:
+                cases.append({"name": f"{model}/{variant}/{world_size}", "flags": flags, "world_size": world_size,
+                              "env": launch_env(words),
+                              "tokenizer_vocab": TOKENIZER_VOCAB.get(model, QWEN3_TOKENIZER_VOCAB)})
+    result = subprocess.run([sys.executable, __file__], input=json.dumps(cases), cwd=ROOT, capture_output=True,
+                            text=True, timeout=CHECK_TIMEOUT_S, check=False,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _cases(models: list[str] | dict) -> list[str]:
+    return [f"{m}/{v}/{w}" for m in models for v in VARIANTS for w in WORLD_SIZES[m]]
+
+
+@pytest.mark.parametrize("case", _cases(RECIPES))
+def test_flags_parse_and_validate(validated: dict[str, dict], case: str) -> None:
+    args = validated[case]
+    assert "error" not in args, f"{case}: {args.get('error')}"
+    model, variant, world_size = case.split("/")
+    tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
+    assert args["data_parallel_size"] * tp * pp == int(world_size)
+    if variant in ("canzona", "sync"):
+        assert args["canzona"] and args["use_distributed_optimizer"]
+        assert args["canzona_tp_mode"] == ("sync" if variant == "sync" else "async")
+    elif variant == "layerwise":
+        assert not args["canzona"] and args["optimizer"] == "muon"
+        assert args["use_layer_wise_distributed_optimizer"] and args["muon_tp_mode"] == "duplicated"
+    else:
+        assert not args["canzona"] and args["optimizer"] == "adam" and args["use_distributed_optimizer"]
+
+
+@pytest.mark.parametrize("model", list(RECIPES))
+def test_recipe_declares_the_catalog_architecture(validated: dict[str, dict], model: str) -> None:
+    from megatron.canzona.planning.qwen3 import get_qwen3_config
+
+    catalog = get_qwen3_config(model)
+    for case in _cases([model]):
+        args = validated[case]
+        assert "error" not in args, f"{case}: {args.get('error')}"
+        declared = {
+            "num_layers": args["num_layers"], "hidden_size": args["hidden_size"],
+            "ffn_hidden_size": args["ffn_hidden_size"], "num_attention_heads": args["num_attention_heads"],
+            "num_query_groups": args["num_query_groups"], "kv_channels": args["kv_channels"],
+            "vocab_size": args["padded_vocab_size"],
+            "tied_embeddings": not args["untie_embeddings_and_output_weights"],
+            "seq_length": args["seq_length"],
+        }
+        expected = {name: getattr(catalog, name) for name in declared}
+        assert declared == expected, case
+        # What every Qwen3 shares (reference notes §6).
+        assert args["group_query_attention"] and args["qk_layernorm"] and args["swiglu"]
+        assert args["normalization"] == "RMSNorm" and args["layernorm_epsilon"] == 1e-6
+        assert args["position_embedding_type"] == "rope" and args["rotary_base"] == 1_000_000
+        assert not args["add_bias_linear"]
+
+
+@pytest.mark.parametrize("model", GPU_RECIPES)
+def test_gpu_recipes_use_the_paper_training_settings(validated: dict[str, dict], model: str) -> None:
+    args = validated[f"{model}/canzona/64"]
+    assert (args["lr"], args["min_lr"], args["lr_warmup_iters"], args["lr_decay_style"]) == (4e-4, 4e-5, 50, "cosine")
+    assert (args["global_batch_size"], args["clip_grad"], args["weight_decay"]) == (128, 1.0, 0.1)
+    assert args["bf16"] and args["seq_length"] in (2048, 4096)
+    # Tensor parallelism stays inside one 8-GPU node; sequence parallelism comes with it.
+    assert 8 % args["tensor_model_parallel_size"] == 0
+    assert args["sequence_parallel"] == (args["tensor_model_parallel_size"] > 1)
+    assert (args["muon_momentum"], args["muon_scale_mode"], args["muon_extra_scale_factor"]) == (0.95, "spectral", 0.2)
+
+
+# --- the child: parse and validate every case in one process ----------------------------------
+
+_REPORTED = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "group_query_attention", "qk_layernorm", "swiglu", "normalization", "layernorm_epsilon", "position_embedding_type",
+    "rotary_base", "add_bias_linear", "untie_embeddings_and_output_weights", "seq_length",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "sequence_parallel",
+    "optimizer", "canzona", "canzona_tp_mode", "use_distributed_optimizer", "use_layer_wise_distributed_optimizer",
+    "muon_tp_mode", "muon_momentum", "muon_scale_mode", "muon_extra_scale_factor",
+    "lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "global_batch_size", "micro_batch_size", "clip_grad",
+    "weight_decay", "bf16", "save", "load", "ckpt_format",
+)
+
+
+_LAUNCH_VARIABLES = ("CUDA_DEVICE_MAX_CONNECTIONS",)
+
+
+def _validate_case(pretrain_gpt, adapt_args_to_cpu, case: dict) -> dict:
+    """``pretrain_gpt.parse_and_validate`` on one flag list, without setting Megatron's globals.
+
+    The environment is the one the recipe launches with: the CPU adaptation's own setting of
+    CUDA_DEVICE_MAX_CONNECTIONS is undone, so validate_args checks what a GPU run would get.
+    """
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    def launch_environment() -> None:
+        for name in _LAUNCH_VARIABLES:
+            os.environ.pop(name, None)
+        os.environ.update(case["env"])
+
+    def adapt_without_environment(args):
+        notes = adapt_args_to_cpu(args)
+        launch_environment()
+        return notes
+
+    pretrain_gpt.set_global_variables = lambda args, **_: None
+    pretrain_gpt.adapt_args_to_cpu = adapt_without_environment
+    sys.argv = ["pretrain_gpt.py", *case["flags"]]
+    launch_environment()
+    os.environ.update(WORLD_SIZE=str(case["world_size"]), RANK="0", LOCAL_RANK="0")
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+            args = pretrain_gpt.parse_and_validate()
+    except SystemExit as exit_:
+        return {"error": f"exit {exit_.code}: {stderr.getvalue().strip()[-2000:]}"}
+    except Exception as error:  # noqa: BLE001  (reported to the test as the case's failure)
+        return {"error": f"{type(error).__name__}: {error}"}
+    report = {name: getattr(args, name, None) for name in _REPORTED}
+    report["padded_vocab_size"] = vocab_size_with_padding(case["tokenizer_vocab"], args, logging_enabled=False)
+    return report
+
+
+def _main() -> None:
+    cases = json.loads(sys.stdin.read())
+    sys.path.insert(0, str(ROOT))
+    with contextlib.redirect_stdout(io.StringIO()):
+        import pretrain_gpt
+    adapt_args_to_cpu = pretrain_gpt.adapt_args_to_cpu
+    results = {case["name"]: _validate_case(pretrain_gpt, adapt_args_to_cpu, case) for case in cases}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _main()
