@@ -159,6 +159,33 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
                 logger.warning("Canzona: skipping the optimizer step, a gradient holds inf or NaN")
         return found_inf
 
+    # Checkpoints (canzona_patches/checkpoint.py): name-keyed global tensors, any DP/TP layout.
+    def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
+                           sharding_type: str | None = None, metadata: dict | None = None) -> dict:
+        """Every Canzona optimizer state as name-keyed ``ShardedTensor``s (``sharding_type`` is
+        ignored: this one format reshards across DP and TP)."""
+        from canzona_patches.checkpoint import optimizer_sharded_state_dict
+
+        return optimizer_sharded_state_dict(self, is_loading=is_loading, metadata=metadata)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`sharded_state_dict` described, after ``dist_checkpointing.load``."""
+        from canzona_patches.checkpoint import load_optimizer_state_dict
+
+        load_optimizer_state_dict(self, state_dict)
+
+    def state_dict(self) -> dict:
+        """The layout-independent part only; tensors go through :meth:`sharded_state_dict`."""
+        from canzona_patches.checkpoint import common_state
+
+        return {"canzona": common_state(self)}
+
+    def save_parameter_state(self, filename: str) -> None:
+        raise CanzonaArgumentError("--canzona checkpoints need --ckpt-format torch_dist (the default)")
+
+    def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False) -> None:
+        raise CanzonaArgumentError("--canzona checkpoints need --ckpt-format torch_dist (the default)")
+
     def _nonfinite_grads(self) -> bool:
         grads = [] if self.is_stub_optimizer else self._collect_main_grad_data_for_unscaling()
         device = grads[0].device if grads else torch.device("cpu")

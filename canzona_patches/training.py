@@ -14,6 +14,9 @@ before ``megatron.training.pretrain``. Every hook replaces a module attribute th
 * ``megatron.training.arguments.parse_args`` -> the same with Canzona's flags added by
   default: ``pretrain`` re-parses the command line (``ft_integration.setup``) without an
   ``extra_args_provider``, and would reject ``--canzona`` or ``--optimizer shampoo``.
+* ``training.save_checkpoint``/``training.load_checkpoint`` (and, with ``--canzona``, the
+  checkpoint content metadata): staged atomic saves and checked loads, see
+  :func:`canzona_patches.checkpoint.install_checkpoint_hooks`.
 * Only with ``--canzona``: ``training.wrap_model_chunks_with_ddp`` wraps each chunk in DDP
   with the layout from ``canzona_patches.optimizer.canzona_full_param_layouts`` (called on
   the unwrapped chunks, before DDP), and ``training.get_megatron_optimizer`` (as
@@ -58,6 +61,9 @@ def install_training_hooks(args: argparse.Namespace) -> None:
     _replace(_training, "setup_model_and_optimizer",
              _timing_optimizer_step(_training.setup_model_and_optimizer, metrics))
     _replace(_training, "training_log", _logging_interval_metrics(_training.training_log, metrics))
+    from canzona_patches.checkpoint import install_checkpoint_hooks
+
+    install_checkpoint_hooks(args)
     if args.canzona:
         _replace(_training, "wrap_model_chunks_with_ddp",
                  _with_canzona_layouts(_training.wrap_model_chunks_with_ddp))

@@ -1,0 +1,133 @@
+"""Save and resume the tiny GPT of ``tiny_gpt.py`` through Canzona's distributed checkpoints.
+
+:func:`run_resume_jobs` is a rank body for :func:`megatron.canzona.runtime.launch`: each
+:class:`ResumeJob` builds the tiny GPT at the launch's DP size, optionally loads the
+tracked checkpoint of ``load_dir`` (model, optimizer state, step counters), trains steps
+``[start, run.num_steps)`` on the same global batches an uninterrupted run sees at those
+steps, optionally saves after step ``save_after`` and returns full parameters and losses.
+
+The checkpoint holds the model's ``sharded_state_dict`` (Megatron's own format) and the
+Canzona optimizer's (``canzona_patches.checkpoint``), written by ``save_distributed``:
+staged, then committed atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .tiny_gpt import TinyRun, _build, _full_params, _train_step
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeJob:
+    """One training segment of a tiny-GPT run, with checkpoint I/O at its ends."""
+
+    run: TinyRun
+    """The whole run; ``run.num_steps`` is its last step (exclusive)."""
+    load_dir: str | None = None
+    """Resume from the checkpoint this directory's tracker names (its iteration = first step)."""
+    save_dir: str | None = None
+    """Where to save after each step listed in ``save_after``."""
+    save_after: tuple[int, ...] = ()
+    """Steps (1-based counts of completed steps) after which to save."""
+    fault: str | None = None
+    """``CANZONA_CKPT_FAULT`` for this job's saves (e.g. ``"write@4:1"``)."""
+    verify_integrity: bool = False
+    """Saves also write SHA-256 hashes of their files (``--verify-integrity``)."""
+    expect_error: bool = False
+    """Loading is expected to fail: return the error message instead of training."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form labels returned with the result."""
+
+
+def run_resume_jobs(jobs: list[ResumeJob]) -> list[dict[str, Any]]:
+    """Rank body: every job in order, each with fresh model-parallel state."""
+    return [run_resume_job(job) for job in jobs]
+
+
+def run_resume_job(job: ResumeJob) -> dict[str, Any]:
+    """Rank body for one job; see the module docstring."""
+    from canzona_patches.checkpoint import FAULT_ENV, CanzonaCheckpointError, fix_distributed_optimizer_loading
+    from canzona_patches.cpu import enable_cpu_mode
+    from megatron.core import parallel_state
+
+    enable_cpu_mode()
+    fix_distributed_optimizer_loading()  # what pretrain_gpt.py installs, for Megatron's own Adam
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=job.run.tp_size)
+    if job.fault:
+        os.environ[FAULT_ENV] = job.fault
+    try:
+        model, ddp_model, optimizer = _build(job.run)
+        start, load_s = 0, 0.0
+        if job.load_dir is not None:
+            began = time.perf_counter()
+            try:
+                start = load_checkpoint(job.load_dir, model, optimizer)
+            except CanzonaCheckpointError as error:
+                if job.expect_error:
+                    return {"error": str(error), **job.extra}
+                raise
+            load_s = time.perf_counter() - began
+        if job.expect_error:
+            return {"error": None, **job.extra}
+        losses, save_s = [], []
+        for step in range(start, job.run.num_steps):
+            losses.append(_train_step(job.run, ddp_model, optimizer, step)[0])
+            if step + 1 in job.save_after:
+                began = time.perf_counter()
+                save_checkpoint(job.save_dir, step + 1, model, optimizer, verify_integrity=job.verify_integrity)
+                save_s.append(time.perf_counter() - began)
+        return {
+            "params": _full_params(model), "losses": losses, "start": start, "load_seconds": load_s,
+            "save_seconds": save_s, **job.extra,
+        }
+    finally:
+        os.environ.pop(FAULT_ENV, None)
+        parallel_state.destroy_model_parallel()
+
+
+def content_metadata(optimizer: Any) -> dict[str, Any]:
+    """What ``megatron.training`` would declare: Canzona's format, or Megatron's default."""
+    from canzona_patches.checkpoint import canzona_content_metadata
+    from canzona_patches.optimizer import CanzonaDistributedOptimizer
+
+    if isinstance(optimizer, CanzonaDistributedOptimizer):
+        return canzona_content_metadata()
+    return {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True}
+
+
+def sharded_state_dict(model: torch.nn.Module, optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
+    """What a checkpoint of the tiny GPT holds: model weights and the optimizer state."""
+    state = {"model": model.sharded_state_dict()}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=content_metadata(optimizer))
+    return state
+
+
+def save_checkpoint(save_dir: str, iteration: int, model: torch.nn.Module, optimizer: Any, *,
+                    verify_integrity: bool = False) -> Path:
+    """Save iteration ``iteration`` (atomically) into ``save_dir``."""
+    from canzona_patches.checkpoint import save_distributed
+
+    state = sharded_state_dict(model, optimizer, is_loading=False)
+    return save_distributed(state, save_dir, iteration, content_metadata=content_metadata(optimizer),
+                            verify_integrity=verify_integrity)
+
+
+def load_checkpoint(load_dir: str, model: torch.nn.Module, optimizer: Any) -> int:
+    """Load the tracked iteration of ``load_dir``; returns it (the next step to take)."""
+    from canzona_patches.checkpoint import enable_cpu_checkpointing, load_distributed
+
+    enable_cpu_checkpointing()
+    state, iteration = load_distributed(
+        sharded_state_dict(model, optimizer, is_loading=True), load_dir, optimizer=optimizer
+    )
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return iteration
