@@ -9,13 +9,11 @@
 #   TRAIN_ITERS=150 examples/qwen3/pretrain_qwen3_tiny.sh --no-load-optim   # then resume to 150
 #   VARIANT=canzona CKPT_DIR=none examples/qwen3/pretrain_qwen3_tiny.sh   # Muon, no checkpoints
 #
-# Defaults that differ from the GPU recipes, and why:
-# - VARIANT=adamw: checkpoints do not hold Canzona's optimizer state yet, and a run with
-#   --save saves at least once (at the end); CKPT_DIR=none runs without --save/--load.
-# - CKPT_FORMAT=torch: Megatron-Core's torch_dist writer calls CUDA directly.
-# Resuming on CPU needs --no-load-optim (model, iteration and data position are restored, the
-# AdamW moments start afresh): without apex or transformer-engine, Megatron-Core 0.19.2's
-# distributed optimizer fails to load its own state ("KeyError: 'step'").
+# Defaults that differ from the GPU recipes: VARIANT=adamw and the legacy `torch` checkpoint
+# format, as tools/slurm_local.sh exercises them (a resume there passes --no-load-optim:
+# Megatron-Core 0.19.2's legacy-format optimizer load fails without apex). Canzona runs
+# checkpoint their whole optimizer state with CKPT_FORMAT=torch_dist (canzona_patches/
+# checkpoint.py; tests/e2e/test_resume.py resumes one exactly).
 # For a quick look at the loss curve, pretrain_qwen3_tiny_cpu.sh plots one.
 set -euo pipefail
 
