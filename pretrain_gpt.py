@@ -257,6 +257,11 @@ def main() -> int:
     except CanzonaArgumentError as error:  # found once the model exists (e.g. bucket too small)
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
+    # Megatron leaves the process groups alive; tearing them down here, after every rank is
+    # done, stops gloo's worker threads before interpreter exit (else an occasional abort).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 
