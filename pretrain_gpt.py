@@ -245,7 +245,7 @@ def main() -> int:
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
         return 2
     install_training_hooks(args)
-    apply_megatron_fixes()  # lets the fp32 layer-wise Muon baseline run (canzona_patches/megatron_fixes.py)
+    apply_megatron_fixes()  # upstream bugs the runs would hit (canzona_patches/megatron_fixes.py)
     try:
         pretrain(
             pretrain_cfg_container_from_args(args),

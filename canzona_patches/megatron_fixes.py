@@ -1,39 +1,60 @@
-"""Fixes for Megatron-Core 0.19.2 bugs that stop its own baselines from running.
+"""Fixes for Megatron-Core 0.19.2 bugs that Canzona's runs and baselines would otherwise hit.
 
-Canzona is compared against Megatron's layer-wise Muon (``--optimizer muon
---use-distributed-optimizer``); these fixes let that baseline run in the configurations
-the comparisons need, without changing its math.
+Each fix wraps one upstream attribute (:func:`canzona_patches.hooks.install_hook`) without
+changing the math; :func:`apply_all` installs them, once per process, before training starts.
 
-* ``LayerWiseDistributedOptimizer.__init__`` (megatron/core/optimizer/layer_wise_optimizer.py):
-  without ``bf16`` its children are raw torch optimizers with no ``config``, so it takes
+* **Layer-wise Muon in fp32** (:func:`fix_fp32_layer_wise_config`). Canzona is compared
+  against Megatron's layer-wise Muon (``--optimizer muon --use-distributed-optimizer``).
+  ``LayerWiseDistributedOptimizer.__init__`` (optimizer/layer_wise_optimizer.py): without
+  ``bf16`` its children are raw torch optimizers with no ``config``, so it takes
   ``config=None`` from them, and ``get_megatron_optimizer`` then fails the
-  ``ChainedOptimizer`` check that every chained optimizer shares one config (fp32 Muon
-  with AdamW for the embeddings cannot be built), and its step calls ``prepare_grads`` on
-  those raw optimizers, which have none. The fix sets the config it was given and, as its
-  bf16 path wraps each child in ``Float16OptimizerWithFloat16Params``, wraps each fp32
-  child in Megatron's ``FP32Optimizer``.
+  ``ChainedOptimizer`` check that every chained optimizer shares one config (fp32 Muon with
+  AdamW for the embeddings cannot be built), and its step calls ``prepare_grads`` on those
+  raw optimizers, which have none. The fix sets the config it was given and, as its bf16
+  path wraps each child in ``Float16OptimizerWithFloat16Params``, wraps each fp32 child in
+  Megatron's ``FP32Optimizer``.
+* **Resuming Megatron's distributed AdamW on torch's optimizers** (no Apex or Transformer
+  Engine, as on CPU; :func:`fix_distributed_optimizer_loading`): a ``torch_dist`` load fails
+  or resumes with a wrong step count, see the two hooks.
+* **The iteration a NaN is reported at** (:func:`fix_rerun_iteration`). ``RerunStateMachine``
+  counts from 0 internally and adds 1 in every message; ``train()`` sets its
+  ``current_iteration`` to the number of steps done (training.py:3512), and
+  ``should_run_forward_backward`` adds 1 before each step (rerun_state_machine.py:303), so
+  "NaN detected ... at iteration #N" names the step after the one that failed. The fix sets
+  it before each ``train_step`` to that step's 0-based index.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
+import torch
+
+from canzona_patches.hooks import install_hook
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
 
 from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer  # noqa: E402
 from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer  # noqa: E402
+from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine  # noqa: E402
 
-_MARK = "__canzona_fixed__"
+
+def apply_all() -> None:
+    """Every fix in this module; idempotent."""
+    fix_fp32_layer_wise_config()
+    fix_distributed_optimizer_loading()
+    fix_rerun_iteration()
 
 
 def fix_fp32_layer_wise_config() -> None:
-    """Let fp32 ``LayerWiseDistributedOptimizer`` chain with the distributed optimizer; idempotent."""
-    init = LayerWiseDistributedOptimizer.__init__
-    if getattr(init, _MARK, False):
-        return
+    """Let fp32 ``LayerWiseDistributedOptimizer`` chain with the distributed optimizer."""
+    install_hook(LayerWiseDistributedOptimizer, "__init__", _keeping_config)
 
+
+def _keeping_config(init: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(init)
     def init_keeping_config(self, optimizers, config, *args, init_state_fn_list=None, **kwargs):
         init(self, optimizers, config, *args, init_state_fn_list=init_state_fn_list, **kwargs)
@@ -45,10 +66,82 @@ def fix_fp32_layer_wise_config() -> None:
                 for opt, fn in zip(self.chained_optimizers, fns)
             ]
 
-    setattr(init_keeping_config, _MARK, True)
-    LayerWiseDistributedOptimizer.__init__ = init_keeping_config
+    return init_keeping_config
 
 
-def apply_all() -> None:
-    """Every fix in this module."""
-    fix_fp32_layer_wise_config()
+def fix_rerun_iteration() -> None:
+    """NaN and rerun reports name the iteration that ran (``training.train_step`` wrapped)."""
+    import megatron.training.training as training
+
+    install_hook(training, "train_step", _numbering_the_step)
+
+
+def _numbering_the_step(train_step: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(train_step)
+    def train_step_numbered(*args: Any, iteration: int | None = None, **kwargs: Any) -> Any:
+        machine = get_rerun_state_machine()
+        if iteration is not None and machine.state == RerunState.NOT_RUNNING_YET:
+            machine.current_iteration = iteration - 1  # the step about to run is 0-based ``iteration``
+        return train_step(*args, iteration=iteration, **kwargs)
+
+    return train_step_numbered
+
+
+def fix_distributed_optimizer_loading() -> None:
+    """Let Megatron's own ``DistributedOptimizer`` (``--optimizer adam`` without ``--canzona``)
+    resume exactly from a ``torch_dist`` checkpoint with torch's optimizers (no Apex or
+    Transformer Engine, as on CPU); idempotent. See the two hooks below."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        install_hook(distrib_optimizer.DistributedOptimizer, "sharded_state_dict", _allocating_state_first)
+    install_hook(distrib_optimizer.DistributedOptimizer, "load_state_dict", _loading_exactly)
+
+
+def _loading_exactly(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
+    """``DistributedOptimizer.load_state_dict`` fixed for torch's own optimizers.
+
+    * Under ``torch.no_grad()``: with fp32 parameters the main parameters are views of the
+      (leaf, requires-grad) model parameters, and ``_set_main_param_and_optimizer_states``
+      copies into them in place (distrib_optimizer.py:1225), which autograd refuses.
+    * The saved step count, one tensor per parameter: torch's AdamW keeps ``step`` in its state.
+      Upstream sets every state's ``step`` to one shared tensor from the saved param groups
+      (:1026-1032), which AdamW then increments in place once per parameter; and the
+      ``dp_reshardable`` load copies the *pre-load* local ``step`` back over it
+      (a ``LocalNonpersistentObject``, :1947, copied at :1225). Either way the bias correction
+      after a resume is wrong."""
+
+    @functools.wraps(load_state_dict)
+    def load_state_dict_exactly(self: Any, state_dict: dict) -> None:
+        groups = (state_dict.get("optimizer") or {}).get("param_groups", []) if isinstance(state_dict, dict) else []
+        saved_steps = {group["step"] for group in groups if group.get("step") is not None}
+        with torch.no_grad():
+            load_state_dict(self, state_dict)
+        for state in getattr(self.optimizer, "state", {}).values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                value = float(next(iter(saved_steps))) if len(saved_steps) == 1 else float(step)
+                state["step"] = torch.tensor(value, dtype=step.dtype, device=step.device)
+
+    return load_state_dict_exactly
+
+
+def _allocating_state_first(sharded_state_dict: Callable[..., Any]) -> Callable[..., Any]:
+    """``DistributedOptimizer.sharded_state_dict`` that can load into a fresh torch optimizer.
+
+    Without Apex or Transformer Engine (CPU) the inner optimizer is ``torch.optim.AdamW``, whose
+    state is empty until its first step, and ``DistributedOptimizer.state_dict`` asserts one
+    ``step`` over that empty state (distrib_optimizer.py:839): ``--load`` of a stock
+    distributed-optimizer checkpoint fails. Allocate the state first, as upstream does for
+    ``fsdp_dtensor`` (``_init_optimizer_states_with_dummy_values``, :1643); every value it
+    touches is then overwritten by the load."""
+
+    @functools.wraps(sharded_state_dict)
+    def sharded_state_dict_allocated(self: Any, model_sharded_state_dict: Any = None, is_loading: bool = False,
+                                     *args: Any, **kwargs: Any) -> Any:
+        if is_loading and not self.is_stub_optimizer and len(self.optimizer.state) == 0:
+            self._init_optimizer_states_with_dummy_values()
+        return sharded_state_dict(self, {} if model_sharded_state_dict is None else model_sharded_state_dict,
+                                  is_loading, *args, **kwargs)
+
+    return sharded_state_dict_allocated

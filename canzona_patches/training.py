@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from canzona_patches.hooks import install_hook
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
@@ -50,32 +51,19 @@ import megatron.training.training as _training  # noqa: E402
 LOSS_KEY = "lm loss"
 """The loss ``pretrain_gpt.py`` reports (Megatron-LM's name)."""
 
-_HOOK_MARK = "__canzona_training_hook__"
-
-
 def install_training_hooks(args: argparse.Namespace) -> None:
     """Install the hooks above (the Canzona ones only when ``args.canzona``); idempotent."""
-    _replace(_dataset_utils, "compile_helpers", _compile_helpers)
-    _replace(_arguments, "parse_args", _with_canzona_flags(_arguments.parse_args))
+    install_hook(_dataset_utils, "compile_helpers", lambda _: _compile_helpers)
+    install_hook(_arguments, "parse_args", _with_canzona_flags)
     metrics = IntervalMetrics(args)
-    _replace(_training, "setup_model_and_optimizer",
-             _timing_optimizer_step(_training.setup_model_and_optimizer, metrics))
-    _replace(_training, "training_log", _logging_interval_metrics(_training.training_log, metrics))
+    install_hook(_training, "setup_model_and_optimizer", lambda setup: _timing_optimizer_step(setup, metrics))
+    install_hook(_training, "training_log", lambda log: _logging_interval_metrics(log, metrics))
     from canzona_patches.checkpoint import install_checkpoint_hooks
 
     install_checkpoint_hooks(args)
     if args.canzona:
-        _replace(_training, "wrap_model_chunks_with_ddp",
-                 _with_canzona_layouts(_training.wrap_model_chunks_with_ddp))
-        _replace(_training, "get_megatron_optimizer",
-                 _canzona_optimizer(_training.get_megatron_optimizer))
-
-
-def _replace(owner: Any, name: str, hook: Callable[..., Any]) -> None:
-    if getattr(getattr(owner, name), _HOOK_MARK, False):
-        return  # installed already (a second call must not wrap twice)
-    setattr(hook, _HOOK_MARK, True)
-    setattr(owner, name, hook)
+        install_hook(_training, "wrap_model_chunks_with_ddp", _with_canzona_layouts)
+        install_hook(_training, "get_megatron_optimizer", _canzona_optimizer)
 
 
 def _with_canzona_flags(parse_args: Callable[..., Any]) -> Callable[..., Any]:

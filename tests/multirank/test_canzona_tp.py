@@ -51,7 +51,10 @@ TP = 2
 MATRIX_ATOL = {"muon": 1e-3 * LR, "shampoo": 1e-3 * LR, "soap": 0.5 * LR}
 ELEMENTWISE_ATOL = {"muon": 0.01 * LR, "shampoo": 0.01 * LR, "soap": 0.25 * LR}
 MEAN_ATOL = {"muon": 1e-4 * LR, "shampoo": 1e-4 * LR, "soap": 0.05 * LR}
-LOSS_RTOL = 1e-5  # measured 1.1e-6 (SOAP), 1e-7 (Muon, Shampoo)
+# Loss after 4 steps: Muon and Shampoo 1e-7; SOAP 1.1e-6 on an AVX2 host and 3.5e-5 on an
+# AVX-512 (Sapphire Rapids) host -- the kernels round differently and SOAP's eigenbasis
+# amplifies it, as above.
+LOSS_RTOL = {"muon": 1e-5, "shampoo": 1e-5, "soap": 1e-4}
 # SOAP's "split" case splits gate/up only. Split K and V pieces are 32 x 64: G^T G is
 # rank-deficient, its null-space eigenbasis is picked by rounding, and TP 1 x DP 2 differs
 # from TP 1 x DP 1 by 7e-3 (3.5 lr) there already, with no TP involved (measured). Gate
@@ -134,7 +137,7 @@ def _is_matrix(name: str) -> bool:
 def test_tp_equals_single_process(results, optimizer: str, split: str, world_size: int) -> None:
     (reference,) = results[(optimizer, split, 1, "async")]
     for rank, result in enumerate(results[(optimizer, split, world_size, "async")]):
-        torch.testing.assert_close(result["losses"], reference["losses"], rtol=LOSS_RTOL, atol=0)
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=LOSS_RTOL[optimizer], atol=0)
         for name, expected in reference["params"].items():
             atol = (MATRIX_ATOL if _is_matrix(name) else ELEMENTWISE_ATOL)[optimizer]
             where = f"{optimizer} {split} world {world_size} rank {rank} {name}"

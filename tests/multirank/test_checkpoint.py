@@ -9,7 +9,8 @@ their preconditioners every 2 steps, so resuming after step 3 also checks the sa
 phase (step counters). Eight damaged or mismatched checkpoints must each fail with one line
 naming the file.
 
-A Muon run saved at TP 2 (world 2) resumes at TP 2 (bitwise), TP 1 x DP 2 and TP 2 x DP 2.
+A Muon run saved at TP 2 (world 2) resumes at TP 2 (bitwise), TP 1 x DP 2 and TP 2 x DP 2,
+and across ``--canzona-tp-mode`` async and sync (bitwise both ways).
 
 The Muon checkpoint directory also holds a save that was killed: rank 1 is SIGKILLed after
 writing its files of iteration 4; the tracker must still name iteration 3, which must load.
@@ -45,7 +46,7 @@ LR = 2e-3
 STEPS, HALF = 6, 3
 OPTIMIZERS = ("muon", "shampoo", "soap", "adam")
 """The Canzona optimizers, and Megatron's own Adam DistributedOptimizer (``dp_reshardable``
-format, with canzona_patches.checkpoint.fix_distributed_optimizer_loading)."""
+format, with canzona_patches.megatron_fixes.fix_distributed_optimizer_loading)."""
 SPLITS = {  # both fused layouts, as in test_canzona_dp.py
     "muon": dict(split_qkv=True, split_gate_up=False),
     "shampoo": dict(split_qkv=True, split_gate_up=True),
@@ -116,11 +117,13 @@ def results(tmp_path_factory) -> dict:
             out[per_rank[0]["key"]] = per_rank[0]["error"] if "error" in per_rank[0] else per_rank
 
     tp2 = _run("muon", tp_size=2, split_gate_up=True)  # Q/K/V and the strided gate/up shards of fc1
+    tp2_sync = replace(tp2, tp_mode="sync")  # --canzona-tp-mode sync: every TP rank computes every matrix
     collect(2, [job(("straight", o), _run(o)) for o in OPTIMIZERS] + [
         # Shampoo's checkpoint (the damaged copies' source) also records SHA-256 hashes.
         job(("saved", o), _run(o), save_dir=str(root / o), save_after=(HALF,), verify_integrity=o == "shampoo")
         for o in OPTIMIZERS if o != "muon"
-    ] + [job(("straight", "tp2"), tp2), job(("saved", "tp2"), tp2, save_dir=str(root / "tp2"), save_after=(HALF,))])
+    ] + [job(("straight", "tp2"), tp2), job(("saved", "tp2"), tp2, save_dir=str(root / "tp2"), save_after=(HALF,)),
+         job(("saved", "tp2_sync"), tp2_sync, save_dir=str(root / "tp2_sync"), save_after=(HALF,))])
     # Muon: save iteration 3, then die while saving iteration 4.
     try:
         _launch(2, [ResumeJob(run=_run("muon"), save_dir=str(root / "muon"), save_after=(HALF, HALF + 1), fault=WRITE_FAULT)])
@@ -131,7 +134,9 @@ def results(tmp_path_factory) -> dict:
     out["tracker_after_fault"] = (root / "muon" / "latest_checkpointed_iteration.txt").read_text()
     tp_jobs = {  # world size -> resumes of the TP 2 checkpoint
         2: [job(("resumed", "tp2", "tp2"), tp2, load_dir=str(root / "tp2")),
-            job(("resumed", "tp2", "tp1_dp2"), replace(tp2, tp_size=1), load_dir=str(root / "tp2"))],
+            job(("resumed", "tp2", "tp1_dp2"), replace(tp2, tp_size=1), load_dir=str(root / "tp2")),
+            job(("resumed", "tp2", "tp2_sync"), tp2_sync, load_dir=str(root / "tp2")),
+            job(("resumed", "tp2", "from_sync"), tp2, load_dir=str(root / "tp2_sync"))],
         4: [job(("resumed", "tp2", "tp2_dp2"), tp2, load_dir=str(root / "tp2"))],
     }
     for dp in (2, 1, 4):
@@ -181,18 +186,21 @@ def test_resume_at_another_dp_size(results, optimizer, dp):
 
 
 @multirank
-@pytest.mark.parametrize("layout", ["tp2", "tp1_dp2", "tp2_dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp1_dp2", "tp2_dp2", "tp2_sync", "from_sync"])
 def test_resume_across_tp_sizes(results, layout):
     """Saved at TP 2: each TP-sharded matrix's state is on its host TP rank at full size, the
     elementwise state and main parameters in TP shards. Resumed at TP 2 (bitwise), TP 1 x DP 2
-    and TP 2 x DP 2. Measured worst difference: 1.2e-7."""
+    and TP 2 x DP 2 (measured worst difference: 1.2e-7); resumed at TP 2 with
+    ``--canzona-tp-mode sync`` (``tp2_sync``), and a sync-mode save resumed in async mode
+    (``from_sync``): the two modes compute the same bits, so both are bitwise."""
+    bitwise = layout in ("tp2", "tp2_sync", "from_sync")
     (straight, *_), resumed = results[("straight", "tp2")], results[("resumed", "tp2", layout)]
     for rank, result in enumerate(resumed):
-        if layout == "tp2":
+        if bitwise:
             assert result["losses"] == straight["losses"][HALF:]
         assert result["losses"] == pytest.approx(straight["losses"][HALF:], rel=1e-4)
         for name, expected in straight["params"].items():
-            atol = 0.0 if layout == "tp2" else RESHARD_ATOL["muon"]
+            atol = 0.0 if bitwise else RESHARD_ATOL["muon"]
             torch.testing.assert_close(result["params"][name], expected, rtol=0, atol=atol,
                                        msg=lambda m: f"TP 2 -> {layout}, rank {rank}, {name}: {m}")
 
@@ -289,7 +297,7 @@ def test_a_placement_outside_the_parameter_is_refused():
 
 _COMMIT = """
 import sys
-from canzona_patches.checkpoint import commit_checkpoint
+from canzona_patches.checkpoint_files import commit_checkpoint
 commit_checkpoint(sys.argv[1], 4)
 """
 

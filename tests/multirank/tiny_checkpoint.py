@@ -53,7 +53,8 @@ def run_resume_jobs(jobs: list[ResumeJob]) -> list[dict[str, Any]]:
 
 def run_resume_job(job: ResumeJob) -> dict[str, Any]:
     """Rank body for one job; see the module docstring."""
-    from canzona_patches.checkpoint import FAULT_ENV, CanzonaCheckpointError, fix_distributed_optimizer_loading
+    from canzona_patches.checkpoint_files import FAULT_ENV, CanzonaCheckpointError
+    from canzona_patches.megatron_fixes import fix_distributed_optimizer_loading
     from canzona_patches.cpu import enable_cpu_mode
     from megatron.core import parallel_state
 
@@ -122,7 +123,8 @@ def save_checkpoint(save_dir: str, iteration: int, model: torch.nn.Module, optim
 
 def load_checkpoint(load_dir: str, model: torch.nn.Module, optimizer: Any) -> int:
     """Load the tracked iteration of ``load_dir``; returns it (the next step to take)."""
-    from canzona_patches.checkpoint import enable_cpu_checkpointing, load_distributed
+    from canzona_patches.checkpoint import load_distributed
+    from canzona_patches.checkpoint_files import enable_cpu_checkpointing
 
     enable_cpu_checkpointing()
     state, iteration = load_distributed(
