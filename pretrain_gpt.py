@@ -257,12 +257,19 @@ def main() -> int:
     except CanzonaArgumentError as error:  # found once the model exists (e.g. bucket too small)
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
-    # Megatron leaves the process groups alive; tearing them down here, after every rank is
-    # done, stops gloo's worker threads before interpreter exit (else an occasional abort).
+    except SystemExit as stop:  # Megatron's clean stops (--exit-interval, --exit-duration-in-mins)
+        if stop.code not in (None, 0):
+            raise
+    _tear_down_process_groups()
+    return 0
+
+
+def _tear_down_process_groups() -> None:
+    """Megatron leaves the process groups alive; tearing them down once every rank is done stops
+    gloo's worker threads before interpreter exit (else an occasional abort at exit)."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # A real one-node SLURM cluster on this machine's loopback, running the qwen3-tiny recipe
-# through examples/qwen3/slurm_pretrain.sbatch twice: a job that trains and saves a
-# checkpoint, then a job that loads it and continues. Checks both, then takes everything down.
+# (VARIANT=canzona: Muon with --canzona; CKPT_FORMAT=torch_dist) through
+# examples/qwen3/slurm_pretrain.sbatch three times, all with --train-iters TOTAL:
+#   train     stops at iteration FIRST (--exit-interval, exit status 0) after saving it;
+#   resume    loads that checkpoint with its optimizer state and trains FIRST+1..TOTAL;
+#   straight  trains 1..TOTAL in one go, without checkpoints.
+# Checks the logs and checkpoints of the first two; that the lm loss and grad norm Megatron
+# prints for each iteration of train + resume are the straight job's, digit for digit (but
+# the lm loss of FIRST+2, which Megatron averages with FIRST+1 after a restart), and so are
+# the final validation and test losses; then takes everything down.
 #
-#   tools/slurm_local.sh            # ~1-2 minutes on 2 cores once SLURM is installed
+#   tools/slurm_local.sh            # ~50 s on 2 cores once SLURM is installed (three jobs of ~15 s)
 #   KEEP=1 tools/slurm_local.sh     # leave the work directory (logs, slurm.conf) behind
 #
 # Installs Debian's slurmctld, slurmd, slurm-client and munge with apt-get when they are
@@ -11,8 +18,8 @@
 # SLURM is not installed and apt-get cannot install it: the reason is printed).
 #
 # Environment: SLURM_LOCAL_DIR (work directory; default a new one under /tmp),
-# SLURM_LOCAL_JOB_TIMEOUT_S (per job, default 240), TRAIN_ITERS (first job; the resume job
-# trains 2 more), PYTHON.
+# SLURM_LOCAL_JOB_TIMEOUT_S (per job, default 240), TRAIN_ITERS (TOTAL, default 6),
+# FIRST_ITERS (where the train job stops, default TOTAL - 3), PYTHON.
 #
 # Everything it starts (munged, slurmctld, slurmd, the jobs) runs with SLURM_CONF pointing
 # into the work directory; on exit, also after a failure or Ctrl-C, the jobs are cancelled,
@@ -22,9 +29,14 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 JOB_TIMEOUT_S="${SLURM_LOCAL_JOB_TIMEOUT_S:-240}"
-FIRST_ITERS="${TRAIN_ITERS:-4}"
 SAVE_INTERVAL=2
-RESUME_ITERS=$(( FIRST_ITERS + 2 ))
+TOTAL_ITERS="${TRAIN_ITERS:-6}"
+[[ "$TOTAL_ITERS" =~ ^[0-9]+$ ]] || { echo "slurm_local.sh: error: TRAIN_ITERS=$TOTAL_ITERS is not a number" >&2; exit 2; }
+FIRST_ITERS="${FIRST_ITERS:-$(( TOTAL_ITERS > 3 ? TOTAL_ITERS - 3 : 1 ))}"
+if ! [[ "$FIRST_ITERS" =~ ^[0-9]+$ ]] || (( FIRST_ITERS < 1 || FIRST_ITERS >= TOTAL_ITERS )); then
+    echo "slurm_local.sh: error: need 1 <= FIRST_ITERS < TRAIN_ITERS (got $FIRST_ITERS and $TOTAL_ITERS)" >&2
+    exit 2
+fi
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
@@ -231,12 +243,13 @@ show_daemon_logs() {
 
 # --- jobs ----------------------------------------------------------------------------------
 
-# submit NAME TRAIN_ITERS [pretrain_gpt.py flags...]: prints the job id
+# submit NAME CKPT_DIR LOG_DIR [pretrain_gpt.py flags...]: prints the job id. Every job is
+# the same TOTAL_ITERS-iteration run of Muon with --canzona (same lr schedule, seed, data).
 submit() {
-    local name="$1" iters="$2"
-    shift 2
-    TRAIN_ITERS="$iters" WARMUP_ITERS=1 SAVE_INTERVAL="$SAVE_INTERVAL" LOG_INTERVAL=1 EVAL_INTERVAL=1000 \
-        CKPT_DIR="$WORK/checkpoints" LOG_DIR="$WORK/run" NPROC_PER_NODE=2 VARIANT=adamw \
+    local name="$1" ckpt_dir="$2" log_dir="$3"
+    shift 3
+    TRAIN_ITERS="$TOTAL_ITERS" WARMUP_ITERS=1 SAVE_INTERVAL="$SAVE_INTERVAL" LOG_INTERVAL=1 EVAL_INTERVAL=1000 \
+        CKPT_DIR="$ckpt_dir" CKPT_FORMAT=torch_dist LOG_DIR="$log_dir" NPROC_PER_NODE=2 VARIANT=canzona \
         PYTHON="$PYTHON" CANZONA_ROOT="$ROOT" \
         sbatch --parsable --job-name="canzona-$name" --chdir="$ROOT" --time=10 \
         --output="$WORK/jobs/$name.out" \
@@ -283,36 +296,93 @@ tracker_iteration() {
     cat "$WORK/checkpoints/latest_checkpointed_iteration.txt" 2>/dev/null || echo none
 }
 
-run_jobs() {
-    local id iteration
-    id="$(submit train "$FIRST_ITERS")"
-    log "submitted job $id: qwen3-tiny, $FIRST_ITERS iterations, checkpoint every $SAVE_INTERVAL"
-    wait_job "$id" train
-    check_log train "iteration +$FIRST_ITERS/ +$FIRST_ITERS \|" "training did not reach iteration $FIRST_ITERS"
-    check_log train "\[slurm\] master [^ ]+:[0-9]+" "the sbatch script printed no rendezvous"
-    iteration="$(tracker_iteration)"
-    [[ "$iteration" == "$FIRST_ITERS" ]] \
-        || fail "latest_checkpointed_iteration.txt says $iteration, expected $FIRST_ITERS"
-    [[ -d "$WORK/checkpoints/iter_$(printf '%07d' "$FIRST_ITERS")" ]] \
-        || fail "no checkpoint directory iter_$(printf '%07d' "$FIRST_ITERS")"
-    log "checkpoint of iteration $iteration written"
+# iteration_stats NAME: "ITERATION LM_LOSS GRAD_NORM" for each of Megatron's iteration lines in
+# the job output, as printed (`iteration    5/    6 | ... | lm loss: 6.867850E+00 | ... |
+# grad norm: 0.868 | ...`).
+iteration_stats() {
+    sed -nE "s/.* iteration +([0-9]+)\/ +$TOTAL_ITERS \|.*\| lm loss: ([^ |]+) \|.*\| grad norm: ([^ |]+) \|.*/\1 \2 \3/p" \
+        "$WORK/jobs/$1.out"
+}
 
-    # The resume job loads the model, iteration and data position but not the AdamW moments
-    # (--no-load-optim): without apex or transformer-engine, Megatron-Core 0.19.2's
-    # distributed optimizer cannot rebuild its state dict for loading (no 'step' entry).
-    id="$(submit resume "$RESUME_ITERS" --no-load-optim)"
-    log "submitted job $id: resume to $RESUME_ITERS iterations"
+# final_eval NAME: the validation and test loss lines printed after the last iteration
+final_eval() {
+    grep -E "^ *validation loss at iteration $TOTAL_ITERS on (validation|test) set" "$WORK/jobs/$1.out" \
+        | sed -E 's/^ +//; s/ +\| *$//'
+}
+
+check_checkpoint() {  # ITERATION WHEN
+    local iteration
+    iteration="$(tracker_iteration)"
+    [[ "$iteration" == "$1" ]] \
+        || fail "$2 latest_checkpointed_iteration.txt says $iteration, expected $1"
+    [[ -d "$WORK/checkpoints/iter_$(printf '%07d' "$1")" ]] \
+        || fail "$2 there is no checkpoint directory iter_$(printf '%07d' "$1")"
+}
+
+run_jobs() {
+    local id next=$(( FIRST_ITERS + 1 )) expected actual
+    # The job stops after iteration FIRST_ITERS, whose checkpoint Megatron writes before it
+    # exits (at --exit-interval when not already saved at a --save-interval): status 0.
+    id="$(submit train "$WORK/checkpoints" "$WORK/run" --exit-interval "$FIRST_ITERS")"
+    log "submitted job $id (train): qwen3-tiny, Muon --canzona, iterations 1..$FIRST_ITERS of $TOTAL_ITERS" \
+        "(--exit-interval $FIRST_ITERS), torch_dist checkpoint every $SAVE_INTERVAL"
+    wait_job "$id" train
+    check_log train "\[slurm\] master [^ ]+:[0-9]+" "the sbatch script printed no rendezvous"
+    check_log train "iteration +$FIRST_ITERS/ +$TOTAL_ITERS \|" "training did not reach iteration $FIRST_ITERS"
+    check_log train "exiting program at iteration $FIRST_ITERS" "training did not stop at --exit-interval"
+    if grep -qE "iteration +$next/ +$TOTAL_ITERS \|" "$WORK/jobs/train.out"; then
+        fail "train: training went on past --exit-interval $FIRST_ITERS"
+    fi
+    check_checkpoint "$FIRST_ITERS" "after the train job"
+    log "checkpoint of iteration $FIRST_ITERS written"
+
+    # Model, optimizer state (Canzona's Muon momenta), lr schedule, iteration and data position.
+    id="$(submit resume "$WORK/checkpoints" "$WORK/run")"
+    log "submitted job $id (resume): load iteration $FIRST_ITERS with its optimizer state, train to $TOTAL_ITERS"
     wait_job "$id" resume
-    check_log resume "loading checkpoint from .* at iteration $FIRST_ITERS" "the checkpoint was not loaded"
-    check_log resume "iteration +$(( FIRST_ITERS + 1 ))/ +$RESUME_ITERS \|" \
-        "training did not continue at iteration $(( FIRST_ITERS + 1 ))"
-    if grep -qE "iteration +1/ +$RESUME_ITERS \|" "$WORK/jobs/resume.out"; then
+    check_log resume "loading (distributed )?checkpoint from .* at iteration $FIRST_ITERS" "the checkpoint was not loaded"
+    check_log resume "iteration +$next/ +$TOTAL_ITERS \|" "training did not continue at iteration $next"
+    if grep -qE "iteration +1/ +$TOTAL_ITERS \|" "$WORK/jobs/resume.out"; then
         fail "the resume job started again from iteration 1"
     fi
-    iteration="$(tracker_iteration)"
-    [[ "$iteration" == "$RESUME_ITERS" ]] \
-        || fail "after the resume job latest_checkpointed_iteration.txt says $iteration, expected $RESUME_ITERS"
-    log "resumed at iteration $(( FIRST_ITERS + 1 )) and saved iteration $iteration"
+    check_checkpoint "$TOTAL_ITERS" "after the resume job"
+    log "resumed at iteration $next and saved iteration $TOTAL_ITERS"
+
+    id="$(submit straight none "$WORK/run-straight")"
+    log "submitted job $id (straight): iterations 1..$TOTAL_ITERS in one go, no checkpoints"
+    wait_job "$id" straight
+    # Megatron prints the first iteration of a process without resetting its interval sums,
+    # so with LOG_INTERVAL=1 the next line's lm loss is the mean of two iterations: the
+    # resume job's line for FIRST+2 averages FIRST+1 and FIRST+2, where the straight job's is
+    # FIRST+2 alone. That one loss is left out; every other lm loss and every grad norm (one
+    # iteration each) must match as printed, and so must the losses of the final evaluation.
+    local skip=$(( FIRST_ITERS + 2 ))
+    expected="$(iteration_stats straight | awk -v skip="$skip" '$1 == skip { $2 = "-" } 1')"
+    actual="$( { iteration_stats train; iteration_stats resume; } | awk -v skip="$skip" '$1 == skip { $2 = "-" } 1')"
+    if [[ "$(wc -l <<< "$expected")" != "$TOTAL_ITERS" ]]; then
+        echo "--- iteration, lm loss, grad norm of the straight job"
+        echo "$expected"
+        fail "straight: expected an iteration line with lm loss and grad norm for each of the $TOTAL_ITERS iterations"
+    fi
+    if [[ "$actual" != "$expected" ]]; then
+        echo "--- iteration, lm loss, grad norm: train then resume | straight"
+        diff -y <(echo "$actual") <(echo "$expected") || true
+        fail "the lm loss or grad norm of train + resume differs from the straight job's"
+    fi
+    expected="$(final_eval straight)"
+    actual="$(final_eval resume)"
+    if [[ "$(wc -l <<< "$expected")" != 2 || "$actual" != "$expected" ]]; then
+        echo "--- final evaluation of the resume job"
+        echo "$actual"
+        echo "--- final evaluation of the straight job"
+        echo "$expected"
+        fail "the final validation and test losses of the resume job differ from the straight job's"
+    fi
+    log "train + resume match the straight job: lm loss and grad norm of iterations 1..$TOTAL_ITERS" \
+        "(lm loss of $skip: Megatron averages it with $(( skip - 1 )) after a restart), validation and test loss"
+    iteration_stats resume | while read -r iteration loss grad_norm; do
+        log "  iteration $iteration: lm loss $loss, grad norm $grad_norm (resume)"
+    done
 }
 
 install_slurm

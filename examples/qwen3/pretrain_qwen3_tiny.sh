@@ -2,18 +2,18 @@
 # qwen3-tiny through the same recipe machinery as the 1.7B-32B scripts (common.sh), small
 # enough for CPU: 2 layers, hidden 64, SwiGLU ffn 176, 4 query heads in 2 KV groups of head
 # dim 16, QK RMSNorm, RoPE base 1e6, untied output layer, vocabulary 1024 (the demo
-# tokenizer's), sequence 64. Two gloo ranks (DP 2), fp32 (bf16 for VARIANT=layerwise), AdamW,
-# checkpoints in the legacy `torch` format. tools/slurm_local.sh submits it through slurm_pretrain.sbatch.
+# tokenizer's), sequence 64. Two gloo ranks (DP 2), fp32 (bf16 for VARIANT=layerwise), Muon
+# with --canzona and torch_dist checkpoints by default, as the GPU recipes.
+# tools/slurm_local.sh submits it through slurm_pretrain.sbatch.
 #
 #   examples/qwen3/pretrain_qwen3_tiny.sh                            # 100 iterations, ~25 s on 2 cores
-#   TRAIN_ITERS=150 examples/qwen3/pretrain_qwen3_tiny.sh --no-load-optim   # then resume to 150
-#   VARIANT=canzona CKPT_DIR=none examples/qwen3/pretrain_qwen3_tiny.sh   # Muon, no checkpoints
+#   TRAIN_ITERS=150 examples/qwen3/pretrain_qwen3_tiny.sh --override-opt_param-scheduler  # resume to 150
+#   VARIANT=adamw CKPT_DIR=none examples/qwen3/pretrain_qwen3_tiny.sh     # AdamW, no checkpoints
 #
-# Defaults that differ from the GPU recipes: VARIANT=adamw and the legacy `torch` checkpoint
-# format, as tools/slurm_local.sh exercises them (a resume there passes --no-load-optim:
-# Megatron-Core 0.19.2's legacy-format optimizer load fails without apex). Canzona runs
-# checkpoint their whole optimizer state with CKPT_FORMAT=torch_dist (canzona_patches/
-# checkpoint.py; tests/e2e/test_resume.py resumes one exactly).
+# A resume loads the whole optimizer state (canzona_patches/checkpoint.py): tests/e2e/
+# test_resume.py resumes a run exactly, and tools/slurm_local.sh does under SLURM. With
+# CKPT_FORMAT=torch (Megatron's legacy format) resume AdamW runs with --no-load-optim:
+# Megatron-Core 0.19.2's legacy optimizer load fails without apex or transformer-engine.
 # For a quick look at the loss curve, pretrain_qwen3_tiny_cpu.sh plots one.
 set -euo pipefail
 
@@ -21,7 +21,7 @@ MODEL=qwen3-tiny
 NUM_LAYERS=2 HIDDEN_SIZE=64 FFN_HIDDEN_SIZE=176 NUM_HEADS=4
 NUM_QUERY_GROUPS=2 KV_CHANNELS=16 VOCAB_SIZE=1024 TIED_EMBEDDINGS=0
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-VARIANT="${VARIANT:-adamw}"
+VARIANT="${VARIANT:-canzona}"
 if [[ -z "${PRECISION:-}" ]]; then
     # Megatron-Core 0.19.2's layer-wise Muon only chains its sub-optimizers in bf16 (in fp32
     # they carry no config and ChainedOptimizer asserts).
@@ -40,7 +40,7 @@ TOKENIZER_TYPE="${TOKENIZER_TYPE:-SentencePieceTokenizer}"
 TOKENIZER_MODEL="${TOKENIZER_MODEL:-$ROOT/data/demo/tokenizer.model}"
 DATA_PATH="${DATA_PATH:-$ROOT/data/demo/demo_text_document}"
 SPLIT="${SPLIT:-949,50,1}"
-CKPT_FORMAT="${CKPT_FORMAT:-torch}"
+CKPT_FORMAT="${CKPT_FORMAT:-torch_dist}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-50}"
 LOG_INTERVAL="${LOG_INTERVAL:-10}"
 EVAL_INTERVAL="${EVAL_INTERVAL:-50}"

@@ -14,6 +14,10 @@ With ``--async-save`` (a second sequence): rank 0 is SIGKILLed while committing 
 (``CANZONA_CKPT_FAULT=commit@8``; the commit is the asynchronous request's last finalize
 step, here run as training ends), then the job is resumed at DP 2, again with ``--async-save``.
 
+With pipeline parallelism (a third sequence): 8 iterations at PP 2 saving iteration 4, resumed
+from it at PP 2 and at PP 1 x DP 2 (stage 1's layer 0 is the model's layer 1: the optimizer
+state is keyed by global layer number).
+
 Dropout is off, as in the Qwen3 recipes: on CPU the data loader draws from the same
 generator as dropout after a resume (on GPU dropout uses the CUDA generator), so CPU
 resumes with dropout are not bitwise.
@@ -114,6 +118,27 @@ def async_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) ->
     return out
 
 
+@pytest.fixture(scope="module")
+def pp_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("pp")
+    ckpt = root / "ckpt"
+    pp2 = ("--pipeline-model-parallel-size", "2")
+    saved = run_with_deadline(
+        torchrun(2, "pretrain_gpt.py", *resume_args(demo_data, root / "pp2_straight", *pp2, "--save", str(ckpt),
+                                                    "--save-interval", str(SAVE_INTERVAL))),
+        timeout_s=RUN_TIMEOUT_S)
+    assert saved.returncode == 0, saved.stdout[-6000:]
+    (ckpt / TRACKER).write_text(str(SAVE_INTERVAL))  # resume from iteration 4
+    out = {"reference": metrics_of(root / "pp2_straight")}
+    for name, layout in (("pp2", pp2), ("dp2", ())):
+        result = run_with_deadline(
+            torchrun(2, "pretrain_gpt.py", *resume_args(demo_data, root / name, *layout, "--load", str(ckpt))),
+            timeout_s=RUN_TIMEOUT_S)
+        assert result.returncode == 0, result.stdout[-6000:]
+        out[name] = metrics_of(root / name)
+    return out
+
+
 def _per_iteration(metrics: dict[int, dict], first: int) -> dict[int, float]:
     """Per-iteration losses of a resumed run. Megatron (and the metrics file, which follows it)
     does not reset its interval sums after a process's first logged iteration, so the line of
@@ -142,6 +167,15 @@ def _assert_repeats_exactly(resumed: dict[int, dict], reference: dict[int, dict]
         assert resumed[iteration]["consumed_samples"] == reference[iteration]["consumed_samples"]
 
 
+def _assert_repeats_closely(resumed: dict[int, dict], reference: dict[int, dict], *, dp_size: int) -> None:
+    """Iterations 5..8 of a run resumed at another layout: losses and grad norms within 1e-5."""
+    losses = _per_iteration(resumed, SAVE_INTERVAL + 1)
+    for iteration in range(SAVE_INTERVAL + 1, ITERS + 1):
+        assert losses[iteration] == pytest.approx(reference[iteration]["lm_loss"], rel=1e-5), iteration
+        assert resumed[iteration]["grad_norm"] == pytest.approx(reference[iteration]["grad_norm"], rel=1e-5)
+        assert resumed[iteration]["dp_size"] == dp_size
+
+
 def test_resume_at_dp2_repeats_the_uninterrupted_run_exactly(runs):
     _assert_repeats_exactly(runs["dp2"], runs["reference"])
     # The resumed run saved iteration 8 over the torn attempt and cleaned it up.
@@ -151,12 +185,7 @@ def test_resume_at_dp2_repeats_the_uninterrupted_run_exactly(runs):
 
 def test_resume_at_dp1_from_a_dp2_checkpoint(runs):
     """DP 1 sums the gradient in another order; measured: equal losses, grad norms within 7e-8."""
-    reference, resumed = runs["reference"], runs["dp1"]
-    losses = _per_iteration(resumed, SAVE_INTERVAL + 1)
-    for iteration in range(SAVE_INTERVAL + 1, ITERS + 1):
-        assert losses[iteration] == pytest.approx(reference[iteration]["lm_loss"], rel=1e-5), iteration
-        assert resumed[iteration]["grad_norm"] == pytest.approx(reference[iteration]["grad_norm"], rel=1e-5)
-        assert resumed[iteration]["dp_size"] == 1
+    _assert_repeats_closely(runs["dp1"], runs["reference"], dp_size=1)
 
 
 def test_a_mismatched_model_gets_one_line_naming_the_file(runs):
@@ -184,3 +213,12 @@ def test_an_async_resume_repeats_the_uninterrupted_run_exactly(async_runs):
     # The final save was committed when the job finalized it, and the torn attempt is gone.
     assert async_runs["tracker_after_resume"] == str(ITERS)
     assert async_runs["after_resume"] == ["iter_0000004", "iter_0000008", TRACKER]
+
+
+def test_resume_at_pp2_from_a_pp2_checkpoint_is_exact(pp_runs):
+    _assert_repeats_exactly(pp_runs["pp2"], pp_runs["reference"])
+
+
+def test_resume_at_dp2_from_a_pp2_checkpoint(pp_runs):
+    """The two stages' state merged into one model: measured equal losses, grad norms within 1e-7."""
+    _assert_repeats_closely(pp_runs["dp2"], pp_runs["reference"], dp_size=2)

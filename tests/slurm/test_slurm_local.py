@@ -1,6 +1,9 @@
-"""SLURM for real: tools/slurm_local.sh brings up munged, slurmctld and slurmd on loopback,
-submits the qwen3-tiny recipe with examples/qwen3/slurm_pretrain.sbatch, checks that it
-trained and wrote a checkpoint, submits a job that resumes from it, and takes it all down.
+"""SLURM for real: tools/slurm_local.sh brings up munged, slurmctld and slurmd on loopback and
+submits the qwen3-tiny recipe (Muon with --canzona, torch_dist checkpoints) with
+examples/qwen3/slurm_pretrain.sbatch three times: a job that stops at --exit-interval after
+saving a checkpoint, a job that resumes from it with the optimizer state, and an
+uninterrupted run whose printed lm loss and grad norm the two must reproduce. It checks the
+logs and checkpoints and takes it all down.
 
 Skipped only when SLURM is missing and apt-get cannot install it (the script exits 77).
 """
@@ -16,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "slurm_local.sh"
-RUN_TIMEOUT_S = 540  # apt-get install (first time), two jobs of ~30 s, teardown
+RUN_TIMEOUT_S = 540  # apt-get install (first time), three jobs of ~15 s, teardown
 TEARDOWN_GRACE_S = 30
 SKIPPED = 77
 
@@ -68,5 +71,6 @@ def test_tiny_recipe_trains_checkpoints_and_resumes_under_slurm(tmp_path: Path) 
         pytest.skip(result.stdout.strip().splitlines()[-1])
     assert result.returncode == 0, result.stdout[-8000:]
     assert "PASS" in result.stdout
+    assert "train + resume match the straight job" in result.stdout, result.stdout[-8000:]
     assert not leftovers, f"processes of the SLURM run left behind: {leftovers}"
     assert not work.exists(), "the work directory was not removed"
