@@ -48,13 +48,18 @@ TP = 2
 #   TP at all, differs from TP 1 x DP 1 by the same 4.2e-4 there -- so the maximum allows
 #   0.5 * lr; AdamW parameters 2.0e-4 (0.25 * lr allowed). The mean absolute difference,
 #   at most 2.6e-5 (0.013 lr), is what separates rounding from a lost update: 0.05 * lr.
+# * SOAP on an AVX-512 (Sapphire Rapids) host: TP 2 split moves one linear_proj weight by
+#   up to 1.02 lr (mean 0.094 lr) and two embedding elements by 1.16 lr -- and TP 1 x DP 2,
+#   with no TP at all, moves the same tensors by the same amounts (measured), so it is the
+#   eigenbasis amplifying a reordered sum, not TP. Hence for SOAP the TP 1 x DP 2 run is a
+#   yardstick: each bound below is at least REORDER_FACTOR times that run's difference from
+#   TP 1 x DP 1 (TP adds its own reorderings on top of DP's).
 MATRIX_ATOL = {"muon": 1e-3 * LR, "shampoo": 1e-3 * LR, "soap": 0.5 * LR}
 ELEMENTWISE_ATOL = {"muon": 0.01 * LR, "shampoo": 0.01 * LR, "soap": 0.25 * LR}
 MEAN_ATOL = {"muon": 1e-4 * LR, "shampoo": 1e-4 * LR, "soap": 0.05 * LR}
-# Loss after 4 steps: Muon and Shampoo 1e-7; SOAP 1.1e-6 on an AVX2 host and 3.5e-5 on an
-# AVX-512 (Sapphire Rapids) host -- the kernels round differently and SOAP's eigenbasis
-# amplifies it, as above.
-LOSS_RTOL = {"muon": 1e-5, "shampoo": 1e-5, "soap": 1e-4}
+LOSS_RTOL = 1e-5  # measured 1.1e-6 (SOAP on AVX2; 3.5e-5 on AVX-512, as its yardstick), 1e-7 (Muon, Shampoo)
+YARDSTICK = ("soap",)
+REORDER_FACTOR = 2.0
 # SOAP's "split" case splits gate/up only. Split K and V pieces are 32 x 64: G^T G is
 # rank-deficient, its null-space eigenbasis is picked by rounding, and TP 1 x DP 2 differs
 # from TP 1 x DP 1 by 7e-3 (3.5 lr) there already, with no TP involved (measured). Gate
@@ -116,14 +121,15 @@ def results() -> dict[tuple[str, str, int, str], list[dict]]:
     """(optimizer, split, world size, tp mode) -> per-rank results; one launch per world size."""
     launches = {
         1: [(_run(opt, split, 1), "async") for opt, split in CASES],
-        2: [(_run(opt, split, TP), mode) for opt, split in CASES for mode in ("async", "sync")],
+        2: [(_run(opt, split, TP), mode) for opt, split in CASES for mode in ("async", "sync")]
+        + [(_run(opt, split, 1), "async") for opt, split in CASES if opt in YARDSTICK],  # TP 1 x DP 2
         4: [(_run(opt, split, TP), "async") for opt, split in CASES] + [(_run(*SYNC_AT_DP2, TP), "sync")],
     }
     out = {}
     for world_size, cases in launches.items():
         for (run, mode), per_rank in zip(cases, _launch(world_size, cases)):
             split = "split" if SPLITS[run.optimizer]["split"] == (run.split_qkv, run.split_gate_up) else "fused"
-            out[(run.optimizer, split, world_size, mode)] = per_rank
+            out[(run.optimizer, split, world_size, mode if run.tp_size > 1 or world_size == 1 else "dp")] = per_rank
     return out
 
 
@@ -136,16 +142,26 @@ def _is_matrix(name: str) -> bool:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tp_equals_single_process(results, optimizer: str, split: str, world_size: int) -> None:
     (reference,) = results[(optimizer, split, 1, "async")]
+    yardstick = results[(optimizer, split, 2, "dp")][0] if optimizer in YARDSTICK else None
+    loss_rtol = LOSS_RTOL
+    if yardstick is not None:
+        reordered = max(abs(a - b) / abs(b) for a, b in zip(yardstick["losses"], reference["losses"]))
+        loss_rtol = max(loss_rtol, REORDER_FACTOR * reordered)
     for rank, result in enumerate(results[(optimizer, split, world_size, "async")]):
-        torch.testing.assert_close(result["losses"], reference["losses"], rtol=LOSS_RTOL[optimizer], atol=0)
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=loss_rtol, atol=0)
         for name, expected in reference["params"].items():
-            atol = (MATRIX_ATOL if _is_matrix(name) else ELEMENTWISE_ATOL)[optimizer]
             where = f"{optimizer} {split} world {world_size} rank {rank} {name}"
+            max_atol = (MATRIX_ATOL if _is_matrix(name) else ELEMENTWISE_ATOL)[optimizer]
+            mean_atol = MEAN_ATOL[optimizer]
+            if yardstick is not None:
+                reordered = (yardstick["params"][name] - expected).abs()
+                max_atol = max(max_atol, REORDER_FACTOR * float(reordered.max()))
+                mean_atol = max(mean_atol, REORDER_FACTOR * float(reordered.mean()))
             torch.testing.assert_close(
-                result["params"][name], expected, rtol=0, atol=atol, msg=lambda m: f"{where}: {m}"
+                result["params"][name], expected, rtol=0, atol=max_atol, msg=lambda m: f"{where}: {m}"
             )
             mean = float((result["params"][name] - expected).abs().mean())
-            assert mean <= MEAN_ATOL[optimizer], f"{where}: mean absolute difference {mean:.3g}"
+            assert mean <= mean_atol, f"{where}: mean absolute difference {mean:.3g}"
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
