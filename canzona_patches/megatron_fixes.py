@@ -14,8 +14,8 @@ changing the math; :func:`apply_all` installs them, once per process, before tra
   path wraps each child in ``Float16OptimizerWithFloat16Params``, wraps each fp32 child in
   Megatron's ``FP32Optimizer``.
 * **Resuming Megatron's distributed AdamW on torch's optimizers** (no Apex or Transformer
-  Engine, as on CPU; :func:`fix_distributed_optimizer_loading`): a ``torch_dist`` load fails
-  or resumes with a wrong step count, see the two hooks.
+  Engine, as on CPU; :func:`fix_distributed_optimizer_loading`): a ``torch_dist`` or legacy
+  ``torch`` load fails, or resumes with a wrong step count, see the three hooks.
 * **The iteration a NaN is reported at** (:func:`fix_rerun_iteration`). ``RerunStateMachine``
   counts from 0 internally and adds 1 in every message; ``train()`` sets its
   ``current_iteration`` to the number of steps done (training.py:3512), and
@@ -89,13 +89,39 @@ def _numbering_the_step(train_step: Callable[..., Any]) -> Callable[..., Any]:
 
 def fix_distributed_optimizer_loading() -> None:
     """Let Megatron's own ``DistributedOptimizer`` (``--optimizer adam`` without ``--canzona``)
-    resume exactly from a ``torch_dist`` checkpoint with torch's optimizers (no Apex or
-    Transformer Engine, as on CPU); idempotent. See the two hooks below."""
+    resume exactly with torch's optimizers (no Apex or Transformer Engine, as on CPU), from
+    ``torch_dist`` and legacy ``torch`` checkpoints; idempotent. See the three hooks below."""
     from megatron.core.optimizer import distrib_optimizer
 
     if not distrib_optimizer.HAVE_APEX_OR_TE:
         install_hook(distrib_optimizer.DistributedOptimizer, "sharded_state_dict", _allocating_state_first)
     install_hook(distrib_optimizer.DistributedOptimizer, "load_state_dict", _loading_exactly)
+    install_hook(distrib_optimizer.DistributedOptimizer, "load_parameter_state", _restoring_moments)
+
+
+def _restoring_moments(load_parameter_state: Callable[..., Any]) -> Callable[..., Any]:
+    """``DistributedOptimizer.load_parameter_state`` (the legacy ``--ckpt-format torch`` load of
+    main parameters and moments) fixed for torch's own optimizers.
+
+    * Under ``torch.no_grad()``, for the in-place copy into views of leaf parameters described
+      in :func:`_loading_exactly`.
+    * Without the ``step`` tensors: ``_set_main_param_and_optimizer_states`` copies every tensor
+      of a parameter's state from the file (distrib_optimizer.py:1222), which holds the
+      parameter and moments only, so torch's AdamW ``step`` is a ``KeyError``. The steps, set
+      by the ``load_state_dict`` that precedes this call, are put back afterwards."""
+
+    @functools.wraps(load_parameter_state)
+    def load_parameter_state_restoring_moments(self: Any, *args: Any, **kwargs: Any) -> Any:
+        steps = {param: state.pop("step") for param, state in self.optimizer.state.items()
+                 if isinstance(state.get("step"), torch.Tensor)}
+        try:
+            with torch.no_grad():
+                return load_parameter_state(self, *args, **kwargs)
+        finally:
+            for param, step in steps.items():
+                self.optimizer.state[param]["step"] = step
+
+    return load_parameter_state_restoring_moments
 
 
 def _loading_exactly(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:

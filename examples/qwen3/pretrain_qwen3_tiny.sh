@@ -11,9 +11,7 @@
 #   VARIANT=adamw CKPT_DIR=none examples/qwen3/pretrain_qwen3_tiny.sh     # AdamW, no checkpoints
 #
 # A resume loads the whole optimizer state (canzona_patches/checkpoint.py): tests/e2e/
-# test_resume.py resumes a run exactly, and tools/slurm_local.sh does under SLURM. With
-# CKPT_FORMAT=torch (Megatron's legacy format) resume AdamW runs with --no-load-optim:
-# Megatron-Core 0.19.2's legacy optimizer load fails without apex or transformer-engine.
+# test_resume.py resumes a run exactly, and tools/slurm_local.sh does under SLURM.
 # For a quick look at the loss curve, pretrain_qwen3_tiny_cpu.sh plots one.
 set -euo pipefail
 

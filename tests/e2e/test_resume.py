@@ -18,6 +18,10 @@ With pipeline parallelism (a third sequence): 8 iterations at PP 2 saving iterat
 from it at PP 2 and at PP 1 x DP 2 (stage 1's layer 0 is the model's layer 1: the optimizer
 state is keyed by global layer number).
 
+Megatron's own AdamW in the legacy ``--ckpt-format torch`` (a fourth sequence): saved at
+iteration 4 of 8 at DP 2, resumed with its moments (canzona_patches/megatron_fixes.py makes
+that load work with torch's optimizers) and, as a control, with ``--no-load-optim``.
+
 Dropout is off, as in the Qwen3 recipes: on CPU the data loader draws from the same
 generator as dropout after a resume (on GPU dropout uses the CUDA generator), so CPU
 resumes with dropout are not bitwise.
@@ -42,8 +46,8 @@ ITERS, SAVE_INTERVAL = 8, 4
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def resume_args(data: DemoData, out: Path, *extra: str) -> list[str]:
-    """Muon with --canzona, 8 iterations, a metrics line per iteration into ``out``."""
+def resume_args(data: DemoData, out: Path, *extra: str, optimizer: tuple[str, ...] = ("muon", "--canzona")) -> list[str]:
+    """Muon with --canzona (or ``optimizer``), 8 iterations, a metrics line per iteration into ``out``."""
     return [
         *QWEN3_TINY, "--hidden-dropout", "0", "--attention-dropout", "0",
         "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", str(ITERS),
@@ -53,7 +57,7 @@ def resume_args(data: DemoData, out: Path, *extra: str) -> list[str]:
         "--tokenizer-model", str(data.tokenizer_model), "--data-path", data.data_prefix, "--split", "80,10,10",
         "--data-cache-path", str(out / "cache"), "--num-workers", "0",
         "--canzona-metrics-file", str(out / "metrics.jsonl"),
-        "--optimizer", "muon", "--canzona", "--use-distributed-optimizer", *extra,
+        "--optimizer", *optimizer, "--use-distributed-optimizer", *extra,
     ]
 
 
@@ -133,6 +137,29 @@ def pp_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> di
     for name, layout in (("pp2", pp2), ("dp2", ())):
         result = run_with_deadline(
             torchrun(2, "pretrain_gpt.py", *resume_args(demo_data, root / name, *layout, "--load", str(ckpt))),
+            timeout_s=RUN_TIMEOUT_S)
+        assert result.returncode == 0, result.stdout[-6000:]
+        out[name] = metrics_of(root / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def legacy_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("legacy")
+    ckpt = root / "ckpt"
+    adam = {"optimizer": ("adam",)}
+    legacy = ("--ckpt-format", "torch")
+    saved = run_with_deadline(
+        torchrun(2, "pretrain_gpt.py", *resume_args(demo_data, root / "straight", *legacy, "--save", str(ckpt),
+                                                    "--save-interval", str(SAVE_INTERVAL), **adam)),
+        timeout_s=RUN_TIMEOUT_S)
+    assert saved.returncode == 0, saved.stdout[-6000:]
+    (ckpt / TRACKER).write_text(str(SAVE_INTERVAL))  # resume from iteration 4
+    out = {"reference": metrics_of(root / "straight")}
+    for name, extra in (("resumed", ()), ("no_optim", ("--no-load-optim",))):
+        result = run_with_deadline(
+            torchrun(2, "pretrain_gpt.py", *resume_args(demo_data, root / name, *legacy, "--load", str(ckpt), *extra,
+                                                        **adam)),
             timeout_s=RUN_TIMEOUT_S)
         assert result.returncode == 0, result.stdout[-6000:]
         out[name] = metrics_of(root / name)
@@ -222,3 +249,9 @@ def test_resume_at_pp2_from_a_pp2_checkpoint_is_exact(pp_runs):
 def test_resume_at_dp2_from_a_pp2_checkpoint(pp_runs):
     """The two stages' state merged into one model: measured equal losses, grad norms within 1e-7."""
     _assert_repeats_closely(pp_runs["dp2"], pp_runs["reference"], dp_size=2)
+
+
+def test_megatron_adamw_resumes_exactly_from_the_legacy_format(legacy_runs):
+    _assert_repeats_exactly(legacy_runs["resumed"], legacy_runs["reference"])
+    # The control: without the moments the next step already differs.
+    assert legacy_runs["no_optim"][SAVE_INTERVAL + 2]["grad_norm"] != legacy_runs["reference"][SAVE_INTERVAL + 2]["grad_norm"]
