@@ -43,7 +43,7 @@ import re
 import shutil
 import signal
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -390,7 +390,9 @@ def staged_save_checkpoint(save_checkpoint: Callable[..., Any]) -> Callable[...,
             if global_rank() == 0:
                 _scratch_tracker(save_dir).unlink(missing_ok=True)
 
-        with _redirected_names(save_dir, iteration, staging), fault_during_write(iteration), \
+        # The 'write' fault hooks this process's writer; an asynchronous write runs in a worker.
+        write_fault = nullcontext() if asynchronous else fault_during_write(iteration)
+        with _redirected_names(save_dir, iteration, staging), write_fault, \
                 _committed_last(commit if asynchronous else None):
             result = save_checkpoint(*args, **kwargs)
         if not asynchronous:
