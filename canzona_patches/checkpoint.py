@@ -36,19 +36,17 @@ import torch
 from canzona_patches.checkpoint_files import (
     TRACKER,
     CanzonaCheckpointError,
-    barrier,
     check_checkpoint_files,
     commit_checkpoint,
     enable_cpu_checkpointing,
     fault_during_write,
-    global_rank,
     install_file_hooks,
-    install_hook,
     one_line_errors,
     prepare_staging,
-    recover_replaced,
+    recover_before_load,
     resolve_checkpoint,
 )
+from canzona_patches.hooks import install_hook
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim import SOAP, Muon, Shampoo
 from megatron.canzona.optim.split import GateUpLayout, QKVLayout
@@ -302,9 +300,7 @@ def load_distributed(sharded_state_dict: dict, load_dir: str | Path, *, optimize
     """Load the tracked iteration of ``load_dir`` into ``sharded_state_dict``; returns the loaded
     state dict and the iteration. With ``optimizer``, its state is checked to match first.
     Failures raise :class:`CanzonaCheckpointError`."""
-    if global_rank() == 0:
-        recover_replaced(Path(load_dir))
-    barrier()
+    recover_before_load(load_dir)
     path = resolve_checkpoint(load_dir)
     if path is None:
         raise CanzonaCheckpointError(f"{Path(load_dir) / TRACKER} does not exist: nothing was saved in {load_dir}")
@@ -363,9 +359,8 @@ def checked_load_checkpoint(load_checkpoint: Callable[..., Any]) -> Callable[...
 
         megatron_args = get_args()
         load_dir = getattr(megatron_args, load_arg, None)
-        if load_dir is not None and global_rank() == 0:
-            recover_replaced(Path(load_dir))
-        barrier()
+        if load_dir is not None:
+            recover_before_load(load_dir)
         path = resolve_checkpoint(load_dir, getattr(megatron_args, "ckpt_step", None))
         if path is None:
             return load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)

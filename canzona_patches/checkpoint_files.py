@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from canzona_patches.arguments import CanzonaArgumentError
+from canzona_patches.hooks import install_hook
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
@@ -164,6 +165,14 @@ def write_tracker(save_dir: str | Path, iteration: int) -> None:
     _fault("tracker", iteration)
     os.replace(temporary, tracker)
     _fsync_dir(tracker.parent)
+
+
+def recover_before_load(load_dir: str | Path) -> None:
+    """Rank 0 undoes a re-save killed between its renames (:func:`recover_replaced`); every
+    rank waits for it (collective when distributed)."""
+    if global_rank() == 0:
+        recover_replaced(Path(load_dir))
+    barrier()
 
 
 def recover_replaced(save_dir: Path) -> None:
@@ -338,18 +347,6 @@ def _corrupt_files(path: Path) -> list[Path]:
 
 # --------------------------------------------------------------------------- megatron.training hooks
 
-_HOOK_MARK = "__canzona_checkpoint_hook__"
-
-
-def install_hook(owner: Any, name: str, make_hook: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """``owner.name = make_hook(owner.name)``, once (idempotent)."""
-    if getattr(getattr(owner, name), _HOOK_MARK, False):
-        return
-    hook = make_hook(getattr(owner, name))
-    setattr(hook, _HOOK_MARK, True)
-    setattr(owner, name, hook)
-
-
 def install_file_hooks(args: Any) -> None:
     """The CPU writer (:func:`enable_cpu_checkpointing`) and staged atomic saves; idempotent."""
     enable_cpu_checkpointing(synchronous_saves=not getattr(args, "async_save", False))
@@ -392,8 +389,8 @@ def staged_save_checkpoint(save_checkpoint: Callable[..., Any]) -> Callable[...,
 
         # The 'write' fault hooks this process's writer; an asynchronous write runs in a worker.
         write_fault = nullcontext() if asynchronous else fault_during_write(iteration)
-        with _redirected_names(save_dir, iteration, staging), write_fault, \
-                _committed_last(commit if asynchronous else None):
+        committed_last = _committed_last(commit) if asynchronous else nullcontext()
+        with _redirected_names(save_dir, iteration, staging), write_fault, committed_last:
             result = save_checkpoint(*args, **kwargs)
         if not asynchronous:
             commit()
@@ -403,12 +400,9 @@ def staged_save_checkpoint(save_checkpoint: Callable[..., Any]) -> Callable[...,
 
 
 @contextmanager
-def _committed_last(commit: Callable[[], None] | None) -> Iterator[None]:
+def _committed_last(commit: Callable[[], None]) -> Iterator[None]:
     """During one asynchronous ``save_checkpoint`` call: the request it schedules gets ``commit``
     as its last finalize function (``checkpointing.schedule_async_save`` wrapped)."""
-    if commit is None:
-        yield
-        return
     checkpointing = importlib.import_module("megatron.training.checkpointing")
     schedule = checkpointing.schedule_async_save
     scheduled = []

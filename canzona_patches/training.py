@@ -51,6 +51,7 @@ import megatron.training.training as _training  # noqa: E402
 LOSS_KEY = "lm loss"
 """The loss ``pretrain_gpt.py`` reports (Megatron-LM's name)."""
 
+
 def install_training_hooks(args: argparse.Namespace) -> None:
     """Install the hooks above (the Canzona ones only when ``args.canzona``); idempotent."""
     install_hook(_dataset_utils, "compile_helpers", lambda _: _compile_helpers)

@@ -33,6 +33,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,6 +68,26 @@ def metrics_of(out: Path) -> dict[int, dict]:
     return {m["iteration"]: m for m in map(json.loads, path.read_text().splitlines())}
 
 
+def _train(data: DemoData, out: Path, *args: str, nproc: int = 2, **kwargs: Any) -> dict[int, dict]:
+    """One ``pretrain_gpt.py`` run (:func:`resume_args` plus ``args``) that must succeed; its metrics."""
+    result = run_with_deadline(torchrun(nproc, "pretrain_gpt.py", *resume_args(data, out, *args, **kwargs)),
+                               timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return metrics_of(out)
+
+
+def _save_then_resume(data: DemoData, root: Path, straight: tuple[str, ...], resumes: dict[str, tuple[str, ...]],
+                      **kwargs: Any) -> dict:
+    """8 iterations saving every 4 (``"reference"``), then each of ``resumes`` from iteration 4."""
+    ckpt = root / "ckpt"
+    out = {"reference": _train(data, root / "straight", *straight, "--save", str(ckpt),
+                               "--save-interval", str(SAVE_INTERVAL), **kwargs)}
+    (ckpt / TRACKER).write_text(str(SAVE_INTERVAL))
+    for name, args in resumes.items():
+        out[name] = _train(data, root / name, *args, "--load", str(ckpt), **kwargs)
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("resume")
@@ -83,15 +104,9 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out["reference"] = metrics_of(killed)
     shutil.copytree(ckpt, copy)
 
-    for name, nproc, load, extra in (
-        ("dp2", 2, ckpt, ("--save", str(ckpt), "--save-interval", str(SAVE_INTERVAL))),
-        ("dp1", 1, copy, ()),
-    ):
-        result = run_with_deadline(
-            torchrun(nproc, "pretrain_gpt.py", *resume_args(demo_data, root / name, "--load", str(load), *extra)),
-            timeout_s=RUN_TIMEOUT_S)
-        assert result.returncode == 0, result.stdout[-6000:]
-        out[name] = metrics_of(root / name)
+    out["dp2"] = _train(demo_data, root / "dp2", "--load", str(ckpt), "--save", str(ckpt),
+                        "--save-interval", str(SAVE_INTERVAL))
+    out["dp1"] = _train(demo_data, root / "dp1", "--load", str(copy), nproc=1)
     out["after_resume"] = sorted(p.name for p in ckpt.iterdir())
     out["tracker_after_resume"] = (ckpt / TRACKER).read_text()
 
@@ -112,11 +127,7 @@ def async_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) ->
     out["after_kill"] = sorted(p.name for p in ckpt.iterdir())
     out["tracker_after_kill"] = (ckpt / TRACKER).read_text()
     out["reference"] = metrics_of(root / "killed")
-    out["resumed"] = run_with_deadline(
-        torchrun(2, "pretrain_gpt.py", *resume_args(demo_data, root / "resumed", "--load", str(ckpt), *save)),
-        timeout_s=RUN_TIMEOUT_S)
-    assert out["resumed"].returncode == 0, out["resumed"].stdout[-6000:]
-    out["resumed_metrics"] = metrics_of(root / "resumed")
+    out["resumed_metrics"] = _train(demo_data, root / "resumed", "--load", str(ckpt), *save)
     out["after_resume"] = sorted(p.name for p in ckpt.iterdir())
     out["tracker_after_resume"] = (ckpt / TRACKER).read_text()
     return out
@@ -124,46 +135,15 @@ def async_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture(scope="module")
 def pp_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("pp")
-    ckpt = root / "ckpt"
     pp2 = ("--pipeline-model-parallel-size", "2")
-    saved = run_with_deadline(
-        torchrun(2, "pretrain_gpt.py", *resume_args(demo_data, root / "pp2_straight", *pp2, "--save", str(ckpt),
-                                                    "--save-interval", str(SAVE_INTERVAL))),
-        timeout_s=RUN_TIMEOUT_S)
-    assert saved.returncode == 0, saved.stdout[-6000:]
-    (ckpt / TRACKER).write_text(str(SAVE_INTERVAL))  # resume from iteration 4
-    out = {"reference": metrics_of(root / "pp2_straight")}
-    for name, layout in (("pp2", pp2), ("dp2", ())):
-        result = run_with_deadline(
-            torchrun(2, "pretrain_gpt.py", *resume_args(demo_data, root / name, *layout, "--load", str(ckpt))),
-            timeout_s=RUN_TIMEOUT_S)
-        assert result.returncode == 0, result.stdout[-6000:]
-        out[name] = metrics_of(root / name)
-    return out
+    return _save_then_resume(demo_data, tmp_path_factory.mktemp("pp"), pp2, {"pp2": pp2, "dp2": ()})
 
 
 @pytest.fixture(scope="module")
 def legacy_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("legacy")
-    ckpt = root / "ckpt"
-    adam = {"optimizer": ("adam",)}
     legacy = ("--ckpt-format", "torch")
-    saved = run_with_deadline(
-        torchrun(2, "pretrain_gpt.py", *resume_args(demo_data, root / "straight", *legacy, "--save", str(ckpt),
-                                                    "--save-interval", str(SAVE_INTERVAL), **adam)),
-        timeout_s=RUN_TIMEOUT_S)
-    assert saved.returncode == 0, saved.stdout[-6000:]
-    (ckpt / TRACKER).write_text(str(SAVE_INTERVAL))  # resume from iteration 4
-    out = {"reference": metrics_of(root / "straight")}
-    for name, extra in (("resumed", ()), ("no_optim", ("--no-load-optim",))):
-        result = run_with_deadline(
-            torchrun(2, "pretrain_gpt.py", *resume_args(demo_data, root / name, *legacy, "--load", str(ckpt), *extra,
-                                                        **adam)),
-            timeout_s=RUN_TIMEOUT_S)
-        assert result.returncode == 0, result.stdout[-6000:]
-        out[name] = metrics_of(root / name)
-    return out
+    return _save_then_resume(demo_data, tmp_path_factory.mktemp("legacy"), legacy,
+                             {"resumed": legacy, "no_optim": (*legacy, "--no-load-optim")}, optimizer=("adam",))
 
 
 def _per_iteration(metrics: dict[int, dict], first: int) -> dict[int, float]:
@@ -247,7 +227,7 @@ def test_resume_at_pp2_from_a_pp2_checkpoint_is_exact(pp_runs):
 
 
 def test_resume_at_dp2_from_a_pp2_checkpoint(pp_runs):
-    """The two stages' state merged into one model: measured equal losses, grad norms within 1e-7."""
+    """The two stages' state merged into one model: losses and grad norms within 1e-5 (relative)."""
     _assert_repeats_closely(pp_runs["dp2"], pp_runs["reference"], dp_size=2)
 
 
