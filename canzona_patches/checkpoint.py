@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import importlib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +46,9 @@ from canzona_patches.checkpoint_files import (
     recover_before_load,
     resolve_checkpoint,
 )
+from canzona_patches.binding import shard_entries
 from canzona_patches.hooks import install_hook
 from canzona_patches.version import require_pinned_megatron
-from megatron.canzona.optim import SOAP, Muon, Shampoo
 from megatron.canzona.optim.split import GateUpLayout, QKVLayout
 from megatron.canzona.runtime.state_io import (
     Placement,
@@ -140,15 +140,15 @@ def common_state(optimizer: Any) -> dict:
 
 def optimizer_name(inner: Any) -> str:
     """``muon``, ``shampoo`` or ``soap`` for a Canzona inner optimizer."""
-    for name, cls in (("muon", Muon), ("shampoo", Shampoo), ("soap", SOAP)):
-        if isinstance(inner, cls):
-            return name
-    raise TypeError(f"{type(inner).__name__} is not a Canzona matrix optimizer")
+    name = getattr(inner, "math", None)
+    if name is None:
+        raise TypeError(f"{type(inner).__name__} is not a Canzona matrix optimizer")
+    return name
 
 
 def pieces_signature(inner: Any) -> list[str]:
     """Which fused matrices are optimized as separate pieces (the matrix state's structure)."""
-    kinds = {type(g["fused_layout"]) for g in inner.param_groups if g.get("fused_layout") is not None}
+    kinds = {type(layout) for layout in inner._layouts.values() if layout is not None}
     return sorted(name for name, cls in (("qkv", QKVLayout), ("gate_up", GateUpLayout)) if cls in kinds)
 
 
@@ -173,44 +173,30 @@ def _check_common(saved: dict, current: dict) -> None:
 def state_chunks(optimizer: Any, *, find_main: bool = True) -> list[StateChunk]:
     """Every state tensor this rank holds, as chunks of name-keyed global tensors.
 
-    Per parameter in this rank's shard: the fp32 main parameter and, by the group's route,
-    the AdamW moments (model-space boxes) or the whole-matrix piece state. A matrix's state
-    is written by one rank; where several tensor-parallel ranks hold it (TP-replicated
-    matrices, ``--canzona-tp-mode sync``) ``find_main`` elects the lowest (a collective over
-    the TP group)."""
+    Per parameter piece in this rank's shard: the fp32 main parameter and, for an
+    elementwise parameter, the AdamW moments (model-space boxes). Per matrix this rank
+    computes: its whole piece state, written by one rank (its host; in sync mode its first
+    holder; of a matrix every TP rank computes, TP rank 0's copy). The writer follows from
+    the plan, without a collective; ``find_main`` is accepted for callers and ignored."""
+    del find_main
     inner = optimizer.optimizer
-    inner.init_state()  # zeros where a parameter has no state yet; what a first step would create
+    inner.init_state()  # zeros where there is no state yet; what a first step would create
     names = global_param_names(optimizer.model_chunks)
     tp_group = _tp_group(optimizer)
     tp_rank, tp_size = _rank_and_size(tp_group)
     chunks: list[StateChunk] = []
-    matrices: list[tuple[str, dict]] = []
-    for model_param, shard, group, param_range in _shard_entries(optimizer):
+    for model_param, shard, group, param_range in shard_entries(optimizer):
         name = names[model_param]
         placement = _placement(model_param, param_range, tp_rank, tp_size)
         chunks.extend(flat_chunks(f"{STATE_PREFIX}{name}.main_param", shard.detach(), placement))
-        state = inner.state[shard]
-        if group["matrix"]:
-            if state.get("pieces"):  # at TP > 1 only the host rank(s) of a matrix hold its state
-                matrices.append((name, state))
-        else:
-            chunks.extend(elementwise_chunks(STATE_PREFIX, name, state, placement))
-    writers = _matrix_writers([n for n, _ in matrices], tp_group, tp_rank, tp_size) if find_main else None
-    for name, state in matrices:
-        chunks.extend(matrix_chunks(STATE_PREFIX, name, state, main=writers is None or writers[name] == tp_rank))
+        if not group["matrix"]:
+            chunks.extend(elementwise_chunks(STATE_PREFIX, name, inner.state[shard], placement))
+    binding, engine = optimizer.canzona_binding, inner.engine
+    for task in inner.computed_tasks():
+        writer = engine.writes(task) and task.column == 0
+        name = names[binding.params[task.key]]
+        chunks.extend(matrix_chunks(STATE_PREFIX, name, inner.matrix_state[task.key], main=writer))
     return chunks
-
-
-def _shard_entries(optimizer: Any) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, dict, Any]]:
-    """``(model param, flat main param, inner group, range in the param)`` for this rank's shard."""
-    inner = optimizer.optimizer
-    for gbuf_range_maps in optimizer.gbuf_ranges:
-        for per_bucket in gbuf_range_maps.values():
-            for bucket in per_bucket:
-                for model_param, ranges in bucket["param_map"].items():
-                    group_index, order = optimizer.model_param_group_index_map[model_param]
-                    group = inner.param_groups[group_index]
-                    yield model_param, group["params"][order], group, ranges["param"]
 
 
 def _placement(param: torch.nn.Parameter, param_range: Any, tp_rank: int, tp_size: int) -> Placement:
@@ -236,19 +222,6 @@ def _rank_and_size(group: Any) -> tuple[int, int]:
     if group is None or not torch.distributed.is_initialized():
         return 0, 1
     return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-
-
-def _matrix_writers(held: list[str], tp_group: Any, tp_rank: int, tp_size: int) -> dict[str, int]:
-    """Matrix name -> the lowest TP rank holding its state."""
-    if tp_size == 1:
-        return {name: tp_rank for name in held}
-    everyone: list[list[str] | None] = [None] * tp_size
-    torch.distributed.all_gather_object(everyone, held, group=tp_group)
-    writers: dict[str, int] = {}
-    for rank, names in enumerate(everyone):
-        for name in names or []:
-            writers.setdefault(name, rank)
-    return writers
 
 
 _LAYER = re.compile(r"^(?P<stack>.*?\blayers)\.(?P<index>\d+)\.")

@@ -1,4 +1,8 @@
-"""Model parameters → planner specs, and a Canzona ``DPPlan`` → Megatron-Core ``FullParamLayout``.
+"""Model parameters → planner specs → the Canzona plan, and its layouts → ``FullParamLayout``.
+
+:func:`build_canzona_plan` is the one place a run's plan is made; everything after it
+(:func:`full_param_layouts` for DDP, ``canzona_patches.optimizer.build_canzona_optimizer``
+for the optimizer) takes the plan as an argument.
 
 Hooks (megatron-core 0.19.2):
 * ``megatron.core.distributed.param_and_grad_buffer.group_params_for_buffers`` — the grouping
@@ -11,11 +15,13 @@ Hooks (megatron-core 0.19.2):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from canzona_patches.version import require_pinned_megatron
-from megatron.canzona.planning import DPPlan, ParamSpec
+from megatron.canzona.planning import CanzonaPlan, CostModel, DPPlan, ParamSpec, WireConfig, make_plan
+from megatron.canzona.planning.geometry import default_bucket_size
 from megatron.canzona.planning.plan import BufferPlan
 
 require_pinned_megatron()
@@ -27,6 +33,9 @@ BUFFER_ROUTING_ATTR = "is_managed_by_layer_wise_optimizer"
 """Parameter attribute ``group_params_for_buffers`` reads to put a parameter in its own buffer."""
 
 NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
+
+SINGLE_BUCKET = 2**62
+"""Bucket size meaning "one bucket" (Megatron's ``bucket_size=None`` without overlap)."""
 
 
 def is_matrix_param(name: str, param: torch.nn.Parameter) -> bool:
@@ -46,8 +55,9 @@ def specs_from_model(
     gated_linear_unit: bool = True,
     split_qkv: bool = False,
     split_gate_up: bool = False,
+    chunk: int = 0,
 ) -> list[ParamSpec]:
-    """Planner descriptions of a live (TP-sharded) model, in registration order."""
+    """Planner descriptions of a live (TP-sharded) model chunk, in registration order."""
     specs, last = [], len(named_params) - 1
     for k, (name, p) in enumerate(named_params):
         sharded = getattr(p, "tensor_model_parallel", False) and tp_size > 1
@@ -71,9 +81,65 @@ def specs_from_model(
         specs.append(ParamSpec(
             name=name, global_shape=tuple(shape), tp_dim=tp_dim, tp_size=tp_size if sharded else 1,
             dtype=str(p.dtype).removeprefix("torch."), family="matrix" if is_matrix_param(name, p) else "elementwise",
-            is_expert=not getattr(p, "allreduce", True), order=last - k, blocks=blocks, fused=fused,
+            is_expert=not getattr(p, "allreduce", True), order=last - k, blocks=blocks, fused=fused, chunk=chunk,
         ))
     return specs
+
+
+def plan_bucket_size(ddp_config: Any, dp_size: int) -> int:
+    """The bucket size DDP would use: the configured one, Megatron's default when gradient
+    reduction overlaps backward, else a single bucket."""
+    if ddp_config.bucket_size is not None:
+        return int(ddp_config.bucket_size)
+    return default_bucket_size(dp_size) if ddp_config.overlap_grad_reduce else SINGLE_BUCKET
+
+
+def wire_config(named_params: NamedParams, ddp_config: Any) -> WireConfig:
+    """Bytes per element of this run's collectives: parameters in their dtype, gradients in
+    fp32 with ``grad_reduce_in_fp32`` else in the parameters' dtype."""
+    param_bytes = max((p.element_size() for _, p in named_params), default=2)
+    return WireConfig(param_bytes=param_bytes, grad_bytes=4 if ddp_config.grad_reduce_in_fp32 else param_bytes)
+
+
+def build_canzona_plan(
+    model_chunks: Sequence[torch.nn.Module], ddp_config: Any, cfg: Any, *, dp_size: int, tp_size: int,
+) -> tuple[CanzonaPlan, list[ParamSpec]]:
+    """The plan of this pipeline stage (every model chunk together), and the specs it was
+    made from. ``cfg`` is a ``megatron.canzona.runtime.config.CanzonaConfig``; parameters are
+    tagged for buffer routing (:func:`tag_params_for_buffers`) as a side effect."""
+    if not ddp_config.use_distributed_optimizer:
+        raise ValueError("--canzona needs the distributed optimizer: pass --use-distributed-optimizer")
+    specs: list[ParamSpec] = []
+    named_all: list[tuple[str, torch.nn.Parameter]] = []
+    for index, chunk in enumerate(model_chunks):
+        named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
+        tc = chunk.config
+        chunk_specs = specs_from_model(
+            named, tp_size=tp_size, num_attention_heads=tc.num_attention_heads,
+            num_query_groups=tc.num_query_groups or tc.num_attention_heads, kv_channels=tc.kv_channels,
+            gated_linear_unit=tc.gated_linear_unit, split_qkv=cfg.split_qkv, split_gate_up=cfg.split_gate_up,
+            chunk=index,
+        )
+        tag_params_for_buffers(named, chunk_specs)
+        specs += chunk_specs
+        named_all += named
+    plan = make_plan(
+        specs, dp_size=dp_size, tp_size=tp_size, cost_model=CostModel(kind=cfg.cost_kind), alpha=cfg.alpha,
+        bucket_size=plan_bucket_size(ddp_config, dp_size), tp_budget=cfg.tp_group_budget,
+        wire=wire_config(named_all, ddp_config),
+    )
+    return plan, specs
+
+
+def full_param_layouts(plan: CanzonaPlan, model_chunks: Sequence[torch.nn.Module], ddp_config: Any) -> list[FullParamLayout]:
+    """The ``FullParamLayout`` of each chunk, for ``DistributedDataParallel(full_param_layout=...)``."""
+    if len(plan.layouts) != len(model_chunks):
+        raise ValueError(f"the plan has {len(plan.layouts)} chunk layouts for {len(model_chunks)} model chunks")
+    return [
+        to_full_param_layout(layout, [(n, p) for n, p in chunk.named_parameters() if p.requires_grad],
+                             grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32)
+        for layout, chunk in zip(plan.layouts, model_chunks)
+    ]
 
 
 def tag_params_for_buffers(named_params: NamedParams, specs: Sequence[ParamSpec]) -> None:

@@ -17,11 +17,12 @@ before ``megatron.training.pretrain``. Every hook replaces a module attribute th
 * ``training.save_checkpoint``/``training.load_checkpoint`` (and, with ``--canzona``, the
   checkpoint content metadata): staged atomic saves and checked loads, see
   :func:`canzona_patches.checkpoint.install_checkpoint_hooks`.
-* Only with ``--canzona``: ``training.wrap_model_chunks_with_ddp`` wraps each chunk in DDP
-  with the layout from ``canzona_patches.optimizer.canzona_full_param_layouts`` (called on
-  the unwrapped chunks, before DDP), and ``training.get_megatron_optimizer`` (as
+* Only with ``--canzona``: ``training.wrap_model_chunks_with_ddp`` makes the run's plan
+  (``canzona_patches.optimizer.canzona_plan_and_layouts``, on the chunks before DDP) and
+  wraps each chunk in DDP with the plan's layout; ``training.get_megatron_optimizer`` (as
   ``setup_model_and_optimizer`` calls it) builds ``canzona_patches.optimizer.
-  get_canzona_optimizer`` instead.
+  get_canzona_optimizer`` with that same plan instead. The plan passes from the first hook
+  to the second in a :class:`PlanHandoff` both are given.
 
 The CPU redirects of ``megatron.training`` live in :func:`canzona_patches.cpu.
 enable_cpu_training_mode`.
@@ -63,8 +64,9 @@ def install_training_hooks(args: argparse.Namespace) -> None:
 
     install_checkpoint_hooks(args)
     if args.canzona:
-        install_hook(_training, "wrap_model_chunks_with_ddp", _with_canzona_layouts)
-        install_hook(_training, "get_megatron_optimizer", _canzona_optimizer)
+        handoff = PlanHandoff()
+        install_hook(_training, "wrap_model_chunks_with_ddp", lambda wrap: _with_canzona_layouts(wrap, handoff))
+        install_hook(_training, "get_megatron_optimizer", lambda get: _canzona_optimizer(get, handoff))
 
 
 def _with_canzona_flags(parse_args: Callable[..., Any]) -> Callable[..., Any]:
@@ -89,31 +91,30 @@ def _compile_helpers() -> None:
 # --- Canzona: layout before DDP, optimizer after ------------------------------------------
 
 
-def _canzona_api(name: str) -> Callable[..., Any]:
-    """``canzona_patches.optimizer.<name>``, or a clear error while it does not exist yet."""
-    try:
-        import canzona_patches.optimizer as canzona_optimizer
-    except ImportError as error:
-        raise RuntimeError(
-            f"--canzona needs canzona_patches.optimizer.{name}, which could not be imported "
-            f"({error}); run without --canzona until the Canzona optimizer is installed"
-        ) from error
-    function = getattr(canzona_optimizer, name, None)
-    if function is None:
-        raise RuntimeError(
-            f"--canzona needs canzona_patches.optimizer.{name}, which this checkout does not "
-            "have yet; run without --canzona until the Canzona optimizer is installed")
-    return function
+class PlanHandoff:
+    """The plan made when the model was wrapped, for the optimizer built after it."""
+
+    def __init__(self) -> None:
+        self._plan: Any = None
+
+    def put(self, plan: Any) -> None:
+        self._plan = plan
+
+    def take(self) -> Any:
+        if self._plan is None:
+            raise RuntimeError("the Canzona optimizer is built before the model was wrapped in DDP with a Canzona "
+                               "plan; --canzona needs megatron.training's setup_model_and_optimizer order")
+        return self._plan
 
 
-def _with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any]) -> Callable[..., Any]:
-    """``wrap_model_chunks_with_ddp`` with Canzona's ``FullParamLayout`` per chunk.
+def _with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any], handoff: PlanHandoff) -> Callable[..., Any]:
+    """``wrap_model_chunks_with_ddp`` with the Canzona plan's ``FullParamLayout`` per chunk.
 
     Upstream computes ``DistributedOptimizer.compute_full_param_layout`` per chunk and wraps
     each chunk in ``DP(config=, ddp_config=, module=, disable_bucketing=,
-    full_param_layout=)``; here the layouts come from
-    ``canzona_full_param_layouts(model_chunks, ddp_config, args)`` instead (it also tags
-    the parameters). FSDP variants are rejected by the flag validation, so ``DP`` is DDP.
+    full_param_layout=)``; here the plan of every chunk together is made once
+    (``canzona_plan_and_layouts``, which also tags the parameters) and handed over for the
+    optimizer. FSDP variants are rejected by the flag validation, so ``DP`` is DDP.
     """
 
     @functools.wraps(wrap_model_chunks_with_ddp)
@@ -122,12 +123,10 @@ def _with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any]) -> Cal
                                   **unused: Any):
         if DP is not _training.DDP:
             raise RuntimeError("--canzona supports Megatron's DistributedDataParallel only")
-        layouts = _canzona_api("canzona_full_param_layouts")(
-            model_chunks, ddp_config, _training.get_args())
-        if len(layouts) != len(model_chunks):
-            raise RuntimeError(
-                f"canzona_full_param_layouts returned {len(layouts)} layouts for "
-                f"{len(model_chunks)} model chunks")
+        from canzona_patches.optimizer import canzona_plan_and_layouts
+
+        plan, layouts = canzona_plan_and_layouts(model_chunks, ddp_config, _training.get_args())
+        handoff.put(plan)
         disable = disable_bucketing_per_chunk or [False] * len(model_chunks)
         return [
             DP(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=off,
@@ -138,14 +137,17 @@ def _with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any]) -> Cal
     return wrap_with_canzona_layouts
 
 
-def _canzona_optimizer(get_megatron_optimizer: Callable[..., Any]) -> Callable[..., Any]:
-    """``get_megatron_optimizer(config, model_chunks, ...)`` -> Canzona's optimizer."""
+def _canzona_optimizer(get_megatron_optimizer: Callable[..., Any], handoff: PlanHandoff) -> Callable[..., Any]:
+    """``get_megatron_optimizer(config, model_chunks, ...)`` -> Canzona's optimizer, on the plan
+    the model was wrapped with."""
 
     @functools.wraps(get_megatron_optimizer)
     def get_canzona_optimizer(config, model_chunks, *unused_args: Any, **unused: Any):
         # Megatron's per-parameter config_overrides (no weight decay on norms/biases, Adam
         # for embeddings under Muon) are the Canzona optimizer's own business.
-        return _canzona_api("get_canzona_optimizer")(config, model_chunks, _training.get_args())
+        from canzona_patches.optimizer import get_canzona_optimizer as build
+
+        return build(config, model_chunks, _training.get_args(), handoff.take())
 
     return get_canzona_optimizer
 

@@ -5,6 +5,8 @@ so a different release can break them silently. Each patch module calls
 :func:`require_pinned_megatron` at import time to fail early and clearly instead.
 """
 
+import logging
+import warnings
 from importlib import metadata
 
 PINNED_MEGATRON_CORE = "0.19.2"
@@ -34,3 +36,12 @@ def require_pinned_megatron() -> None:
         f"{found_text}. Install the pinned release: "
         f"pip install 'megatron-core=={PINNED_MEGATRON_CORE}'."
     )
+
+
+def quiet_megatron_notices() -> None:
+    """Silence Megatron-Core's notices that say nothing to a tool's user: missing
+    Transformer Engine/Apex on a CPU machine, an unknown rank outside a job, torch's "no
+    CUDA runtime". For command-line tools that print their own results; never for training."""
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.core")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

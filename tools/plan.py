@@ -22,23 +22,25 @@ from megatron.canzona.planning import (  # noqa: E402
     DEFAULT_ALPHA,
     QWEN3_MODELS,
     Calibration,
+    CanzonaPlan,
     CostModel,
-    DPPlan,
+    WireConfig,
     lower_bound,
     make_plan,
     plan_eq1,
+    plan_hosts,
     plan_zero1,
     qwen3_specs,
-    summarize,
-    tp_summary,
+    summarize_canzona,
+    summarize_sync,
 )
 
 STRATEGIES = ("canzona", "eq1", "megatron_layerwise", "zero1")
 CASES = (
-    ("qwen3-1.7b", 1, (8, 32, 64)),
-    ("qwen3-8b", 2, (16, 64, 128)),
-    ("qwen3-14b", 4, (8, 32, 64)),
-    ("qwen3-32b", 8, (8, 16, 32, 256)),
+    ("qwen3-1.7b", 1, (8, 32, 64, 128, 256)),
+    ("qwen3-8b", 2, (16, 64, 128, 256)),
+    ("qwen3-14b", 4, (8, 32, 64, 128)),
+    ("qwen3-32b", 8, (8, 16, 32, 64, 128, 256)),
 )
 
 
@@ -53,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="0 favours equal chunk sizes, 1 equal compute")
     p.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket (default: Megatron's max(40M, 1M*dp))")
     p.add_argument("--tp-group-budget", type=float, default=None, help="largest per-slot cost of one TP micro-group")
+    p.add_argument("--params-dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (bytes all-gathered)")
+    p.add_argument("--grad-reduce-in-fp32", action="store_true", help="gradients reduce-scattered in fp32 (else in the parameter dtype)")
     p.add_argument("--split-qkv", action="store_true", help="optimize Q, K and V as separate matrices")
     p.add_argument("--split-gate-up", action="store_true", help="optimize gate and up projections as separate matrices")
     p.add_argument("--compare", action="store_true", help="also plan eq1, megatron_layerwise and zero1")
@@ -71,44 +75,75 @@ def cost_model(args: argparse.Namespace) -> CostModel:
     return CostModel(kind=kind, calibration=calibration)
 
 
-def dp_plans(specs, args, cm: CostModel, strategies) -> tuple[dict[str, DPPlan], dict]:
-    plans, seconds = {}, {}
+def wire_config(args: argparse.Namespace) -> WireConfig:
+    param_bytes = 2 if args.params_dtype == "bf16" else 4
+    return WireConfig(param_bytes=param_bytes, grad_bytes=4 if args.grad_reduce_in_fp32 else param_bytes)
+
+
+def strategy_records(specs, args, cm: CostModel, wire: WireConfig, strategies) -> tuple[dict[str, dict], CanzonaPlan]:
+    """Each strategy's record (planning/metrics.py) with its planning time, and Canzona's plan."""
+    records, plan = {}, None
     if "megatron_layerwise" in strategies:
+        from canzona_patches.version import quiet_megatron_notices
+
+        quiet_megatron_notices()
         import canzona_patches.layerwise_baseline  # noqa: F401  (loads Megatron-Core before the clock starts)
     for name in strategies:
         start = time.perf_counter()
         if name == "canzona":
-            full = make_plan(specs, dp_size=args.dp, tp_size=args.tp, cost_model=cm, alpha=args.alpha,
-                             bucket_size=args.bucket_size, tp_budget=args.tp_group_budget)
-            plans[name], plans["_tp"] = full.dp, full
+            plan = make_plan(specs, dp_size=args.dp, tp_size=args.tp, cost_model=cm, alpha=args.alpha,
+                             bucket_size=args.bucket_size, tp_budget=args.tp_group_budget, wire=wire)
+            record = summarize_canzona(plan, specs, cm, wire)
+        elif name == "eq1":  # whole matrices on the DP rank of their start, one host TP rank each
+            eq1 = plan_eq1(specs, dp_size=args.dp, cost_model=cm, bucket_size=args.bucket_size)
+            record = summarize_canzona(plan_hosts(eq1, specs, tp_size=args.tp, cost_model=cm, wire=wire), specs, cm, wire)
         elif name == "megatron_layerwise":
             from canzona_patches.layerwise_baseline import plan_megatron_layerwise
 
-            plans[name] = plan_megatron_layerwise(specs, dp_size=args.dp, cost_model=cm, bucket_size=args.bucket_size)
+            layerwise = plan_megatron_layerwise(specs, dp_size=args.dp, cost_model=cm, bucket_size=args.bucket_size)
+            record = summarize_sync(layerwise, specs, cm, wire, args.tp)
         else:
-            plan_fn = plan_eq1 if name == "eq1" else plan_zero1
-            plans[name] = plan_fn(specs, dp_size=args.dp, cost_model=cm, bucket_size=args.bucket_size)
-        seconds[name] = time.perf_counter() - start
-    return plans, seconds
+            zero1 = plan_zero1(specs, dp_size=args.dp, cost_model=cm, bucket_size=args.bucket_size)
+            record = summarize_sync(zero1, specs, cm, wire, args.tp)
+        records[name] = {**record, "plan_seconds": time.perf_counter() - start}
+    assert plan is not None
+    return records, plan
+
+
+def host_summary(plan: CanzonaPlan) -> dict:
+    """Micro-groups of the Canzona plan: how many, and how each host's work spreads over them."""
+    per_host: dict[tuple[int, int], list[int]] = {}
+    for h in plan.hosts:
+        per_host.setdefault((h.dp_rank, h.tp_rank or 0), []).append(h.group)
+    busiest = max(per_host.items(), key=lambda kv: len(kv[1]), default=((0, 0), []))
+    multi = [len(set(groups)) for groups in per_host.values() if len(groups) > 1]
+    return {
+        "num_groups": plan.num_groups,
+        "budget": plan.budget,
+        "hosts": len(per_host),
+        "max_matrices_per_host": len(busiest[1]),
+        "min_groups_of_a_host_with_two_matrices": min(multi, default=None),
+    }
 
 
 def report(args: argparse.Namespace) -> dict:
     cm = cost_model(args)
+    wire = wire_config(args)
     specs = qwen3_specs(args.model, tp_size=args.tp, split_qkv=args.split_qkv, split_gate_up=args.split_gate_up)
     strategies = STRATEGIES if args.compare else ("canzona",)
-    plans, seconds = dp_plans(specs, args, cm, strategies)
-    bound = lower_bound(specs, cm, args.dp)
+    records, plan = strategy_records(specs, args, cm, wire, strategies)
     return {
         "config": {
             "model": args.model, "tp": args.tp, "dp": args.dp, "optimizer": args.optimizer, "cost": cm.kind,
-            "cost_unit": cm.unit, "alpha": args.alpha, "bucket_size": plans["canzona"].bucket_size,
+            "cost_unit": cm.unit, "alpha": args.alpha, "bucket_size": plan.dp.bucket_size,
+            "params_dtype": args.params_dtype, "grad_reduce_in_fp32": args.grad_reduce_in_fp32,
             "split_qkv": args.split_qkv, "split_gate_up": args.split_gate_up,
             "num_matrices": sum(s.family == "matrix" for s in specs), "git": git_revision(),
             "machine": f"{platform.node()} {platform.machine()} python {platform.python_version()}",
         },
-        "lower_bound": bound,
-        "strategies": {name: {**summarize(plans[name], bound), "plan_seconds": seconds[name]} for name in strategies},
-        "tp_microgroups": tp_summary(plans["_tp"]),
+        "lower_bound": lower_bound(specs, cm, args.dp * args.tp),
+        "strategies": records,
+        "host_groups": host_summary(plan),
     }
 
 
@@ -125,21 +160,16 @@ def print_report(rep: dict) -> None:
     c = rep["config"]
     print(f"{c['model']}  TP={c['tp']} DP={c['dp']}  cost={c['cost']} ({c['cost_unit']})  alpha={c['alpha']}  "
           f"bucket_size={c['bucket_size']:,}  matrices={c['num_matrices']}")
-    print(f"lower bound (max of total/DP and largest matrix): {rep['lower_bound']:.4g} {c['cost_unit']}\n")
-    print(f"{'strategy':<20}{'makespan/LB':>12}{'padding':>10}{'split':>7}{'buckets':>9}{'uniform':>9}{'min/LB':>8}{'plan s':>8}")
+    print(f"lower bound per GPU (max of total/(DP*TP) and largest matrix): {rep['lower_bound']:.4g} {c['cost_unit']}\n")
+    print(f"{'strategy':<20}{'makespan/LB':>12}{'padding':>9}{'split':>7}{'buckets':>9}{'largest bucket':>16}"
+          f"{'GB sent/rank':>14}{'plan s':>8}")
     for name, s in rep["strategies"].items():
-        low = min(s["loads"]) / rep["lower_bound"]
-        print(f"{name:<20}{s['makespan_over_lower_bound']:>12.3f}{s['padding_overhead'] * 100:>9.1f}%{s['split_params']:>7}"
-              f"{s['num_buckets']:>9}{'yes' if s['uniform_collectives'] else 'no':>9}{low:>8.3f}{s['plan_seconds']:>8.3f}")
-    t = rep["tp_microgroups"]
-    print(f"\nTP micro-groups (TP={t['tp_size']}): up to {t['max_groups_per_dp_rank']} groups per DP rank; "
-          f"busiest (DP,TP) rank / lower bound = {t['dp_x_tp_makespan_over_lower_bound']:.3f}")
-    if t["tp_size"] > 1:
-        loads = t["busiest_group_slot_loads"]
-        for k, slots in enumerate(loads[:8]):
-            print(f"  DP rank {t['busiest_dp_rank']} group {k}: slot loads " + " ".join(f"{x:.3g}" for x in slots))
-        if len(loads) > 8:
-            print(f"  ... {len(loads) - 8} more groups")
+        print(f"{name:<20}{s['makespan_over_lower_bound']:>12.3f}{s['padding_overhead'] * 100:>8.1f}%{s['split_params']:>7}"
+              f"{s['num_buckets']:>9}{s['largest_bucket_elements']:>16,}{s['comm_bytes_per_rank'] / 1e9:>14.3f}"
+              f"{s['plan_seconds']:>8.3f}")
+    g = rep["host_groups"]
+    print(f"\nhost groups: {g['num_groups']} micro-group(s), budget {g['budget']:.3g} {c['cost_unit']}; "
+          f"{g['hosts']} hosts, at most {g['max_matrices_per_host']} matrices on one")
 
 
 def plot(rep: dict, path: str) -> None:
@@ -153,11 +183,11 @@ def plot(rep: dict, path: str) -> None:
     bound = rep["lower_bound"]
     for ax, name in zip(axes[0], names):
         s = rep["strategies"][name]
-        loads = [x / bound for x in s["loads"]]
+        loads = [x / bound for x in s["gpu_loads"]]
         ax.bar(range(len(loads)), loads, width=1.0, color="tab:blue" if name == "canzona" else "tab:gray")
         ax.axhline(1.0, color="tab:red", linestyle="--", linewidth=1, label="lower bound")
         ax.set_title(f"{name}\nmakespan/LB {s['makespan_over_lower_bound']:.2f}, pad {s['padding_overhead'] * 100:.0f}%", fontsize=9)
-        ax.set_xlabel("DP rank")
+        ax.set_xlabel("GPU (DP rank x TP size + TP rank)")
         ax.set_ylim(0, max(1.2, max(loads) * 1.1))
         ax.set_ylabel("optimizer compute / lower bound")
     axes[0][0].legend(fontsize=8)
@@ -168,20 +198,27 @@ def plot(rep: dict, path: str) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+CASE_HEADER = (
+    "| model | TP | DP | canzona makespan/LB | layer-wise makespan/LB | canzona padding | layer-wise padding "
+    "| split | buckets (canzona / zero1) | largest bucket / bucket size | bytes/rank vs zero1 | plan s |"
+)
+
+
 def run_cases(args: argparse.Namespace) -> list[dict]:
     rows = []
-    print("| model | TP | DP | canzona makespan/LB | layer-wise makespan/LB | eq1 | zero1 (split) | canzona padding | layer-wise padding | plan s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(CASE_HEADER)
+    print("|" + "---|" * (CASE_HEADER.count("|") - 1))
     for model, tp, dps in CASES:
         for dp in dps:
             case = argparse.Namespace(**{**vars(args), "model": model, "tp": tp, "dp": dp, "compare": True})
             rep = report(case)
             s = rep["strategies"]
-            print(f"| {model} | {tp} | {dp} | {s['canzona']['makespan_over_lower_bound']:.3f} | "
-                  f"{s['megatron_layerwise']['makespan_over_lower_bound']:.3f} | {s['eq1']['makespan_over_lower_bound']:.2f} | "
-                  f"{s['zero1']['makespan_over_lower_bound']:.2f} ({s['zero1']['split_params']}) | "
-                  f"{s['canzona']['padding_overhead'] * 100:.1f}% | {s['megatron_layerwise']['padding_overhead'] * 100:.1f}% | "
-                  f"{s['canzona']['plan_seconds']:.2f} |", flush=True)
+            cz, lw, z1 = s["canzona"], s["megatron_layerwise"], s["zero1"]
+            print(f"| {model} | {tp} | {dp} | {cz['makespan_over_lower_bound']:.3f} | {lw['makespan_over_lower_bound']:.3f} | "
+                  f"{cz['padding_overhead'] * 100:.1f}% | {lw['padding_overhead'] * 100:.1f}% | {cz['split_params']} | "
+                  f"{cz['num_buckets']} / {z1['num_buckets']} | "
+                  f"{cz['largest_bucket_elements'] / rep['config']['bucket_size']:.2f} | "
+                  f"{cz['comm_bytes_per_rank'] / z1['comm_bytes_per_rank']:.3f} | {cz['plan_seconds']:.2f} |", flush=True)
             rows.append(rep)
     return rows
 

@@ -16,16 +16,20 @@ def plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "tools/plan.py", *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
-def test_json_has_every_strategy_and_the_tp_summary():
+def test_json_has_every_strategy_and_what_a_user_pays():
     out = plan("--model", "qwen3-32b", "--tp", "8", "--dp", "32", "--compare", "--json")
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     assert set(rep["strategies"]) == {"canzona", "eq1", "megatron_layerwise", "zero1"}
+    fields = {"makespan_over_lower_bound", "padding_overhead", "split_params", "loads", "num_buckets",
+              "largest_bucket_elements", "comm_bytes_per_rank"}
     for s in rep["strategies"].values():
-        assert {"makespan_over_lower_bound", "padding_overhead", "split_params", "loads"} <= set(s)
-        assert len(s["loads"]) == 32
-    assert rep["lower_bound"] > 0 and rep["tp_microgroups"]["tp_size"] == 8
-    assert rep["strategies"]["zero1"]["split_params"] > 0 == rep["strategies"]["canzona"]["split_params"]
+        assert fields <= set(s)
+        assert len(s["loads"]) == 32 and len(s["gpu_loads"]) == 32 * 8
+        assert s["num_buckets"] >= 1 and s["largest_bucket_elements"] > 0 and s["comm_bytes_per_rank"] > 0
+    assert rep["lower_bound"] > 0 and rep["host_groups"]["num_groups"] >= 1
+    assert rep["strategies"]["eq1"]["split_params"] == 0  # whole matrices, variable-size shards
+    assert rep["strategies"]["canzona"]["uniform_collectives"] and not rep["strategies"]["eq1"]["uniform_collectives"]
 
 
 def test_plot_writes_a_png(tmp_path):

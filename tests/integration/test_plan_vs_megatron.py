@@ -10,7 +10,15 @@ import textwrap
 import pytest
 import torch
 
-from megatron.canzona.planning import CostModel, lower_bound, make_plan, plan_zero1, qwen3_specs, summarize
+from megatron.canzona.planning import (
+    CostModel,
+    WireConfig,
+    make_plan,
+    plan_zero1,
+    qwen3_specs,
+    summarize_canzona,
+    summarize_sync,
+)
 from megatron.canzona.planning.qwen3 import get_qwen3_config
 
 from canzona_patches.layerwise_baseline import plan_megatron_layerwise
@@ -45,23 +53,33 @@ def test_layerwise_baseline_is_read_back_faithfully():
     assert sum(plan.loads) == pytest.approx(sum(COST.cost(s) for s in specs if s.family == "matrix"))
 
 
-CASES = [("qwen3-1.7b", 1, 8), ("qwen3-1.7b", 1, 32), ("qwen3-1.7b", 1, 64), ("qwen3-8b", 2, 16), ("qwen3-8b", 2, 64),
-         ("qwen3-8b", 2, 128), ("qwen3-14b", 4, 8), ("qwen3-14b", 4, 32), ("qwen3-14b", 4, 64), ("qwen3-32b", 8, 8),
-         ("qwen3-32b", 8, 16), ("qwen3-32b", 8, 32), ("qwen3-32b", 8, 256)]
+CASES = [("qwen3-1.7b", 1, 8), ("qwen3-1.7b", 1, 32), ("qwen3-1.7b", 1, 64), ("qwen3-1.7b", 1, 128),
+         ("qwen3-1.7b", 1, 256), ("qwen3-8b", 2, 16), ("qwen3-8b", 2, 64), ("qwen3-8b", 2, 128), ("qwen3-8b", 2, 256),
+         ("qwen3-14b", 4, 8), ("qwen3-14b", 4, 32), ("qwen3-14b", 4, 64), ("qwen3-14b", 4, 128), ("qwen3-32b", 8, 8),
+         ("qwen3-32b", 8, 16), ("qwen3-32b", 8, 32), ("qwen3-32b", 8, 64), ("qwen3-32b", 8, 128), ("qwen3-32b", 8, 256)]
 MAKESPAN_TARGET = 1.10
+PADDING_TARGET = 0.05
+BUCKET_TARGET = 2.0
+COMM_TARGET = 1.10
 
 
 @pytest.mark.parametrize("model,tp,dp", CASES)
 def test_canzona_meets_targets_against_megatron_layerwise(model, tp, dp):
-    """The README case matrix (Muon cost, default α and bucket size)."""
+    """The README case matrix (Muon cost, default α and bucket size, bf16 parameters and
+    gradients): balance, padding, bucket sizes and bytes per rank."""
     specs = qwen3_specs(model, tp_size=tp)
-    bound = lower_bound(specs, COST, dp)
-    ours = summarize(make_plan(specs, dp_size=dp, tp_size=tp).dp, bound)
-    peer = summarize(plan_megatron_layerwise(specs, dp_size=dp, cost_model=COST), bound)
+    wire = WireConfig()
+    plan = make_plan(specs, dp_size=dp, tp_size=tp)
+    ours = summarize_canzona(plan, specs, COST, wire)
+    peer = summarize_sync(plan_megatron_layerwise(specs, dp_size=dp, cost_model=COST), specs, COST, wire, tp)
+    zero1 = summarize_sync(plan_zero1(specs, dp_size=dp, cost_model=COST), specs, COST, wire, tp)
+    largest = max(s.numel for s in specs if s.family == "matrix")
     assert ours["makespan_over_lower_bound"] <= MAKESPAN_TARGET
     assert ours["makespan_over_lower_bound"] <= peer["makespan_over_lower_bound"] + 1e-9
+    assert ours["padding_overhead"] <= PADDING_TARGET
     assert ours["padding_overhead"] <= peer["padding_overhead"] + 1e-9
-    assert ours["split_params"] == 0
+    assert ours["largest_bucket_elements"] <= max(BUCKET_TARGET * plan.dp.bucket_size, largest)
+    assert ours["comm_bytes_per_rank"] <= COMM_TARGET * zero1["comm_bytes_per_rank"]
 
 
 CATALOG_PROBE = textwrap.dedent(

@@ -87,27 +87,16 @@ def _run(optimizer: str, split: str, tp_size: int) -> TinyRun:
 
 
 def train_in_modes(cases: list[tuple[TinyRun, str]]) -> list[dict[str, Any]]:
-    """Rank body: each run with ``tp_mode`` set, returning also the plan and global rank."""
-    import canzona_patches.optimizer as canzona_optimizer
-
-    original_config, original_layouts = tiny_gpt.canzona_config, canzona_optimizer.build_full_param_layouts
+    """Rank body: each run with ``tp_mode`` set, returning also the global rank."""
+    original_config = tiny_gpt.canzona_config
     results = []
     for run, mode in cases:
-        plans: list[CanzonaPlan] = []
-
-        def layouts(model_chunks, *args, **kwargs):
-            out = original_layouts(model_chunks, *args, **kwargs)
-            plans.append(model_chunks[0].canzona_plan)
-            return out
-
         tiny_gpt.canzona_config = lambda r, mode=mode: dataclasses.replace(original_config(r), tp_mode=mode)
-        canzona_optimizer.build_full_param_layouts = layouts
         try:
             result = tiny_gpt.train_tiny_gpt(run)
         finally:
             tiny_gpt.canzona_config = original_config
-            canzona_optimizer.build_full_param_layouts = original_layouts
-        results.append({**result, "plan": plans[0].to_json(), "rank": dist.get_rank()})
+        results.append({**result, "rank": dist.get_rank()})
     return results
 
 

@@ -10,7 +10,9 @@ phase (step counters). Eight damaged or mismatched checkpoints must each fail wi
 naming the file.
 
 A Muon run saved at TP 2 (world 2) resumes at TP 2 (bitwise), TP 1 x DP 2 and TP 2 x DP 2,
-and across ``--canzona-tp-mode`` async and sync (bitwise both ways).
+and across ``--canzona-tp-mode`` async and sync (bitwise both ways). A Shampoo run whose
+layout splits matrices across DP shards (small buckets, α = 1), saved at DP 2, resumes at
+DP 2 (bitwise), DP 4 and TP 2 x DP 2 (other splits, other hosts).
 
 The Muon checkpoint directory also holds a save that was killed: rank 1 is SIGKILLed after
 writing its files of iteration 4; the tracker must still name iteration 3, which must load.
@@ -59,6 +61,8 @@ SPLITS = {  # both fused layouts, as in test_canzona_dp.py
 # rounding where its eigenbasis is ill-determined (see there); a lost or doubled update moves
 # elements by ~lr.
 RESHARD_ATOL = {"muon": 1e-3 * LR, "shampoo": 1e-3 * LR, "soap": 1e-2 * LR, "adam": 1e-3 * LR}
+SPLIT_BUCKET = 20_000
+"""Elements per DDP bucket that put the tiny GPT's fc1 (16,384) across two DP shards."""
 LAUNCH_TIMEOUT_S = 240.0
 WRITE_FAULT = "write@4:1"  # rank 1 dies after writing its files of iteration 4
 
@@ -118,7 +122,10 @@ def results(tmp_path_factory) -> dict:
 
     tp2 = _run("muon", tp_size=2, split_gate_up=True)  # Q/K/V and the strided gate/up shards of fc1
     tp2_sync = replace(tp2, tp_mode="sync")  # --canzona-tp-mode sync: every TP rank computes every matrix
+    split = _run("shampoo", bucket_size=SPLIT_BUCKET, alpha=1.0)  # fc1 lies across DP shards
     collect(2, [job(("straight", o), _run(o)) for o in OPTIMIZERS] + [
+        job(("straight", "split"), split),
+        job(("saved", "split"), split, save_dir=str(root / "split"), save_after=(HALF,))] + [
         # Shampoo's checkpoint (the damaged copies' source) also records SHA-256 hashes.
         job(("saved", o), _run(o), save_dir=str(root / o), save_after=(HALF,), verify_integrity=o == "shampoo")
         for o in OPTIMIZERS if o != "muon"
@@ -137,8 +144,11 @@ def results(tmp_path_factory) -> dict:
             job(("resumed", "tp2", "tp1_dp2"), replace(tp2, tp_size=1), load_dir=str(root / "tp2")),
             job(("resumed", "tp2", "tp2_sync"), tp2_sync, load_dir=str(root / "tp2")),
             job(("resumed", "tp2", "from_sync"), tp2, load_dir=str(root / "tp2_sync"))],
-        4: [job(("resumed", "tp2", "tp2_dp2"), tp2, load_dir=str(root / "tp2"))],
+        4: [job(("resumed", "tp2", "tp2_dp2"), tp2, load_dir=str(root / "tp2")),
+            job(("resumed", "split", "dp4"), split, load_dir=str(root / "split")),
+            job(("resumed", "split", "tp2_dp2"), replace(split, tp_size=2), load_dir=str(root / "split"))],
     }
+    tp_jobs[2].append(job(("resumed", "split", "dp2"), split, load_dir=str(root / "split")))
     for dp in (2, 1, 4):
         resumes = [job(("resumed", o, dp), _run(o), load_dir=str(root / o)) for o in OPTIMIZERS]
         collect(dp, resumes + tp_jobs.get(dp, []) + (_error_jobs(root) if dp == 1 else []))
@@ -203,6 +213,21 @@ def test_resume_across_tp_sizes(results, layout):
             atol = 0.0 if bitwise else RESHARD_ATOL["muon"]
             torch.testing.assert_close(result["params"][name], expected, rtol=0, atol=atol,
                                        msg=lambda m: f"TP 2 -> {layout}, rank {rank}, {name}: {m}")
+
+
+@multirank
+@pytest.mark.parametrize("layout", ["dp2", "dp4", "tp2_dp2"])
+def test_a_layout_with_split_matrices_resumes_at_other_dp_and_tp_sizes(results, layout):
+    """The Shampoo state of a matrix split across DP shards lives whole on its host; the
+    checkpoint keys it by name, so another layout (other splits, other hosts) reads it."""
+    (straight, *_), resumed = results[("straight", "split")], results[("resumed", "split", layout)]
+    assert straight["split_matrices"], "the small buckets must split a matrix across DP shards"
+    for rank, result in enumerate(resumed):
+        atol = 0.0 if layout == "dp2" else RESHARD_ATOL["shampoo"]
+        assert result["losses"] == pytest.approx(straight["losses"][HALF:], rel=0 if layout == "dp2" else 1e-4)
+        for name, expected in straight["params"].items():
+            torch.testing.assert_close(result["params"][name], expected, rtol=0, atol=atol,
+                                       msg=lambda m: f"split layout DP 2 -> {layout}, rank {rank}, {name}: {m}")
 
 
 @multirank

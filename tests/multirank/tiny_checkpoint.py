@@ -64,7 +64,7 @@ def run_resume_job(job: ResumeJob) -> dict[str, Any]:
     if job.fault:
         os.environ[FAULT_ENV] = job.fault
     try:
-        model, ddp_model, optimizer = _build(job.run)
+        model, ddp_model, optimizer, plan = _build(job.run)
         start, load_s = 0, 0.0
         if job.load_dir is not None:
             began = time.perf_counter()
@@ -86,7 +86,9 @@ def run_resume_job(job: ResumeJob) -> dict[str, Any]:
                 save_s.append(time.perf_counter() - began)
         return {
             "params": _full_params(model), "losses": losses, "start": start, "load_seconds": load_s,
-            "save_seconds": save_s, **job.extra,
+            "save_seconds": save_s, "split_matrices": [] if plan is None else
+            [p.name for layout in plan.layouts for p in layout.matrix.placements if p.host is None],
+            **job.extra,
         }
     finally:
         os.environ.pop(FAULT_ENV, None)

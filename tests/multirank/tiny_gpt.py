@@ -30,8 +30,8 @@ VOCAB = 128
 SEQ_LEN = 16
 
 LAYOUTS = ("megatron", "canzona", "layer_wise")
-"""``megatron``: DDP computes its default layout; ``canzona``: the α-balanced plan
-(canzona_patches.optimizer.build_full_param_layouts); ``layer_wise``:
+"""``megatron``: DDP computes its default layout; ``canzona``: the Canzona plan's
+(canzona_patches.optimizer.plan_and_layouts); ``layer_wise``:
 LayerWiseDistributedOptimizer._compute_per_buffer_param_layout, called standalone. The
 last two put every parameter wholly inside one DP rank's shard."""
 OPTIMIZERS = ("adam", "megatron_muon", "sync_muon", "muon", "shampoo", "soap")
@@ -101,7 +101,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.tp_size)
     try:
-        model, ddp_model, optimizer = _build(run)
+        model, ddp_model, optimizer, plan = _build(run)
         losses, grad_norms, step_seconds, applied = map(list, zip(
             *(_train_step(run, ddp_model, optimizer, step) for step in range(run.num_steps))
         ))
@@ -114,6 +114,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "step_seconds": step_seconds,
             "skipped_steps": [step for step, ok in enumerate(applied) if not ok],
             "tp_stats": _tp_stats(optimizer),
+            "plan": None if plan is None else plan.to_json(),
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -140,15 +141,15 @@ def _build(run: TinyRun):
         bucket_size=run.bucket_size,
     )
     dp_size = parallel_state.get_data_parallel_world_size()
-    layout = _layout(run, model, dp_size, ddp_config)
+    plan, layout = _layout(run, model, dp_size, ddp_config)
     ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp_model.no_sync
-    optimizer = _optimizer(run, ddp_model, OptimizerConfig, get_megatron_optimizer)
-    return model, ddp_model, optimizer
+    optimizer = _optimizer(run, ddp_model, OptimizerConfig, get_megatron_optimizer, plan)
+    return model, ddp_model, optimizer, plan
 
 
-def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer):
+def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer, plan):
     if run.optimizer not in OPTIMIZERS:
         raise ValueError(f"TinyRun.optimizer must be one of {OPTIMIZERS}, got {run.optimizer!r}.")
     megatron_muon = run.optimizer == "megatron_muon"
@@ -181,7 +182,7 @@ def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer)
         raise ValueError("the Canzona optimizers need TinyRun.layout='canzona'.")
     from canzona_patches.optimizer import build_canzona_optimizer
 
-    return build_canzona_optimizer(optimizer_config, [ddp_model], canzona_config(run), tp_size=run.tp_size)
+    return build_canzona_optimizer(optimizer_config, [ddp_model], canzona_config(run), plan)
 
 
 def _sync_muon(run: TinyRun, ddp_model, optimizer_config):
@@ -195,12 +196,13 @@ def _sync_muon(run: TinyRun, ddp_model, optimizer_config):
     from megatron.canzona.optim import Muon
 
     cfg = canzona_config(run)
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if parallel_state.get_tensor_model_parallel_world_size() != 1:
+        raise ValueError("sync_muon runs at TP 1 (its fused layouts are the full matrices')")
     model = ddp_model.module
     groups: dict[tuple, list] = {}
     for name, param in model.named_parameters():
         matrix = is_matrix_param(name, param)
-        key = (matrix, _fused_layout(name, model, cfg, tp_size) if matrix else None, param.ndim == 1)
+        key = (matrix, _fused_layout(name, model, cfg) if matrix else None, param.ndim == 1)
         groups.setdefault(key, []).append(param)
     param_groups = [
         {"params": params, "matrix": matrix, "fused_layout": layout, "weight_decay": 0.0 if vector else run.weight_decay}
@@ -295,24 +297,25 @@ def _gpt_model(config):
 
 
 def _layout(run: TinyRun, model: torch.nn.Module, dp_size: int, ddp_config):
+    """``(Canzona plan or None, FullParamLayout or None)`` for DDP."""
     if run.layout not in LAYOUTS:
         raise ValueError(f"TinyRun.layout must be one of {LAYOUTS}, got {run.layout!r}.")
     if run.optimizer == "megatron_muon":
-        return megatron_layer_wise_muon_layout(model, dp_size, ddp_config, bucket_size=run.bucket_size)
+        return None, megatron_layer_wise_muon_layout(model, dp_size, ddp_config, bucket_size=run.bucket_size)
     if run.layout == "megatron":
-        return None  # DDP computes DistributedOptimizer's default layout itself
+        return None, None  # DDP computes DistributedOptimizer's default layout itself
     if run.layout == "canzona":
         from megatron.core import parallel_state
 
-        from canzona_patches.optimizer import build_full_param_layouts
+        from canzona_patches.optimizer import plan_and_layouts
 
-        (layout,) = build_full_param_layouts(
+        plan, (layout,) = plan_and_layouts(
             [model], ddp_config, canzona_config(run), dp_size=dp_size,
             tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         )
-        return layout
+        return plan, layout
     params = [p for p in model.parameters() if p.requires_grad]
-    return layer_wise_layout(params, dp_size, ddp_config, bucket_size=run.bucket_size)
+    return None, layer_wise_layout(params, dp_size, ddp_config, bucket_size=run.bucket_size)
 
 
 def megatron_layer_wise_muon_layout(model, dp_size: int, ddp_config, *, bucket_size: int | None):

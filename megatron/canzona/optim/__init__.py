@@ -21,7 +21,7 @@ from megatron.canzona.optim.newton_schulz import (
     newton_schulz,
     singular_value_band,
 )
-from megatron.canzona.optim.optimizers import SOAP, MatrixOptimizer, Muon, Shampoo
+from megatron.canzona.optim.optimizers import MATRIX_OPTIMIZERS, SOAP, MatrixOptimizer, Muon, Shampoo
 from megatron.canzona.optim.shampoo import ShampooState, inverse_root, shampoo_update
 from megatron.canzona.optim.soap import SOAPState, soap_update
 from megatron.canzona.optim.split import (
@@ -40,6 +40,7 @@ __all__ = [
     "AdamWState",
     "EMERGING_OPTIMIZERS_COEFFICIENTS",
     "GateUpLayout",
+    "MATRIX_OPTIMIZERS",
     "MatrixOptimizer",
     "Muon",
     "MuonConfig",

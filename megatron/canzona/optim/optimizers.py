@@ -41,7 +41,9 @@ from megatron.canzona.optim.soap import SOAPState, soap_update
 from megatron.canzona.optim.split import GateUpLayout, QKVLayout, merge_pieces, split_pieces
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
-_Job = tuple[torch.Tensor, int, torch.Tensor, OptimizerState]
+_Job = tuple[Any, int, torch.Tensor, OptimizerState]
+"""``(owner, piece index, gradient piece, piece state)``; directions come back by
+``(id(owner), piece index)``."""
 
 # Param-group values saved as {"type": name, "fields": {...}} so that checkpoints hold only
 # plain containers and load with torch.load(..., weights_only=True).
@@ -133,14 +135,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _is_matrix(group: dict[str, Any], param: torch.Tensor) -> bool:
         return group["matrix"] if group["matrix"] is not None else param.ndim == 2
 
-    def _as_matrix(self, param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-        """The 2-D matrix the update math sees for ``param`` (``tensor`` is it or its grad).
-
-        Plain parameters are their own matrix; a distributed runtime overrides this to
-        view a flat buffer slice as its parameter's full matrix.
-        """
-        return tensor
-
     # Stepping -----------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -149,15 +143,24 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._update()
+        return loss
+
+    def _update(self) -> None:
+        """Update every parameter that has a gradient, group by group."""
         for group in self.param_groups:
             self._step_matrices(group)
             self._step_elementwise(group)
-        return loss
+
+    def _state_of(self, owner: Any) -> dict[str, Any]:
+        """The state dict holding ``owner``'s matrix state (``{"pieces": [...]}``); ``owner``
+        is the parameter here, a runtime may key matrix state otherwise."""
+        return self.state[owner]
 
     def _piece_states(
-        self, param: torch.Tensor, pieces: list[torch.Tensor], config: Any
+        self, owner: Any, pieces: list[torch.Tensor], config: Any
     ) -> list[OptimizerState]:
-        stored = self.state[param]
+        stored = self._state_of(owner)
         if "pieces" not in stored:
             stored["pieces"] = [
                 self.state_type.create(
@@ -173,15 +176,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
         for param in params:
             if param.grad.is_sparse:
                 raise TypeError(f"{type(self).__name__} does not support sparse gradients.")
-            pieces = split_pieces(self._as_matrix(param, param.grad), group["fused_layout"])
+            pieces = split_pieces(param.grad, group["fused_layout"])
             states = self._piece_states(param, pieces, group["config"])
             jobs.extend((param, i, p, s) for i, (p, s) in enumerate(zip(pieces, states)))
         directions = self._run_jobs(jobs, group["config"])
         for param in params:
             pieces = [directions[(id(param), i)] for i in range(len(self.state[param]["pieces"]))]
             apply_update(
-                self._as_matrix(param, param), merge_pieces(pieces, group["fused_layout"]),
-                lr=group["lr"], weight_decay=group["weight_decay"],
+                param, merge_pieces(pieces, group["fused_layout"]), lr=group["lr"], weight_decay=group["weight_decay"],
             )
 
     def _run_jobs(self, jobs: list[_Job], config: Any) -> dict[tuple[int, int], torch.Tensor]:
@@ -208,9 +210,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 self._store(param, index, state)
         return directions
 
-    def _store(self, param: torch.Tensor, index: int, state: OptimizerState) -> None:
+    def _store(self, owner: Any, index: int, state: OptimizerState) -> None:
         # Update functions may replace tensors (SOAP's bases) and always bump the step.
-        self.state[param]["pieces"][index].update(state.as_dict())
+        self._state_of(owner)["pieces"][index].update(state.as_dict())
 
     def _step_elementwise(self, group: dict[str, Any]) -> None:
         for param in group["params"]:
@@ -274,3 +276,8 @@ class SOAP(MatrixOptimizer):
     config_type = SOAPConfig
     state_type = SOAPState
     update_fn = staticmethod(soap_update)
+
+
+MATRIX_OPTIMIZERS: dict[str, type[MatrixOptimizer]] = {"muon": Muon, "shampoo": Shampoo, "soap": SOAP}
+"""The matrix optimizers by name. To add one, subclass :class:`MatrixOptimizer` with its
+config type, state type and update function, and register it here."""

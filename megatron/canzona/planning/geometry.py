@@ -17,9 +17,9 @@ BUCKET_ALIGNMENT = 128
 """Bucket ends are padded to a multiple of lcm(dp_size, this)."""
 HIGH_BUSBW_ALIGNMENT = 2**16
 """Extra bucket-end alignment when ``pad_buckets_for_high_nccl_busbw`` is set."""
-PADDING_FLOOR = 0.9
-"""Whole-parameter buckets grow until raw elements reach this fraction of dp_size × largest
-parameter, which caps the padding a dominating parameter forces at 1/0.9 − 1 ≈ 11%."""
+BUCKET_GROWTH = 1.5
+"""A lean-layout bucket never grows past this many times the bucket size by taking one more
+parameter, so buckets stay near the configured size (and under twice it with padding)."""
 
 
 def round_up(value: int, divisor: int) -> int:
@@ -68,34 +68,32 @@ def stock_bucket_ranges(numels: list[int], bucket_size: int | None) -> list[tupl
     return ranges
 
 
-def whole_param_bucket_ranges(
-    numels: list[int], bucket_size: int | None, dp_size: int
-) -> list[tuple[int, int]]:
-    """Bucket ranges for layouts that keep every parameter whole inside one shard.
+def lean_bucket_ranges(numels: list[int], bucket_size: int | None) -> list[tuple[int, int]]:
+    """Bucket ranges for layouts that may split a matrix across shards: stock buckets that
+    stay near ``bucket_size`` so gradient reduction still overlaps backward.
 
-    One shard must fit a bucket's largest parameter and the other dp_size − 1 shards are
-    padded to match, so a bucket also waits until it holds PADDING_FLOOR × dp_size × its
-    largest parameter. A short tail left at the end would be padded the same way, so it is
-    merged into the bucket before it while it is still above that padding level.
+    A bucket closes once it reaches ``bucket_size`` (as Megatron's), or before a parameter
+    that would take it past ``BUCKET_GROWTH`` × ``bucket_size`` (a parameter that large
+    alone is a bucket of its own). A last bucket under half ``bucket_size`` joins the one
+    before it when the two stay within that limit.
     """
-    ranges, first, total, largest = [], 0, 0, 0
+    if bucket_size is None:
+        return [(0, len(numels))] if numels else []
+    limit = BUCKET_GROWTH * bucket_size
+    ranges, first, cursor = [], 0, 0
     for i, numel in enumerate(numels):
-        total += numel
-        largest = max(largest, numel)
-        if bucket_size is not None and total >= max(bucket_size, int(dp_size * largest * PADDING_FLOOR)):
+        grown = align_param_start(cursor) + numel
+        if cursor and grown > limit:
+            ranges.append((first, i))
+            first, grown = i, numel
+        cursor = grown
+        if cursor >= bucket_size:
             ranges.append((first, i + 1))
-            first, total, largest = i + 1, 0, 0
+            first, cursor = i + 1, 0
     if first < len(numels):
         ranges.append((first, len(numels)))
-    while len(ranges) > 1 and _padded_estimate(numels, ranges[-1], dp_size) * PADDING_FLOOR > sum(
-        numels[ranges[-1][0] : ranges[-1][1]]
-    ):
-        (a, _), (_, b) = ranges[-2], ranges[-1]
-        ranges[-2:] = [(a, b)]
+    if len(ranges) > 1:
+        (a, _), (c, d) = ranges[-2], ranges[-1]
+        if packed_size(numels[c:d]) < bucket_size // 2 and packed_size(numels[a:d]) <= limit:
+            ranges[-2:] = [(a, d)]
     return ranges
-
-
-def _padded_estimate(numels: list[int], span: tuple[int, int], dp_size: int) -> int:
-    """Lower bound on a whole-parameter bucket's padded size."""
-    part = numels[span[0] : span[1]]
-    return max(dp_size * max(part), sum(part))

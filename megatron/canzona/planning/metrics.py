@@ -1,11 +1,27 @@
-"""Quality of a plan: compute balance, padding, split matrices."""
+"""Quality of a plan: compute balance, padding, buckets, and the bytes each rank sends.
+
+Every strategy is scored the same way (``tools/plan.py --json`` prints these records):
+
+* ``makespan_over_lower_bound``: the optimizer compute of the busiest GPU, a (DP, TP) rank,
+  over max(total / (dp_size · tp_size), largest matrix); a strategy that computes a
+  TP-sharded matrix on every TP rank (synchronous compute) pays it on each. At TP 1 it is
+  the DP ranks' balance;
+* ``dp_makespan_over_lower_bound``: the busiest DP rank's compute, its TP ranks summed,
+  over max(total / dp_size, largest matrix): how evenly the DP layout spreads the work;
+* ``padding_overhead``: matrix-buffer elements over parameter elements, minus one;
+* ``num_buckets`` and ``largest_bucket_elements`` of the matrix buffer;
+* ``comm_bytes_per_rank``: what the busiest rank sends in one step for gradients and
+  parameters (:mod:`megatron.canzona.planning.comm`): reduce-scatter and all-gather of
+  both buffers, host-group gathers and scatters, synchronous-compute gathers.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .comm import RankTraffic, Task, WireConfig, plan_tasks, sync_tasks, traffic
 from .cost import CostModel
-from .plan import CanzonaPlan, DPPlan
+from .plan import BufferPlan, CanzonaPlan, DPPlan
 from .specs import ParamSpec, matrix_specs
 
 
@@ -15,46 +31,65 @@ def lower_bound(specs: Sequence[ParamSpec], cost_model: CostModel, num_ranks: in
     return max(sum(costs) / num_ranks, max(costs, default=0.0))
 
 
-def makespan_over_lower_bound(plan: DPPlan, bound: float) -> float:
-    return max(plan.loads) / bound if bound > 0 else 1.0
+def makespan_over_lower_bound(loads: Sequence[float], bound: float) -> float:
+    return max(loads, default=0.0) / bound if bound > 0 else 1.0
 
 
-def padding_overhead(plan: DPPlan) -> float:
+def padding_overhead(buffers: Sequence[BufferPlan]) -> float:
     """Matrix-buffer elements over parameter elements, minus one."""
-    return plan.matrix.numel / plan.matrix.param_numel - 1.0
+    numel = sum(b.numel for b in buffers)
+    params = sum(b.param_numel for b in buffers)
+    return numel / params - 1.0 if params else 0.0
 
 
-def split_params(plan: DPPlan) -> int:
+def split_params(buffers: Sequence[BufferPlan]) -> int:
     """Matrices that no single DP rank holds whole."""
-    return sum(p.host is None for p in plan.matrix.placements)
+    return sum(p.host is None for b in buffers for p in b.placements)
 
 
-def summarize(plan: DPPlan, bound: float) -> dict:
-    """The per-strategy record printed by ``tools/plan.py --json``."""
+def summarize_canzona(plan: CanzonaPlan, specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig) -> dict:
+    """The record of a Canzona plan: one host per matrix."""
+    rank_loads = [load for row in plan.rank_loads() for load in row]
+    dp_loads = [sum(row) for row in plan.rank_loads()]
+    return _summary([dp.matrix for dp in plan.layouts], _elementwise(plan.layouts), dp_loads, rank_loads,
+                    plan_tasks(plan, specs), specs, cost_model, wire, plan.dp_size, plan.tp_size)
+
+
+def summarize_sync(plan: DPPlan, specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig,
+                   tp_size: int) -> dict:
+    """The record of a layout whose matrices are computed by every rank holding a piece
+    (stock ZeRO-1; Megatron's layer-wise optimizer in ``muon_tp_mode duplicated``)."""
+    rank_loads = [load for load in plan.loads for _ in range(tp_size)]
+    tasks = sync_tasks([plan.matrix], specs, tp_size)
+    return _summary([plan.matrix], _elementwise([plan]), list(plan.loads), rank_loads, tasks, specs, cost_model,
+                    wire, plan.dp_size, tp_size)
+
+
+def _elementwise(layouts: Sequence[DPPlan]) -> list[BufferPlan]:
+    return [dp.elementwise for dp in layouts if dp.elementwise is not None]
+
+
+def _summary(
+    matrix: list[BufferPlan], elementwise: list[BufferPlan], dp_loads: list[float], rank_loads: list[float],
+    tasks: list[Task], specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig, dp_size: int, tp_size: int,
+) -> dict:
+    bound = lower_bound(specs, cost_model, dp_size)
+    costs = [cost_model.cost(s) * (1 if s.tp_sharded else tp_size) for s in matrix_specs(specs)]
+    rank_bound = max(sum(costs) / (dp_size * tp_size), max((cost_model.cost(s) for s in matrix_specs(specs)), default=0.0))
+    per_rank = traffic(matrix + elementwise, tasks, dp_size=dp_size, tp_size=tp_size, wire=wire)
+    busiest: RankTraffic = max(per_rank, key=lambda r: r.total)
+    buckets = [b for buffer in matrix for b in buffer.buckets]
     return {
-        "makespan_over_lower_bound": makespan_over_lower_bound(plan, bound),
-        "padding_overhead": padding_overhead(plan),
-        "split_params": split_params(plan),
-        "num_buckets": len(plan.matrix.buckets),
-        "uniform_collectives": all(b.uniform for b in plan.matrix.buckets),
-        "loads": list(plan.loads),
-    }
-
-
-def tp_summary(plan: CanzonaPlan) -> dict:
-    """Micro-group statistics over every DP rank's TP schedule."""
-    tp_size = plan.tp[0].tp_size if plan.tp else 1
-    rank_loads = [load for tp in plan.tp for load in tp.rank_loads]
-    costs = [p.cost for p in plan.dp.matrix.placements]
-    bound = max(sum(costs) / max(len(rank_loads), 1), max(costs, default=0.0))
-    busiest = max(range(len(plan.tp)), key=lambda r: sum(plan.tp[r].rank_loads))
-    groups = plan.tp[busiest].groups
-    return {
-        "tp_size": tp_size,
-        "budget": plan.tp[busiest].budget,
-        "max_groups_per_dp_rank": max(len(tp.groups) for tp in plan.tp),
-        "dp_x_tp_lower_bound": bound,
-        "dp_x_tp_makespan_over_lower_bound": max(rank_loads) / bound if bound > 0 else 1.0,
-        "busiest_dp_rank": busiest,
-        "busiest_group_slot_loads": [list(g.slot_loads) for g in groups],
+        "makespan_over_lower_bound": makespan_over_lower_bound(rank_loads, rank_bound),
+        "dp_makespan_over_lower_bound": makespan_over_lower_bound(dp_loads, bound),
+        "padding_overhead": padding_overhead(matrix),
+        "split_params": split_params(matrix),
+        "num_buckets": len(buckets),
+        "largest_bucket_elements": max((b.numel for b in buckets), default=0),
+        "comm_bytes_per_rank": busiest.total,
+        "comm_bytes_breakdown": busiest.as_dict(),
+        "collective_bytes_per_rank": busiest.reduce_scatter + busiest.all_gather,
+        "uniform_collectives": all(b.uniform for b in buckets),
+        "loads": list(dp_loads),
+        "gpu_loads": list(rank_loads),
     }

@@ -1,9 +1,9 @@
-"""Data-parallel layouts of the matrix buffer: Canzona's α-balanced plan and its baselines.
+"""Data-parallel layouts of the matrix buffer that Canzona is measured against, and the
+checks every planner shares.
 
 Every strategy lays matrix parameters out in backprop order into buckets. ``zero1`` and
 ``eq1`` use the stock layout (parameters back to back, dp_size equal chunks per bucket);
-``canzona`` keeps every matrix whole inside one rank's equal-size shard of its bucket so
-that the stock reduce-scatter delivers whole gradients to their owner.
+Canzona's own layout is :mod:`megatron.canzona.planning.balance`'s.
 """
 
 from __future__ import annotations
@@ -12,24 +12,17 @@ from collections.abc import Sequence
 
 from .cost import CostModel
 from .geometry import (
-    PARAM_ALIGNMENT,
     align_param_start,
     bucket_end_divisor,
     default_bucket_size,
     round_up,
-    shard_divisor,
     stock_bucket_ranges,
-    whole_param_bucket_ranges,
 )
 from .plan import Bucket, BufferPlan, DPPlan, Placement
 from .specs import ParamSpec, elementwise_specs, matrix_specs
 
 DEFAULT_ALPHA = 0.5
 """Default balance knob: relative compute imbalance and relative padding weigh the same."""
-CAPACITY_STEPS = 8
-"""Shard capacities tried per bucket between the tightest packing and the whole bucket."""
-MAX_REFINE_ROUNDS = 10_000
-"""Bound on local-search moves after the greedy pass."""
 
 
 def check_inputs(dp_size: int, alpha: float | None = None, bucket_size: int | None = None) -> None:
@@ -42,9 +35,9 @@ def check_inputs(dp_size: int, alpha: float | None = None, bucket_size: int | No
         raise ValueError(f"bucket size must be a positive number of elements, got {bucket_size}")
 
 
-def item_size(numel: int) -> int:
-    """Elements a parameter occupies in a shard, its start alignment included."""
-    return round_up(numel, PARAM_ALIGNMENT)
+def check_tp_size(tp_size: int) -> None:
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}; pass --tp 1 or more")
 
 
 # --------------------------------------------------------------------------- stock layouts

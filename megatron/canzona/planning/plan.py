@@ -9,7 +9,7 @@ from . import serde
 
 @dataclass(frozen=True, kw_only=True)
 class Placement:
-    """Where one parameter lives in a data-parallel buffer and which rank updates it."""
+    """Where one parameter lives in a data-parallel buffer."""
 
     name: str
     """Parameter name."""
@@ -20,7 +20,7 @@ class Placement:
     bucket: int
     """Index of the bucket holding it."""
     host: int | None
-    """DP rank that owns the whole parameter; ``None`` when the layout splits it."""
+    """DP rank whose shard holds the whole parameter; ``None`` when it lies across shards."""
     cost: float
     """Cost of its optimizer update in the plan's cost unit."""
 
@@ -37,6 +37,10 @@ class Bucket:
     """Sum of parameter elements in the bucket."""
     shard_bounds: tuple[int, ...]
     """dp_size + 1 offsets: rank r's shard is [shard_bounds[r], shard_bounds[r + 1])."""
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
 
     @property
     def uniform(self) -> bool:
@@ -62,10 +66,27 @@ class BufferPlan:
     def param_numel(self) -> int:
         return sum(p.end - p.start for p in self.placements)
 
+    def placement(self, name: str) -> Placement:
+        for p in self.placements:
+            if p.name == name:
+                return p
+        raise KeyError(f"{name} is not in this buffer")
+
+    def pieces(self, placement: Placement) -> tuple[tuple[int, int, int], ...]:
+        """``(dp_rank, lo, hi)`` per DP shard holding part of the parameter: its elements
+        ``[lo, hi)`` (flattened local tensor) sit in ``dp_rank``'s shard."""
+        bounds = self.buckets[placement.bucket].shard_bounds
+        out = []
+        for rank, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            lo, hi = max(a, placement.start), min(b, placement.end)
+            if lo < hi:
+                out.append((rank, lo - placement.start, hi - placement.start))
+        return tuple(out)
+
 
 @dataclass(frozen=True, kw_only=True)
 class DPPlan:
-    """Data-parallel plan: who updates each matrix and how the matrix buffer is laid out."""
+    """Data-parallel layout of one model chunk's buffers, and who computes each matrix there."""
 
     strategy: str
     """``canzona``, ``eq1``, ``megatron_layerwise`` or ``zero1``."""
@@ -82,9 +103,10 @@ class DPPlan:
     elementwise: BufferPlan | None = None
     """Buffer of elementwise (AdamW) parameters, stock contiguous layout."""
     loads: tuple[float, ...] = ()
-    """Optimizer compute per DP rank (a split matrix counts on every rank holding a piece)."""
+    """Optimizer compute per DP rank (summed over its TP ranks)."""
 
     def owners(self) -> dict[str, int | None]:
+        """DP rank holding each matrix whole (``None``: split across DP shards)."""
         return {p.name: p.host for p in self.matrix.placements}
 
     def to_json(self) -> str:
@@ -96,51 +118,76 @@ class DPPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MicroGroup:
-    """Matrices whose gather, host compute and scatter run together on a TP group."""
+class Host:
+    """The one rank that computes a matrix's update, and when."""
 
-    names: tuple[str, ...]
-    """Parameters in the group, largest cost first."""
-    hosts: tuple[int, ...]
-    """TP rank that computes each parameter's full-matrix update."""
-    slot_loads: tuple[float, ...]
-    """Compute each TP rank does for this group."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TPPlan:
-    """Tensor-parallel schedule of the matrices one DP rank owns."""
-
-    tp_size: int
-    """Tensor-parallel group size."""
-    budget: float
-    """Largest per-slot load a micro-group may carry (a bigger single matrix gets its own)."""
-    groups: tuple[MicroGroup, ...]
-    """Micro-groups in execution order."""
-
-    @property
-    def rank_loads(self) -> tuple[float, ...]:
-        return tuple(sum(g.slot_loads[r] for g in self.groups) for r in range(self.tp_size))
-
-    def hosts(self) -> dict[str, int]:
-        return {n: h for g in self.groups for n, h in zip(g.names, g.hosts)}
+    name: str
+    """Parameter name (unique within its chunk)."""
+    chunk: int = 0
+    """Model chunk (virtual pipeline stage) holding the parameter."""
+    dp_rank: int
+    """DP rank of the host."""
+    tp_rank: int | None
+    """TP rank of the host; ``None`` for a matrix every TP rank holds whole (not TP-sharded):
+    then each TP rank computes it for its own copy, on its DP rank ``dp_rank``."""
+    group: int
+    """Micro-group; groups run in increasing order, each one gather, compute, scatter."""
+    cost: float
+    """Cost of the update in the plan's cost unit."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class CanzonaPlan:
-    """The whole plan: the DP layout, and per DP rank the TP micro-group schedule."""
+    """The whole plan of one pipeline stage: buffer layouts and a host per matrix.
 
-    dp: DPPlan
-    """Data-parallel plan (identical on every TP rank: local shapes match)."""
-    tp: tuple[TPPlan, ...]
-    """One schedule per DP rank, over the matrices that rank owns."""
+    Every matrix is computed once, by its host (DP rank, TP rank). A matrix that lies whole
+    in its host's DP shard and is not TP-sharded needs no communication; any other gathers
+    its pieces (DP shards x TP shards) to the host and gets its update slices back.
+    """
 
-    def compute_rank(self, name: str) -> tuple[int, int]:
-        """The single (dp_rank, tp_rank) that computes ``name``'s update."""
-        dp_rank = self.dp.owners()[name]
-        if dp_rank is None:
-            raise ValueError(f"{name} is split across DP ranks by the {self.dp.strategy} layout")
-        return dp_rank, self.tp[dp_rank].hosts()[name]
+    layouts: tuple[DPPlan, ...]
+    """One data-parallel layout per model chunk."""
+    tp_size: int
+    """Tensor-parallel group size."""
+    hosts: tuple[Host, ...]
+    """One entry per matrix of every chunk, by micro-group then cost (largest first)."""
+    budget: float
+    """Largest cost one host takes in one micro-group (a single larger matrix goes alone)."""
+
+    @property
+    def dp(self) -> DPPlan:
+        """The layout of a single-chunk plan."""
+        if len(self.layouts) != 1:
+            raise ValueError(f"this plan has {len(self.layouts)} model chunks; use plan.layouts[chunk]")
+        return self.layouts[0]
+
+    @property
+    def dp_size(self) -> int:
+        return self.layouts[0].dp_size
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + max((h.group for h in self.hosts), default=-1)
+
+    def host(self, name: str, chunk: int = 0) -> Host:
+        for h in self.hosts:
+            if h.name == name and h.chunk == chunk:
+                return h
+        raise KeyError(f"no matrix {name} in chunk {chunk} of this plan")
+
+    def compute_rank(self, name: str, chunk: int = 0) -> tuple[int, int]:
+        """The (dp_rank, tp_rank) that computes ``name``'s update (TP rank 0 for a matrix
+        every TP rank holds whole, which each TP rank computes for itself)."""
+        h = self.host(name, chunk)
+        return h.dp_rank, 0 if h.tp_rank is None else h.tp_rank
+
+    def rank_loads(self) -> list[list[float]]:
+        """Compute per [dp_rank][tp_rank]."""
+        loads = [[0.0] * self.tp_size for _ in range(self.dp_size)]
+        for h in self.hosts:
+            for t in range(self.tp_size) if h.tp_rank is None else (h.tp_rank,):
+                loads[h.dp_rank][t] += h.cost
+        return loads
 
     def to_json(self) -> str:
         return serde.dumps(self)

@@ -35,6 +35,8 @@ class ParamSpec:
     empty means the whole parameter is one matrix."""
     fused: str | None = None
     """Fused layout of the tensor (``qkv`` or ``gate_up``), needed to split and re-shard it."""
+    chunk: int = 0
+    """Model chunk (virtual pipeline stage) holding the parameter; each chunk has its own buffers."""
 
     def __post_init__(self) -> None:
         if any(d <= 0 for d in self.global_shape):
@@ -62,6 +64,11 @@ class ParamSpec:
         shape = list(self.global_shape)
         shape[self.tp_dim] //= self.tp_size
         return tuple(shape)
+
+    @property
+    def tp_sharded(self) -> bool:
+        """Whether tensor-parallel ranks hold different slices (else each holds it whole)."""
+        return self.tp_dim is not None and self.tp_size > 1
 
     @property
     def numel(self) -> int:
@@ -93,6 +100,7 @@ class ParamSpec:
             "order": self.order,
             "blocks": [list(b) for b in self.blocks],
             "fused": self.fused,
+            "chunk": self.chunk,
         }
 
     @classmethod

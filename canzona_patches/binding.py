@@ -1,0 +1,129 @@
+"""A Canzona plan bound to a live Megatron-Core model and DistributedOptimizer.
+
+Hooks (megatron-core 0.19.2):
+* Megatron's TP attributes on parameters: ``tensor_model_parallel`` and ``partition_dim``
+  (0 for column-parallel ``linear_qkv``/``linear_fc1``, 1 for row-parallel
+  ``linear_proj``/``linear_fc2``). A ``linear_qkv`` shard holds whole query groups (plain
+  concatenation rebuilds the global rows); a gated ``linear_fc1`` shard is ``[gate_r; up_r]``
+  of the global ``[gate; up]`` (``stride=2``).
+* ``DistributedOptimizer.gbuf_ranges``: per bucket, each parameter's range in this rank's
+  shard (``param_map[param]["param"]``), and ``model_param_group_index_map``, which locates
+  the flat fp32 shard parameter the inner optimizer steps.
+* ``parallel_state``'s tensor-and-data-parallel group (with context parallelism): the ranks
+  a plan's hosts range over.
+
+Nothing here decides anything: the plan says who hosts what and where each piece lies; this
+module finds those pieces in the optimizer and checks that DDP built the layout promised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from canzona_patches.layout import BUFFER_ROUTING_ATTR
+from megatron.canzona.optim.split import FusedLayout
+from megatron.canzona.planning import CanzonaPlan
+from megatron.canzona.runtime.host_groups import Coord, MatrixTask
+from megatron.canzona.runtime.optimizer import PieceRef
+
+
+@dataclass(frozen=True, kw_only=True)
+class Binding:
+    """Everything the inner optimizer and its engine need, for this rank."""
+
+    tasks: tuple[MatrixTask, ...]
+    """Every matrix of the plan, as host-group tasks (a matrix every TP rank holds whole is
+    one task per TP rank)."""
+    pieces: dict[torch.Tensor, PieceRef]
+    """This rank's flat matrix shard parameters and the task range each one is."""
+    layouts: dict[str, FusedLayout | None]
+    """Per task: how its host splits the full matrix into separately optimized pieces."""
+    names: dict[str, str]
+    """Per task: the parameter's name (what tests and logs count)."""
+    params: dict[str, torch.nn.Parameter]
+    """Per task: the model parameter (for checkpoint names)."""
+
+
+def task_key(name: str, chunk: int, num_chunks: int, column: int | None = None) -> str:
+    """Unique task name: the parameter name, with its chunk when there are several, and the
+    TP rank for one TP rank's copy of a matrix that is not TP-sharded."""
+    key = name if num_chunks == 1 else f"chunk{chunk}.{name}"
+    return key if column is None else f"{key}@tp{column}"
+
+
+def bind_plan(
+    plan: CanzonaPlan, optimizer: Any, model_chunks: list, *, full_layout: Any, coord: Coord,
+) -> Binding:
+    """Tasks, pieces and layouts of ``plan`` on this rank (``coord`` = (DP rank, TP rank))
+    of a DistributedOptimizer built over DDP chunks laid out by the plan's layouts.
+    ``full_layout(name, module)`` gives a matrix's fused layout at full (TP-global) size."""
+    tp_size = plan.tp_size
+    modules = [chunk.module for chunk in model_chunks]
+    params = {(c, n): p for c, m in enumerate(modules) for n, p in m.named_parameters()}
+    tasks, layouts, names, task_params = [], {}, {}, {}
+    keys_of: dict[tuple[int, str], list[str]] = {}
+    for h in plan.hosts:
+        param = params.get((h.chunk, h.name))
+        if param is None:
+            raise RuntimeError(f"the plan names {h.name} (chunk {h.chunk}), which the model does not have; re-plan")
+        buffer = plan.layouts[h.chunk].matrix
+        pieces = buffer.pieces(buffer.placement(h.name))
+        sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
+        module = modules[h.chunk]
+        columns: list[int | None] = [None] if sharded else list(range(tp_size))
+        for column in columns:
+            key = task_key(h.name, h.chunk, len(modules), None if sharded or tp_size == 1 else column)
+            host = (h.dp_rank, h.tp_rank if sharded else (column or 0))
+            tasks.append(MatrixTask(
+                key=key, local_shape=tuple(param.shape), tp_dim=param.partition_dim if sharded else None,
+                pieces=pieces, host=host, group=h.group, stride=_stride(h.name, module) if sharded else 1,
+                column=0 if sharded else (column or 0),
+            ))
+            layouts[key] = full_layout(h.name, module)
+            names[key], task_params[key] = h.name, param
+            keys_of.setdefault((h.chunk, h.name), []).append(key)
+    where = {p: (c, n) for (c, n), p in params.items()}
+    refs: dict[torch.Tensor, PieceRef] = {}
+    for model_param, shard, _, param_range in shard_entries(optimizer):
+        if not getattr(model_param, BUFFER_ROUTING_ATTR, False):
+            continue
+        keys = keys_of.get(where[model_param])
+        if keys is None:
+            raise RuntimeError(f"{where[model_param][1]} is a matrix the Canzona plan does not schedule; re-plan")
+        key = keys[0] if len(keys) == 1 else keys[coord[1]]
+        refs[shard] = PieceRef(key=key, lo=param_range.start, hi=param_range.end)
+    return Binding(tasks=tuple(tasks), pieces=refs, layouts=layouts, names=names, params=task_params)
+
+
+def shard_entries(optimizer: Any) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, dict, Any]]:
+    """``(model param, flat main param, inner group, range in the param)`` for this rank's shard."""
+    inner = optimizer.optimizer
+    for gbuf_range_maps in optimizer.gbuf_ranges:
+        for per_bucket in gbuf_range_maps.values():
+            for bucket in per_bucket:
+                for model_param, ranges in bucket["param_map"].items():
+                    group_index, order = optimizer.model_param_group_index_map[model_param]
+                    group = inner.param_groups[group_index]
+                    yield model_param, group["params"][order], group, ranges["param"]
+
+
+def group_coordinates(group: Any, coord: Coord) -> dict[Coord, int]:
+    """``(dp_rank, tp_rank) -> rank in group`` for every member (a collective over ``group``)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return {coord: 0}
+    everyone: list[Coord | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, coord, group=group)
+    table = {tuple(c): rank for rank, c in enumerate(everyone)}  # type: ignore[arg-type]
+    if len(table) != len(everyone):
+        raise RuntimeError(f"two ranks of the tensor-and-data-parallel group claim the same (dp, tp): {everyone}")
+    return table  # type: ignore[return-value]
+
+
+def _stride(name: str, module: torch.nn.Module) -> int:
+    """2 for a gated fc1, whose shard is [gate_r; up_r]; 1 for every other TP-sharded matrix."""
+    return 2 if name.endswith("linear_fc1.weight") and module.config.gated_linear_unit else 1

@@ -1,0 +1,175 @@
+"""Bytes each rank sends in one optimizer step, by collective, at the dtype on the wire.
+
+Per rank (a (DP rank, TP rank) pair, Megatron's order: TP fastest), for every strategy:
+
+* **reduce-scatter** of gradients and **all-gather** of parameters, bucket by bucket over
+  the DP group: a ring sends (dp_size − 1)/dp_size of the padded bucket, at the gradient
+  and the parameter dtype;
+* **host groups** (Canzona): every rank holding a piece of a matrix (a DP shard of it, of
+  each TP shard) that is not the matrix's host sends the piece to the host (fp32 main
+  gradients, after clipping), and the host sends every such rank its piece of the fp32
+  update back: each piece moves once each way;
+* **synchronous compute** (stock ZeRO-1 and Megatron's layer-wise optimizer under TP, both
+  as Megatron's ``muon_tp_mode duplicated``): every rank holding a piece needs the whole
+  matrix, so it sends its piece to every other holder.
+
+Messages (for the α-β objective of the planner) count one per (matrix, peer) pair of the
+host groups and one per ring step of a bucket collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .plan import BufferPlan, CanzonaPlan, Placement
+from .specs import ParamSpec
+
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class WireConfig:
+    """Bytes per element of what crosses the network, and the latency of one message."""
+
+    param_bytes: int = 2
+    """Parameter all-gather: the model's dtype (bf16)."""
+    grad_bytes: int = 2
+    """Gradient reduce-scatter: the gradient buffer's dtype (bf16; fp32 with
+    ``--grad-reduce-in-fp32``)."""
+    main_grad_bytes: int = FP32_BYTES
+    """Host-group gather: the fp32 main gradients, clipped (exact, unlike the buffer dtype)."""
+    update_bytes: int = FP32_BYTES
+    """Host-group scatter: fp32 update directions (applied to fp32 main parameters)."""
+    latency_bytes: int = 1 << 19
+    """A message costs as long as sending this many bytes (~10 µs at 50 GB/s); used only by
+    the planner's objective, never in reported byte counts."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_bytes", "grad_bytes", "main_grad_bytes", "update_bytes"):
+            if getattr(self, name) not in (1, 2, 4, 8):
+                raise ValueError(f"WireConfig.{name}={getattr(self, name)} is not a dtype size (1, 2, 4 or 8)")
+        if self.latency_bytes < 0:
+            raise ValueError(f"WireConfig.latency_bytes must be >= 0, got {self.latency_bytes}")
+
+
+@dataclass
+class RankTraffic:
+    """What one rank sends in one step."""
+
+    reduce_scatter: float = 0.0
+    all_gather: float = 0.0
+    host_gather: float = 0.0
+    host_scatter: float = 0.0
+    sync_gather: float = 0.0
+    messages: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.reduce_scatter + self.all_gather + self.host_gather + self.host_scatter + self.sync_gather
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "reduce_scatter": self.reduce_scatter, "all_gather": self.all_gather, "host_gather": self.host_gather,
+            "host_scatter": self.host_scatter, "sync_gather": self.sync_gather,
+        }
+
+
+Holder = tuple[int, int, int]
+"""``(dp_rank, tp_rank, numel)``: a rank holding part of a matrix."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One matrix update as the network sees it: who holds pieces, who computes."""
+
+    holders: tuple[Holder, ...]
+    host: tuple[int, int] | None
+    """``(dp_rank, tp_rank)``; ``None`` for synchronous compute by every holder."""
+    numel: int = field(default=0)
+
+
+def holders_of(
+    buffer: BufferPlan, placement: Placement, *, tp_sharded: bool, tp_size: int, tp_column: int = 0
+) -> tuple[Holder, ...]:
+    """Every rank holding a piece of ``placement``'s matrix: its DP shards, on each TP rank
+    if the matrix is TP-sharded, else on TP rank ``tp_column`` only."""
+    columns = range(tp_size) if tp_sharded else (tp_column,)
+    return tuple((d, t, hi - lo) for d, lo, hi in buffer.pieces(placement) for t in columns)
+
+
+def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec]) -> list[Task]:
+    """The host-group tasks of a Canzona plan (a matrix every TP rank holds whole is one task
+    per TP rank)."""
+    sharded = {(s.chunk, s.name): s.tp_sharded for s in specs}
+    tasks = []
+    for h in plan.hosts:
+        buffer = plan.layouts[h.chunk].matrix
+        placement = buffer.placement(h.name)
+        for column in range(plan.tp_size) if h.tp_rank is None else (h.tp_rank,):
+            holders = holders_of(buffer, placement, tp_sharded=sharded[(h.chunk, h.name)], tp_size=plan.tp_size,
+                                 tp_column=column)
+            tasks.append(Task(holders, (h.dp_rank, column), placement.end - placement.start))
+    return tasks
+
+
+def sync_tasks(buffers: Sequence[BufferPlan], specs: Sequence[ParamSpec], tp_size: int) -> list[Task]:
+    """Synchronous compute of every matrix of ``buffers`` (one per chunk) by all its holders."""
+    sharded = {(s.chunk, s.name): s.tp_sharded for s in specs}
+    tasks = []
+    for chunk, buffer in enumerate(buffers):
+        for p in buffer.placements:
+            is_sharded = sharded[(chunk, p.name)]
+            for column in (0,) if is_sharded else range(tp_size):
+                tasks.append(Task(holders_of(buffer, p, tp_sharded=is_sharded, tp_size=tp_size, tp_column=column), None))
+    return tasks
+
+
+def rank_index(dp_rank: int, tp_rank: int, tp_size: int) -> int:
+    return dp_rank * tp_size + tp_rank
+
+
+def traffic(
+    buffers: Iterable[BufferPlan], tasks: Iterable[Task], *, dp_size: int, tp_size: int, wire: WireConfig
+) -> list[RankTraffic]:
+    """Bytes sent per rank (index ``dp_rank * tp_size + tp_rank``) in one step."""
+    out = [RankTraffic() for _ in range(dp_size * tp_size)]
+    rs, ag, messages = collective_bytes(buffers, dp_size, wire)
+    for rank in out:
+        rank.reduce_scatter, rank.all_gather, rank.messages = rs, ag, messages
+    for task in tasks:
+        add_task_traffic(out, task, tp_size, wire)
+    return out
+
+
+def collective_bytes(buffers: Iterable[BufferPlan], dp_size: int, wire: WireConfig) -> tuple[float, float, int]:
+    """(reduce-scatter bytes, all-gather bytes, messages) one rank sends for ``buffers``."""
+    numel = sum(b.end - b.start for buffer in buffers for b in buffer.buckets)
+    count = sum(len(buffer.buckets) for buffer in buffers) if dp_size > 1 else 0
+    fraction = (dp_size - 1) / dp_size
+    return fraction * numel * wire.grad_bytes, fraction * numel * wire.param_bytes, 2 * (dp_size - 1) * count
+
+
+def add_task_traffic(out: list[RankTraffic], task: Task, tp_size: int, wire: WireConfig) -> None:
+    if task.host is None:  # every holder gathers every other holder's piece
+        for d, t, n in task.holders:
+            peers = len(task.holders) - 1
+            rank = out[rank_index(d, t, tp_size)]
+            rank.sync_gather += peers * n * wire.main_grad_bytes
+            rank.messages += peers
+        return
+    host = out[rank_index(*task.host, tp_size)]
+    for d, t, n in task.holders:
+        if (d, t) == task.host:
+            continue
+        holder = out[rank_index(d, t, tp_size)]
+        holder.host_gather += n * wire.main_grad_bytes
+        holder.messages += 1
+        host.host_scatter += n * wire.update_bytes
+        host.messages += 1
+
+
+def buffer_bytes_per_rank(buffers: Iterable[BufferPlan], dp_size: int, wire: WireConfig) -> float:
+    """Reduce-scatter plus all-gather bytes per rank of the stock collectives alone."""
+    rs, ag, _ = collective_bytes(buffers, dp_size, wire)
+    return rs + ag

@@ -1,0 +1,212 @@
+"""A host for every matrix over all DP × TP ranks, and the micro-groups the hosts run in.
+
+Hosts (:func:`assign_hosts`): a matrix whole in one DP shard is hosted on that DP rank (by
+the TP rank that balances best when it is TP-sharded); a split matrix may be hosted
+anywhere. Matrices go largest cost first (the whole ones before the split ones, which have
+more freedom) to the rank that least grows the plan's objective
+
+    α · busiest compute load / compute lower bound + (1 − α) · busiest wire cost / byte scale
+
+and among equals to the rank with the least α-weighted load and wire cost after. A rank's
+wire cost is what it sends in the step: its stock collectives, the pieces it sends to
+hosts, as a host the slices it sends back, and ``WireConfig.latency_bytes`` per message. A
+rank holding a piece of the matrix saves sending it and receiving it back, so holders win
+ties. Candidates for a split matrix are its holders with the largest pieces, the least
+loaded rank and the rank with the least α-weighted total.
+
+Micro-groups (:func:`schedule_groups`): each host's matrices, those it holds whole first,
+then largest first, are cut into runs of at most ``budget`` cost (a larger matrix alone);
+micro-group k is every host's k-th run. The default budget gives a host about :data:`GROUPS_PER_HOST` groups, and never fewer
+than two when it has two matrices or more, so the next group's gather is in flight while a
+group computes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .comm import WireConfig
+
+GROUPS_PER_HOST = 4
+"""Micro-groups the default budget aims at for the busiest host."""
+HOLDER_CANDIDATES = 8
+"""Holders of a split matrix (largest pieces first) considered as its host besides the best
+rank overall."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostItem:
+    """One matrix as the host assignment sees it."""
+
+    cost: float
+    """Compute of its update."""
+    dp_rank: int | None
+    """DP rank whose shard holds it whole, or ``None`` when split across shards."""
+    tp_sharded: bool
+    """Whether each TP rank holds a slice (else every TP rank holds it and computes it)."""
+    pieces: tuple[tuple[int, int], ...]
+    """``(dp_rank, numel)`` per DP shard holding part of it (one entry when whole)."""
+
+
+class _Ranks:
+    """Per-rank load, bytes and messages, with lazy heaps of ranks by load and by score."""
+
+    def __init__(self, dp_size: int, tp_size: int, alpha: float, load_scale: float, byte_scale: float,
+                 wire: WireConfig) -> None:
+        self.dp_size, self.tp_size, self.wire = dp_size, tp_size, wire
+        self.alpha, self.load_scale, self.byte_scale = alpha, load_scale or 1.0, byte_scale or 1.0
+        size = dp_size * tp_size
+        self.load = [0.0] * size
+        self.bytes = [0.0] * size
+        self.messages = [0] * size
+        self.max_load = 0.0
+        self.max_wire = 0.0
+        self._version = [0] * size
+        self._by_load: list[tuple[float, int, int]] = []
+        self._by_score: list[tuple[float, int, int]] = []
+
+    def wire_cost(self, rank: int, sent: float = 0.0, messages: int = 0) -> float:
+        """Bytes plus message latency ``rank`` sends, in bytes."""
+        return self.bytes[rank] + sent + self.wire.latency_bytes * (self.messages[rank] + messages)
+
+    def score(self, rank: int, load: float = 0.0, sent: float = 0.0, messages: int = 0) -> float:
+        """α-weighted load and wire cost of ``rank`` after taking the given extra."""
+        load_term = (self.load[rank] + load) / self.load_scale
+        return self.alpha * load_term + (1 - self.alpha) * self.wire_cost(rank, sent, messages) / self.byte_scale
+
+    def increase(self, rank: int, load: float, sent: float, messages: int) -> float:
+        """How much the plan's objective (α · busiest load + (1 − α) · busiest wire) grows."""
+        grown_load = max(0.0, self.load[rank] + load - self.max_load) / self.load_scale
+        grown_wire = max(0.0, self.wire_cost(rank, sent, messages) - self.max_wire) / self.byte_scale
+        return self.alpha * grown_load + (1 - self.alpha) * grown_wire
+
+    def add(self, rank: int, load: float, sent: float, messages: int) -> None:
+        self.load[rank] += load
+        self.bytes[rank] += sent
+        self.messages[rank] += messages
+        self.touch(rank)
+
+    def touch(self, rank: int) -> None:
+        self.max_load = max(self.max_load, self.load[rank])
+        self.max_wire = max(self.max_wire, self.wire_cost(rank))
+        self._version[rank] += 1
+        heapq.heappush(self._by_load, (self.load[rank], self._version[rank], rank))
+        heapq.heappush(self._by_score, (self.score(rank), self._version[rank], rank))
+
+    def build_heaps(self) -> None:
+        for rank in range(len(self.load)):
+            self.touch(rank)
+
+    def least_loaded(self) -> int:
+        return self._top(self._by_load)
+
+    def best_scored(self) -> int:
+        return self._top(self._by_score)
+
+    def _top(self, heap: list[tuple[float, int, int]]) -> int:
+        while True:
+            _, version, rank = heap[0]
+            if version == self._version[rank]:
+                return rank
+            heapq.heappop(heap)
+
+
+def assign_hosts(
+    items: Sequence[HostItem], *, dp_size: int, tp_size: int, alpha: float, wire: WireConfig,
+    base_bytes: float, byte_scale: float, load_scale: float,
+) -> tuple[list[tuple[int, int | None]], _Ranks]:
+    """``(dp_rank, tp_rank)`` per item (``tp_rank`` None: every TP rank computes it), and the
+    per-rank totals. ``base_bytes``: what every rank sends for the stock collectives."""
+    ranks = _Ranks(dp_size, tp_size, alpha, load_scale, byte_scale, wire)
+    ranks.bytes = [base_bytes] * (dp_size * tp_size)
+    for item in items:  # every holder sends its piece unless it becomes the host
+        for d, numel, t in _holders(item, tp_size, every_copy=True):
+            ranks.bytes[d * tp_size + t] += numel * wire.main_grad_bytes
+            ranks.messages[d * tp_size + t] += 1
+    ranks.build_heaps()
+    hosts: list[tuple[int, int | None]] = [(0, None)] * len(items)
+    order = sorted(range(len(items)), key=lambda i: (items[i].dp_rank is None, -items[i].cost, i))
+    for i in order:
+        hosts[i] = _place(items[i], ranks)
+    return hosts, ranks
+
+
+def _holders(item: HostItem, tp_size: int, every_copy: bool = False) -> list[tuple[int, int, int]]:
+    """``(dp_rank, numel, tp_rank)`` of every piece, on each TP rank if TP-sharded. A matrix
+    every TP rank holds whole is one task per TP rank, all of the same shape: unless
+    ``every_copy``, TP rank 0's stands for all."""
+    columns = range(tp_size) if item.tp_sharded or every_copy else (0,)
+    return [(d, n, t) for d, n in item.pieces for t in columns]
+
+
+def _place(item: HostItem, ranks: _Ranks) -> tuple[int, int | None]:
+    """Choose the item's host and account for it."""
+    tp_size, wire = ranks.tp_size, ranks.wire
+    holders = _holders(item, tp_size)
+    piece_at = {d * tp_size + t: n for d, n, t in holders}
+    total = sum(piece_at.values())
+
+    def delta(rank: int) -> tuple[float, int]:
+        """Bytes and messages ``rank`` sends more as the host than as a plain holder."""
+        own = piece_at.get(rank, 0)
+        peers = len(piece_at) - (rank in piece_at)
+        return (total - own) * wire.update_bytes - own * wire.main_grad_bytes, peers - (rank in piece_at)
+
+    if item.dp_rank is not None:  # whole in one DP shard: a TP rank of that DP rank
+        columns = range(tp_size) if item.tp_sharded else (0,)
+        candidates = [item.dp_rank * tp_size + t for t in columns]
+    else:
+        best_holders = sorted(piece_at, key=lambda r: (-piece_at[r], r))[:HOLDER_CANDIDATES]
+        candidates = sorted(set(best_holders) | {ranks.least_loaded(), ranks.best_scored()})
+        if not item.tp_sharded:  # TP rank 0's copy stands for every TP rank's
+            candidates = sorted({(r // tp_size) * tp_size for r in candidates})
+    scored = []
+    for rank in candidates:  # least growth of the objective, then least α-weighted total
+        sent, messages = delta(rank)
+        scored.append((ranks.increase(rank, item.cost, sent, messages), ranks.score(rank, item.cost, sent, messages), rank))
+    host = min(scored)[2]
+    sent, messages = delta(host)
+    d = host // tp_size
+    for t in range(tp_size) if not item.tp_sharded else (host % tp_size,):
+        ranks.add(d * tp_size + t, item.cost, sent, messages)
+    return d, (host % tp_size if item.tp_sharded else None)
+
+
+def default_budget(rank_loads: Sequence[float], costs: Sequence[float]) -> float:
+    """About :data:`GROUPS_PER_HOST` groups on the busiest host, never below one matrix."""
+    return max(max(costs, default=0.0), max(rank_loads, default=0.0) / GROUPS_PER_HOST)
+
+
+def schedule_groups(
+    costs: Sequence[float], hosts: Sequence[int], *, budget: float, at_least_two: bool = True,
+    local: Sequence[bool] | None = None,
+) -> list[int]:
+    """Micro-group per item: item i is hosted by rank ``hosts[i]``. Each host's items --
+    those with nothing to gather (``local``) first, then largest cost first -- are cut into
+    runs of at most ``budget`` (a larger item alone); with ``at_least_two`` a host with two
+    items or more gets two runs at least. Local work first lets a host compute while the
+    next group's pieces are on the wire."""
+    if budget < 0:
+        raise ValueError(f"micro-group budget must be >= 0, got {budget}")
+    local = local or [False] * len(costs)
+    by_host: dict[int, list[int]] = {}
+    for i in sorted(range(len(costs)), key=lambda i: (not local[i], -costs[i], i)):
+        by_host.setdefault(hosts[i], []).append(i)
+    group = [0] * len(costs)
+    for items in by_host.values():
+        runs: list[list[int]] = [[]]
+        load = 0.0
+        for i in items:
+            if runs[-1] and load + costs[i] > budget:
+                runs.append([])
+                load = 0.0
+            runs[-1].append(i)
+            load += costs[i]
+        if at_least_two and len(runs) == 1 and len(items) > 1:
+            runs = [items[:1], items[1:]]
+        for k, run in enumerate(runs):
+            for i in run:
+                group[i] = k
+    return group

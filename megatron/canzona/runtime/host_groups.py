@@ -1,0 +1,507 @@
+"""Host groups: every matrix updated once, by one host rank, whatever the axes that shard it.
+
+Megatron cuts a matrix twice: tensor parallelism gives each TP rank a slice (its *local*
+matrix), and the distributed optimizer's equal DP shards may cut that local matrix again
+into flat ranges on several DP ranks. Muon, Shampoo and SOAP need the whole matrix. The
+plan gives each matrix one *host* (DP rank, TP rank); :class:`HostGroupEngine` runs it.
+Per micro-group:
+
+1. **gather** -- one all-to-all over the DP × TP group sends every piece (a DP shard of a
+   TP shard) to its host, which reassembles the full matrix;
+2. **compute** -- each host computes the full-matrix update directions of the matrices it
+   hosts, through a :data:`HostCompute` callback (the single-device math, batched by shape;
+   optimizer state lives only on the host, at full size);
+3. **scatter** -- one all-to-all returns each piece's slice of the direction;
+4. **apply** -- each rank applies its slices: ``p <- p - lr*wd*p - lr*D``.
+
+A matrix whole in its host's DP shard and not TP-sharded needs no communication at all; a
+micro-group in which nothing moves issues no collective. Only real elements go on the wire
+(the all-to-alls have uneven splits, zero for peers with nothing to exchange), and each
+piece moves once each way.
+
+In ``async`` mode the groups are pipelined (:meth:`HostGroupEngine._run_async` is the one
+place that orders the stages): group k+1's gather is in flight while group k computes, and
+group k's scatter while group k-1 is applied. On CUDA the host compute runs on a side
+stream ordered by events, so NCCL and compute overlap too. The result equals the
+synchronous computation; "async" is about execution, not staleness.
+
+``sync`` mode is the baseline the paper compares against: every rank holding a piece of a
+matrix gathers all of its pieces and computes the update itself (synchronous compute),
+keeping its own slice; it batches the same matrices as their host does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from megatron.canzona.optim.common import apply_update, state_dtype_for
+from megatron.canzona.runtime.state_io import Placement, _local_view, flat_range_boxes, to_global_boxes
+
+Mode = Literal["async", "sync"]
+MODES: tuple[str, ...] = ("async", "sync")
+Coord = tuple[int, int]
+"""``(dp_rank, tp_rank)`` of a rank in the engine's DP × TP group."""
+
+HostCompute = Callable[[Sequence[str], Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+"""``(keys, full_grads) -> full_directions`` for the matrices one rank computes in one call
+(one host's share of a micro-group); same order, same shapes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatrixTask:
+    """Static facts of one matrix update; every rank of the group holds the same list."""
+
+    key: str
+    """Unique name of the task (the parameter's name, made unique across model chunks and,
+    for a matrix every TP rank holds whole, across TP ranks)."""
+    local_shape: tuple[int, int]
+    """Shape of one TP rank's tensor (the whole matrix when not TP-sharded)."""
+    tp_dim: int | None
+    """Dimension split across TP ranks (0 column-parallel, 1 row-parallel); ``None`` when
+    each TP rank holds the matrix whole: this task is then TP rank ``column``'s copy."""
+    pieces: tuple[tuple[int, int, int], ...]
+    """``(dp_rank, lo, hi)``: elements ``[lo, hi)`` of the flattened local tensor sit in
+    ``dp_rank``'s shard; together they cover it once, in order."""
+    host: Coord
+    """The rank that computes the update."""
+    group: int
+    """Micro-group; groups run in increasing order."""
+    stride: int = 1
+    """Blocks per TP shard along ``tp_dim``: block j of a shard is its TP rank's piece of
+    global block j (2 for Megatron's fused SwiGLU fc1, ``[gate_r; up_r]``)."""
+    column: int = 0
+    """The TP rank whose copy this is, for a matrix that is not TP-sharded."""
+
+    def __post_init__(self) -> None:
+        if len(self.local_shape) != 2 or min(self.local_shape) < 1:
+            raise ValueError(f"{self.key}: local_shape must be a positive 2-D shape, got {self.local_shape}")
+        if self.tp_dim not in (0, 1, None):
+            raise ValueError(f"{self.key}: tp_dim must be 0, 1 or None, got {self.tp_dim}")
+        if self.tp_dim is not None and (self.stride < 1 or self.local_shape[self.tp_dim] % self.stride):
+            raise ValueError(f"{self.key}: stride {self.stride} must divide dim {self.tp_dim} of {self.local_shape}")
+        cursor = 0
+        for _, lo, hi in self.pieces:
+            if lo != cursor or hi <= lo:
+                raise ValueError(f"{self.key}: pieces must cover the local tensor in order, got {self.pieces}")
+            cursor = hi
+        if cursor != self.numel:
+            raise ValueError(f"{self.key}: pieces cover {cursor} of {self.numel} elements")
+        if self.tp_dim is None and self.host[1] != self.column:
+            raise ValueError(f"{self.key}: the host of TP rank {self.column}'s copy must be on TP rank {self.column}")
+
+    @property
+    def numel(self) -> int:
+        return self.local_shape[0] * self.local_shape[1]
+
+    def holders(self, tp_size: int) -> list[tuple[Coord, int, int]]:
+        """``((dp_rank, tp_rank), lo, hi)`` of every piece, in a fixed order."""
+        columns = range(tp_size) if self.tp_dim is not None else (self.column,)
+        return [((d, t), lo, hi) for d, lo, hi in self.pieces for t in columns]
+
+    def full_shape(self, tp_size: int) -> tuple[int, int]:
+        """Shape of the whole matrix the host reassembles."""
+        if self.tp_dim is None:
+            return self.local_shape
+        shape = list(self.local_shape)
+        shape[self.tp_dim] *= tp_size
+        return (shape[0], shape[1])
+
+    def is_local(self, tp_size: int) -> bool:
+        """Whether the host holds the whole matrix itself (nothing to move)."""
+        return self.tp_dim is None and len(self.pieces) == 1 and self.pieces[0][0] == self.host[0]
+
+
+@dataclass(kw_only=True)
+class LocalPiece:
+    """This rank's part of one matrix in one step: a flat range of its local tensor."""
+
+    param: torch.Tensor
+    """Flat (1-D) parameter elements ``[lo, hi)``, updated in place."""
+    grad: torch.Tensor
+    """Their gradient, same shape."""
+    lr: float
+    """Learning rate of the step."""
+    weight_decay: float
+    """Decoupled weight decay of the step."""
+
+
+@dataclass
+class StepStats:
+    """What one :meth:`HostGroupEngine.step` did on this rank."""
+
+    computed: list[str] = field(default_factory=list)
+    """Tasks whose full update this rank computed."""
+    bytes_sent: int = 0
+    """Bytes sent to other ranks (real elements only)."""
+    timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
+    """``(stage, group, start, end)`` in ``time.perf_counter`` seconds on the host; gather and
+    scatter spans run from issuing the collective to the end of waiting for it. On CUDA,
+    kernels run asynchronously: these are launch times unless the caller synchronizes."""
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """How a flat piece maps into the full matrix: per box, the view of the piece and the
+    slices of the full matrix."""
+
+    boxes: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[slice, ...]], ...]
+    placement: Placement
+
+    def into_full(self, flat: torch.Tensor, full: torch.Tensor) -> None:
+        for offset, size, where in self.boxes:
+            full[where].copy_(_local_view(flat, self.placement, (offset, size)))
+
+    def from_full(self, full: torch.Tensor, flat: torch.Tensor) -> None:
+        for offset, size, where in self.boxes:
+            _local_view(flat, self.placement, (offset, size)).copy_(full[where])
+
+
+def _copy_plan(task: MatrixTask, tp_rank: int, lo: int, hi: int, tp_size: int) -> _Copy:
+    placement = Placement(
+        local_shape=task.local_shape, flat_start=lo, flat_end=hi, tp_dim=task.tp_dim,
+        tp_stride=task.stride if task.tp_dim is not None else 1, tp_rank=tp_rank if task.tp_dim is not None else 0,
+        tp_size=tp_size if task.tp_dim is not None else 1,
+    )
+    boxes = []
+    for box in flat_range_boxes(task.local_shape, lo, hi):
+        for (offset, size), (global_offset, _) in to_global_boxes(box, placement):
+            where = tuple(slice(o, o + s) for o, s in zip(global_offset, size))
+            boxes.append((offset, size, where))
+    return _Copy(tuple(boxes), placement)
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One piece in a fused all-to-all buffer."""
+
+    task: MatrixTask
+    holder: Coord
+    lo: int
+    hi: int
+    offset: int
+    """Element offset in the buffer."""
+
+
+@dataclass
+class _Exchange:
+    """One micro-group's all-to-all layout on this rank: what it sends and receives, by peer."""
+
+    index: int
+    tasks: tuple[MatrixTask, ...]
+    computed: tuple[tuple[MatrixTask, ...], ...]
+    """The batches this rank computes: its hosted tasks (async), or, in sync mode, per host
+    the tasks of that host it holds a piece of."""
+    outgoing: list[_Segment] = field(default_factory=list)
+    """My pieces, to the ranks that compute them (scatter: their updates come back here)."""
+    incoming: list[_Segment] = field(default_factory=list)
+    """Other ranks' pieces of what I compute (scatter: their updates go back there)."""
+    send_splits: list[int] = field(default_factory=list)
+    recv_splits: list[int] = field(default_factory=list)
+    moves: bool = False
+    """Whether any rank of the group exchanges anything in this micro-group."""
+
+
+@dataclass
+class _InFlight:
+    """An issued all-to-all: the handle and the buffers it must keep alive."""
+
+    work: dist.Work | None
+    send: torch.Tensor
+    recv: torch.Tensor
+    issued: float
+
+
+class _SideStream:
+    """Runs host compute on a side CUDA stream, ordered by events; does nothing on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def compute(self, inputs: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Run the body on the side stream after the main stream's pending work on ``inputs``."""
+        if self.stream is None or not inputs:
+            yield
+            return
+        main = torch.cuda.current_stream(inputs[0].device)
+        self.stream.wait_stream(main)  # the gathered gradients were waited for on main
+        for tensor in inputs:
+            tensor.record_stream(self.stream)  # allocated on main, read on the side stream
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def hand_back(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Make the main stream wait for the side stream's work producing ``outputs``."""
+        if self.stream is None or not outputs:
+            return
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        main = torch.cuda.current_stream(outputs[0].device)
+        main.wait_event(done)
+        for tensor in outputs:
+            tensor.record_stream(main)  # allocated on the side stream, consumed on main
+
+
+class HostGroupEngine:
+    """Gather, host compute, scatter and apply of every matrix, per micro-group.
+
+    Every rank of ``group`` builds the engine from the same ``tasks`` (checked once, at
+    construction: a collective) and calls :meth:`step` together. ``rank_of`` maps a
+    ``(dp_rank, tp_rank)`` to its rank in ``group``.
+    """
+
+    def __init__(
+        self, tasks: Sequence[MatrixTask], *, group: dist.ProcessGroup | None, rank_of: Mapping[Coord, int],
+        coord: Coord, tp_size: int, mode: Mode = "async",
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"host-group mode must be one of {MODES}, got {mode!r}")
+        self.group, self.rank_of, self.coord, self.tp_size, self.mode = group, dict(rank_of), coord, tp_size, mode
+        self.tasks = tuple(tasks)
+        keys = [t.key for t in self.tasks]
+        if len(set(keys)) != len(keys):
+            raise ValueError("every task must appear once in the engine's schedule")
+        for task in self.tasks:
+            for holder, _, _ in task.holders(tp_size) + [(task.host, 0, 0)]:
+                if holder not in self.rank_of:
+                    raise ValueError(f"{task.key}: rank {holder} (dp, tp) is not in the group; re-plan for this layout")
+        self._mine: dict[str, list[tuple[int, int]]] = {}
+        for task in self.tasks:
+            held = [(lo, hi) for holder, lo, hi in task.holders(tp_size) if holder == coord]
+            if held:
+                self._mine[task.key] = held
+        self._copies: dict[tuple[str, Coord, int], _Copy] = {}
+        indices = sorted({t.group for t in self.tasks})
+        self.exchanges = tuple(self._exchange(k, [t for t in self.tasks if t.group == k]) for k in indices)
+        self._check_same_schedule()
+        self._side: _SideStream | None = None
+        self.last_stats = StepStats()
+
+    # Static layout -----------------------------------------------------------------------
+    def computes(self, task: MatrixTask) -> bool:
+        """Whether this rank computes (and keeps optimizer state for) ``task``."""
+        if self.mode == "async":
+            return task.host == self.coord
+        return task.key in self._mine
+
+    def writes(self, task: MatrixTask) -> bool:
+        """Whether this rank is the one that checkpoints ``task``'s state: its host, or in
+        sync mode its first holder (every holder keeps a copy)."""
+        if self.mode == "async":
+            return task.host == self.coord
+        return task.holders(self.tp_size)[0][0] == self.coord
+
+    def holds(self, task: MatrixTask) -> list[tuple[int, int]]:
+        """The ``(lo, hi)`` ranges of ``task`` this rank holds."""
+        return self._mine.get(task.key, [])
+
+    def _exchange(self, index: int, tasks: list[MatrixTask]) -> _Exchange:
+        size = len(self.rank_of)
+        by_peer_out: list[list[tuple[MatrixTask, Coord, int, int]]] = [[] for _ in range(size)]
+        by_peer_in: list[list[tuple[MatrixTask, Coord, int, int]]] = [[] for _ in range(size)]
+        moves = False
+        for task in tasks:
+            holders = task.holders(self.tp_size)
+            if self.mode == "async":
+                moves = moves or any(holder != task.host for holder, _, _ in holders)
+                for lo, hi in self.holds(task):
+                    if task.host != self.coord:
+                        by_peer_out[self.rank_of[task.host]].append((task, self.coord, lo, hi))
+                if task.host == self.coord:
+                    for holder, lo, hi in holders:
+                        if holder != self.coord:
+                            by_peer_in[self.rank_of[holder]].append((task, holder, lo, hi))
+            else:
+                moves = moves or len(holders) > 1
+                if task.key in self._mine:
+                    for holder, lo, hi in holders:
+                        if holder == self.coord:
+                            for other, _, _ in holders:
+                                if other != self.coord:
+                                    by_peer_out[self.rank_of[other]].append((task, holder, lo, hi))
+                        else:
+                            by_peer_in[self.rank_of[holder]].append((task, holder, lo, hi))
+            if self.computes(task) and not task.is_local(self.tp_size):  # every piece goes in and out of the full matrix
+                for holder, lo, hi in holders:
+                    self._copies[(task.key, holder, lo)] = _copy_plan(task, holder[1], lo, hi, self.tp_size)
+        exchange = _Exchange(index, tuple(tasks), self._batches(tasks), moves=moves)
+        for segments, by_peer, splits in ((exchange.outgoing, by_peer_out, exchange.send_splits),
+                                          (exchange.incoming, by_peer_in, exchange.recv_splits)):
+            offset = 0
+            for peer_items in by_peer:
+                start = offset
+                for task, holder, lo, hi in peer_items:
+                    segments.append(_Segment(task, holder, lo, hi, offset))
+                    offset += hi - lo
+                splits.append(offset - start)
+        return exchange
+
+    def _batches(self, tasks: list[MatrixTask]) -> tuple[tuple[MatrixTask, ...], ...]:
+        if self.mode == "async":
+            mine = tuple(t for t in tasks if t.host == self.coord)
+            return (mine,) if mine else ()
+        by_host: dict[Coord, list[MatrixTask]] = {}
+        for task in tasks:
+            if self.computes(task):
+                by_host.setdefault(task.host, []).append(task)
+        return tuple(tuple(batch) for _, batch in sorted(by_host.items()))
+
+    def _check_same_schedule(self) -> None:
+        digest = hashlib.sha256(repr((self.tasks, sorted(self.rank_of.items()), self.mode)).encode()).hexdigest()
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return
+        seen: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(seen, digest, group=self.group)
+        if len(set(seen)) != 1:
+            raise RuntimeError("ranks built different Canzona host-group schedules; every rank must use the same plan")
+
+    # One step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, pieces: Mapping[tuple[str, int], LocalPiece], compute: HostCompute) -> StepStats:
+        """Update every task; ``pieces`` maps ``(task key, lo)`` to this rank's piece of it."""
+        missing = [(key, lo) for key, held in self._mine.items() for lo, _ in held if (key, lo) not in pieces]
+        if missing:
+            raise ValueError(f"no local piece given for {missing[:3]}; every rank must step every piece it holds")
+        self._pieces, self._compute, self._stats = pieces, compute, StepStats()
+        if pieces:
+            grad = next(iter(pieces.values())).grad
+            self._grad_dtype, self._device = grad.dtype, grad.device
+        else:
+            self._grad_dtype, self._device = torch.float32, torch.device("cpu")
+        self._update_dtype = state_dtype_for(self._grad_dtype)
+        if self._side is None:
+            self._side = _SideStream(self._device)
+        if self.exchanges:
+            (self._run_async if self.mode == "async" else self._run_sync)()
+        self.last_stats, stats = self._stats, self._stats
+        del self._pieces, self._compute
+        return stats
+
+    def _run_async(self) -> None:
+        """The pipeline, in one place: gather k+1 | compute k | scatter k | apply k-1."""
+        next_gather = self._start_gather(self.exchanges[0])
+        pending: tuple[_Exchange, _InFlight | None, dict[str, torch.Tensor]] | None = None
+        for k, exchange in enumerate(self.exchanges):
+            gather = next_gather
+            if k + 1 < len(self.exchanges):
+                next_gather = self._start_gather(self.exchanges[k + 1])  # in flight during compute k
+            full_grads = self._finish_gather(exchange, gather)
+            directions = self._host_compute(exchange, full_grads)
+            scatter = self._start_scatter(exchange, directions)  # in flight while group k-1 is applied
+            if pending is not None:
+                self._apply(*pending)
+            pending = (exchange, scatter, directions)
+        assert pending is not None
+        self._apply(*pending)
+
+    def _run_sync(self) -> None:
+        """Baseline: every holder gathers every piece of what it holds and computes it."""
+        for exchange in self.exchanges:
+            full_grads = self._finish_gather(exchange, self._start_gather(exchange))
+            directions = self._host_compute(exchange, full_grads)
+            self._apply(exchange, None, directions)
+
+    # Stages ------------------------------------------------------------------------------
+    def _start_gather(self, exchange: _Exchange) -> _InFlight | None:
+        """Pack my pieces by destination and issue the gather all-to-all."""
+        if not exchange.moves:
+            return None
+        send = torch.empty(sum(exchange.send_splits), dtype=self._update_dtype, device=self._device)
+        for seg in exchange.outgoing:
+            send[seg.offset : seg.offset + seg.hi - seg.lo].copy_(self._pieces[(seg.task.key, seg.lo)].grad)
+        return self._all_to_all(send, exchange.recv_splits, exchange.send_splits)
+
+    def _finish_gather(self, exchange: _Exchange, inflight: _InFlight | None) -> dict[str, torch.Tensor]:
+        """Wait for the gather; the full gradient of every matrix this rank computes."""
+        self._wait(inflight, "gather", exchange.index)
+        full: dict[str, torch.Tensor] = {}
+        for batch in exchange.computed:
+            for task in batch:
+                if task.is_local(self.tp_size):  # the host's own piece is the whole matrix
+                    full[task.key] = self._pieces[(task.key, 0)].grad.view(task.local_shape)
+                    continue
+                full[task.key] = torch.empty(task.full_shape(self.tp_size), dtype=self._update_dtype, device=self._device)
+        for seg in exchange.incoming:
+            source = inflight.recv[seg.offset : seg.offset + seg.hi - seg.lo]  # type: ignore[union-attr]
+            self._copies[(seg.task.key, seg.holder, seg.lo)].into_full(source, full[seg.task.key])
+        for batch in exchange.computed:
+            for task in batch:
+                if task.is_local(self.tp_size):
+                    continue
+                for lo, _ in self.holds(task):
+                    self._copies[(task.key, self.coord, lo)].into_full(self._pieces[(task.key, lo)].grad, full[task.key])
+        return full
+
+    def _host_compute(self, exchange: _Exchange, full_grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Directions of the matrices this rank computes, one callback per batch."""
+        directions: dict[str, torch.Tensor] = {}
+        start = time.perf_counter()
+        for batch in exchange.computed:
+            grads = [full_grads[t.key] for t in batch]
+            assert self._side is not None
+            with self._side.compute(grads):
+                out = list(self._compute([t.key for t in batch], grads))
+                if len(out) != len(batch) or any(d.shape != g.shape for d, g in zip(out, grads)):
+                    raise RuntimeError("the host compute callback must return one full-shape direction per gradient")
+                out = [d.to(self._update_dtype) for d in out]
+            self._side.hand_back(out)
+            directions.update((t.key, d) for t, d in zip(batch, out))
+            self._stats.computed.extend(t.key for t in batch)
+        if exchange.computed:
+            self._stats.timeline.append(("compute", exchange.index, start, time.perf_counter()))
+        return directions
+
+    def _start_scatter(self, exchange: _Exchange, directions: dict[str, torch.Tensor]) -> _InFlight | None:
+        """Pack every remote piece's slice of the directions and issue the scatter all-to-all."""
+        if not exchange.moves:
+            return None
+        send = torch.empty(sum(exchange.recv_splits), dtype=self._update_dtype, device=self._device)
+        for seg in exchange.incoming:
+            target = send[seg.offset : seg.offset + seg.hi - seg.lo]
+            self._copies[(seg.task.key, seg.holder, seg.lo)].from_full(directions[seg.task.key], target)
+        return self._all_to_all(send, exchange.send_splits, exchange.recv_splits)
+
+    def _apply(self, exchange: _Exchange, scatter: _InFlight | None, directions: dict[str, torch.Tensor]) -> None:
+        """Apply my slice of every direction: received ones, then those computed here."""
+        self._wait(scatter, "scatter", exchange.index)
+        start = time.perf_counter()
+        if scatter is not None:
+            for seg in exchange.outgoing:
+                self._apply_piece(seg.task.key, seg.lo, scatter.recv[seg.offset : seg.offset + seg.hi - seg.lo])
+        for task in (t for batch in exchange.computed for t in batch):
+            direction = directions[task.key]
+            key = task.key
+            if task.is_local(self.tp_size):
+                self._apply_piece(key, 0, direction.reshape(-1))
+                continue
+            for lo, hi in self.holds(task):
+                flat = torch.empty(hi - lo, dtype=self._update_dtype, device=self._device)
+                self._copies[(key, self.coord, lo)].from_full(direction, flat)
+                self._apply_piece(key, lo, flat)
+        self._stats.timeline.append(("apply", exchange.index, start, time.perf_counter()))
+
+    # Helpers -----------------------------------------------------------------------------
+    def _apply_piece(self, key: str, lo: int, update: torch.Tensor) -> None:
+        piece = self._pieces[(key, lo)]
+        apply_update(piece.param, update, lr=piece.lr, weight_decay=piece.weight_decay)
+
+    def _all_to_all(self, send: torch.Tensor, recv_splits: list[int], send_splits: list[int]) -> _InFlight:
+        recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
+        self._stats.bytes_sent += (send.numel() - send_splits[self.rank_of[self.coord]]) * send.element_size()
+        return _InFlight(work, send, recv, time.perf_counter())
+
+    def _wait(self, inflight: _InFlight | None, stage: str, index: int) -> None:
+        if inflight is None:
+            return
+        if inflight.work is not None:
+            inflight.work.wait()
+        self._stats.timeline.append((stage, index, inflight.issued, time.perf_counter()))

@@ -1,0 +1,167 @@
+"""The inner optimizer Megatron-Core's DistributedOptimizer wraps under ``--canzona``.
+
+One class serves Muon, Shampoo and SOAP at any DP and TP size: it is the matrix
+optimizer's math (:data:`~megatron.canzona.optim.MATRIX_OPTIMIZERS`) plus a
+:class:`~megatron.canzona.runtime.host_groups.HostGroupEngine`.
+
+Megatron's distributed optimizer hands its inner ``torch.optim.Optimizer`` flat fp32 slices
+of the parameters in this rank's DP shard: whole parameters, or pieces of those that lie
+across shards. Each matrix piece is declared once (:meth:`CanzonaOptimizer.bind`) as a
+range of a host-group task; each step the engine gathers every matrix to its host, calls
+:meth:`CanzonaOptimizer._host_compute` there (fused matrices split into their pieces,
+same-shape pieces batched) and hands every piece its slice of the direction. Elementwise
+parameters take AdamW where they are. Matrix state lives only on the ranks that compute a
+matrix, at full size, keyed by task (:attr:`CanzonaOptimizer.matrix_state`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron.canzona.optim import MATRIX_OPTIMIZERS, AdamWConfig, AdamWState, MatrixOptimizer, merge_pieces, split_pieces
+from megatron.canzona.optim.common import state_dtype_for
+from megatron.canzona.optim.split import FusedLayout
+from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, MatrixTask, StepStats
+
+
+@dataclass(frozen=True)
+class PieceRef:
+    """What a flat matrix shard parameter is: elements ``[lo, hi)`` of a task's local tensor."""
+
+    key: str
+    lo: int
+    hi: int
+
+
+class CanzonaOptimizer(MatrixOptimizer):
+    """Matrix optimizer ``math`` through host groups, AdamW for the elementwise parameters.
+
+    Param groups carry ``matrix`` (True for matrix pieces) besides the usual ``lr`` and
+    ``weight_decay``; call :meth:`bind` before the first step.
+    """
+
+    def __init__(
+        self, params: Iterable[dict[str, Any]], *, math: str, lr: float, weight_decay: float, config: Any,
+        adamw_config: AdamWConfig = AdamWConfig(),
+    ) -> None:
+        if math not in MATRIX_OPTIMIZERS:
+            raise ValueError(f"unknown matrix optimizer {math!r}; choose one of {tuple(MATRIX_OPTIMIZERS)}")
+        kind = MATRIX_OPTIMIZERS[math]
+        self.math = math
+        self.config_type, self.state_type = kind.config_type, kind.state_type
+        self.update_fn = kind.update_fn  # type: ignore[misc]  (a plain function on the instance)
+        super().__init__(params, lr=lr, weight_decay=weight_decay, config=config, adamw_config=adamw_config,
+                         batch_same_shape=True)
+        self.config = config
+        self.matrix_state: dict[str, dict[str, Any]] = {}
+        self.engine: HostGroupEngine | None = None
+        self.last_stats = StepStats()
+        self.last_step_updates: list[str] = []
+
+    def bind(
+        self, pieces: Mapping[torch.Tensor, PieceRef], engine: HostGroupEngine,
+        layouts: Mapping[str, FusedLayout | None], names: Mapping[str, str] | None = None,
+    ) -> None:
+        """Declare every matrix piece of the param groups and the engine that runs them.
+
+        ``layouts`` gives, per task key, how the host splits the full matrix into separately
+        optimized pieces (Q/K/V, gate/up) or ``None``; ``names`` the parameter name reported
+        for each task key (default: the key)."""
+        refs = {id(p): ref for p, ref in pieces.items()}
+        declared = {(ref.key, ref.lo) for ref in refs.values()}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if group["matrix"] and id(p) not in refs:
+                    raise ValueError("a matrix parameter of the optimizer was not declared to bind(); re-plan the layout")
+        held = {(t.key, lo) for t in engine.tasks for lo, _ in engine.holds(t)}
+        if declared != held:
+            diff = sorted(declared ^ held)[:3]
+            raise ValueError(f"this rank's matrix pieces and the host-group schedule disagree at {diff}; "
+                             "the DDP layout must be the plan's")
+        missing = [t.key for t in engine.tasks if engine.computes(t) and t.key not in layouts]
+        if missing:
+            raise ValueError(f"no fused layout given for {missing[:3]}")
+        self._refs, self.engine, self._layouts = refs, engine, dict(layouts)
+        self._names = dict(names or {})
+        self._tasks = {t.key: t for t in engine.tasks}
+
+    # State ---------------------------------------------------------------------------------
+    def _state_of(self, owner: Any) -> dict[str, Any]:
+        return self.matrix_state.setdefault(owner, {})
+
+    def computed_tasks(self) -> list[MatrixTask]:
+        """The tasks this rank computes, hence keeps state for."""
+        engine = self._engine()
+        return [t for t in engine.tasks if engine.computes(t)]
+
+    def init_state(self) -> None:
+        """Zero state where none exists: full-size matrix state for every task this rank
+        computes, AdamW moments for its elementwise parameters."""
+        device, dtype = self._device_and_dtype()
+        for task in self.computed_tasks():
+            stored = self._state_of(task.key)
+            if "pieces" in stored:
+                continue
+            shape = task.full_shape(self._engine().tp_size)
+            shapes = [p.shape for p in split_pieces(torch.empty(shape, device="meta"), self._layouts[task.key])]
+            stored["pieces"] = [
+                self.state_type.create(s, self.config, device=device, grad_dtype=dtype).as_dict() for s in shapes
+            ]
+        for group in self.param_groups:
+            if group["matrix"]:
+                continue
+            for p in group["params"]:
+                if not self.state[p]:
+                    self.state[p].update(AdamWState.create(p.shape, device=p.device, grad_dtype=p.dtype).as_dict())
+
+    def _device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
+        for group in self.param_groups:
+            for p in group["params"]:
+                return p.device, state_dtype_for(p.dtype)
+        return torch.device("cpu"), torch.float32
+
+    def _engine(self) -> HostGroupEngine:
+        if self.engine is None:
+            raise RuntimeError("call bind() before using the Canzona optimizer")
+        return self.engine
+
+    # Stepping ------------------------------------------------------------------------------
+    def _update(self) -> None:
+        """Every matrix through the host groups, then AdamW where the elementwise ones are."""
+        self.last_stats = self._engine().step(self._local_pieces(), self._host_compute)
+        self.last_step_updates = [self._names.get(key, key) for key in self.last_stats.computed]
+        for group in self.param_groups:
+            self._step_elementwise(group)
+
+    def _local_pieces(self) -> dict[tuple[str, int], LocalPiece]:
+        pieces = {}
+        for group in self.param_groups:
+            if not group["matrix"]:
+                continue
+            for p in group["params"]:
+                ref = self._refs[id(p)]
+                if p.grad is None:
+                    raise RuntimeError(f"a piece of {ref.key} has no gradient; every rank must step every piece it holds")
+                pieces[(ref.key, ref.lo)] = LocalPiece(
+                    param=p, grad=p.grad, lr=group["lr"], weight_decay=group["weight_decay"]
+                )
+        return pieces
+
+    def _host_compute(self, keys: Sequence[str], full_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Full-matrix directions: fused matrices split, same-shape pieces batched, merged back."""
+        jobs = []
+        counts = []
+        for key, grad in zip(keys, full_grads):
+            pieces = split_pieces(grad, self._layouts[key])
+            states = self._piece_states(key, pieces, self.config)
+            jobs.extend((key, i, piece, state) for i, (piece, state) in enumerate(zip(pieces, states)))
+            counts.append(len(pieces))
+        directions = self._run_jobs(jobs, self.config)
+        return [
+            merge_pieces([directions[(id(key), i)] for i in range(count)], self._layouts[key])
+            for key, count in zip(keys, counts)
+        ]
