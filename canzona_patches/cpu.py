@@ -59,6 +59,8 @@ require_pinned_megatron()
 import megatron.core.tensor_parallel.random as _random  # noqa: E402  (after the version check)
 
 _CPU = torch.device("cpu")
+_target = _CPU
+"""Where Megatron's CUDA allocations land: the CPU, or the meta device for a dry run."""
 
 
 class NullEvent:
@@ -137,7 +139,7 @@ class _CpuCuda:
     default_stream = staticmethod(lambda device=None: _THE_STREAM)
     stream = staticmethod(_null_stream_context)
     device = staticmethod(_null_stream_context)  # the `with torch.cuda.device(i):` form
-    current_device = staticmethod(lambda: _CPU)
+    current_device = staticmethod(lambda: _target)
     set_device = staticmethod(_no_op)
     device_count = staticmethod(_zero)
     synchronize = staticmethod(_no_op)
@@ -180,7 +182,7 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     @functools.wraps(factory)
     def factory_on_cpu(*args: Any, **kwargs: Any) -> torch.Tensor:
         if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = _CPU
+            kwargs["device"] = _target
         return factory(*args, **kwargs)
 
     return factory_on_cpu
@@ -296,13 +298,13 @@ _pretend_depth = 0  # > 0 while a function of _PRETEND_CUDA_FUNCTIONS runs
 
 def _tensor_type(self: torch.Tensor, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
     answer = _REAL_TENSOR_TYPE(self, dtype, *args, **kwargs)
-    if dtype is None and _pretend_depth and self.device.type == "cpu":
-        return answer.replace("torch.", "torch.cuda.", 1)
+    if dtype is None and _pretend_depth and self.device.type in ("cpu", "meta"):
+        return "torch.cuda." + answer.rsplit(".", 1)[-1]
     return answer
 
 
 def _tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    if _pretend_depth and self.device.type == "cpu":
+    if _pretend_depth and self.device.type in ("cpu", "meta"):
         return self
     return _REAL_TENSOR_CUDA(self, *args, **kwargs)
 
@@ -365,17 +367,23 @@ def cpu_mode_enabled() -> bool:
     return _cpu_mode
 
 
-def enable_cpu_mode() -> bool:
+def enable_cpu_mode(*, meta: bool = False) -> bool:
     """Redirect Megatron-Core's CUDA use to CPU when CUDA is unavailable; idempotent.
 
     Call it before building models, DDP wrappers or optimizers. Returns True when CPU mode
-    is (now) on, False when CUDA is available and nothing was touched.
+    is (now) on, False when CUDA is available and nothing was touched. With ``meta`` (dry
+    runs, CUDA or not) every allocation lands on the meta device instead: shapes and dtypes,
+    no storage, so a full-size rank fits in one process.
     """
-    global _cpu_mode
-    if torch.cuda.is_available():
+    global _cpu_mode, _target
+    if torch.cuda.is_available() and not meta:
         return False
+    wanted = torch.device("meta") if meta else _CPU
     if _cpu_mode:
+        if wanted != _target:
+            raise RuntimeError(f"CPU mode already redirects CUDA to {_target}; one process, one target")
         return True
+    _target = wanted
     cpu_torch = _CpuTorch()
     for module_name in CPU_TORCH_MODULES:
         importlib.import_module(module_name).torch = cpu_torch

@@ -178,11 +178,16 @@ def _grad_scaler(config: Any):
     return None
 
 
-def build_canzona_optimizer(optimizer_config: Any, model_chunks: list, cfg: CanzonaConfig, plan: CanzonaPlan):
+def build_canzona_optimizer(
+    optimizer_config: Any, model_chunks: list, cfg: CanzonaConfig, plan: CanzonaPlan, *,
+    host_ranks: dict[tuple[int, int], int] | None = None,
+):
     """The Canzona optimizer for DDP-wrapped chunks laid out by ``plan``'s layouts.
 
     Megatron's DistributedOptimizer wraps one :class:`CanzonaOptimizer` (the matrix
-    optimizer's math plus a host-group engine over the tensor-and-data-parallel group)."""
+    optimizer's math plus a host-group engine over the tensor-and-data-parallel group).
+    ``host_ranks`` maps (DP rank, TP rank) to the rank in that group; by default the ranks
+    tell each other (a collective)."""
     if not optimizer_config.use_distributed_optimizer:
         raise ValueError("--canzona needs the distributed optimizer: pass --use-distributed-optimizer")
     pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, True)
@@ -207,8 +212,9 @@ def build_canzona_optimizer(optimizer_config: Any, model_chunks: list, cfg: Canz
     host_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
     binding = bind_plan(plan, optimizer, model_chunks, coord=coord,
                         full_layout=lambda name, module: _fused_layout(name, module, cfg))
-    engine = HostGroupEngine(binding.tasks, group=host_group, rank_of=group_coordinates(host_group, coord),
-                             coord=coord, tp_size=plan.tp_size, mode=cfg.tp_mode)
+    rank_of = host_ranks if host_ranks is not None else group_coordinates(host_group, coord)
+    engine = HostGroupEngine(binding.tasks, group=host_group, rank_of=rank_of, coord=coord, tp_size=plan.tp_size,
+                             mode=cfg.tp_mode)
     inner.bind(binding.pieces, engine, binding.layouts, binding.names)
     optimizer.canzona_binding = binding
     return optimizer

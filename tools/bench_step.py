@@ -9,8 +9,9 @@ Every variant trains the same Qwen3-like GPT (QK-norm, SwiGLU, GQA) with Megatro
 DDP on gloo, one process and one torch thread per DP rank, and times ``optimizer.step()``
 (after a barrier) on every rank; a step's time is the slowest rank's. Variants:
 
-* ``canzona`` -- ``--optimizer muon --canzona``: α-balanced layout, each rank runs Muon on
-  the matrices it owns, then the stock parameter all-gather;
+* ``canzona`` -- ``--optimizer muon --canzona``: the Canzona plan's layout, each matrix's
+  Muon run once by its host (gathered first when ``--bucket-size`` splits it across DP
+  shards), then the stock parameter all-gather;
 * ``sync`` -- synchronous compute: gradients all-reduced, every rank runs Muon on every
   matrix (the same math, no distributed optimizer);
 * ``megatron`` -- Megatron-Core's own ``LayerWiseDistributedOptimizer`` Muon configured to
@@ -21,7 +22,8 @@ a host TP rank, fused all-to-alls in pipelined micro-groups), ``sync`` (``--canz
 sync``: every TP rank gathers and computes every matrix) and ``megatron`` (``muon_tp_mode
 duplicated``, Megatron's exact-math TP mode: every TP rank all-gathers and computes). Bytes
 per step and rank on the TP group are measured for Canzona's two modes and computed from the
-shapes for Megatron's all-gathers. ``--gantt FILE.png`` draws one async step per rank.
+shapes for Megatron's all-gathers (at TP 1, Canzona's host-group bytes: non-zero only for
+matrices split across DP shards). ``--gantt FILE.png`` draws one async step per rank.
 
 Prints the median step time of each variant, the ratios to ``sync`` and the ideal
 ``1/DP``, and a JSON object (``--json FILE`` to also write it). Ratios from one run only:
@@ -39,6 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.canzona.planning import CanzonaPlan  # noqa: E402
 from megatron.canzona.runtime import LaunchConfig, launch  # noqa: E402
 from tests.multirank.tiny_gpt import TinyRun, train_tiny_gpts  # noqa: E402
 
@@ -55,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4, help="transformer layers")
     parser.add_argument("--hidden", type=int, default=384, help="hidden size (4 heads, 2 query groups)")
     parser.add_argument("--ffn-hidden", type=int, default=None, help="SwiGLU size (default: 8/3 hidden)")
+    parser.add_argument("--bucket-size", type=int, default=None,
+                        help="DDP bucket size in elements (small buckets split matrices across DP shards)")
+    parser.add_argument("--alpha", type=float, default=0.5, help="Canzona planner balance knob")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (after --warmup)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps per variant and round")
     parser.add_argument("--rounds", type=int, default=3,
@@ -87,7 +93,7 @@ def runs_for(args: argparse.Namespace) -> list[TinyRun]:
             layout="canzona" if optimizer == "muon" else "megatron",
             num_steps=args.warmup + args.steps, global_batch=global_batch, micro_batch=2,
             lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
-            ffn_hidden=args.ffn_hidden,
+            ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha,
         )
         for _ in range(args.rounds)
         for optimizer, tp_mode in variants(args).values()
@@ -169,16 +175,19 @@ def main(argv: list[str] | None = None) -> int:
         "canzona_speedup_over_megatron": medians["megatron"] / medians["canzona"],
         "wall_seconds": time.perf_counter() - start,
     }
+    plan = CanzonaPlan.from_json(last["canzona"][0]["plan"])
+    report["split_matrices"] = sum(p.host is None for p in plan.dp.matrix.placements)
+    host_names = ("canzona", "sync") if args.tp > 1 else ("canzona",)
+    report["host_group_bytes_per_rank_step"] = {
+        name: sum(r["tp_stats"]["bytes_sent"] for r in last[name]) / world for name in host_names
+    }
     if args.tp > 1:
-        report["tp_bytes_per_rank_step"] = {
-            name: sum(r["tp_stats"]["bytes_sent"] for r in last[name]) / world for name in ("canzona", "sync")
-        }
-        report["tp_bytes_per_rank_step"]["megatron"] = megatron_duplicated_bytes(last["canzona"][0]["params"], args)
-        report["tp_padding_bytes_per_rank_step"] = sum(r["tp_stats"]["padding_bytes"] for r in last["canzona"]) / world
-    print(f"{'variant':<10} {'median step (ms)':>17} {'/ sync':>8}" + (f" {'TP bytes/rank':>14}" if args.tp > 1 else ""))
+        report["host_group_bytes_per_rank_step"]["megatron"] = megatron_duplicated_bytes(last["canzona"][0]["params"], args)
+    print(f"{'variant':<10} {'median step (ms)':>17} {'/ sync':>8} {'host-group bytes/rank':>22}")
     for name in names:
-        extra = f" {report['tp_bytes_per_rank_step'][name]:>14,.0f}" if args.tp > 1 else ""
-        print(f"{name:<10} {1e3 * medians[name]:>17.2f} {medians[name] / sync:>8.3f}{extra}")
+        sent = report["host_group_bytes_per_rank_step"].get(name)
+        print(f"{name:<10} {1e3 * medians[name]:>17.2f} {medians[name] / sync:>8.3f} "
+              f"{'' if sent is None else f'{sent:,.0f}':>22}")
     print(f"ideal canzona / sync = 1/(DP*TP) = {1 / world:.3f} (compute only); "
           f"canzona is {report['canzona_speedup_over_megatron']:.2f}x faster than Megatron's layer-wise Muon")
     if args.gantt:

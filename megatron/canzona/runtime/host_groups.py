@@ -304,37 +304,25 @@ class HostGroupEngine:
         return self._mine.get(task.key, [])
 
     def _exchange(self, index: int, tasks: list[MatrixTask]) -> _Exchange:
+        """This rank's all-to-all layout of one micro-group: segments by peer, in task order."""
         size = len(self.rank_of)
-        by_peer_out: list[list[tuple[MatrixTask, Coord, int, int]]] = [[] for _ in range(size)]
-        by_peer_in: list[list[tuple[MatrixTask, Coord, int, int]]] = [[] for _ in range(size)]
+        outgoing: list[list[tuple[MatrixTask, Coord, int, int]]] = [[] for _ in range(size)]
+        incoming: list[list[tuple[MatrixTask, Coord, int, int]]] = [[] for _ in range(size)]
         moves = False
         for task in tasks:
             holders = task.holders(self.tp_size)
-            if self.mode == "async":
-                moves = moves or any(holder != task.host for holder, _, _ in holders)
-                for lo, hi in self.holds(task):
-                    if task.host != self.coord:
-                        by_peer_out[self.rank_of[task.host]].append((task, self.coord, lo, hi))
-                if task.host == self.coord:
-                    for holder, lo, hi in holders:
-                        if holder != self.coord:
-                            by_peer_in[self.rank_of[holder]].append((task, holder, lo, hi))
-            else:
-                moves = moves or len(holders) > 1
-                if task.key in self._mine:
-                    for holder, lo, hi in holders:
-                        if holder == self.coord:
-                            for other, _, _ in holders:
-                                if other != self.coord:
-                                    by_peer_out[self.rank_of[other]].append((task, holder, lo, hi))
-                        else:
-                            by_peer_in[self.rank_of[holder]].append((task, holder, lo, hi))
+            moves = moves or (len(holders) > 1 if self.mode == "sync" else any(h != task.host for h, _, _ in holders))
+            for holder, computer, lo, hi in self._my_moves(task, holders):
+                if holder == self.coord:
+                    outgoing[self.rank_of[computer]].append((task, holder, lo, hi))
+                else:
+                    incoming[self.rank_of[holder]].append((task, holder, lo, hi))
             if self.computes(task) and not task.is_local(self.tp_size):  # every piece goes in and out of the full matrix
                 for holder, lo, hi in holders:
                     self._copies[(task.key, holder, lo)] = _copy_plan(task, holder[1], lo, hi, self.tp_size)
         exchange = _Exchange(index, tuple(tasks), self._batches(tasks), moves=moves)
-        for segments, by_peer, splits in ((exchange.outgoing, by_peer_out, exchange.send_splits),
-                                          (exchange.incoming, by_peer_in, exchange.recv_splits)):
+        for segments, by_peer, splits in ((exchange.outgoing, outgoing, exchange.send_splits),
+                                          (exchange.incoming, incoming, exchange.recv_splits)):
             offset = 0
             for peer_items in by_peer:
                 start = offset
@@ -343,6 +331,44 @@ class HostGroupEngine:
                     offset += hi - lo
                 splits.append(offset - start)
         return exchange
+
+    def _my_moves(self, task: MatrixTask, holders: list[tuple[Coord, int, int]]) -> Iterator[tuple[Coord, Coord, int, int]]:
+        """``(holder, computer, lo, hi)`` for every piece that this rank sends or receives: from
+        the rank holding it to a rank computing the matrix (the host; in sync mode every
+        holder)."""
+        if self.mode == "async":
+            for holder, lo, hi in holders:
+                if holder != task.host and self.coord in (holder, task.host):
+                    yield holder, task.host, lo, hi
+            return
+        if task.key not in self._mine:
+            return
+        for holder, lo, hi in holders:
+            if holder != self.coord:
+                yield holder, self.coord, lo, hi
+                continue
+            for other, _, _ in holders:
+                if other != self.coord:
+                    yield holder, other, lo, hi
+
+    def temporaries(self) -> tuple[int, int]:
+        """Elements of (the largest single buffer, the most buffers alive at once) one step
+        allocates: the all-to-all buffers (the scatter reuses the gather's), and the full
+        gradient and direction of every gathered matrix this rank computes (a group's, with
+        the next group's gather issued)."""
+        sizes = []
+        largest = 0
+        for exchange in self.exchanges:
+            full = [task.full_shape(self.tp_size) for batch in exchange.computed for task in batch
+                    if not task.is_local(self.tp_size)]
+            full_numel = [rows * cols for rows, cols in full]
+            send, recv = sum(exchange.send_splits), sum(exchange.recv_splits)
+            largest = max([largest, send, recv, *full_numel])
+            sizes.append((send + recv, send + recv + 2 * sum(full_numel)))
+        step = 0
+        for k, (_, alive) in enumerate(sizes):
+            step = max(step, alive + (sizes[k + 1][0] if k + 1 < len(sizes) else 0))
+        return largest, step
 
     def _batches(self, tasks: list[MatrixTask]) -> tuple[tuple[MatrixTask, ...], ...]:
         if self.mode == "async":
@@ -395,7 +421,7 @@ class HostGroupEngine:
                 next_gather = self._start_gather(self.exchanges[k + 1])  # in flight during compute k
             full_grads = self._finish_gather(exchange, gather)
             directions = self._host_compute(exchange, full_grads)
-            scatter = self._start_scatter(exchange, directions)  # in flight while group k-1 is applied
+            scatter = self._start_scatter(exchange, directions, gather)  # in flight while group k-1 is applied
             if pending is not None:
                 self._apply(*pending)
             pending = (exchange, scatter, directions)
@@ -459,15 +485,20 @@ class HostGroupEngine:
             self._stats.timeline.append(("compute", exchange.index, start, time.perf_counter()))
         return directions
 
-    def _start_scatter(self, exchange: _Exchange, directions: dict[str, torch.Tensor]) -> _InFlight | None:
-        """Pack every remote piece's slice of the directions and issue the scatter all-to-all."""
+    def _start_scatter(
+        self, exchange: _Exchange, directions: dict[str, torch.Tensor], gather: _InFlight | None
+    ) -> _InFlight | None:
+        """Pack every remote piece's slice of the directions and issue the scatter all-to-all.
+        The gather's buffers are reused: the scatter sends what the gather received, in the
+        same layout, and receives into what the gather sent."""
         if not exchange.moves:
             return None
-        send = torch.empty(sum(exchange.recv_splits), dtype=self._update_dtype, device=self._device)
+        assert gather is not None
+        send, recv = gather.recv, gather.send
         for seg in exchange.incoming:
             target = send[seg.offset : seg.offset + seg.hi - seg.lo]
             self._copies[(seg.task.key, seg.holder, seg.lo)].from_full(directions[seg.task.key], target)
-        return self._all_to_all(send, exchange.send_splits, exchange.recv_splits)
+        return self._all_to_all(send, exchange.send_splits, exchange.recv_splits, recv=recv)
 
     def _apply(self, exchange: _Exchange, scatter: _InFlight | None, directions: dict[str, torch.Tensor]) -> None:
         """Apply my slice of every direction: received ones, then those computed here."""
@@ -493,8 +524,11 @@ class HostGroupEngine:
         piece = self._pieces[(key, lo)]
         apply_update(piece.param, update, lr=piece.lr, weight_decay=piece.weight_decay)
 
-    def _all_to_all(self, send: torch.Tensor, recv_splits: list[int], send_splits: list[int]) -> _InFlight:
-        recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
+    def _all_to_all(
+        self, send: torch.Tensor, recv_splits: list[int], send_splits: list[int], recv: torch.Tensor | None = None
+    ) -> _InFlight:
+        if recv is None:
+            recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
         work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
         self._stats.bytes_sent += (send.numel() - send_splits[self.rank_of[self.coord]]) * send.element_size()
         return _InFlight(work, send, recv, time.perf_counter())

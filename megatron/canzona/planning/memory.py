@@ -1,0 +1,157 @@
+"""What one rank holds, predicted from the plan alone.
+
+For a (DP rank, TP rank) of a pipeline stage: the parameter and gradient buffers and their
+buckets, the fp32 main parameters (copies of its shard, for bf16/fp16 parameters), the
+optimizer state by kind, and the temporaries of the host-group step. ``tools/dry_run.py``
+builds the real rank (Megatron's model, DDP and the Canzona optimizer, on the meta device)
+and checks every number here against what was actually allocated.
+
+State kinds (the fields of ``megatron.canzona.optim``'s state classes): ``momentum`` (Muon),
+``statistics`` (Shampoo's and SOAP's L and R), ``roots`` (Shampoo's inverse roots),
+``eigenbases`` (SOAP's), ``moments`` (Adam moments inside Shampoo's grafting and SOAP's
+rotated space, one per matrix element) and ``adam_moments`` (AdamW of the elementwise
+parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .comm import holders_of
+from .plan import BufferPlan, CanzonaPlan
+from .specs import ParamSpec
+
+FIELD_KINDS: dict[str, str] = {
+    "momentum": "momentum",
+    "left": "statistics", "right": "statistics",
+    "left_root": "roots", "right_root": "roots",
+    "basis_left": "eigenbases", "basis_right": "eigenbases",
+    "exp_avg": "moments", "exp_avg_sq": "moments",
+}
+"""State field name -> kind, for every matrix optimizer's state."""
+STATE_KINDS: tuple[str, ...] = ("momentum", "statistics", "roots", "eigenbases", "moments", "adam_moments")
+STATE_BYTES = 4
+"""Optimizer state and main parameters are fp32."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateLayout:
+    """Which state tensors a matrix optimizer keeps (``megatron.canzona.optim``'s configs)."""
+
+    optimizer: str
+    """``muon``, ``shampoo`` or ``soap``."""
+    max_precond_dim: int = 10000
+    """Shampoo: sides above it keep a diagonal (length-d) statistic; SOAP: no rotation."""
+    grafting: bool = True
+    """Shampoo: Adam grafting keeps a second moment."""
+
+    def numel(self, rows: int, cols: int) -> dict[str, int]:
+        """Elements per state kind of one ``rows x cols`` matrix."""
+        out = dict.fromkeys(STATE_KINDS, 0)
+        if self.optimizer == "muon":
+            out["momentum"] = rows * cols
+        elif self.optimizer == "shampoo":
+            for d in (rows, cols):
+                side = d if d > self.max_precond_dim else d * d
+                out["statistics"] += side
+                out["roots"] += side
+            out["moments"] = rows * cols * (2 if self.grafting else 1)
+        elif self.optimizer == "soap":
+            for d in (rows, cols):
+                if d <= self.max_precond_dim:
+                    out["statistics"] += d * d
+                    out["eigenbases"] += d * d
+            out["moments"] = 2 * rows * cols
+        else:
+            raise ValueError(f"unknown matrix optimizer {self.optimizer!r}; choose muon, shampoo or soap")
+        return out
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's predicted memory, in elements (bytes follow from the dtypes)."""
+
+    param_buffer_elements: int
+    """Parameter buffers (every chunk, matrix and elementwise), padding included."""
+    bucket_elements: tuple[int, ...]
+    """Every bucket's size, matrix buffers first, then elementwise, chunk by chunk."""
+    shard_elements: int
+    """Parameter elements in this rank's shards (what its optimizer steps)."""
+    state_elements: dict[str, int]
+    """Optimizer state by kind."""
+    largest_temporary_elements: int
+    """The largest single tensor the host-group step allocates."""
+    step_temporary_elements: int
+    """The most elements of host-group buffers alive at once (a group's, with the next
+    group's gather in flight)."""
+
+
+def rank_memory(
+    plan: CanzonaPlan, specs: Sequence[ParamSpec], *, dp_rank: int, tp_rank: int, state: StateLayout,
+) -> RankMemory:
+    """Predicted memory of rank ``(dp_rank, tp_rank)`` under ``plan`` (async mode)."""
+    by_name = {(s.chunk, s.name): s for s in specs}
+    buffers = [(c, dp.matrix) for c, dp in enumerate(plan.layouts)]
+    buffers += [(c, dp.elementwise) for c, dp in enumerate(plan.layouts) if dp.elementwise is not None]
+    kinds = dict.fromkeys(STATE_KINDS, 0)
+    for h in plan.hosts:
+        if h.dp_rank == dp_rank and h.tp_rank in (tp_rank, None):
+            for rows, cols in by_name[(h.chunk, h.name)].matrices:
+                for kind, numel in state.numel(rows, cols).items():
+                    kinds[kind] += numel
+    for _, buffer in buffers[len(plan.layouts):]:
+        kinds["adam_moments"] += 2 * _shard_numel(buffer, dp_rank)
+    largest, step = _temporaries(plan, specs, dp_rank, tp_rank)
+    return RankMemory(
+        param_buffer_elements=sum(buffer.numel for _, buffer in buffers),
+        bucket_elements=tuple(b.numel for _, buffer in buffers for b in buffer.buckets),
+        shard_elements=sum(_shard_numel(buffer, dp_rank) for _, buffer in buffers),
+        state_elements=kinds,
+        largest_temporary_elements=largest,
+        step_temporary_elements=step,
+    )
+
+
+def _shard_numel(buffer: BufferPlan, dp_rank: int) -> int:
+    """Parameter elements inside ``dp_rank``'s shard of every bucket."""
+    total = 0
+    for p in buffer.placements:
+        bounds = buffer.buckets[p.bucket].shard_bounds
+        total += max(0, min(p.end, bounds[dp_rank + 1]) - max(p.start, bounds[dp_rank]))
+    return total
+
+
+def _temporaries(plan: CanzonaPlan, specs: Sequence[ParamSpec], dp_rank: int, tp_rank: int) -> tuple[int, int]:
+    """(largest single temporary, most alive at once) of the host-group step, in elements."""
+    sharded = {(s.chunk, s.name): s.tp_sharded for s in specs}
+    me = (dp_rank, tp_rank)
+    groups: dict[int, dict[str, int]] = {}
+    largest = 0
+    for h in plan.hosts:
+        buffer = plan.layouts[h.chunk].matrix
+        placement = buffer.placement(h.name)
+        is_sharded = sharded[(h.chunk, h.name)]
+        host = (h.dp_rank, h.tp_rank if is_sharded else tp_rank)
+        holders = holders_of(buffer, placement, tp_sharded=is_sharded, tp_size=plan.tp_size, tp_column=tp_rank)
+        g = groups.setdefault(h.group, {"send": 0, "recv": 0, "full": 0})
+        for d, t, numel in holders:
+            if (d, t) == me and host != me:
+                g["send"] += numel
+            if host == me and (d, t) != me:
+                g["recv"] += numel
+        local = not is_sharded and placement.host == h.dp_rank
+        if host == me and not local:
+            full = (placement.end - placement.start) * (plan.tp_size if is_sharded else 1)
+            g["full"] += 2 * full  # the gathered gradient and the direction
+            largest = max(largest, full)
+    order = sorted(groups)
+    step = 0
+    for k, index in enumerate(order):
+        g = groups[index]
+        largest = max(largest, g["send"], g["recv"])
+        alive = g["send"] + g["recv"] + g["full"]  # all-to-all buffers (the scatter reuses the gather's), matrices
+        if k + 1 < len(order):
+            alive += groups[order[k + 1]]["send"] + groups[order[k + 1]]["recv"]
+        step = max(step, alive)
+    return largest, step
