@@ -3,7 +3,7 @@
 
     python tools/plan.py --model qwen3-32b --tp 8 --dp 32 --compare --plot loads.png
     python tools/plan.py --model qwen3-8b --tp 2 --dp 64 --optimizer soap --json
-    python tools/plan.py --cases            # the README's case matrix
+    python tools/plan.py --cases --plot cases.png   # the README's case matrix
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split-gate-up", action="store_true", help="optimize gate and up projections as separate matrices")
     p.add_argument("--compare", action="store_true", help="also plan eq1, megatron_layerwise and zero1")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--plot", metavar="FILE.png", help="bar chart of per-rank loads, one panel per strategy")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="bar chart of per-GPU loads, one panel per strategy (with --cases: padding and bytes per case)")
     p.add_argument("--cases", action="store_true", help="run the README case matrix and print its table")
     return p.parse_args(argv)
 
@@ -225,11 +226,46 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def plot_cases(rows: list[dict], path: str) -> None:
+    """Padding and bytes per rank of every case, Canzona beside Megatron's layer-wise layout
+    and stock ZeRO-1, where a table hides the trend with DP."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['config']['model'].removeprefix('qwen3-')}\nTP{r['config']['tp']} DP{r['config']['dp']}" for r in rows]
+    x = range(len(rows))
+    fig, (pad, sent) = plt.subplots(2, 1, figsize=(13, 6.4), sharex=True)
+    width = 0.38
+    for offset, name, colour in ((-width / 2, "canzona", "tab:blue"), (width / 2, "megatron_layerwise", "tab:gray")):
+        pad.bar([i + offset for i in x], [100 * r["strategies"][name]["padding_overhead"] for r in rows], width,
+                label=name, color=colour)
+    pad.set_ylabel("padding (% of parameters)")
+    pad.legend(fontsize=8)
+    for name, colour, marker in (("canzona", "tab:blue", "o"), ("megatron_layerwise", "tab:gray", "s"),
+                                 ("zero1", "tab:red", "^")):
+        sent.plot(list(x), [r["strategies"][name]["comm_bytes_per_rank"] / r["strategies"]["zero1"]["collective_bytes_per_rank"]
+                            for r in rows], marker=marker, color=colour, label=name, linewidth=1)
+    sent.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+    sent.set_yscale("log")
+    sent.set_ylabel("bytes sent per rank and step\n/ stock reduce-scatter + all-gather")
+    sent.set_xticks(list(x), labels, fontsize=7)
+    sent.legend(fontsize=8)
+    fig.suptitle("Muon under each layout: padding, and everything a rank sends (collectives, host groups, "
+                 "synchronous-compute gathers)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.cases:
             rows = run_cases(args)
+            if args.plot:
+                plot_cases(rows, args.plot)
             if args.json:
                 print(json.dumps(rows))
             return 0
