@@ -99,8 +99,9 @@ def _layer_spec(args: argparse.Namespace) -> Any:
         qk_layernorm=args.qk_layernorm, normalization=args.normalization)
 
 
-def train_valid_test_datasets_provider(num_samples: tuple[int, int, int]) -> list[Any]:
-    """``[train, valid, test]`` GPTDatasets from the one ``--data-path`` prefix and ``--split``."""
+def train_valid_test_datasets_provider(num_samples: tuple[int, int, int], vp_stage: int | None = None) -> list[Any]:
+    """``[train, valid, test]`` GPTDatasets from the one ``--data-path`` prefix and ``--split``
+    (the same for every virtual pipeline stage ``vp_stage``)."""
     from megatron.canzona.data import GPTDataConfig, build_gpt_datasets
 
     args = get_args()

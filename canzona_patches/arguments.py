@@ -80,8 +80,8 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
                        help="Partition the matrix optimizer (--optimizer muon|shampoo|soap) over "
                        "DP and TP ranks with Canzona (needs --use-distributed-optimizer).")
     group.add_argument("--canzona-alpha", type=float, default=0.5,
-                       help="Balance weight in [0, 1]: 0 favours least padding (communication), "
-                       "1 favours equal optimizer compute per rank.")
+                       help="Balance weight in [0, 1]: 0 favours the fewest bytes sent per rank (padding "
+                       "and gathers of matrices split across DP shards), 1 equal optimizer compute per rank.")
     group.add_argument("--canzona-cost", choices=COST_MODELS, default="flops",
                        help="What is balanced across ranks: the optimizer's FLOPs per matrix or "
                        "its element count.")
@@ -95,10 +95,12 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
                        help="Treat gate and up halves of the fused SwiGLU fc1 weight as separate "
                        "matrices.")
     group.add_argument("--canzona-tp-mode", choices=TP_MODES, default="async",
-                       help="Tensor-parallel update: async = one host rank per matrix with "
-                       "micro-grouped all-to-alls; sync = every TP rank computes every update.")
+                       help="How matrices that cross ranks are updated: async = one host rank per matrix "
+                       "with pipelined micro-grouped all-to-alls; sync = every rank holding a piece "
+                       "gathers and computes it (synchronous-compute baseline).")
     group.add_argument("--canzona-tp-group-budget", type=float, default=None,
-                       help="Cost budget C of one TP micro-group (default: chosen by the planner).")
+                       help="Most cost one host takes in one micro-group (default: about a quarter of "
+                       "the busiest host's work, two groups at least on a host with two matrices).")
     group.add_argument("--canzona-metrics-file", type=str, default=None,
                        help="Append one JSON line per --log-interval (iteration, loss, grad norm, "
                        "learning rate, optimizer step time, tokens/s) to this file; plot with "

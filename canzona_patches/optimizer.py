@@ -1,8 +1,10 @@
-"""Canzona on Megatron-Core's data parallelism: planned layouts and the matrix optimizer.
+"""Canzona on Megatron-Core: the run's plan, its layouts, and the matrix optimizer.
 
 Hooks (megatron-core 0.19.2):
-* ``DistributedDataParallel(full_param_layout=...)`` receives the α-balanced plan, so the
-  stock reduce-scatter delivers every matrix gradient whole to the one rank that owns it.
+* ``DistributedDataParallel(full_param_layout=...)`` receives the plan's layouts: stock
+  equal shards, each matrix whole in one rank's shard or across shards; the stock
+  reduce-scatter delivers the pieces, the host-group engine takes them to each matrix's
+  host.
 * ``megatron.core.optimizer._get_param_groups_and_buffers`` and
   ``get_standard_config_overrides`` build the same parameter groups (lr/wd multipliers)
   Megatron's own optimizers get.

@@ -137,6 +137,20 @@ def test_canzona_buckets_smaller_than_a_matrix_split_it_across_shards(demo_data:
     assert buckets == matrices and split == matrices
 
 
+def test_canzona_with_virtual_pipeline_stages(demo_data: DemoData, tmp_path: Path) -> None:
+    """PP 2 with two model chunks per stage (4 layers, one per virtual stage): each stage's
+    chunks are planned together, one bucket per chunk, and the run trains and saves."""
+    args = pretrain_args(demo_data, tmp_path, "--optimizer", "muon", "--canzona", "--use-distributed-optimizer",
+                         "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                         "--num-layers-per-virtual-pipeline-stage", "1",
+                         "--save", str(tmp_path / "ckpt"), "--save-interval", str(NUM_ITERS))
+    result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    check_training(result, tmp_path / "metrics.jsonl", dp_size=1, tp_size=1)
+    plans = re.findall(r"\[canzona\] plan: (\d+) matrices over DP 1 x TP 1, (\d+) bucket\(s\)", result.stdout)
+    assert plans == [("8", "2")], result.stdout[-4000:]  # global rank 0's stage: 2 chunks of 1 layer
+    assert (tmp_path / "ckpt" / f"iter_{NUM_ITERS:07d}").is_dir()
+
+
 BAD_INPUTS = {
     "adam": (["--canzona", "--optimizer", "adam", "--use-distributed-optimizer"],
              "--canzona needs a matrix optimizer: pass --optimizer muon|shampoo|soap"),

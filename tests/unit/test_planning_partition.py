@@ -189,3 +189,20 @@ def test_a_matrix_wider_than_a_shard_is_split_and_hosted_once():
     split = [p for p in layout.matrix.placements if p.host is None]
     assert split and all(len(layout.matrix.pieces(p)) > 1 for p in split)
     assert len({(h.dp_rank, h.tp_rank) for h in plan.hosts}) == len(plan.hosts)  # one matrix per GPU here
+
+
+def test_model_chunks_are_planned_together():
+    """Virtual pipeline stages: one layout per chunk, one host per matrix of every chunk, and
+    compute balanced over the stage as a whole (loads carry across chunks)."""
+    layers = [s for s in qwen3_specs("qwen3-1.7b") if s.family == "matrix" and ".layers.0." in s.name]
+    specs = [dataclasses.replace(s, chunk=c) for c in range(3) for s in layers]
+    plan = make_plan(specs, dp_size=4, alpha=1.0)
+    assert len(plan.layouts) == 3
+    assert sorted((h.chunk, h.name) for h in plan.hosts) == sorted((s.chunk, s.name) for s in specs)
+    for chunk, layout in enumerate(plan.layouts):
+        assert sorted(p.name for p in layout.matrix.placements) == sorted(s.name for s in layers)
+    summary = summarize_canzona(plan, specs, COST, WireConfig())
+    # One chunk alone has 4 matrices of unequal cost for 4 ranks; together they balance.
+    assert summary["makespan_over_lower_bound"] <= 1.10
+    with pytest.raises(ValueError, match="numbered 0, 1"):
+        make_plan([dataclasses.replace(s, chunk=2) for s in layers], dp_size=4)

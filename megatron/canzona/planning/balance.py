@@ -4,7 +4,10 @@
    (:func:`~megatron.canzona.planning.geometry.lean_bucket_ranges`), equal shards.
 2. **Layouts.** Each bucket is filled at a ladder of shard widths
    (:func:`~megatron.canzona.planning.lean.shard_ladder`): the tightest width splits the
-   most matrices across shards; wider ones pad more and keep more matrices whole.
+   most matrices across shards; wider ones pad more and keep more matrices whole. A whole
+   matrix is pinned to the DP rank whose shard holds it, so each width is also filled with
+   homes: list scheduling of all matrices over DP ranks says where each one belongs, and a
+   shard takes whole only what is at home there (the rest is split, hosted freely).
 3. **Hosts.** At each width, every matrix gets one host (DP rank, TP rank) over all ranks
    together (:func:`~megatron.canzona.planning.hosts.assign_hosts`).
 4. **Choice.** The width whose plan minimises
@@ -24,16 +27,63 @@ Loads carry across buckets and across the model chunks of a stage (virtual pipel
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from .comm import WireConfig, buffer_bytes_per_rank, collective_bytes
+from .comm import WireConfig, collective_bytes
 from .cost import CostModel
 from .geometry import default_bucket_size, lean_bucket_ranges
 from .hosts import HostItem, assign_hosts, default_budget, schedule_groups
-from .lean import lean_buffer, shard_ladder
+from .lean import balanced_homes, lean_buffer, shard_ladder
 from .partition import DEFAULT_ALPHA, check_inputs, check_tp_size, elementwise_buffer
 from .plan import BufferPlan, CanzonaPlan, DPPlan, Host
 from .specs import ParamSpec, matrix_specs
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """The matrices of one pipeline stage (per chunk, in backprop order) and how plans of
+    them are scored."""
+
+    mats: list[list[ParamSpec]]
+    costs: list[list[float]]
+    dp_size: int
+    tp_size: int
+    alpha: float
+    wire: WireConfig
+    bound: float
+    """Lower bound of the busiest GPU's compute: max(total / (DP · TP), largest matrix)."""
+    byte_scale: float
+    """Bytes of the stage's matrix buffers at the wire dtypes: what a rank's bytes compare to."""
+
+    @classmethod
+    def of(cls, mats: list[list[ParamSpec]], cost_model: CostModel, *, dp_size: int, tp_size: int, alpha: float,
+           wire: WireConfig) -> _Stage:
+        costs = [[cost_model.cost(s) for s in chunk] for chunk in mats]
+        flat = [(s, c) for chunk, chunk_costs in zip(mats, costs) for s, c in zip(chunk, chunk_costs)]
+        work = sum(c * (1 if s.tp_sharded else tp_size) for s, c in flat)
+        bound = max(work / (dp_size * tp_size), max((c for _, c in flat), default=0.0)) or 1.0
+        byte_scale = sum(s.numel for s, _ in flat) * (wire.grad_bytes + wire.param_bytes) + 1.0
+        return cls(mats, costs, dp_size, tp_size, alpha, wire, bound, byte_scale)
+
+    def row_costs(self) -> list[float]:
+        """What each matrix costs the DP rank holding it whole (every TP rank's copy counts)."""
+        return [c * (1 if s.tp_sharded else self.tp_size) for chunk, costs in zip(self.mats, self.costs)
+                for s, c in zip(chunk, costs)]
+
+    def hosts(self, buffers: list[BufferPlan]) -> tuple[float, list[HostItem], list[tuple[int, int | None]], list[float]]:
+        """Hosts for the layouts ``buffers`` and the plan's score (lower is better)."""
+        items = _host_items(buffers, self.mats)
+        rs, ag, messages = collective_bytes(buffers, self.dp_size, self.wire)
+        hosts, ranks = assign_hosts(
+            items, dp_size=self.dp_size, tp_size=self.tp_size, alpha=self.alpha, wire=self.wire, base_bytes=rs + ag,
+            byte_scale=self.byte_scale, load_scale=self.bound,
+        )
+        latency = self.wire.latency_bytes
+        busiest_wire = max(b + latency * (m + messages) for b, m in zip(ranks.bytes, ranks.messages))
+        score = self.alpha * max(ranks.load) / self.bound + (1 - self.alpha) * busiest_wire / self.byte_scale
+        return score, items, hosts, ranks.load
 
 
 def plan_canzona(
@@ -51,36 +101,28 @@ def plan_canzona(
     check_inputs(dp_size, alpha, bucket_size)
     check_tp_size(tp_size)
     bucket_size = default_bucket_size(dp_size) if bucket_size is None else bucket_size
-    wire = wire or WireConfig()
     chunks = sorted({s.chunk for s in specs})
     if chunks != list(range(len(chunks))):
         raise ValueError(f"model chunks must be numbered 0, 1, ...; got {chunks}")
     mats = [matrix_specs([s for s in specs if s.chunk == c]) for c in chunks]
-    costs = [[cost_model.cost(s) for s in chunk] for chunk in mats]
+    stage = _Stage.of(mats, cost_model, dp_size=dp_size, tp_size=tp_size, alpha=alpha, wire=wire or WireConfig())
     ranges = [lean_bucket_ranges([s.numel for s in chunk], bucket_size) for chunk in mats]
     ladders = [[shard_ladder([s.numel for s in chunk[a:b]], dp_size) for a, b in r] for chunk, r in zip(mats, ranges)]
-    flat = [(s, c) for chunk, chunk_costs in zip(mats, costs) for s, c in zip(chunk, chunk_costs)]
-    work = [c * (1 if s.tp_sharded else tp_size) for s, c in flat]
-    bound = max(sum(work) / (dp_size * tp_size), max((c for _, c in flat), default=0.0)) or 1.0
-    byte_scale = sum(s.numel for s, _ in flat) * (wire.grad_bytes + wire.param_bytes) + 1.0
-
+    homes = iter(balanced_homes(stage.row_costs(), dp_size))
+    chunk_homes = [[next(homes) for _ in chunk] for chunk in mats]
     best = None
     levels = max((len(ladder) for chunk in ladders for ladder in chunk), default=1)
-    for level in range(levels):
+    for level, pinned in itertools.product(range(levels), (False, True)):
+        # Pinned: a matrix is whole only on the DP rank list scheduling gives it, so whole
+        # matrices cannot unbalance the plan (more of them are split instead).
         buffers = [
-            lean_buffer(chunk, chunk_costs, r, [ladder[min(level, len(ladder) - 1)] for ladder in chunk_ladders], dp_size)
-            for chunk, chunk_costs, r, chunk_ladders in zip(mats, costs, ranges, ladders)
+            lean_buffer(chunk, chunk_costs, r, [ladder[min(level, len(ladder) - 1)] for ladder in chunk_ladders],
+                        dp_size, homes=home if pinned else None)
+            for chunk, chunk_costs, r, chunk_ladders, home in zip(mats, stage.costs, ranges, ladders, chunk_homes)
         ]
-        items = _host_items(buffers, mats)
-        rs, ag, messages = collective_bytes(buffers, dp_size, wire)
-        hosts, ranks = assign_hosts(
-            items, dp_size=dp_size, tp_size=tp_size, alpha=alpha, wire=wire, base_bytes=rs + ag,
-            byte_scale=byte_scale, load_scale=bound,
-        )
-        busiest_wire = max(b + wire.latency_bytes * (m + messages) for b, m in zip(ranks.bytes, ranks.messages))
-        score = alpha * max(ranks.load) / bound + (1 - alpha) * busiest_wire / byte_scale
+        score, items, hosts, loads = stage.hosts(buffers)
         if best is None or score < best[0]:
-            best = (score, buffers, items, hosts, ranks.load)
+            best = (score, buffers, items, hosts, loads)
     assert best is not None
     _, buffers, items, hosts, loads = best
     return _assemble(
@@ -94,19 +136,10 @@ def plan_hosts(
     wire: WireConfig | None = None,
 ) -> CanzonaPlan:
     """Hosts and micro-groups for a given single-chunk layout (``eq1``'s, for comparison)."""
-    wire = wire or WireConfig()
     mats = [matrix_specs(specs)]
-    buffers = [plan.matrix]
-    items = _host_items(buffers, mats)
-    flat = [(s, cost_model.cost(s)) for s in mats[0]]
-    bound = max(sum(c * (1 if s.tp_sharded else tp_size) for s, c in flat) / (plan.dp_size * tp_size),
-                max((c for _, c in flat), default=0.0)) or 1.0
-    rs, ag, _ = collective_bytes(buffers, plan.dp_size, wire)
-    hosts, ranks = assign_hosts(
-        items, dp_size=plan.dp_size, tp_size=tp_size, alpha=alpha, wire=wire, base_bytes=rs + ag,
-        byte_scale=sum(s.numel for s, _ in flat) * (wire.grad_bytes + wire.param_bytes) + 1.0, load_scale=bound,
-    )
-    full = _assemble(specs, mats, buffers, items, hosts, ranks.load, dp_size=plan.dp_size, tp_size=tp_size,
+    stage = _Stage.of(mats, cost_model, dp_size=plan.dp_size, tp_size=tp_size, alpha=alpha, wire=wire or WireConfig())
+    _, items, hosts, loads = stage.hosts([plan.matrix])
+    full = _assemble(specs, mats, [plan.matrix], items, hosts, loads, dp_size=plan.dp_size, tp_size=tp_size,
                      cost_model=cost_model, alpha=alpha, bucket_size=plan.bucket_size or 0, budget=None)
     layout = dataclasses.replace(plan, loads=full.layouts[0].loads)
     return dataclasses.replace(full, layouts=(layout,))
@@ -155,8 +188,3 @@ def _assemble(
             loads=tuple(chunk_loads),
         ))
     return CanzonaPlan(layouts=tuple(layouts), tp_size=tp_size, hosts=tuple(entries), budget=budget)
-
-
-def matrix_buffer_bytes(plan: CanzonaPlan, wire: WireConfig) -> float:
-    """Reduce-scatter plus all-gather bytes per rank of the plan's matrix buffers."""
-    return buffer_bytes_per_rank([dp.matrix for dp in plan.layouts], plan.dp_size, wire)

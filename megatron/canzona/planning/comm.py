@@ -167,9 +167,3 @@ def add_task_traffic(out: list[RankTraffic], task: Task, tp_size: int, wire: Wir
         holder.messages += 1
         host.host_scatter += n * wire.update_bytes
         host.messages += 1
-
-
-def buffer_bytes_per_rank(buffers: Iterable[BufferPlan], dp_size: int, wire: WireConfig) -> float:
-    """Reduce-scatter plus all-gather bytes per rank of the stock collectives alone."""
-    rs, ag, _ = collective_bytes(buffers, dp_size, wire)
-    return rs + ag

@@ -14,6 +14,10 @@ shard:
    wider than a shard first (it is split anyway), otherwise the smallest one (the fewest
    bytes to gather).
 
+Given a home per matrix (:func:`balanced_homes`: list scheduling of every matrix of the
+stage, as if bytes could go anywhere), a shard takes whole only the matrices at home on its
+rank; the others lie across shards, and their hosts go where compute is short.
+
 A matrix across a boundary is *split*: its host gathers the pieces, computes the update
 once and scatters the slices back. Only matrices crossing one of the dp_size − 1 shard
 boundaries of a bucket are split, so wider shards (more padding) leave more of them whole;
@@ -62,9 +66,14 @@ def shard_ladder(numels: Sequence[int], dp_size: int) -> list[int]:
     return sorted(set(widths + [max(whole, tight)]))
 
 
-def fill_bucket(numels: Sequence[int], dp_size: int, shard: int) -> list[int]:
+def fill_bucket(
+    numels: Sequence[int], dp_size: int, shard: int, *, homes: Sequence[int] | None = None,
+) -> list[int]:
     """Start of each matrix (in input order) from the bucket's start, for ``dp_size``
-    shards of ``shard`` elements (the rule in the module docstring)."""
+    shards of ``shard`` elements (the rule in the module docstring).
+
+    With ``homes`` (a DP rank per matrix), a shard takes whole only the matrices whose home
+    is its rank; the rest of it is padding or pieces of split matrices."""
     capacity = dp_size * shard
     remaining = sum(item_size(n) for n in numels)
     if remaining > capacity:
@@ -74,8 +83,10 @@ def fill_bucket(numels: Sequence[int], dp_size: int, shard: int) -> list[int]:
     starts = [0] * len(numels)
     pos = 0
     while wide or pool:
-        shard_end = (pos // shard + 1) * shard
-        for numel, i in _best_fill(pool, align_param_start(pos), shard_end):
+        rank = pos // shard
+        shard_end = (rank + 1) * shard
+        mine = pool if homes is None else [(n, i) for n, i in pool if homes[i] == rank]
+        for numel, i in _best_fill(mine, align_param_start(pos), shard_end):
             pool.remove((numel, i))
             starts[i] = align_param_start(pos)
             pos = starts[i] + numel
@@ -86,10 +97,17 @@ def fill_bucket(numels: Sequence[int], dp_size: int, shard: int) -> list[int]:
         if start >= shard_end or remaining <= capacity - shard_end:
             pos = shard_end  # the shard is full, or its rest can stay padding
             continue
-        i = wide.pop(0) if wide else pool.pop(0)[1]  # cross the boundary
+        i = wide.pop(0) if wide else _crosser(pool, shard_end - start)  # cross the boundary
         starts[i], pos = start, start + numels[i]
         remaining -= item_size(numels[i])
     return starts
+
+
+def _crosser(pool: list[tuple[int, int]], room: int) -> int:
+    """The smallest matrix of ``pool`` (ascending) longer than ``room``; the smallest of all
+    if none is (the shard then holds it whole, away from its home)."""
+    k = bisect.bisect_right(pool, (room, math.inf))
+    return pool.pop(k if k < len(pool) else 0)[1]
 
 
 def _best_fill(pool: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
@@ -112,18 +130,31 @@ def _best_fill(pool: list[tuple[int, int]], start: int, end: int) -> list[tuple[
     return best
 
 
+def balanced_homes(costs: Sequence[float], dp_size: int) -> list[int]:
+    """A DP rank per matrix, costliest first onto the least-loaded rank (list scheduling):
+    where each matrix would go if its bytes could go anywhere."""
+    loads = [0.0] * dp_size
+    homes = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(dp_size), key=lambda r: (loads[r], r))
+        homes[i] = rank
+        loads[rank] += costs[i]
+    return homes
+
+
 def lean_buffer(
     mats: Sequence[ParamSpec], costs: Sequence[float], ranges: Sequence[tuple[int, int]], shards: Sequence[int],
-    dp_size: int,
+    dp_size: int, *, homes: Sequence[int] | None = None,
 ) -> BufferPlan:
     """The buffer with bucket k holding ``mats[ranges[k]]`` in ``dp_size`` shards of
-    ``shards[k]`` elements, filled by :func:`fill_bucket`."""
+    ``shards[k]`` elements, filled by :func:`fill_bucket` (``homes``: the DP rank each
+    matrix may be whole on)."""
     placements: list[Placement] = []
     buckets: list[Bucket] = []
     offset = 0
     for index, ((first, last), shard) in enumerate(zip(ranges, shards)):
         numels = [s.numel for s in mats[first:last]]
-        starts = fill_bucket(numels, dp_size, shard)
+        starts = fill_bucket(numels, dp_size, shard, homes=None if homes is None else homes[first:last])
         for k in sorted(range(len(numels)), key=starts.__getitem__):
             start, end = offset + starts[k], offset + starts[k] + numels[k]
             lo, hi = starts[k] // shard, (starts[k] + numels[k] - 1) // shard

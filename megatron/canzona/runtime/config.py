@@ -23,7 +23,7 @@ class CanzonaConfig:
     adamw: AdamWConfig = AdamWConfig()
     """Hyperparameters of AdamW for the elementwise parameters."""
     alpha: float = DEFAULT_ALPHA
-    """Planner balance knob: 0 favours equal shard sizes, 1 equal compute."""
+    """Planner balance knob: 0 favours the fewest bytes sent per rank, 1 equal compute."""
     cost: Literal["flops", "numel"] = "flops"
     """Balance the optimizer's FLOPs or plain element counts."""
     split_qkv: bool = True
@@ -31,9 +31,10 @@ class CanzonaConfig:
     split_gate_up: bool = False
     """Optimize gate and up of the fused SwiGLU fc1 weight as separate matrices."""
     tp_mode: Literal["async", "sync"] = "async"
-    """``async``: one host TP rank per matrix; ``sync``: every TP rank computes every matrix."""
+    """``async``: one host rank per matrix; ``sync``: every rank holding a piece of a matrix
+    gathers and computes it (synchronous compute)."""
     tp_group_budget: float | None = None
-    """Largest per-slot cost of a TP micro-group (default: the largest matrix)."""
+    """Most cost one host takes in one micro-group (default: the planner's)."""
 
     def __post_init__(self) -> None:
         expected = {"muon": MuonConfig, "shampoo": ShampooConfig, "soap": SOAPConfig}.get(self.optimizer)
