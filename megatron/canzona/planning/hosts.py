@@ -16,9 +16,11 @@ loaded rank and the rank with the least α-weighted total.
 
 Micro-groups (:func:`schedule_groups`): each host's matrices, those it holds whole first,
 then largest first, are cut into runs of at most ``budget`` cost (a larger matrix alone);
-micro-group k is every host's k-th run. The default budget gives a host about :data:`GROUPS_PER_HOST` groups, and never fewer
-than two when it has two matrices or more, so the next group's gather is in flight while a
-group computes.
+micro-group k is every host's k-th run. The default budget gives a host about
+:data:`GROUPS_PER_HOST` groups, and never fewer than two when it has two matrices or more,
+so the next group's gather is in flight while a group computes; hosts of a single matrix
+alternate between the first two groups, so half of them compute while the other half's
+pieces are on the wire.
 """
 
 from __future__ import annotations
@@ -186,8 +188,9 @@ def schedule_groups(
     """Micro-group per item: item i is hosted by rank ``hosts[i]``. Each host's items --
     those with nothing to gather (``local``) first, then largest cost first -- are cut into
     runs of at most ``budget`` (a larger item alone); with ``at_least_two`` a host with two
-    items or more gets two runs at least. Local work first lets a host compute while the
-    next group's pieces are on the wire."""
+    items or more gets two runs at least, and hosts with a single item alternate between
+    groups 0 and 1. Local work first lets a host compute while the next group's pieces are
+    on the wire; alternating lets half the hosts compute while the other half's pieces are."""
     if budget < 0:
         raise ValueError(f"micro-group budget must be >= 0, got {budget}")
     local = local or [False] * len(costs)
@@ -195,18 +198,29 @@ def schedule_groups(
     for i in sorted(range(len(costs)), key=lambda i: (not local[i], -costs[i], i)):
         by_host.setdefault(hosts[i], []).append(i)
     group = [0] * len(costs)
-    for items in by_host.values():
-        runs: list[list[int]] = [[]]
-        load = 0.0
-        for i in items:
-            if runs[-1] and load + costs[i] > budget:
-                runs.append([])
-                load = 0.0
-            runs[-1].append(i)
-            load += costs[i]
+    singles = 0
+    for host in sorted(by_host):
+        items = by_host[host]
+        runs = _runs(items, costs, budget)
         if at_least_two and len(runs) == 1 and len(items) > 1:
             runs = [items[:1], items[1:]]
+        offset = 0
+        if at_least_two and len(items) == 1 and not local[items[0]]:
+            offset, singles = singles % 2, singles + 1
         for k, run in enumerate(runs):
             for i in run:
-                group[i] = k
+                group[i] = offset + k
     return group
+
+
+def _runs(items: list[int], costs: Sequence[float], budget: float) -> list[list[int]]:
+    """``items`` in order, cut into runs of at most ``budget`` cost (a larger item alone)."""
+    runs: list[list[int]] = [[]]
+    load = 0.0
+    for i in items:
+        if runs[-1] and load + costs[i] > budget:
+            runs.append([])
+            load = 0.0
+        runs[-1].append(i)
+        load += costs[i]
+    return runs
