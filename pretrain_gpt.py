@@ -210,6 +210,14 @@ def adapt_args_to_cpu(args: argparse.Namespace) -> list[str]:
     return changed
 
 
+def check_transformer_engine(transformer_impl: str, importable: bool) -> None:
+    """On a GPU machine, Megatron's default ``--transformer-impl transformer_engine`` needs the
+    package: stop with the fix instead of falling back to slower local layers unnoticed."""
+    if transformer_impl == "transformer_engine" and not importable:
+        raise CanzonaArgumentError(
+            "transformer-engine is not installed: pip install -e '.[gpu]', or pass --transformer-impl local")
+
+
 def _transformer_engine_importable() -> bool:
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
@@ -226,9 +234,8 @@ def parse_and_validate() -> argparse.Namespace:
     validate_canzona_args(args)
     on_cpu = enable_cpu_training_mode()
     notes = adapt_args_to_cpu(args) if on_cpu else []
-    if not on_cpu and args.transformer_impl == "transformer_engine" and not _transformer_engine_importable():
-        args.transformer_impl = "local"
-        notes.append("--transformer-impl=local (transformer-engine is not installed)")
+    if not on_cpu:
+        check_transformer_engine(args.transformer_impl, _transformer_engine_importable())
     validate_args(args)
     finalize_canzona_args(args)
     set_global_variables(args)

@@ -162,7 +162,24 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
     if not args.use_distributed_optimizer:
         raise CanzonaArgumentError(
             "--canzona partitions the distributed optimizer: add --use-distributed-optimizer")
+    _check_parallelism(args)
     _check_ranges(args)
+
+
+def _check_parallelism(args: argparse.Namespace) -> None:
+    """Parallel layouts the Canzona plan does not cover yet."""
+    if args.context_parallel_size > 1:
+        raise CanzonaArgumentError(
+            f"--canzona does not plan over context parallelism yet: pass --context-parallel-size 1 "
+            f"(not {args.context_parallel_size})")
+    if args.num_distributed_optimizer_instances > 1:
+        raise CanzonaArgumentError(
+            "--canzona shards one optimizer instance over the whole data-parallel group: drop "
+            f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances}")
+    if not getattr(args, "use_gloo_process_groups", True):  # --disable-gloo-process-groups
+        raise CanzonaArgumentError(
+            "--canzona needs Megatron's gloo process groups (its distributed optimizer builds on them): "
+            "drop --disable-gloo-process-groups")
 
 
 def _check_ranges(args: argparse.Namespace) -> None:

@@ -130,15 +130,22 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         raise CanzonaArgumentError("--canzona checkpoints need --ckpt-format torch_dist (the default)")
 
     def _nonfinite_grads(self) -> bool:
+        """Whether a gradient on any rank holds inf or NaN. One fused norm per rank on the
+        gradients' device, one all-reduce, one host read per step, whatever the number of
+        parameters (an inf or NaN element makes its tensor's norm non-finite)."""
         grads = [] if self.is_stub_optimizer else self._collect_main_grad_data_for_unscaling()
-        device = grads[0].device if grads else torch.device("cpu")
-        flag = torch.zeros(1, device=device)
-        for g in grads:
-            if not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads))
+            flag = (~torch.isfinite(norms).all()).to(torch.float32).reshape(1)
+        else:
+            flag = torch.zeros(1, device=_collective_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.get_grad_stats_parallel_group())
         return bool(flag.item() > 0)
+
+
+def _collective_device() -> torch.device:
+    """Where a rank's small collective tensors live: its CUDA device (NCCL) or the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _fused_layout(name: str, module: torch.nn.Module, cfg: CanzonaConfig):
@@ -192,6 +199,11 @@ def build_canzona_optimizer(
     tell each other (a collective)."""
     if not optimizer_config.use_distributed_optimizer:
         raise ValueError("--canzona needs the distributed optimizer: pass --use-distributed-optimizer")
+    experts = [n for chunk in model_chunks for n, p in chunk.named_parameters() if not getattr(p, "allreduce", True)]
+    if experts:
+        raise ValueError(
+            f"the Canzona optimizer does not handle mixture-of-experts parameters yet ({experts[0]} and "
+            f"{len(experts) - 1} more would be left out): build the model without experts, or use Megatron's optimizer")
     pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, True)
     groups, buffers = _get_param_groups_and_buffers(
         model_chunks, model_chunk_offset=0, config=optimizer_config,

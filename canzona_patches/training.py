@@ -166,48 +166,63 @@ class IntervalMetrics:
     def __init__(self, args: argparse.Namespace) -> None:
         self._args = args
         self._path = Path(args.canzona_metrics_file) if args.canzona_metrics_file else None
-        self._loss_sum = 0.0
+        self._loss_sum: torch.Tensor | float = 0.0
         self._loss_count = 0
         self._step_seconds = 0.0
+        self._step_events: list[tuple[Any, Any]] = []
         self._iterations = 0
 
     def time_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        """Wrap ``optimizer.step`` to accumulate its wall time (device work included)."""
+        """Wrap ``optimizer.step`` to accumulate its time without waiting for the device: on
+        CUDA a pair of events per step, read at the next report; on CPU the wall time."""
 
         @functools.wraps(step)
         def timed_step(*args: Any, **kwargs: Any) -> Any:
-            _synchronize()
-            start = time.perf_counter()
+            if _cuda_in_use():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                try:
+                    return step(*args, **kwargs)
+                finally:
+                    end.record()
+                    self._step_events.append((start, end))
+            begin = time.perf_counter()
             try:
                 return step(*args, **kwargs)
             finally:
-                _synchronize()
-                self._step_seconds += time.perf_counter() - start
+                self._step_seconds += time.perf_counter() - begin
 
         return timed_step
 
     def record(self, loss_dict: dict[str, torch.Tensor], skipped_iter: int) -> None:
-        """Account one iteration (``training_log`` is called once per iteration)."""
+        """Account one iteration (``training_log`` is called once per iteration). The loss
+        stays on its device, summed in float64, until a report reads it."""
         self._iterations += 1
         loss = loss_dict.get(LOSS_KEY)
         if loss is not None and not skipped_iter:
-            # .item() syncs once per iteration; Megatron's own total_loss_dict does too at
-            # each log, and this loop is CPU/debug-scale where it does not matter.
-            self._loss_sum += float(loss.float().sum())
+            self._loss_sum = self._loss_sum + loss.detach().float().sum().double()
             self._loss_count += 1
+
+    def _step_time(self) -> float:
+        """Seconds in ``optimizer.step`` since the last reset (one device wait, for the events)."""
+        if self._step_events:
+            self._step_events[-1][1].synchronize()
+            self._step_seconds += sum(start.elapsed_time(end) for start, end in self._step_events) / 1000.0
+            self._step_events = []
+        return self._step_seconds
 
     def report(self, *, iteration: int, interval_s: float, learning_rate: float | None,
                grad_norm: float | None, reset: bool) -> dict[str, Any]:
         """The interval's numbers; printed by the last rank, written as JSON if asked."""
         args = self._args
         iterations = max(1, self._iterations)
-        step_s = _max_over_ranks(self._step_seconds) / iterations
+        step_s = _max_over_ranks(self._step_time()) / iterations
         tokens = iterations * args.global_batch_size * args.seq_length
         metrics = {
             "iteration": iteration,
             "train_iters": args.train_iters,
             "consumed_samples": args.consumed_train_samples,
-            "lm_loss": self._loss_sum / self._loss_count if self._loss_count else None,
+            "lm_loss": float(self._loss_sum) / self._loss_count if self._loss_count else None,
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "learning_rate": learning_rate,
             "iteration_ms": 1000.0 * interval_s / iterations,
@@ -284,9 +299,8 @@ def _logging_interval_metrics(training_log: Callable[..., Any],
     return training_log_with_metrics
 
 
-def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _is_last_rank() -> bool:

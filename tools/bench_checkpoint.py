@@ -93,7 +93,7 @@ def bench_rank(job: BenchJob) -> dict:
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=job.run.tp_size)
     try:
-        model, ddp_model, optimizer = _build(job.run)
+        model, ddp_model, optimizer, _ = _build(job.run)
 
         def timed(action) -> float:
             dist.barrier()

@@ -165,6 +165,12 @@ BAD_INPUTS = {
     "unknown_optimizer": (["--optimizer", "lamb"], "choose from"),
     "shampoo_without_canzona": (["--optimizer", "shampoo"], "add --canzona"),
     "no_distributed_optimizer": (["--canzona", "--optimizer", "muon"], "add --use-distributed-optimizer"),
+    "context_parallel": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer", "--context-parallel-size", "2"],
+                         "pass --context-parallel-size 1"),
+    "optimizer_instances": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer",
+                             "--num-distributed-optimizer-instances", "2"], "drop --num-distributed-optimizer-instances"),
+    "no_gloo": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer", "--disable-gloo-process-groups"],
+                "drop --disable-gloo-process-groups"),
 }
 
 

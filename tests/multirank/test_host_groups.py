@@ -165,7 +165,7 @@ def _train(dp: int, tp: int, mode: str, device: torch.device) -> dict:
         name = task.key.split("@")[0]
         for lo, hi in engine.holds(task):
             mine[(task.key, lo)] = (name, _megatron_shard(params[name], specs[name], coord[1], tp).reshape(-1)[lo:hi], hi)
-    host_math, stats = _Muon(layouts), []
+    host_math, stats, side_streams = _Muon(layouts), [], set()
     for step in range(STEPS):
         pieces = {
             (key, lo): LocalPiece(
@@ -175,6 +175,7 @@ def _train(dp: int, tp: int, mode: str, device: torch.device) -> dict:
             for (key, lo), (name, flat, hi) in mine.items()
         }
         stats.append(engine.step(pieces, host_math))
+        side_streams.add(id(engine._side))
 
     reference = _single_device(params, grads, layouts)
     expected = {
@@ -189,6 +190,7 @@ def _train(dp: int, tp: int, mode: str, device: torch.device) -> dict:
         "bytes_sent": [st.bytes_sent for st in stats],
         "stages": sorted({(stage, group) for stage, group, _, _ in stats[-1].timeline}),
         "params": {f"{k[0]}:{k[1]}": flat.cpu() for k, (_, flat, _) in mine.items()},
+        "side_streams": len(side_streams),
     }
 
 
@@ -220,6 +222,7 @@ def test_engine_equals_single_device_muon(dp: int, tp: int) -> None:
         assert a["mismatched"] == [] and s["mismatched"] == [], f"rank {rank}"
         for name in a["params"]:  # async and sync: bit-identical
             assert torch.equal(a["params"][name], s["params"][name]), f"rank {rank} {name}"
+        assert a["side_streams"] == s["side_streams"] == 1, "one side stream per engine, made once"
         assert a["bytes_sent"] == [_expected_bytes(dp, tp, coord, "async")] * STEPS
         assert s["bytes_sent"] == [_expected_bytes(dp, tp, coord, "sync")] * STEPS
         computes = {g for stage, g in a["stages"] if stage == "compute"}

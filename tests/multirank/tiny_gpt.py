@@ -86,6 +86,8 @@ class TinyRun:
     """Megatron's ``muon_tp_mode`` at TP > 1 (``duplicated`` keeps the exact math)."""
     nan_grad_at_step: int | None = None
     """Fill rank 0's gradient buffers with NaN before this step's update (the step must be skipped)."""
+    count_syncs: bool = False
+    """Count the host synchronisations inside each ``optimizer.step()`` (``host_syncs.py``)."""
 
 
 def train_tiny_gpts(runs: list[TinyRun]) -> list[dict[str, Any]]:
@@ -102,8 +104,9 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.tp_size)
     try:
         model, ddp_model, optimizer, plan = _build(run)
+        syncs: list[list[str]] = []
         losses, grad_norms, step_seconds, applied = map(list, zip(
-            *(_train_step(run, ddp_model, optimizer, step) for step in range(run.num_steps))
+            *(_train_step(run, ddp_model, optimizer, step, syncs) for step in range(run.num_steps))
         ))
         return {
             "params": _full_params(model),
@@ -115,6 +118,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "skipped_steps": [step for step, ok in enumerate(applied) if not ok],
             "tp_stats": _tp_stats(optimizer),
             "plan": None if plan is None else plan.to_json(),
+            "host_syncs": syncs,
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -347,9 +351,10 @@ def layer_wise_layout(params, dp_size: int, ddp_config, *, bucket_size: int | No
     )
 
 
-def _train_step(run: TinyRun, ddp_model, optimizer, step: int) -> tuple[float, float, float, bool]:
+def _train_step(run: TinyRun, ddp_model, optimizer, step: int, syncs: list | None = None) -> tuple[float, float, float, bool]:
     """One optimizer step; returns (global-batch mean loss, global grad norm, step seconds,
-    whether the update was applied).
+    whether the update was applied). With ``run.count_syncs`` the step's host reads are
+    appended to ``syncs``.
 
     The step time is ``optimizer.step()`` alone (after a barrier), all-gather included."""
     from megatron.core import parallel_state
@@ -372,7 +377,15 @@ def _train_step(run: TinyRun, ddp_model, optimizer, step: int) -> tuple[float, f
             buffer.grad_data.fill_(float("nan"))
     dist.barrier()
     start = time.perf_counter()
-    update_ok, grad_norm, _ = optimizer.step()
+    if run.count_syncs:
+        from .host_syncs import count_host_syncs
+
+        with count_host_syncs() as seen:
+            update_ok, grad_norm, _ = optimizer.step()
+        if syncs is not None:
+            syncs.append(seen)
+    else:
+        update_ok, grad_norm, _ = optimizer.step()
     seconds = time.perf_counter() - start
     local_mean = torch.stack([out["loss"] for out in outputs]).mean()
     dist.all_reduce(local_mean, group=parallel_state.get_data_parallel_group())

@@ -5,7 +5,7 @@ same-shape matrices), a state dataclass updated in place and a frozen config, an
 the direction ``D`` of ``p <- p - lr*wd*p - lr*D`` (see :func:`apply_update`).
 """
 
-from megatron.canzona.optim.adamw import AdamWState, adamw_update
+from megatron.canzona.optim.adamw import AdamWState, adamw_foreach, adamw_update
 from megatron.canzona.optim.common import (
     OptimizerState,
     apply_update,
@@ -55,6 +55,7 @@ __all__ = [
     "Shampoo",
     "ShampooConfig",
     "ShampooState",
+    "adamw_foreach",
     "adamw_update",
     "apply_update",
     "build_param_groups",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -63,3 +64,38 @@ def adamw_update(grad: torch.Tensor, state: AdamWState, config: AdamWConfig) -> 
     )
     state.step = step
     return direction
+
+
+@torch.no_grad()
+def adamw_foreach(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], states: Sequence[AdamWState], config: AdamWConfig,
+    *, lr: float, weight_decay: float,
+) -> None:
+    """AdamW on many parameters at once with torch's multi-tensor (``foreach``) operations.
+
+    The arithmetic of :func:`adamw_update` followed by ``apply_update`` on each parameter, in
+    the same order (bitwise equal on CPU, where the multi-tensor operations loop per tensor);
+    on CUDA a handful of fused kernels replace several launches per parameter. Parameters are
+    grouped by step, since bias correction depends on it."""
+    by_step: dict[int, list[int]] = {}
+    for i, state in enumerate(states):
+        assert state.exp_avg is not None and state.exp_avg_sq is not None
+        by_step.setdefault(state.step + 1, []).append(i)
+    beta1, beta2 = config.betas
+    for step, members in by_step.items():
+        m = [states[i].exp_avg for i in members]
+        v = [states[i].exp_avg_sq for i in members]
+        g = [grads[i].to(states[i].exp_avg.dtype) for i in members]  # type: ignore[union-attr]
+        torch._foreach_lerp_(m, g, 1 - beta1)
+        torch._foreach_lerp_(v, torch._foreach_mul(g, g), 1 - beta2)
+        directions = torch._foreach_div(m, 1 - beta1**step)
+        denominators = torch._foreach_div(v, 1 - beta2**step)
+        torch._foreach_sqrt_(denominators)
+        torch._foreach_add_(denominators, config.eps)
+        torch._foreach_div_(directions, denominators)
+        p = [params[i] for i in members]
+        if weight_decay != 0.0:
+            torch._foreach_add_(p, p, alpha=-lr * weight_decay)
+        torch._foreach_add_(p, [d.to(x.dtype) for d, x in zip(directions, p)], alpha=-lr)
+        for i in members:
+            states[i].step = step

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from megatron.canzona.optim.adamw import AdamWState, adamw_update
+from megatron.canzona.optim.adamw import AdamWState, adamw_foreach
 from megatron.canzona.optim.common import OptimizerState, apply_update, stack_states, unstack_into
 from megatron.canzona.optim.config import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
 from megatron.canzona.optim.muon import MuonState, muon_update
@@ -215,17 +215,20 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._state_of(owner)["pieces"][index].update(state.as_dict())
 
     def _step_elementwise(self, group: dict[str, Any]) -> None:
-        for param in group["params"]:
-            if param.grad is None or self._is_matrix(group, param):
-                continue
+        """AdamW on every non-matrix parameter of the group that has a gradient, fused."""
+        params = [p for p in group["params"] if p.grad is not None and not self._is_matrix(group, p)]
+        states = []
+        for param in params:
             stored = self.state[param]
             if not stored:
-                fresh = AdamWState.create(param.shape, device=param.device, grad_dtype=param.grad.dtype)
-                stored.update(fresh.as_dict())
-            state = AdamWState.from_dict(stored)
-            direction = adamw_update(param.grad, state, group["adamw_config"])
-            stored.update(state.as_dict())
-            apply_update(param, direction, lr=group["lr"], weight_decay=group["weight_decay"])
+                stored.update(AdamWState.create(param.shape, device=param.device, grad_dtype=param.grad.dtype).as_dict())
+            states.append(AdamWState.from_dict(stored))
+        if not params:
+            return
+        adamw_foreach(params, [p.grad for p in params], states, group["adamw_config"], lr=group["lr"],
+                      weight_decay=group["weight_decay"])
+        for param, state in zip(params, states):
+            self.state[param]["step"] = state.step
 
     # Checkpointing --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
