@@ -74,9 +74,10 @@ STATE_FORMAT = 1
 def optimizer_sharded_state_dict(optimizer: Any, *, is_loading: bool, metadata: dict | None = None) -> dict:
     """The Canzona optimizer's checkpoint: plain common values and name-keyed ``ShardedTensor``s.
 
-    When loading, state is created first (zeros) so that every chunk has its final shape; the
-    tensors handed to the loader are fresh buffers, copied into the live state by
-    :func:`load_optimizer_state_dict`.
+    When loading, state is created first (zeros) so that every chunk has its final shape, and
+    the loader reads straight into the live state tensors where a chunk is one (whole matrix
+    state, flat slices of whole rows): no second copy of the optimizer state. Other chunks (a
+    box of a few columns) get a buffer, copied into place by :func:`load_optimizer_state_dict`.
     """
     if is_loading and metadata is not None and "canzona_state_format" not in metadata:
         raise CanzonaCheckpointError(
@@ -86,7 +87,10 @@ def optimizer_sharded_state_dict(optimizer: Any, *, is_loading: bool, metadata: 
     chunks = state_chunks(optimizer, find_main=not is_loading)
     tensors: dict[str, list[ShardedTensor]] = {}
     for chunk in chunks:
-        data = torch.empty_like(chunk.data, memory_format=torch.contiguous_format) if is_loading else chunk.data.contiguous()
+        if is_loading:
+            data = chunk.data if chunk.data.is_contiguous() else torch.empty_like(chunk.data, memory_format=torch.contiguous_format)
+        else:
+            data = chunk.data.contiguous()
         tensors.setdefault(chunk.key, []).append(ShardedTensor(
             chunk.key, data, data.dtype, tuple(data.shape), chunk.global_shape, chunk.global_offset,
             axis_fragmentations=None, replica_id=0 if chunk.main else 1,

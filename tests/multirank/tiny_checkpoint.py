@@ -65,11 +65,11 @@ def run_resume_job(job: ResumeJob) -> dict[str, Any]:
         os.environ[FAULT_ENV] = job.fault
     try:
         model, ddp_model, optimizer, plan = _build(job.run)
-        start, load_s = 0, 0.0
+        start, load_s, in_place = 0, 0.0, []
         if job.load_dir is not None:
             began = time.perf_counter()
             try:
-                start = load_checkpoint(job.load_dir, model, optimizer)
+                start = load_checkpoint(job.load_dir, model, optimizer, in_place)
             except CanzonaCheckpointError as error:
                 if job.expect_error:
                     return {"error": str(error), **job.extra}
@@ -86,7 +86,7 @@ def run_resume_job(job: ResumeJob) -> dict[str, Any]:
                 save_s.append(time.perf_counter() - began)
         return {
             "params": _full_params(model), "losses": losses, "start": start, "load_seconds": load_s,
-            "save_seconds": save_s, "split_matrices": [] if plan is None else
+            "save_seconds": save_s, "loaded_in_place": in_place, "split_matrices": [] if plan is None else
             [p.name for layout in plan.layouts for p in layout.matrix.placements if p.host is None],
             **job.extra,
         }
@@ -123,9 +123,11 @@ def save_checkpoint(save_dir: str, iteration: int, model: torch.nn.Module, optim
                             verify_integrity=verify_integrity)
 
 
-def load_checkpoint(load_dir: str, model: torch.nn.Module, optimizer: Any) -> int:
-    """Load the tracked iteration of ``load_dir``; returns it (the next step to take)."""
-    from canzona_patches.checkpoint import load_distributed
+def load_checkpoint(load_dir: str, model: torch.nn.Module, optimizer: Any, in_place: list | None = None) -> int:
+    """Load the tracked iteration of ``load_dir``; returns it (the next step to take). With
+    ``in_place``, appends how many elements of the Canzona optimizer state the loader read
+    straight into live tensors, and how many it loaded in all."""
+    from canzona_patches.checkpoint import load_distributed, state_chunks
     from canzona_patches.checkpoint_files import enable_cpu_checkpointing
 
     enable_cpu_checkpointing()
@@ -133,5 +135,9 @@ def load_checkpoint(load_dir: str, model: torch.nn.Module, optimizer: Any) -> in
         sharded_state_dict(model, optimizer, is_loading=True), load_dir, optimizer=optimizer
     )
     model.load_state_dict(state["model"])
+    if in_place is not None and "state" in state["optimizer"]:
+        live = {chunk.data.data_ptr() for chunk in state_chunks(optimizer, find_main=False)}
+        loaded = [v for values in state["optimizer"]["state"].values() for v in (values if isinstance(values, list) else [values])]
+        in_place.append((sum(v.numel() for v in loaded if v.data_ptr() in live), sum(v.numel() for v in loaded)))
     optimizer.load_state_dict(state["optimizer"])
     return iteration

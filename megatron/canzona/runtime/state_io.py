@@ -181,6 +181,8 @@ def _local_view(flat: torch.Tensor, placement: Placement, box: Box) -> torch.Ten
 
 def _copy_into(target: torch.Tensor) -> Callable[[torch.Tensor], None]:
     def restore(values: torch.Tensor) -> None:
+        if values.data_ptr() == target.data_ptr() and values.shape == target.shape and values.dtype == target.dtype:
+            return  # the loader read straight into the live tensor
         target.copy_(values.to(device=target.device, dtype=target.dtype).view(target.shape))
 
     return restore
