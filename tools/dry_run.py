@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -182,6 +183,9 @@ def measure(ddp_model, optimizer) -> dict:
                 kinds["adam_moments"] += sum(v.numel() for v in inner.state[p].values() if hasattr(v, "numel"))
     main = sum(t.numel() for group in optimizer.shard_fp32_from_float16_groups for t in group if t is not None)
     largest, step = inner.engine.temporaries()
+    tp = inner.engine.tp_size
+    batch = max((sum(math.prod(inner._tasks[k].full_shape(tp)) for k in keys) for keys in inner.engine.compute_batches()),
+                default=0)
     return {
         "param_buffer_elements": sum(b.numel for b in buffers),
         "grad_buffer_elements": sum(b.grad_data.numel() for b in buffers),
@@ -194,6 +198,7 @@ def measure(ddp_model, optimizer) -> dict:
         "state_elements": kinds,
         "largest_temporary_elements": largest,
         "step_temporary_elements": step,
+        "compute_batch_elements": batch,
         "device": str(buffers[0].param_data.device),
     }
 
@@ -213,6 +218,7 @@ def predict(args: argparse.Namespace, plan, specs_state: StateLayout, specs) -> 
         "state_elements": mem.state_elements,
         "largest_temporary_elements": mem.largest_temporary_elements,
         "step_temporary_elements": mem.step_temporary_elements,
+        "compute_batch_elements": mem.compute_batch_elements,
     }
 
 
@@ -225,7 +231,20 @@ ROWS = (  # (key, label, bytes per element: a number, or the key of one)
     *((f"state:{kind}", f"optimizer state: {kind.replace('_', ' ')}", STATE_BYTES) for kind in STATE_KINDS),
     ("largest_temporary_elements", "largest temporary buffer of the step", STATE_BYTES),
     ("step_temporary_elements", "host-group buffers alive at once", STATE_BYTES),
+    ("compute_batch_elements", "largest host-compute batch (stacked grads)", STATE_BYTES),
 )
+STEADY = ("parameter buffers", "gradient buffers", "fp32 main parameters",
+          *(f"optimizer state: {kind.replace('_', ' ')}" for kind in STATE_KINDS))
+"""What a rank holds between steps; the step adds the host-group buffers and a stack copy."""
+TRANSIENT = ("host-group buffers alive at once", "largest host-compute batch (stacked grads)")
+
+
+def memory_summary(rows: list[dict]) -> dict:
+    """Steady-state and peak bytes of the step, from the measured rows."""
+    by_name = {row["quantity"]: row["bytes"] or 0 for row in rows}
+    steady = sum(by_name[name] for name in STEADY)
+    peak = steady + sum(by_name[name] for name in TRANSIENT)
+    return {"steady_bytes": steady, "peak_bytes": peak, "peak_over_steady": peak / steady if steady else 0.0}
 
 
 def _value(record: dict, key: str):
@@ -278,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "build_seconds": built,
         "rows": rows,
         "buckets": measured["bucket_elements"],
+        "memory": memory_summary(rows),
         "agree": all(r["ok"] for r in rows),
     }
     if args.json:
@@ -298,6 +318,9 @@ def print_report(report: dict) -> None:
         print(f"{mark}{row['quantity']:<44}{row['predicted']:>16,}{row['measured']:>16,}{_gib(row['bytes']):>14}")
     buckets = report["buckets"]
     print(f"buckets: {len(buckets)}, largest {max(buckets):,} elements, smallest {min(buckets):,}")
+    memory = report["memory"]
+    print(f"memory: {_gib(memory['steady_bytes'])} between steps, peak {_gib(memory['peak_bytes'])} in the "
+          f"optimizer step ({memory['peak_over_steady']:.3f}x; the update functions' own working set comes on top)")
     bad = [r["quantity"] for r in report["rows"] if not r["ok"]]
     print("every number agrees with the plan" if not bad else f"DISAGREE with the plan: {', '.join(bad)}")
 

@@ -93,7 +93,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("shape", [(24, 12), (12, 20), (16, 16)])
 def test_matches_float64_reference(name, shape):
-    cfg = CASES[name]
+    cfg = dataclasses.replace(CASES[name], root_dtype="float64")  # fp64 math end to end
     grads = make_grads(shape, 7)
     expected = reference_shampoo([g.numpy() for g in grads], cfg)
     assert max_rel_err(run_shampoo(grads, cfg), expected) < SHAMPOO_RTOL_FP64
@@ -101,8 +101,9 @@ def test_matches_float64_reference(name, shape):
 
 def test_default_eps_on_a_full_rank_problem():
     grads = make_grads((16, 16), 5, seed=3)
-    expected = reference_shampoo([g.numpy() for g in grads], ShampooConfig())
-    assert max_rel_err(run_shampoo(grads, ShampooConfig()), expected) < SHAMPOO_RTOL_FP64
+    cfg = ShampooConfig(root_dtype="float64")
+    expected = reference_shampoo([g.numpy() for g in grads], cfg)
+    assert max_rel_err(run_shampoo(grads, cfg), expected) < SHAMPOO_RTOL_FP64
 
 
 @pytest.mark.parametrize("shape", [(24, 12), (12, 20), (16, 16)])
@@ -155,7 +156,7 @@ def test_diagonal_fallback_state_shapes():
 def test_batched_equals_looped(rows, cols, stack, max_dim, seed):
     # fp64: checks the batching logic (stacked statistics, eigh, diagonal sides) free of
     # fp32 conditioning, which test_batched_equals_looped_in_fp32 covers separately.
-    cfg = ShampooConfig(eps=EPS, precondition_frequency=2, max_precond_dim=max_dim)
+    cfg = ShampooConfig(eps=EPS, precondition_frequency=2, max_precond_dim=max_dim, root_dtype="float64")
     gen = torch.Generator().manual_seed(seed)
     grads = [torch.randn(stack, rows, cols, generator=gen, dtype=torch.float64) for _ in range(4)]
     batched_state = ShampooState.create((stack, rows, cols), cfg, grad_dtype=torch.float64)
@@ -184,7 +185,7 @@ def test_batched_equals_looped_in_fp32(shape):
 
 def test_update_is_scale_invariant_with_grafting():
     # Grafting to Adam makes the direction independent of the gradient scale (up to eps).
-    cfg = ShampooConfig(eps=1e-30, graft_eps=1e-30)
+    cfg = ShampooConfig(eps=1e-30, graft_eps=1e-30, root_dtype="float64")
     grads = make_grads((8, 8), 3)  # square: both statistics full rank from step 1
     a = run_shampoo(grads, cfg)
     b = run_shampoo([1e3 * g for g in grads], cfg)

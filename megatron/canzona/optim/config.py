@@ -104,10 +104,15 @@ class ShampooConfig:
     """absolute: lambda + eps; relative: lambda + eps * lambda_max (scale-free)."""
     inverse_root: int = 4
     """r in L^(-1/r); 4 is Shampoo's choice for matrices (two factors of one 1/2 root)."""
-    root_dtype: RootDtype = "float64"
-    """Dtype of the eigendecomposition used for the inverse roots."""
+    root_dtype: RootDtype = "float32"
+    """Dtype of the eigendecomposition used for the inverse roots (one that fails is
+    retried in fp64 with a diagonal shift, else the previous roots are kept)."""
     precondition_frequency: int = 10
-    """Recompute the inverse roots at steps 1, 1+f, 1+2f, ...; statistics update every step."""
+    """Recompute the inverse roots every f steps; statistics update every step."""
+    stagger_refresh: bool = True
+    """The optimizers refresh each matrix at steps 1 and ``1 + o + k f`` with an offset ``o``
+    from its name (:func:`~megatron.canzona.optim.common.refresh_offset`), so that about
+    1/f of the matrices refresh in any step; ``False``: all at steps 1, 1+f, 1+2f, ..."""
     max_precond_dim: int = 10000
     """A side longer than this keeps a diagonal statistic instead of a dense one."""
     grafting: Literal["adam", "none"] = "adam"
@@ -148,7 +153,9 @@ class SOAPConfig:
     eps: float = 1e-8
     """Adam's epsilon."""
     precondition_frequency: int = 10
-    """Refresh the eigenbasis at steps 1 (eigh), 1+f, 1+2f, ... (power iteration + QR)."""
+    """Refresh the eigenbasis at step 1 (eigh), then every f steps (power iteration + QR)."""
+    stagger_refresh: bool = True
+    """Offset each matrix's refresh steps by its name, as :attr:`ShampooConfig.stagger_refresh`."""
     max_precond_dim: int = 10000
     """A side longer than this is not rotated (identity basis, no statistic kept)."""
     correct_bias: bool = True

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from megatron.canzona.optim.common import OptimizerState, state_dtype_for
+from megatron.canzona.optim.common import OptimizerState, Refresh, state_dtype_for
 from megatron.canzona.optim.config import MuonConfig, resolve_dtype
 from megatron.canzona.optim.newton_schulz import newton_schulz
 
@@ -79,8 +79,12 @@ def muon_scale(rows: int, cols: int, mode: str, extra_scale_factor: float = 1.0)
 
 
 @torch.no_grad()
-def muon_update(grad: torch.Tensor, state: MuonState, config: MuonConfig) -> torch.Tensor:
+def muon_update(
+    grad: torch.Tensor, state: MuonState, config: MuonConfig, refresh: Refresh | None = None,
+) -> torch.Tensor:
     """One Muon step for a matrix or a stack ``(..., m, n)``; returns the direction.
+
+    ``refresh`` is accepted for a common signature; Muon has no preconditioner to refresh.
 
     ``M <- momentum*M + (1-momentum)*G``; the direction is
     ``scale * NS(M)`` (or ``NS((1-momentum)*G + momentum*M)`` with Nesterov).

@@ -12,8 +12,10 @@ Matrix parameters go through the update functions (fused ones split by the group
   :class:`~megatron.canzona.optim.split.GateUpLayout` for every parameter of the group.
 
 :func:`~megatron.canzona.optim.split.build_param_groups` builds these groups from a
-model's named parameters. With ``batch_same_shape=True`` same-shape matrices of a group
-(including the pieces of split matrices) are stacked and updated in one batched call;
+model's named parameters (and their ``names``, which stagger Shampoo's and SOAP's refresh
+steps per matrix). With ``batch_same_shape=True`` same-shape matrices of a group (including
+the pieces of split matrices) are updated in one batched call on a stacked state, made at
+their first step, of which each matrix's state dict holds views, so no step copies state;
 the result equals the per-matrix loop.
 
 State of a matrix parameter is ``{"pieces": [state dict per piece]}``; of an AdamW
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
@@ -33,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from megatron.canzona.optim.adamw import AdamWState, adamw_foreach
-from megatron.canzona.optim.common import OptimizerState, apply_update, stack_states, unstack_into
+from megatron.canzona.optim.common import OptimizerState, Refresh, apply_update, refresh_due, refresh_offset
 from megatron.canzona.optim.config import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
 from megatron.canzona.optim.muon import MuonState, muon_update
 from megatron.canzona.optim.shampoo import ShampooState, shampoo_update
@@ -41,9 +44,36 @@ from megatron.canzona.optim.soap import SOAPState, soap_update
 from megatron.canzona.optim.split import GateUpLayout, QKVLayout, merge_pieces, split_pieces
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
-_Job = tuple[Any, int, torch.Tensor, OptimizerState]
-"""``(owner, piece index, gradient piece, piece state)``; directions come back by
-``(id(owner), piece index)``."""
+_Job = tuple[Any, int, torch.Tensor]
+"""``(owner, piece index, gradient piece)``; directions come back by ``(id(owner), piece index)``."""
+_log = logging.getLogger(__name__)
+
+
+class _Stack:
+    """A bucket's state stacked along a leading dimension, and its members' state dicts, whose
+    tensors are views of it: the batched update runs on the stacked tensors in place."""
+
+    def __init__(self, state: OptimizerState) -> None:
+        self.state = state
+        self.tensors = state.tensors()
+        count = next(iter(self.tensors.values())).shape[0]
+        self.views = [{"step": state.step, **{name: t[i] for name, t in self.tensors.items()}} for i in range(count)]
+
+    def backs(self, stored: list[dict[str, Any] | None]) -> bool:
+        """Whether the members' state dicts still hold this stack's views (a load that
+        replaced them, instead of copying into them, breaks that)."""
+        return all(
+            values is not None and all(values.get(name) is view[name] for name in self.tensors)
+            for values, view in zip(stored, self.views)
+        )
+
+    def absorb(self, state: OptimizerState) -> None:
+        """Copy the tensors an update replaced into the stacked storage and point at it again."""
+        for name, tensor in self.tensors.items():
+            current = getattr(state, name)
+            if current is not tensor:
+                tensor.copy_(current)
+                setattr(state, name, tensor)
 
 # Param-group values saved as {"type": name, "fields": {...}} so that checkpoints hold only
 # plain containers and load with torch.load(..., weights_only=True).
@@ -84,7 +114,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
     # config, *, device, grad_dtype)``) and its update ``(grad, state, config) -> direction``.
     config_type: ClassVar[type[Any]]
     state_type: ClassVar[type[Any]]
-    update_fn: ClassVar[Callable[[torch.Tensor, Any, Any], torch.Tensor]]
+    update_fn: ClassVar[Callable[..., torch.Tensor]]
+    """``(grad, state, config, refresh) -> direction``."""
 
     def __init__(
         self,
@@ -108,6 +139,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.batch_same_shape = batch_same_shape
+        self._stacks: dict[tuple[Any, ...], _Stack] = {}
+        self._names_by_id: dict[int, str] = {}
         for group in self.param_groups:
             self._validate_group(group)
 
@@ -157,18 +190,29 @@ class MatrixOptimizer(torch.optim.Optimizer):
         is the parameter here, a runtime may key matrix state otherwise."""
         return self.state[owner]
 
-    def _piece_states(
-        self, owner: Any, pieces: list[torch.Tensor], config: Any
-    ) -> list[OptimizerState]:
+    def _owner_name(self, owner: Any) -> str:
+        """The name that staggers ``owner``'s refreshes: the group's ``names`` entry (what
+        :func:`~megatron.canzona.optim.split.build_param_groups` records), else its position."""
+        if id(owner) not in self._names_by_id:
+            params = [p for group in self.param_groups for p in group["params"]]
+            for position, param in enumerate(params):
+                self._names_by_id.setdefault(id(param), f"param.{position}")
+            for group in self.param_groups:
+                for param, name in zip(group["params"], group.get("names") or ()):
+                    self._names_by_id[id(param)] = name
+        return self._names_by_id[id(owner)]
+
+    def _refresh_offset(self, owner: Any, config: Any) -> int:
+        frequency = getattr(config, "precondition_frequency", 1)
+        if not getattr(config, "stagger_refresh", False) or frequency == 1:
+            return 0
+        return refresh_offset(self._owner_name(owner), frequency)
+
+    def _declare(self, owner: Any, count: int) -> None:
+        """Make room for the state of ``owner``'s ``count`` pieces (allocated per stack)."""
         stored = self._state_of(owner)
         if "pieces" not in stored:
-            stored["pieces"] = [
-                self.state_type.create(
-                    piece.shape, config, device=piece.device, grad_dtype=piece.dtype
-                ).as_dict()
-                for piece in pieces
-            ]
-        return [self.state_type.from_dict(values) for values in stored["pieces"]]
+            stored["pieces"] = [None] * count
 
     def _step_matrices(self, group: dict[str, Any]) -> None:
         params = [p for p in group["params"] if p.grad is not None and self._is_matrix(group, p)]
@@ -177,8 +221,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             if param.grad.is_sparse:
                 raise TypeError(f"{type(self).__name__} does not support sparse gradients.")
             pieces = split_pieces(param.grad, group["fused_layout"])
-            states = self._piece_states(param, pieces, group["config"])
-            jobs.extend((param, i, p, s) for i, (p, s) in enumerate(zip(pieces, states)))
+            self._declare(param, len(pieces))
+            jobs.extend((param, i, piece) for i, piece in enumerate(pieces))
         directions = self._run_jobs(jobs, group["config"])
         for param in params:
             pieces = [directions[(id(param), i)] for i in range(len(self.state[param]["pieces"]))]
@@ -186,33 +230,83 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 param, merge_pieces(pieces, group["fused_layout"]), lr=group["lr"], weight_decay=group["weight_decay"],
             )
 
-    def _run_jobs(self, jobs: list[_Job], config: Any) -> dict[tuple[int, int], torch.Tensor]:
-        """Run every job, batching same-shape, same-step ones; directions by (param id, piece)."""
+    def _buckets(self, jobs: list[_Job], config: Any) -> list[list[_Job]]:
+        """Jobs batched by shape, dtype, device and step (one each without ``batch_same_shape``),
+        each batch ordered by refresh offset so that the members refreshing together are adjacent."""
         buckets: dict[tuple[Any, ...], list[_Job]] = defaultdict(list)
         for job in jobs:
-            _, _, grad, state = job
+            owner, index, grad = job
             if self.batch_same_shape:
-                buckets[(tuple(grad.shape), grad.dtype, grad.device, state.step)].append(job)
+                stored = self._state_of(owner)["pieces"][index]
+                step = 0 if stored is None else stored["step"]
+                buckets[(tuple(grad.shape), grad.dtype, grad.device, step)].append(job)
             else:
-                buckets[(id(job),)].append(job)
+                buckets[(len(buckets),)].append(job)
+        return [sorted(bucket, key=lambda job: self._refresh_offset(job[0], config)) for bucket in buckets.values()]
+
+    def _run_jobs(self, jobs: list[_Job], config: Any) -> dict[tuple[int, int], torch.Tensor]:
+        """Run every job, a bucket of same-shape ones in one batched call on its stacked
+        state; directions by (owner id, piece)."""
         directions: dict[tuple[int, int], torch.Tensor] = {}
-        for bucket in buckets.values():
-            if len(bucket) == 1:
-                param, index, grad, state = bucket[0]
-                directions[(id(param), index)] = self.update_fn(grad, state, config)
-                self._store(param, index, state)
-                continue
-            stacked_state = stack_states([job[3] for job in bucket])
-            stacked = self.update_fn(torch.stack([job[2] for job in bucket]), stacked_state, config)
-            unstack_into(stacked_state, [job[3] for job in bucket])
-            for position, (param, index, _, state) in enumerate(bucket):
-                directions[(id(param), index)] = stacked[position]
-                self._store(param, index, state)
+        for bucket in self._buckets(jobs, config):
+            grads = [grad for _, _, grad in bucket]
+            state, stack = self._bucket_state(bucket, config, grads[0].device, grads[0].dtype)
+            refresh = self._refresh(bucket, state.step + 1, config)
+            batch = grads[0] if stack is None else torch.stack(grads)
+            out = self.update_fn(batch, state, config, refresh)
+            self._commit(bucket, state, stack)
+            if refresh.failed:
+                _log.warning(
+                    "step %d: the preconditioner refresh of %s did not converge (eigendecomposition, also in "
+                    "fp64 with a diagonal shift); they keep their previous preconditioner", state.step,
+                    ", ".join(self._owner_name(bucket[m][0]) for m in refresh.failed),
+                )
+            for position, (owner, index, _) in enumerate(bucket):
+                directions[(id(owner), index)] = out if stack is None else out[position]
         return directions
 
-    def _store(self, owner: Any, index: int, state: OptimizerState) -> None:
-        # Update functions may replace tensors (SOAP's bases) and always bump the step.
-        self._state_of(owner)["pieces"][index].update(state.as_dict())
+    def _refresh(self, bucket: list[_Job], step: int, config: Any) -> Refresh:
+        frequency = getattr(config, "precondition_frequency", 1)
+        return Refresh(tuple(refresh_due(step, frequency, self._refresh_offset(owner, config)) for owner, _, _ in bucket))
+
+    def _bucket_state(
+        self, bucket: list[_Job], config: Any, device: torch.device, grad_dtype: torch.dtype,
+    ) -> tuple[OptimizerState, _Stack | None]:
+        """The state a bucket updates: a lone piece's own, or the bucket's stacked state, whose
+        members' state dicts hold views of it (made on first use, so no step copies state)."""
+        if len(bucket) == 1:
+            owner, index, grad = bucket[0]
+            pieces = self._state_of(owner)["pieces"]
+            if pieces[index] is None:
+                pieces[index] = self.state_type.create(grad.shape, config, device=device, grad_dtype=grad_dtype).as_dict()
+            return self.state_type.from_dict(pieces[index]), None
+        members = tuple((owner if isinstance(owner, str) else id(owner), index) for owner, index, _ in bucket)
+        stored = [self._state_of(owner)["pieces"][index] for owner, index, _ in bucket]
+        stack = self._stacks.get(members)
+        if stack is not None and stack.backs(stored):
+            stack.state.step = stored[0]["step"]
+            return stack.state, stack
+        state = self.state_type.create((len(bucket), *bucket[0][2].shape), config, device=device, grad_dtype=grad_dtype)
+        for position, values in enumerate(stored):
+            if values is not None:  # state that exists apart (a load replaced it): adopted, once
+                for name, value in self.state_type.from_dict(values).tensors().items():
+                    getattr(state, name)[position].copy_(value)
+                state.step = values["step"]
+        stack = _Stack(state)
+        for (owner, index, _), view in zip(bucket, stack.views):
+            self._state_of(owner)["pieces"][index] = view
+        self._stacks[members] = stack
+        return state, stack
+
+    def _commit(self, bucket: list[_Job], state: OptimizerState, stack: _Stack | None) -> None:
+        """Keep what the update did: tensors it replaced (SOAP's bases) and the step."""
+        if stack is None:
+            owner, index, _ = bucket[0]
+            self._state_of(owner)["pieces"][index].update(state.as_dict())
+            return
+        stack.absorb(state)
+        for view in stack.views:
+            view["step"] = state.step
 
     def _step_elementwise(self, group: dict[str, Any]) -> None:
         """AdamW on every non-matrix parameter of the group that has a gradient, fused."""

@@ -7,7 +7,10 @@ Per step, for ``G`` of shape ``(m, n)`` (``t`` is the 1-based step):
   ``G*G``) and is preconditioned elementwise;
 * at steps 1, 1+f, 1+2f, ... the inverse roots ``P_L = (L + eps)^(-1/r)`` and
   ``P_R = (R + eps)^(-1/r)`` are recomputed from an eigendecomposition in ``root_dtype``
-  (negative eigenvalues from rounding are clamped to 0 before ``eps`` is added);
+  (negative eigenvalues from rounding are clamped to 0 before ``eps`` is added); the
+  optimizers stagger these steps per matrix (a :class:`~megatron.canzona.optim.common.Refresh`
+  says which members of a stack refresh). An eigendecomposition that fails is retried in
+  fp64 with a diagonal shift; a matrix for which that fails too keeps its previous roots;
 * first moment ``M <- mu M + (1-mu) G``, bias-corrected to ``M_hat``;
 * direction ``S = P_L M_hat P_R``; with Adam grafting it is rescaled per matrix to
   ``||A||_F`` where ``A = M_hat / (sqrt(V_hat) + graft_eps)`` is Adam's direction from the
@@ -27,9 +30,13 @@ import torch
 from megatron.canzona.optim.adamw import adam_direction
 from megatron.canzona.optim.common import (
     OptimizerState,
-    refresh_due,
+    Refresh,
+    keep_failed,
+    part_start,
+    refresh_parts,
+    report_failures,
+    robust_eigh,
     state_dtype_for,
-    symmetric_eigh,
 )
 from megatron.canzona.optim.config import ShampooConfig, resolve_dtype
 
@@ -85,16 +92,36 @@ def _regularised(values: torch.Tensor, config: ShampooConfig) -> torch.Tensor:
     return values + config.eps
 
 
-def inverse_root(statistic: torch.Tensor, config: ShampooConfig, *, diagonal: bool) -> torch.Tensor:
+def inverse_root(
+    statistic: torch.Tensor, config: ShampooConfig, *, diagonal: bool,
+    previous: torch.Tensor | None = None, failed: list[int] | None = None,
+) -> torch.Tensor:
     """``(statistic + eps)^(-1/r)``: of a dense ``(..., k, k)`` statistic through its
-    eigendecomposition, or elementwise of a diagonal ``(..., k)`` one."""
+    eigendecomposition, or elementwise of a diagonal ``(..., k)`` one.
+
+    Members whose eigendecomposition fails (:func:`~megatron.canzona.optim.common.robust_eigh`)
+    take ``previous`` (zeros without it) and their flat indices are appended to ``failed``."""
     exponent = -1.0 / config.inverse_root
     work_dtype = resolve_dtype(config.root_dtype)
     if diagonal:
         return _regularised(statistic.to(work_dtype), config).pow(exponent).to(statistic.dtype)
-    values, vectors = symmetric_eigh(statistic, work_dtype)
+    values, vectors, broken = robust_eigh(statistic, work_dtype)
     powered = _regularised(values, config).pow(exponent)
-    return ((vectors * powered.unsqueeze(-2)) @ vectors.mT).to(statistic.dtype)
+    root = ((vectors * powered.unsqueeze(-2)) @ vectors.mT).to(statistic.dtype)
+    if failed is not None:
+        failed.extend(broken)
+    return keep_failed(root, torch.zeros_like(root) if previous is None else previous, broken)
+
+
+def _refresh_roots(state: ShampooState, config: ShampooConfig, ndim: int) -> list[int]:
+    """Recompute both inverse roots in place; the flat members whose roots were kept."""
+    assert state.left is not None and state.right is not None
+    assert state.left_root is not None and state.right_root is not None
+    failed: list[int] = []
+    for statistic, root in ((state.left, state.left_root), (state.right, state.right_root)):
+        # A statistic with one dimension fewer than the gradient is a diagonal fallback.
+        root.copy_(inverse_root(statistic, config, diagonal=statistic.ndim < ndim, previous=root, failed=failed))
+    return sorted(set(failed))
 
 
 def _precondition(
@@ -110,20 +137,23 @@ def _precondition(
 
 
 @torch.no_grad()
-def shampoo_update(grad: torch.Tensor, state: ShampooState, config: ShampooConfig) -> torch.Tensor:
-    """One Shampoo step for a matrix or a stack ``(..., m, n)``; returns the direction."""
+def shampoo_update(
+    grad: torch.Tensor, state: ShampooState, config: ShampooConfig, refresh: Refresh | None = None,
+) -> torch.Tensor:
+    """One Shampoo step for a matrix or a stack ``(..., m, n)``; returns the direction.
+
+    ``refresh`` says which stack members recompute their roots this step (default: all of
+    them at steps 1, 1+f, ...); members whose roots could not be computed are added to its
+    ``failed`` and keep their previous roots."""
     assert state.left is not None and state.right is not None and state.exp_avg is not None
     assert state.left_root is not None and state.right_root is not None
     grad = grad.to(state.exp_avg.dtype)
     step = state.step + 1
     _accumulate(state.left, grad, config)
     _accumulate(state.right, grad.mT, config)
-    if refresh_due(step, config.precondition_frequency):
-        # A statistic with one dimension fewer than the gradient is a diagonal fallback.
-        state.left_root.copy_(inverse_root(state.left, config, diagonal=state.left.ndim < grad.ndim))
-        state.right_root.copy_(
-            inverse_root(state.right, config, diagonal=state.right.ndim < grad.ndim)
-        )
+    for part in refresh_parts(refresh, step, config.precondition_frequency, stacked=grad.ndim > 2):
+        failed = _refresh_roots(state.select(part), config, grad.ndim)
+        report_failures(refresh, [part_start(part) + index for index in failed], step)
     beta1 = config.momentum
     if config.grafting == "adam":
         assert state.exp_avg_sq is not None

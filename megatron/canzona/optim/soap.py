@@ -38,9 +38,13 @@ import torch
 from megatron.canzona.optim.adamw import adam_direction
 from megatron.canzona.optim.common import (
     OptimizerState,
-    refresh_due,
+    Refresh,
+    keep_failed,
+    part_start,
+    refresh_parts,
+    report_failures,
+    robust_eigh,
     state_dtype_for,
-    symmetric_eigh,
 )
 from megatron.canzona.optim.config import SOAPConfig, resolve_dtype
 
@@ -105,48 +109,65 @@ def _sort_basis(statistic: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return torch.argsort(approx_eigenvalues, dim=-1, descending=True)
 
 
+def _eigenbasis(statistic: torch.Tensor, previous: torch.Tensor, config: SOAPConfig, failed: list[int]) -> torch.Tensor:
+    """Eigenvectors of ``statistic``, largest first; members whose eigendecomposition fails
+    (also on retry) keep ``previous`` and are appended to ``failed``."""
+    _, vectors, broken = robust_eigh(statistic, resolve_dtype(config.eigh_dtype))
+    failed.extend(broken)
+    return keep_failed(vectors.to(previous.dtype), previous, broken)
+
+
 def _refresh_side(
     statistic: torch.Tensor, basis: torch.Tensor, exp_avg_sq: torch.Tensor, axis: int,
-    config: SOAPConfig, first: bool,
+    config: SOAPConfig, first: bool, failed: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """New basis for one side and ``exp_avg_sq`` permuted along ``axis`` (-2 rows, -1 cols)."""
-    eigh_dtype = resolve_dtype(config.eigh_dtype)
     if first:
         # The moments are still zero at step 1: nothing to re-order.
-        return symmetric_eigh(statistic, eigh_dtype)[1].to(basis.dtype), exp_avg_sq
+        return _eigenbasis(statistic, basis, config, failed), exp_avg_sq
     order = _sort_basis(statistic, basis)
     basis = torch.gather(basis, -1, order.unsqueeze(-2).expand_as(basis))
     index = order.unsqueeze(-1) if axis == -2 else order.unsqueeze(-2)
     exp_avg_sq = torch.gather(exp_avg_sq, axis, index.expand_as(exp_avg_sq))
     if config.refresh == "eigh":
-        return symmetric_eigh(statistic, eigh_dtype)[1].to(basis.dtype), exp_avg_sq
+        # A member that fails keeps its re-ordered basis, consistent with its permuted moment.
+        return _eigenbasis(statistic, basis, config, failed), exp_avg_sq
     for _ in range(config.power_iter_steps):
         basis = torch.linalg.qr(statistic @ basis).Q
     return basis, exp_avg_sq
 
 
-def _refresh(state: SOAPState, config: SOAPConfig, first: bool) -> None:
+def _refresh(state: SOAPState, config: SOAPConfig, first: bool) -> list[int]:
+    """Refresh the bases (replacing their tensors) and rotate the moments into them; the flat
+    members whose eigendecomposition failed and kept their previous basis."""
     assert state.exp_avg is not None and state.exp_avg_sq is not None
     exp_avg = rotate_back(state.exp_avg, state.basis_left, state.basis_right)
     exp_avg_sq = state.exp_avg_sq
+    failed: list[int] = []
     if state.left is not None and state.basis_left is not None:
         state.basis_left, exp_avg_sq = _refresh_side(
-            state.left, state.basis_left, exp_avg_sq, -2, config, first
+            state.left, state.basis_left, exp_avg_sq, -2, config, first, failed
         )
     if state.right is not None and state.basis_right is not None:
         state.basis_right, exp_avg_sq = _refresh_side(
-            state.right, state.basis_right, exp_avg_sq, -1, config, first
+            state.right, state.basis_right, exp_avg_sq, -1, config, first, failed
         )
     state.exp_avg.copy_(rotate(exp_avg, state.basis_left, state.basis_right))
     state.exp_avg_sq.copy_(exp_avg_sq)
+    return sorted(set(failed))
 
 
 @torch.no_grad()
-def soap_update(grad: torch.Tensor, state: SOAPState, config: SOAPConfig) -> torch.Tensor:
+def soap_update(
+    grad: torch.Tensor, state: SOAPState, config: SOAPConfig, refresh: Refresh | None = None,
+) -> torch.Tensor:
     """One SOAP step for a matrix or a stack ``(..., m, n)``; returns the direction.
 
-    ``state.basis_left``/``basis_right`` are replaced by new tensors on a refresh; every
-    other state tensor is updated in place.
+    ``refresh`` says which stack members refresh their bases this step (default: all of them
+    at steps 1, 1+f, ...). A refresh of the whole state replaces ``state.basis_left`` /
+    ``basis_right`` by new tensors, one of some members writes into them; every other state
+    tensor is updated in place. A member whose eigendecomposition fails (also in fp64 with a
+    diagonal shift) keeps its previous basis and is added to ``refresh.failed``.
     """
     assert state.exp_avg is not None and state.exp_avg_sq is not None
     grad = grad.to(state.exp_avg.dtype)
@@ -158,8 +179,11 @@ def soap_update(grad: torch.Tensor, state: SOAPState, config: SOAPConfig) -> tor
         state.left.lerp_(grad @ grad.mT, 1 - beta)
     if state.right is not None:
         state.right.lerp_(grad.mT @ grad, 1 - beta)
-    if refresh_due(step, config.precondition_frequency):
-        _refresh(state, config, first=step == 1)
+    for part in refresh_parts(refresh, step, config.precondition_frequency, stacked=grad.ndim > 2):
+        sub = state.select(part)
+        failed = _refresh(sub, config, first=step == 1)
+        state.write_back(part, sub)
+        report_failures(refresh, [part_start(part) + index for index in failed], step)
     rotated = rotate(grad, state.basis_left, state.basis_right)
     adam = adam_direction(
         rotated, state.exp_avg, state.exp_avg_sq,

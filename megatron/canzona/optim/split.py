@@ -189,7 +189,8 @@ def build_param_groups(
     """Parameter groups for :class:`~megatron.canzona.optim.optimizers.Muon` and friends.
 
     Returns groups named ``matrix``, ``qkv``, ``gate_up``, ``adamw`` and ``adamw_no_decay``
-    (empty ones dropped); each carries ``matrix`` and ``fused_layout`` keys and may be
+    (empty ones dropped); each carries ``matrix``, ``fused_layout`` and the parameters'
+    ``names`` (which stagger preconditioner refreshes per matrix) and may be
     given its own ``lr``/``weight_decay`` before being passed to the optimizer. A fused
     weight whose layout is not given stays one matrix.
     """
@@ -197,25 +198,29 @@ def build_param_groups(
     buckets: dict[str, list[torch.nn.Parameter]] = {
         "matrix": [], "qkv": [], "gate_up": [], "adamw": [], "adamw_no_decay": []
     }
+    names: dict[str, list[str]] = {key: [] for key in buckets}
     for name, param in named_parameters:
         if not param.requires_grad:
             continue
         if classify_parameter(name, param, routing) == "adamw":
             vector = param.ndim < 2 and routing.no_weight_decay_for_vectors
-            buckets["adamw_no_decay" if vector else "adamw"].append(param)
+            bucket = "adamw_no_decay" if vector else "adamw"
         elif qkv_layout is not None and _matches(name, routing.qkv_patterns):
-            buckets["qkv"].append(param)
+            bucket = "qkv"
         elif gate_up_layout is not None and _matches(name, routing.gate_up_patterns):
-            buckets["gate_up"].append(param)
+            bucket = "gate_up"
         else:
-            buckets["matrix"].append(param)
+            bucket = "matrix"
+        buckets[bucket].append(param)
+        names[bucket].append(name)
     layouts: dict[str, FusedLayout | None] = {"qkv": qkv_layout, "gate_up": gate_up_layout}
     groups = []
     for group_name, params in buckets.items():
         if not params:
             continue
         group: dict[str, Any] = {
-            "params": params, "name": group_name, "matrix": not group_name.startswith("adamw"),
+            "params": params, "names": names[group_name], "name": group_name,
+            "matrix": not group_name.startswith("adamw"),
             "fused_layout": layouts.get(group_name),
         }
         if group_name == "adamw_no_decay":

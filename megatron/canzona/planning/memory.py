@@ -85,6 +85,9 @@ class RankMemory:
     step_temporary_elements: int
     """The most elements of host-group buffers alive at once (a group's, with the next
     group's gather in flight)."""
+    compute_batch_elements: int = 0
+    """Full-matrix elements of the largest host-compute batch: at most what stacking its
+    same-shape gradients copies (the update functions' own working set comes on top)."""
 
 
 def rank_memory(
@@ -110,7 +113,22 @@ def rank_memory(
         state_elements=kinds,
         largest_temporary_elements=largest,
         step_temporary_elements=step,
+        compute_batch_elements=_largest_batch(plan, specs, dp_rank, tp_rank),
     )
+
+
+def _largest_batch(plan: CanzonaPlan, specs: Sequence[ParamSpec], dp_rank: int, tp_rank: int) -> int:
+    """Full-matrix elements of the largest micro-group this rank computes."""
+    sharded = {(s.chunk, s.name): s.tp_sharded for s in specs}
+    groups: dict[int, int] = {}
+    for h in plan.hosts:
+        is_sharded = sharded[(h.chunk, h.name)]
+        if h.dp_rank != dp_rank or (is_sharded and h.tp_rank != tp_rank):
+            continue
+        placement = plan.layouts[h.chunk].matrix.placement(h.name)
+        full = (placement.end - placement.start) * (plan.tp_size if is_sharded else 1)
+        groups[h.group] = groups.get(h.group, 0) + full
+    return max(groups.values(), default=0)
 
 
 def _shard_numel(buffer: BufferPlan, dp_rank: int) -> int:

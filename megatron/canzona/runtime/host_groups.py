@@ -370,6 +370,10 @@ class HostGroupEngine:
             step = max(step, alive + (sizes[k + 1][0] if k + 1 < len(sizes) else 0))
         return largest, step
 
+    def compute_batches(self) -> list[tuple[str, ...]]:
+        """The task keys of each host-compute callback this rank makes per step, in order."""
+        return [tuple(t.key for t in batch) for exchange in self.exchanges for batch in exchange.computed]
+
     def _batches(self, tasks: list[MatrixTask]) -> tuple[tuple[MatrixTask, ...], ...]:
         if self.mode == "async":
             mine = tuple(t for t in tasks if t.host == self.coord)

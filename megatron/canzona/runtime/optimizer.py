@@ -100,23 +100,33 @@ class CanzonaOptimizer(MatrixOptimizer):
 
     def init_state(self) -> None:
         """Zero state where none exists: full-size matrix state for every task this rank
-        computes, AdamW moments for its elementwise parameters."""
+        computes, allocated once per stack of same-shape pieces exactly as the steps batch
+        them (each piece's state dict holds views of it), and AdamW moments for the
+        elementwise parameters."""
         device, dtype = self._device_and_dtype()
-        for task in self.computed_tasks():
-            stored = self._state_of(task.key)
-            if "pieces" in stored:
-                continue
-            shape = task.full_shape(self._engine().tp_size)
-            shapes = [p.shape for p in split_pieces(torch.empty(shape, device="meta"), self._layouts[task.key])]
-            stored["pieces"] = [
-                self.state_type.create(s, self.config, device=device, grad_dtype=dtype).as_dict() for s in shapes
-            ]
+        engine = self._engine()
+        for keys in engine.compute_batches():
+            jobs = []
+            for key in keys:
+                shapes = self._piece_shapes(key)
+                self._declare(key, len(shapes))
+                jobs.extend((key, i, torch.empty(shape, device="meta", dtype=dtype)) for i, shape in enumerate(shapes))
+            for bucket in self._buckets(jobs, self.config):
+                if any(self._state_of(key)["pieces"][i] is None for key, i, _ in bucket):
+                    self._bucket_state(bucket, self.config, device, dtype)
         for group in self.param_groups:
             if group["matrix"]:
                 continue
             for p in group["params"]:
                 if not self.state[p]:
                     self.state[p].update(AdamWState.create(p.shape, device=p.device, grad_dtype=p.dtype).as_dict())
+
+    def _piece_shapes(self, key: str) -> list[torch.Size]:
+        shape = self._tasks[key].full_shape(self._engine().tp_size)
+        return [p.shape for p in split_pieces(torch.empty(shape, device="meta"), self._layouts[key])]
+
+    def _owner_name(self, owner: Any) -> str:
+        return self._names.get(owner, owner)
 
     def _device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
         for group in self.param_groups:
@@ -157,8 +167,8 @@ class CanzonaOptimizer(MatrixOptimizer):
         counts = []
         for key, grad in zip(keys, full_grads):
             pieces = split_pieces(grad, self._layouts[key])
-            states = self._piece_states(key, pieces, self.config)
-            jobs.extend((key, i, piece, state) for i, (piece, state) in enumerate(zip(pieces, states)))
+            self._declare(key, len(pieces))
+            jobs.extend((key, i, piece) for i, piece in enumerate(pieces))
             counts.append(len(pieces))
         directions = self._run_jobs(jobs, self.config)
         return [
