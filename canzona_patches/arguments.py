@@ -94,6 +94,9 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--canzona-split-gate-up", action="store_true",
                        help="Treat gate and up halves of the fused SwiGLU fc1 weight as separate "
                        "matrices.")
+    group.add_argument("--canzona-no-stagger-refresh", action="store_false", dest="canzona_stagger_refresh",
+                       help="Refresh every Shampoo/SOAP preconditioner in the same steps (1, 1+f, ...) "
+                       "instead of from an offset per matrix, taken from its name.")
     group.add_argument("--canzona-tp-mode", choices=TP_MODES, default="async",
                        help="How matrices that cross ranks are updated: async = one host rank per matrix "
                        "with pipelined micro-grouped all-to-alls; sync = every rank holding a piece "
@@ -237,11 +240,11 @@ def canzona_config_from_args(args: argparse.Namespace):
         "shampoo": lambda: ShampooConfig(
             momentum=args.shampoo_beta1, shampoo_beta=args.shampoo_beta2, eps=args.shampoo_epsilon,
             precondition_frequency=args.shampoo_precondition_frequency,
-            max_precond_dim=args.shampoo_max_precond_dim),
+            max_precond_dim=args.shampoo_max_precond_dim, stagger_refresh=args.canzona_stagger_refresh),
         "soap": lambda: SOAPConfig(
             betas=(args.soap_beta1, args.soap_beta2), shampoo_beta=args.soap_shampoo_beta,
             precondition_frequency=args.soap_precondition_frequency,
-            max_precond_dim=args.soap_max_precond_dim),
+            max_precond_dim=args.soap_max_precond_dim, stagger_refresh=args.canzona_stagger_refresh),
     }[args.optimizer]()
     return CanzonaConfig(
         optimizer=args.optimizer,
