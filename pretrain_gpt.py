@@ -33,8 +33,8 @@ from canzona_patches.arguments import (
     validate_canzona_args,
 )
 from canzona_patches.cpu import enable_cpu_training_mode
-from canzona_patches.megatron_fixes import apply_all as apply_megatron_fixes
-from canzona_patches.training import LOSS_KEY, install_training_hooks
+from canzona_patches.registry import install as install_patches
+from canzona_patches.training import LOSS_KEY
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
@@ -118,6 +118,7 @@ def train_valid_test_datasets_provider(num_samples: tuple[int, int, int], vp_sta
         seed=args.seed,
         cache_dir=args.data_cache_path,
         eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
     )
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     return build_gpt_datasets(config, get_tokenizer(), num_samples)
@@ -252,8 +253,7 @@ def main() -> int:
     except CanzonaArgumentError as error:
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
         return 2
-    install_training_hooks(args)
-    apply_megatron_fixes()  # upstream bugs the runs would hit (canzona_patches/megatron_fixes.py)
+    install_patches(args)  # every Megatron patch whose condition holds (python -m canzona_patches.registry)
     try:
         pretrain(
             pretrain_cfg_container_from_args(args),

@@ -14,18 +14,20 @@ Hooks (megatron-core 0.19.2):
 * ``checkpointing._build_sharded_state_dict_metadata``: with ``--canzona`` the content
   metadata says ``fully_reshardable`` (``load_checkpoint`` refuses a TP/PP change for any
   other distributed-optimizer format, checkpointing.py:2239) and ``canzona_state_format``.
-* ``training.load_checkpoint``: the files are checked first (:func:`canzona_patches.
+* ``training.load_checkpoint``: rank 0 checks the files first (:func:`canzona_patches.
   checkpoint_files.check_checkpoint_files`), then the saved optimizer state against this run's
-  (:func:`check_optimizer_compatible`); any failure is one :class:`CanzonaCheckpointError` line
-  naming the file and what mismatched.
+  (:func:`check_optimizer_compatible`), and every rank gets its verdict
+  (:func:`verified_checkpoint`); any failure is one :class:`CanzonaCheckpointError` line
+  naming the file and what mismatched, the same on every rank.
 * ``training.save_checkpoint``: staged and committed atomically, see
   :mod:`canzona_patches.checkpoint_files`.
+
+Which attribute each hook replaces, and when, is :data:`canzona_patches.registry.PATCHES`.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -33,23 +35,22 @@ from typing import Any
 
 import torch
 
+from canzona_patches.binding import shard_entries
 from canzona_patches.checkpoint_files import (
     TRACKER,
     CanzonaCheckpointError,
     check_checkpoint_files,
     commit_checkpoint,
+    decided_on_rank_zero,
     enable_cpu_checkpointing,
-    fault_during_write,
-    install_file_hooks,
     one_line_errors,
     prepare_staging,
-    recover_before_load,
+    recover_replaced,
     resolve_checkpoint,
 )
-from canzona_patches.binding import shard_entries
-from canzona_patches.hooks import install_hook
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim.split import GateUpLayout, QKVLayout
+from megatron.canzona.runtime.optimizer import CanzonaOptimizer
 from megatron.canzona.runtime.state_io import (
     Placement,
     StateChunk,
@@ -62,6 +63,7 @@ require_pinned_megatron()
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 
 STATE_PREFIX = "optimizer.canzona."
 """Key prefix of every Canzona optimizer tensor in a checkpoint."""
@@ -258,7 +260,6 @@ def global_param_names(model_chunks: list) -> dict[torch.nn.Parameter, str]:
     return names
 
 
-
 def save_distributed(sharded_state_dict: dict, save_dir: str | Path, iteration: int, *,
                      content_metadata: dict | None = None, verify_integrity: bool = False) -> Path:
     """``dist_checkpointing.save`` of one iteration, staged and committed atomically (for
@@ -267,9 +268,8 @@ def save_distributed(sharded_state_dict: dict, save_dir: str | Path, iteration: 
     file can be named on load."""
     enable_cpu_checkpointing()
     staging = prepare_staging(save_dir, iteration)
-    with fault_during_write(iteration):
-        dist_checkpointing.save(sharded_state_dict, str(staging), content_metadata=content_metadata,
-                                verify_integrity=verify_integrity)
+    dist_checkpointing.save(sharded_state_dict, str(staging), content_metadata=content_metadata,
+                            verify_integrity=verify_integrity)
     return commit_checkpoint(save_dir, iteration)
 
 
@@ -277,27 +277,51 @@ def load_distributed(sharded_state_dict: dict, load_dir: str | Path, *, optimize
     """Load the tracked iteration of ``load_dir`` into ``sharded_state_dict``; returns the loaded
     state dict and the iteration. With ``optimizer``, its state is checked to match first.
     Failures raise :class:`CanzonaCheckpointError`."""
-    recover_before_load(load_dir)
-    path = resolve_checkpoint(load_dir)
+    path = verified_checkpoint(load_dir, optimizer=optimizer)
     if path is None:
         raise CanzonaCheckpointError(f"{Path(load_dir) / TRACKER} does not exist: nothing was saved in {load_dir}")
-    check_checkpoint_files(path)
-    if optimizer is not None:
-        check_optimizer_compatible(path, optimizer)
     with one_line_errors(path):
         return dist_checkpointing.load(sharded_state_dict, str(path)), int(path.name[len("iter_"):])
 
 
+def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimizer: Any = None,
+                        group: Any = None) -> Path | None:
+    """The checkpoint ``--load`` resumes from, checked by one rank for all of them.
+
+    The first rank of ``group`` (default: every rank) undoes a re-save killed between its
+    renames, reads the tracker (or takes ``step``), checks every file the index names and,
+    with ``optimizer``, that a ``torch_dist`` checkpoint's optimizer state is the kind this
+    run reads. Every rank returns its answer (``None``: nothing was saved) or raises its one
+    line (:func:`canzona_patches.checkpoint_files.decided_on_rank_zero`)."""
+
+    def inspect() -> str | None:
+        recover_replaced(Path(load_dir))
+        path = resolve_checkpoint(load_dir, step)
+        if path is None:
+            return None
+        check_checkpoint_files(path)
+        if optimizer is not None and (path / "metadata.json").is_file():
+            check_optimizer_compatible(path, optimizer)
+        return str(path)
+
+    found = decided_on_rank_zero(inspect, group=group)
+    return None if found is None else Path(found)
+
+
+def is_canzona_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is the Canzona optimizer (a DistributedOptimizer around a
+    :class:`CanzonaOptimizer`: ``canzona_patches.optimizer.CanzonaDistributedOptimizer``)."""
+    return isinstance(optimizer, DistributedOptimizer) and isinstance(optimizer.optimizer, CanzonaOptimizer)
+
+
 def check_optimizer_compatible(path: Path, optimizer: Any) -> None:
     """The optimizer state in ``path`` is the kind this run's optimizer reads."""
-    from canzona_patches.optimizer import CanzonaDistributedOptimizer
-
     with one_line_errors(path):
         common = dist_checkpointing.load_common_state_dict(str(path))
     if not isinstance(common.get("optimizer"), dict):
         return  # saved with --no-save-optim: Megatron loads the model only
     saved = common["optimizer"].get("canzona")
-    canzona_run = isinstance(optimizer, CanzonaDistributedOptimizer)
+    canzona_run = is_canzona_optimizer(optimizer)
     if canzona_run and saved is None:
         raise CanzonaCheckpointError(
             f"{path} holds no Canzona optimizer state (saved without --canzona); pass --no-load-optim to load the model only"
@@ -316,18 +340,9 @@ def check_optimizer_compatible(path: Path, optimizer: Any) -> None:
 
 # --------------------------------------------------------------------------- megatron.training hooks
 
-def install_checkpoint_hooks(args: Any) -> None:
-    """Staged atomic saves (:func:`canzona_patches.checkpoint_files.install_file_hooks`), checked
-    loads and, with ``--canzona``, the content metadata; idempotent."""
-    install_file_hooks(args)
-    install_hook(importlib.import_module("megatron.training.training"), "load_checkpoint", checked_load_checkpoint)
-    install_hook(importlib.import_module("megatron.training.checkpointing"), "_build_sharded_state_dict_metadata",
-                 _with_canzona_metadata)
-
-
-def checked_load_checkpoint(load_checkpoint: Callable[..., Any]) -> Callable[..., Any]:
-    """``load_checkpoint`` after :func:`check_checkpoint_files` and
-    :func:`check_optimizer_compatible`; any failure is one :class:`CanzonaCheckpointError` line."""
+def checked_load_checkpoint(load_checkpoint: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """``load_checkpoint`` after :func:`verified_checkpoint` (the files and, unless the optimizer
+    state is not loaded, its kind); any failure is one :class:`CanzonaCheckpointError` line."""
 
     @functools.wraps(load_checkpoint)
     def load_checkpoint_checked(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
@@ -336,29 +351,24 @@ def checked_load_checkpoint(load_checkpoint: Callable[..., Any]) -> Callable[...
 
         megatron_args = get_args()
         load_dir = getattr(megatron_args, load_arg, None)
-        if load_dir is not None:
-            recover_before_load(load_dir)
-        path = resolve_checkpoint(load_dir, getattr(megatron_args, "ckpt_step", None))
+        loads_optimizer = optimizer is not None and not megatron_args.no_load_optim and not megatron_args.finetune
+        path = None if load_dir is None else verified_checkpoint(
+            load_dir, step=getattr(megatron_args, "ckpt_step", None), optimizer=optimizer if loads_optimizer else None)
         if path is None:
             return load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)
-        check_checkpoint_files(path)
-        if (optimizer is not None and not megatron_args.no_load_optim and not megatron_args.finetune
-                and (path / "metadata.json").is_file()):  # a torch_dist checkpoint
-            check_optimizer_compatible(path, optimizer)
         with one_line_errors(path):
             return load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)
 
     return load_checkpoint_checked
 
 
-def _with_canzona_metadata(build: Callable[..., dict]) -> Callable[..., dict]:
+def with_canzona_metadata(build: Callable[..., dict], run: Any = None) -> Callable[..., dict]:
     """Content metadata of a ``--canzona`` save: the optimizer state is fully reshardable."""
 
     @functools.wraps(build)
     def build_with_canzona(args: Any, *rest: Any, **kwargs: Any) -> dict:
         metadata = build(args, *rest, **kwargs)
-        if getattr(args, "canzona", False):
-            metadata.update(canzona_content_metadata())
+        metadata.update(canzona_content_metadata())
         return metadata
 
     return build_with_canzona

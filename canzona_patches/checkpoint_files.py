@@ -1,6 +1,6 @@
 """Checkpoint directories on disk: staged atomic saves, the tracker, checked loads.
 
-Hooks (megatron-core 0.19.2), installed by :func:`canzona_patches.checkpoint.install_checkpoint_hooks`:
+Hooks (megatron-core 0.19.2; rows of :data:`canzona_patches.registry.PATCHES`):
 
 * ``megatron.training.checkpointing.save_checkpoint`` (as ``training.py`` calls it) writes
   into ``<save>/iter_N`` directly and then the tracker ``latest_checkpointed_iteration.txt``
@@ -9,11 +9,17 @@ Hooks (megatron-core 0.19.2), installed by :func:`canzona_patches.checkpoint.ins
   dist_checkpointing/serialization.py:395), so re-saving the tracked iteration tears the
   checkpoint the tracker points at. :func:`staged_save_checkpoint` sends the write to a
   hidden staging directory (``get_checkpoint_name`` and ``get_checkpoint_tracker_filename``
-  redirected for the call), then renames it into place and replaces the tracker atomically
+  swapped for the call), then renames it into place and replaces the tracker atomically
   (:func:`commit_checkpoint`). With ``--async-save`` the commit is the last finalize step of
   the asynchronous request, so it runs once every rank's background write is done. A job
   killed at any point leaves the previous checkpoint tracked and loadable.
-* Loads are checked first (:func:`check_checkpoint_files`); a failure while reading is one
+* Deleting is off the critical path: what a save removes (stale staging directories of
+  killed saves, the old copy of a re-saved iteration, a checkpoint retired by
+  ``--save-retain-interval``) is renamed out of the way by rank 0, a metadata operation, and
+  deleted by a daemon thread started after the save's barrier (:func:`wait_for_removals`;
+  joined at exit). No barrier waits on a deletion, however large the checkpoint.
+* Loads are checked first (:func:`check_checkpoint_files`) by one rank, whose verdict every
+  rank gets (:func:`decided_on_rank_zero`); a failure while reading is one
   :class:`CanzonaCheckpointError` line naming the file and what mismatched
   (:func:`one_line_errors`).
 * CPU only: the ``torch_dist`` writer's CUDA calls (``filesystem_async.preload_tensors``
@@ -21,19 +27,13 @@ Hooks (megatron-core 0.19.2), installed by :func:`canzona_patches.checkpoint.ins
   synchronous saves get an in-process result queue instead of the ``spawn`` multiprocessing
   Manager ``get_write_results_queue`` starts (a child process: forbidden in daemonic ranks,
   and ~4 s of start-up in a ``torchrun`` rank, which re-imports the entry script).
-
-Fault injection for tests: ``CANZONA_CKPT_FAULT=<phase>@<iteration>[:<rank>]`` SIGKILLs the
-rank (default 0) while saving that iteration. Phases: ``write`` (after the rank wrote its
-data files, before the checkpoint's index exists; synchronous saves only), ``commit``
-(everything written, before the rename), ``tracker`` (renamed, temporary tracker written,
-before it replaces the old one).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
-import importlib
 import inspect
 import json
 import logging
@@ -41,16 +41,17 @@ import os
 import queue
 import re
 import shutil
-import signal
-from collections.abc import Callable, Iterator
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from canzona_patches import registry
 from canzona_patches.arguments import CanzonaArgumentError
-from canzona_patches.hooks import install_hook
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
@@ -61,10 +62,11 @@ TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron's tracker file: the iteration ``--load`` resumes from."""
 STAGING_PREFIX = ".staging-"
 """Hidden name prefix of a checkpoint directory being written."""
-FAULT_ENV = "CANZONA_CKPT_FAULT"
-FAULT_PHASES = ("write", "commit", "tracker")
+DELETING_PREFIX = f"{STAGING_PREFIX}deleting-"
+"""Name prefix of a directory renamed out of the way, waiting for the background deletion."""
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class CanzonaCheckpointError(CanzonaArgumentError):
@@ -74,33 +76,24 @@ class CanzonaCheckpointError(CanzonaArgumentError):
 # --------------------------------------------------------------------------- CPU and writer
 
 
-_CHECKPOINT_CUDA_MODULES = (
-    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # preload_tensors: synchronize
-    "megatron.core.dist_checkpointing.strategies.async_utils",
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-    "megatron.core.dist_checkpointing.strategies.fully_parallel",
-)
-
-
 def enable_cpu_checkpointing(*, synchronous_saves: bool = True) -> None:
     """Make ``torch_dist`` saves run on CPU and without a helper process; idempotent, and a
     no-op when CUDA is available.
 
     Redirects the writer modules' CUDA calls; with ``synchronous_saves`` (no
     ``--async-save``) the write results travel through an in-process queue (the write runs
-    in this process, so no Manager is needed)."""
+    in this process, so no Manager is needed). The ``cpu-checkpoint`` and ``cpu-sync-save``
+    rows of :data:`canzona_patches.registry.PATCHES`."""
     if torch.cuda.is_available():
         return
-    from canzona_patches.cpu import _CpuTorch
-
-    for name in _CHECKPOINT_CUDA_MODULES:
-        module = importlib.import_module(name)
-        if not isinstance(module.torch, _CpuTorch):
-            module.torch = _CpuTorch()
+    registry.install_group(registry.CPU_CHECKPOINT)
     if synchronous_saves:
-        writer = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
-        if writer._results_queue is None:
-            writer._results_queue = queue.Queue()
+        registry.install_group(registry.CPU_SYNC_SAVE)
+
+
+def in_process_results_queue(results_queue: Any, run: Any = None) -> Any:
+    """``filesystem_async._results_queue`` for synchronous saves: a plain queue, unless one exists."""
+    return queue.Queue() if results_queue is None else results_queue
 
 
 # --------------------------------------------------------------------------- atomic saves
@@ -121,36 +114,48 @@ def _replaced_dir(final: Path) -> Path:
 
 
 def prepare_staging(save_dir: str | Path, iteration: int) -> Path:
-    """Rank 0 clears what killed saves left behind and creates the staging directory; every
-    rank waits for it (collective when distributed)."""
+    """Rank 0 moves what killed saves left behind out of the way and creates the staging
+    directory; every rank waits for it (collective when distributed). The leftovers are
+    deleted in the background once the barrier is passed."""
     staging = staging_dir(save_dir, iteration)
+    doomed: list[Path] = []
     if global_rank() == 0:
-        Path(save_dir).mkdir(parents=True, exist_ok=True)
-        recover_replaced(Path(save_dir))
-        for stale in Path(save_dir).glob(f"{STAGING_PREFIX}*"):
-            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+        save = Path(save_dir)
+        save.mkdir(parents=True, exist_ok=True)
+        recover_replaced(save)
+        being_removed = _REMOVER.pending()
+        for stale in save.glob(f"{STAGING_PREFIX}*"):
+            if stale in being_removed:
+                continue
+            if stale.is_dir():
+                doomed.append(_set_aside(stale))
+            else:
+                stale.unlink(missing_ok=True)
         staging.mkdir()
     barrier()
+    _REMOVER.remove(doomed)
     return staging
 
 
 def commit_checkpoint(save_dir: str | Path, iteration: int) -> Path:
     """Publish a fully written staging directory (call on every rank once all have written):
-    rank 0 renames it to ``iter_N`` and then atomically points the tracker at it."""
+    rank 0 renames it to ``iter_N`` and then atomically points the tracker at it. The old copy
+    of a re-saved iteration is deleted in the background, after the barrier."""
     final = iteration_dir(save_dir, iteration)
+    doomed: list[Path] = []
     if global_rank() == 0:
-        _fault("commit", iteration)
         staging = staging_dir(save_dir, iteration)
         if final.exists():  # re-saving an iteration: move the old copy aside, never mix the two
             replaced = _replaced_dir(final)
             os.replace(final, replaced)
             os.replace(staging, final)
-            shutil.rmtree(replaced)
+            doomed.append(_set_aside(replaced))
         else:
             os.replace(staging, final)
         _fsync_dir(final.parent)
         write_tracker(save_dir, iteration)
     barrier()
+    _REMOVER.remove(doomed)
     return final
 
 
@@ -162,17 +167,8 @@ def write_tracker(save_dir: str | Path, iteration: int) -> None:
         stream.write(str(iteration))
         stream.flush()
         os.fsync(stream.fileno())
-    _fault("tracker", iteration)
     os.replace(temporary, tracker)
     _fsync_dir(tracker.parent)
-
-
-def recover_before_load(load_dir: str | Path) -> None:
-    """Rank 0 undoes a re-save killed between its renames (:func:`recover_replaced`); every
-    rank waits for it (collective when distributed)."""
-    if global_rank() == 0:
-        recover_replaced(Path(load_dir))
-    barrier()
 
 
 def recover_replaced(save_dir: Path) -> None:
@@ -200,41 +196,107 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def _fault(phase: str, iteration: int) -> None:
-    """SIGKILL this rank if ``CANZONA_CKPT_FAULT`` asks for ``phase`` at ``iteration`` (tests)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    match = re.fullmatch(r"(?P<phase>\w+)@(?P<iteration>\d+)(?::(?P<rank>\d+))?", spec.strip())
-    if match is None or match["phase"] not in FAULT_PHASES:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <{'|'.join(FAULT_PHASES)}>@<iteration>[:<rank>]")
-    if match["phase"] == phase and int(match["iteration"]) == iteration and int(match["rank"] or 0) == global_rank():
-        print(f"[canzona] {FAULT_ENV}: killing rank {global_rank()} during '{phase}' of iteration {iteration}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+# --------------------------------------------------------------------------- deleting off the critical path
 
 
-@contextmanager
-def fault_during_write(iteration: int) -> Iterator[None]:
-    """While saving ``iteration``, let ``_fault('write')`` fire right after this rank's data
-    files are written (``FileSystemWriterAsync.write_preloaded_data_multithread``), before the
-    coordinator writes the checkpoint index."""
-    if not os.environ.get(FAULT_ENV, "").startswith("write@"):
-        yield
-        return
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+def _set_aside(path: Path) -> Path:
+    """Rename ``path`` to a unique hidden name in the same directory (no loader or save looks
+    at it again) and return that name; a directory set aside before is returned as it is."""
+    if path.name.startswith(DELETING_PREFIX):
+        return path
+    aside = path.with_name(f"{DELETING_PREFIX}{uuid.uuid4().hex[:12]}-{path.name}")
+    os.replace(path, aside)
+    return aside
 
-    original = FileSystemWriterAsync.__dict__["write_preloaded_data_multithread"]
 
-    def write_then_fault(*args: Any, **kwargs: Any) -> Any:
-        result = original.__func__(*args, **kwargs)
-        _fault("write", iteration)
-        return result
+class _BackgroundRemover:
+    """Deletes directories, in the order given, on one daemon thread of this process.
 
-    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(write_then_fault)
-    try:
-        yield
-    finally:
-        FileSystemWriterAsync.write_preloaded_data_multithread = original
+    A checkpoint of a large model is thousands of files; deleting them can outlast a
+    collective timeout, so no rank may wait for it inside a barrier. The thread is started on
+    first use; :meth:`wait` (registered to run at exit) blocks until everything handed over
+    so far is gone."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Path] = queue.Queue()
+        self._pending: set[Path] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def remove(self, paths: Iterable[Path]) -> None:
+        paths = list(paths)
+        if not paths:
+            return
+        with self._lock:
+            self._pending.update(paths)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="canzona-checkpoint-remover", daemon=True)
+                self._thread.start()
+                atexit.register(self.wait)
+        for path in paths:
+            self._queue.put(path)
+
+    def pending(self) -> set[Path]:
+        """Directories handed over and not deleted yet."""
+        with self._lock:
+            return set(self._pending)
+
+    def wait(self) -> None:
+        self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            path = self._queue.get()
+            try:
+                shutil.rmtree(path)
+            except OSError as error:  # left for the next save's cleanup, which retries it
+                logger.warning("could not delete %s: %s", path, error)
+            finally:
+                with self._lock:
+                    self._pending.discard(path)
+                self._queue.task_done()
+
+
+_REMOVER = _BackgroundRemover()
+
+
+def wait_for_removals() -> None:
+    """Block until every directory set aside by this process so far is deleted."""
+    _REMOVER.wait()
+
+
+# --------------------------------------------------------------------------- one rank decides
+
+
+def decided_on_rank_zero(decide: Callable[[], T], *, group: Any = None) -> T:
+    """``decide()`` on the first rank of ``group`` (default: every rank) alone; every rank
+    returns its result, or raises the :class:`CanzonaCheckpointError` it raised. Costs one
+    ``broadcast_object_list`` (two broadcasts: the pickle's length, then the pickle).
+
+    For checks of a checkpoint on a shared filesystem: one rank reads the index and stats the
+    files instead of every rank all of them, and no two ranks can reach different verdicts
+    and part ways (one into the load's collectives, one out with an error)."""
+    if not torch.distributed.is_initialized():
+        return decide()
+    source = 0 if group is None else torch.distributed.get_global_rank(group, 0)
+    verdict: list[Any] = [None]
+    failure: BaseException | None = None
+    if torch.distributed.get_rank() == source:
+        try:
+            verdict = [("ok", decide())]
+        except CanzonaCheckpointError as error:
+            verdict = [("error", str(error))]
+        except Exception as error:  # noqa: BLE001 -- the other ranks wait for a verdict: send one
+            verdict, failure = [("crash", f"{type(error).__name__}: {error}")], error
+    torch.distributed.broadcast_object_list(verdict, src=source, group=group)
+    if failure is not None:
+        raise failure
+    kind, value = verdict[0]
+    if kind == "error":
+        raise CanzonaCheckpointError(value)
+    if kind == "crash":
+        raise RuntimeError(f"rank {source} failed while checking the checkpoint: {value}")
+    return value
 
 
 # --------------------------------------------------------------------------- loading checks
@@ -347,13 +409,7 @@ def _corrupt_files(path: Path) -> list[Path]:
 
 # --------------------------------------------------------------------------- megatron.training hooks
 
-def install_file_hooks(args: Any) -> None:
-    """The CPU writer (:func:`enable_cpu_checkpointing`) and staged atomic saves; idempotent."""
-    enable_cpu_checkpointing(synchronous_saves=not getattr(args, "async_save", False))
-    install_hook(importlib.import_module("megatron.training.training"), "save_checkpoint", staged_save_checkpoint)
-
-
-def staged_save_checkpoint(save_checkpoint: Callable[..., Any]) -> Callable[..., Any]:
+def staged_save_checkpoint(save_checkpoint: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
     """``save_checkpoint`` writing into a staging directory, committed by :func:`commit_checkpoint`.
 
     With ``--async-save`` the commit is appended to the request's finalize functions, which
@@ -387,10 +443,8 @@ def staged_save_checkpoint(save_checkpoint: Callable[..., Any]) -> Callable[...,
             if global_rank() == 0:
                 _scratch_tracker(save_dir).unlink(missing_ok=True)
 
-        # The 'write' fault hooks this process's writer; an asynchronous write runs in a worker.
-        write_fault = nullcontext() if asynchronous else fault_during_write(iteration)
         committed_last = _committed_last(commit) if asynchronous else nullcontext()
-        with _redirected_names(save_dir, iteration, staging), write_fault, committed_last:
+        with _redirected_names(save_dir, iteration, staging), committed_last:
             result = save_checkpoint(*args, **kwargs)
         if not asynchronous:
             commit()
@@ -403,23 +457,21 @@ def staged_save_checkpoint(save_checkpoint: Callable[..., Any]) -> Callable[...,
 def _committed_last(commit: Callable[[], None]) -> Iterator[None]:
     """During one asynchronous ``save_checkpoint`` call: the request it schedules gets ``commit``
     as its last finalize function (``checkpointing.schedule_async_save`` wrapped)."""
-    checkpointing = importlib.import_module("megatron.training.checkpointing")
-    schedule = checkpointing.schedule_async_save
     scheduled = []
 
-    def schedule_then_commit(request: Any) -> Any:
-        # The request that carries the checkpoint's finalize functions: the checkpoint's own, or
-        # the distillation logits request they were moved to (checkpointing.py:1117).
-        if not scheduled and request.finalize_fns:
-            request.add_finalize_fn(commit)
-            scheduled.append(request)
-        return schedule(request)
+    def committing_last(schedule: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def schedule_then_commit(request: Any) -> Any:
+            # The request that carries the checkpoint's finalize functions: the checkpoint's own,
+            # or the distillation logits request they were moved to (checkpointing.py:1117).
+            if not scheduled and request.finalize_fns:
+                request.add_finalize_fn(commit)
+                scheduled.append(request)
+            return schedule(request)
 
-    checkpointing.schedule_async_save = schedule_then_commit
-    try:
+        return schedule_then_commit
+
+    with registry.swapped("megatron.training.checkpointing:schedule_async_save", committing_last):
         yield
-    finally:
-        checkpointing.schedule_async_save = schedule
     if not scheduled:
         raise RuntimeError("--async-save: save_checkpoint scheduled no request with finalize functions; "
                            "nothing would commit the staged checkpoint")
@@ -434,13 +486,14 @@ def _tracked(save_dir: str) -> Path | None:
 
 def _retire(previous: Path | None, iteration: int, retain_interval: int | None) -> None:
     """``--save-retain-interval``: delete the previously tracked checkpoint unless its iteration
-    is a multiple of the interval -- after the new one is committed. (Upstream deletes it in the
-    finalize step before the tracker moves on; the scratch tracker hides it from that step.)"""
+    is a multiple of the interval -- after the new one is committed, and in the background.
+    (Upstream deletes it in the finalize step before the tracker moves on; the scratch tracker
+    hides it from that step.)"""
     if previous is None or not retain_interval or not previous.name.startswith("iter_") or previous.is_symlink():
         return
     old = int(previous.name[len("iter_"):])
-    if old != iteration and old % retain_interval != 0:
-        shutil.rmtree(previous, ignore_errors=True)
+    if old != iteration and old % retain_interval != 0 and previous.is_dir():
+        _REMOVER.remove([_set_aside(previous)])  # renamed now, deleted in the background
 
 
 @contextmanager
@@ -448,27 +501,27 @@ def _redirected_names(save_dir: str, iteration: int, staging: Path) -> Iterator[
     """During one ``save_checkpoint`` call: ``iter_N`` paths point into ``staging`` and the
     tracker Megatron writes (now, or when an asynchronous save is finalized) is a scratch file;
     the real one is replaced on commit."""
-    checkpointing = importlib.import_module("megatron.training.checkpointing")
-    get_name, get_tracker = checkpointing.get_checkpoint_name, checkpointing.get_checkpoint_tracker_filename
     final = str(iteration_dir(save_dir, iteration))
     scratch = _scratch_tracker(save_dir)
 
-    def checkpoint_name(checkpoints_path: str, iteration_: int, *args: Any, **kwargs: Any) -> str:
-        name = get_name(checkpoints_path, iteration_, *args, **kwargs)
-        if checkpoints_path == save_dir and iteration_ == iteration and name.startswith(final):
-            return str(staging) + name[len(final):]
-        return name
+    def into_staging(get_name: Callable[..., str]) -> Callable[..., str]:
+        def checkpoint_name(checkpoints_path: str, iteration_: int, *args: Any, **kwargs: Any) -> str:
+            name = get_name(checkpoints_path, iteration_, *args, **kwargs)
+            if checkpoints_path == save_dir and iteration_ == iteration and name.startswith(final):
+                return str(staging) + name[len(final):]
+            return name
 
-    def tracker_filename(checkpoints_path: str) -> str:
-        return str(scratch) if checkpoints_path == save_dir else get_tracker(checkpoints_path)
+        return checkpoint_name
 
-    checkpointing.get_checkpoint_name = checkpoint_name
-    checkpointing.get_checkpoint_tracker_filename = tracker_filename
-    try:
+    def into_scratch(get_tracker: Callable[[str], str]) -> Callable[[str], str]:
+        def tracker_filename(checkpoints_path: str) -> str:
+            return str(scratch) if checkpoints_path == save_dir else get_tracker(checkpoints_path)
+
+        return tracker_filename
+
+    with (registry.swapped("megatron.training.checkpointing:get_checkpoint_name", into_staging),
+          registry.swapped("megatron.training.checkpointing:get_checkpoint_tracker_filename", into_scratch)):
         yield
-    finally:
-        checkpointing.get_checkpoint_name = get_name
-        checkpointing.get_checkpoint_tracker_filename = get_tracker
 
 
 def _scratch_tracker(save_dir: str | Path) -> Path:

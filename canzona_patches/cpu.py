@@ -6,10 +6,12 @@ generators and accepts only ``'torch.cuda.*Tensor'`` types in its optimizers. On
 without CUDA every one of those raises. :func:`enable_cpu_mode` redirects them to CPU, and
 does nothing at all when ``torch.cuda.is_available()`` is True.
 
-What it patches (attribute assignments that last for the life of the process, which is
-meant to be a CPU test or tool process; nothing is undone):
+This module holds the stand-ins and their factories; what is replaced, and when, is the
+``cpu`` and ``cpu-training`` groups of :data:`canzona_patches.registry.PATCHES`
+(``python -m canzona_patches.registry``). The replacements last for the life of the
+process, which is meant to be a CPU test, tool or training process; nothing is undone.
 
-1. ``torch`` as seen by the Megatron modules in :data:`CPU_TORCH_MODULES` (and only
+1. ``torch`` as seen by the Megatron modules in ``registry.CPU_TORCH_MODULES`` (and only
    there) becomes :class:`_CpuTorch`, which forwards everything to real ``torch`` except
 
    * ``torch.cuda`` -> :data:`CPU_CUDA`: ``current_device()`` gives ``cpu``; streams and
@@ -22,22 +24,21 @@ meant to be a CPU test or tool process; nothing is undone):
 
    Megatron-Core writes ``torch.cuda.X`` and ``torch.zeros(..., device='cuda')`` in some
    two hundred places; swapping the module global keeps the redirect out of every other
-   library and of the tests themselves. A Megatron module not in the list still raises
-   "Found no NVIDIA driver" on its first CUDA call: add it to the list.
+   library and of the tests themselves.
 2. ``megatron.core.tensor_parallel.random``: ``CudaRNGStatesTracker`` becomes
    :class:`CpuRNGStatesTracker`, whose ``add``/``fork`` save and restore the CPU default
    generator; ``_get_cuda_rng_state``/``_set_cuda_rng_state`` read/write the CPU state.
-3. While one of :data:`_PRETEND_CUDA_FUNCTIONS` runs, and only then, a CPU tensor's
+3. While one of ``registry.PRETEND_CUDA_WINDOWS`` runs, and only then, a CPU tensor's
    ``type()`` answers with its ``'torch.cuda.*Tensor'`` name and its ``cuda()`` returns the
    tensor itself. Those functions route parameters by ``param.type() ==
    'torch.cuda.FloatTensor'`` (rejecting anything else) or move CPU data with ``.cuda()``.
    ``Tensor.type``/``Tensor.cuda`` are replaced by pass-throughs that behave exactly as
    before outside those calls.
-
 4. :func:`enable_cpu_training_mode` (for ``pretrain_gpt.py``) adds what
-   ``megatron.training`` needs: hook 1 for :data:`CPU_TORCH_TRAINING_MODULES` (with one CPU
-   "device" per process), hook 3 around ``training.get_model``, ``allow_no_cuda=True`` for
-   ``initialize_megatron`` and a CUDA-free ``get_device_arch_version`` for ``validate_args``.
+   ``megatron.training`` needs: hook 1 for ``registry.CPU_TORCH_TRAINING_MODULES`` (with one
+   CPU "device" per process), hook 3 around ``training.get_model``, ``allow_no_cuda=True``
+   for ``initialize_megatron`` and a CUDA-free ``get_device_arch_version`` for
+   ``validate_args``.
 
 See ``docs/megatron-cpu-notes.md`` for the upstream line each hook exists for.
 """
@@ -46,12 +47,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from canzona_patches import registry
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
@@ -203,35 +204,12 @@ class _CpuTorch:
         return factory if factory is not None else getattr(torch, name)
 
 
-CPU_TORCH_MODULES = (
-    "megatron.core.utils",
-    "megatron.core.parallel_state",
-    "megatron.core.timers",
-    "megatron.core.rerun_state_machine",
-    "megatron.core.tensor_parallel.data",
-    "megatron.core.tensor_parallel.layers",
-    "megatron.core.tensor_parallel.mappings",
-    "megatron.core.tensor_parallel.random",
-    "megatron.core.tensor_parallel.utils",
-    "megatron.core.transformer.attention",
-    "megatron.core.transformer.dot_product_attention",
-    "megatron.core.transformer.module",
-    "megatron.core.transformer.transformer_layer",
-    "megatron.core.transformer.utils",
-    "megatron.core.models.common.embeddings.rotary_pos_embedding",
-    "megatron.core.models.gpt.gpt_model",
-    "megatron.core.distributed.distributed_data_parallel",
-    "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer.distrib_optimizer",
-    "megatron.core.optimizer.grad_scaler",
-    "megatron.core.optimizer.layer_wise_optimizer",
-    "megatron.core.optimizer.optimizer",
-    "megatron.core.pipeline_parallel.p2p_communication",
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.pipeline_parallel.utils",
-)
-"""Megatron modules whose ``torch`` global becomes :class:`_CpuTorch` (hook 1)."""
+_CPU_TORCH = _CpuTorch()
+
+
+def cpu_torch(original: Any, run: Any = None) -> _CpuTorch:
+    """Hook 1's factory (also for the ``torch_dist`` writer's modules): the one stand-in."""
+    return _CPU_TORCH
 
 
 class CpuRNGStatesTracker(_random.CudaRNGStatesTracker):
@@ -271,6 +249,11 @@ class CpuRNGStatesTracker(_random.CudaRNGStatesTracker):
             self._current_state_name = outer_name
 
 
+def cpu_rng_tracker(original: type, run: Any = None) -> type:
+    """Hook 2's factory: ``initialize_rng_tracker`` builds :class:`CpuRNGStatesTracker`."""
+    return CpuRNGStatesTracker
+
+
 def _get_cpu_rng_state(device: Any = None, clone: bool = False, graph_safe: bool = False):
     return torch.get_rng_state()
 
@@ -279,39 +262,55 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bo
     torch.set_rng_state(new_state)
 
 
-def _install_rng_tracker() -> None:
-    """Hook 2: make ``initialize_rng_tracker`` build :class:`CpuRNGStatesTracker`."""
-    _random.CudaRNGStatesTracker = CpuRNGStatesTracker
-    _random._get_cuda_rng_state = _get_cpu_rng_state
-    _random._set_cuda_rng_state = _set_cpu_rng_state
+def cpu_get_rng_state(original: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    return _get_cpu_rng_state
+
+
+def cpu_set_rng_state(original: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    return _set_cpu_rng_state
+
+
+def _rebuild_rng_tracker_built_before() -> None:
+    """A tracker built before CPU mode holds CUDA states: rebuild it as a CpuRNGStatesTracker."""
     tracker = _random._CUDA_RNG_STATE_TRACKER
     if tracker is not None and not isinstance(tracker, CpuRNGStatesTracker):
-        # Built before CPU mode: let the next model_parallel_cuda_manual_seed rebuild it.
-        _random._CUDA_RNG_STATE_TRACKER = None
-        _random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+        _random.initialize_rng_tracker(force_reset=True)
 
 
-_REAL_TENSOR_TYPE = torch.Tensor.type
-_REAL_TENSOR_CUDA = torch.Tensor.cuda
-_pretend_depth = 0  # > 0 while a function of _PRETEND_CUDA_FUNCTIONS runs
+_pretend_depth = 0  # > 0 while a pretend-CUDA window (registry.PRETEND_CUDA_WINDOWS) runs
 
 
-def _tensor_type(self: torch.Tensor, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
-    answer = _REAL_TENSOR_TYPE(self, dtype, *args, **kwargs)
-    if dtype is None and _pretend_depth and self.device.type in ("cpu", "meta"):
-        return "torch.cuda." + answer.rsplit(".", 1)[-1]
-    return answer
+def tensor_type_pretending(tensor_type: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """Hook 3: ``Tensor.type`` that answers ``'torch.cuda.*Tensor'`` for CPU (and meta)
+    tensors inside a pretend-CUDA window, and as before everywhere else."""
+
+    @functools.wraps(tensor_type)
+    def type_pretending(self: torch.Tensor, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+        answer = tensor_type(self, dtype, *args, **kwargs)
+        if dtype is None and _pretend_depth and self.device.type in ("cpu", "meta"):
+            return "torch.cuda." + answer.rsplit(".", 1)[-1]
+        return answer
+
+    return type_pretending
 
 
-def _tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    if _pretend_depth and self.device.type in ("cpu", "meta"):
-        return self
-    return _REAL_TENSOR_CUDA(self, *args, **kwargs)
+def tensor_cuda_pretending(tensor_cuda: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """Hook 3: ``Tensor.cuda`` that returns a CPU (or meta) tensor itself inside a window."""
+
+    @functools.wraps(tensor_cuda)
+    def cuda_pretending(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if _pretend_depth and self.device.type in ("cpu", "meta"):
+            return self
+        return tensor_cuda(self, *args, **kwargs)
+
+    return cuda_pretending
 
 
-def _pretending_cuda(function: Callable[..., Any]) -> Callable[..., Any]:
+def pretending_cuda(function: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """Hook 3's window: ``function`` during which CPU tensors answer as CUDA tensors."""
+
     @functools.wraps(function)
-    def pretending_cuda(*args: Any, **kwargs: Any) -> Any:
+    def pretending(*args: Any, **kwargs: Any) -> Any:
         global _pretend_depth
         _pretend_depth += 1
         try:
@@ -319,52 +318,12 @@ def _pretending_cuda(function: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _pretend_depth -= 1
 
-    pretending_cuda.__canzona_cpu_hook__ = True
-    return pretending_cuda
-
-
-_PRETEND_CUDA_FUNCTIONS = (
-    # param.type() in ['torch.cuda.HalfTensor', ...] / == 'torch.cuda.FloatTensor' routing:
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"),
-    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
-    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
-    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),  # bound by import
-    # tensor.cuda() on CPU data:
-    ("megatron.core.tensor_parallel.data", "broadcast_data"),
-    ("megatron.core.tensor_parallel", "broadcast_data"),  # re-exported binding
-    ("megatron.core.optimizer.distrib_optimizer",
-     "DistributedOptimizer.get_parameter_state_dp_zero"),
-    ("megatron.core.models.common.language_module.language_module",
-     "LanguageModule.setup_embeddings_and_output_layer"),
-    ("megatron.core.utils", "check_param_hashes_across_dp_replicas"),
-)  # fmt: skip
-"""(module, qualified name) of the functions hook 3 wraps; each binding needs its own row."""
-
-
-def _install_pretend_cuda() -> None:
-    """Hook 3: CPU tensors pretend to be CUDA tensors inside :data:`_PRETEND_CUDA_FUNCTIONS`."""
-    torch.Tensor.type = _tensor_type
-    torch.Tensor.cuda = _tensor_cuda
-    _wrap_pretending_cuda(_PRETEND_CUDA_FUNCTIONS)
-
-
-def _wrap_pretending_cuda(functions: tuple[tuple[str, str], ...]) -> None:
-    for module_name, qualname in functions:
-        *owner_path, name = qualname.split(".")
-        owner = importlib.import_module(module_name)
-        for part in owner_path:
-            owner = getattr(owner, part)
-        function = getattr(owner, name)
-        if not getattr(function, "__canzona_cpu_hook__", False):
-            setattr(owner, name, _pretending_cuda(function))
-
-
-_cpu_mode = False
+    return pretending
 
 
 def cpu_mode_enabled() -> bool:
     """True once :func:`enable_cpu_mode` has redirected Megatron-Core to CPU."""
-    return _cpu_mode
+    return registry.installed(registry.CPU)
 
 
 def enable_cpu_mode(*, meta: bool = False) -> bool:
@@ -375,21 +334,15 @@ def enable_cpu_mode(*, meta: bool = False) -> bool:
     runs, CUDA or not) every allocation lands on the meta device instead: shapes and dtypes,
     no storage, so a full-size rank fits in one process.
     """
-    global _cpu_mode, _target
+    global _target
     if torch.cuda.is_available() and not meta:
         return False
     wanted = torch.device("meta") if meta else _CPU
-    if _cpu_mode:
-        if wanted != _target:
-            raise RuntimeError(f"CPU mode already redirects CUDA to {_target}; one process, one target")
-        return True
+    if cpu_mode_enabled() and wanted != _target:
+        raise RuntimeError(f"CPU mode already redirects CUDA to {_target}; one process, one target")
     _target = wanted
-    cpu_torch = _CpuTorch()
-    for module_name in CPU_TORCH_MODULES:
-        importlib.import_module(module_name).torch = cpu_torch
-    _install_rng_tracker()
-    _install_pretend_cuda()
-    _cpu_mode = True
+    registry.install_group(registry.CPU)
+    _rebuild_rng_tracker_built_before()
     return True
 
 
@@ -397,7 +350,7 @@ def enable_cpu_mode(*, meta: bool = False) -> bool:
 
 
 class _CpuCudaOneDevice(_CpuCuda):
-    """``torch.cuda`` for the :data:`CPU_TORCH_TRAINING_MODULES`: one CPU "device" per process.
+    """``torch.cuda`` for ``registry.CPU_TORCH_TRAINING_MODULES``: one CPU "device" per process.
 
     ``megatron.training.initialize`` runs ``initialize_model_parallel`` and seeds the
     tensor-parallel RNG tracker only when ``torch.cuda.device_count() > 0``
@@ -407,24 +360,15 @@ class _CpuCudaOneDevice(_CpuCuda):
     device_count = staticmethod(lambda: 1)
 
 
-CPU_TORCH_TRAINING_MODULES = (
-    "megatron.training.training",
-    "megatron.training.initialize",
-    "megatron.training.utils.common_utils",
-    "megatron.training.checkpointing",
-)
-"""``megatron.training`` modules whose ``torch`` global becomes :class:`_CpuTorch` with
-:class:`_CpuCudaOneDevice` (hook 4); see docs/megatron-cpu-notes.md for the call sites."""
-
-_PRETEND_CUDA_TRAINING_FUNCTIONS = (
-    # get_model moves every chunk with model_module.cuda(torch.cuda.current_device()):
-    ("megatron.training.training", "get_model"),
-)  # fmt: skip
-"""Hook 3's windows for ``megatron.training`` (same mechanism, separate list: importing
-``megatron.training`` costs seconds that Megatron-Core-only users need not pay)."""
+_CPU_TORCH_ONE_DEVICE = _CpuTorch(cuda=_CpuCudaOneDevice())
 
 
-def _allowing_no_cuda(initialize_megatron: Callable[..., Any]) -> Callable[..., Any]:
+def cpu_torch_one_device(original: Any, run: Any = None) -> _CpuTorch:
+    """Hook 4's ``torch`` for ``megatron.training`` (see docs/megatron-cpu-notes.md for the call sites)."""
+    return _CPU_TORCH_ONE_DEVICE
+
+
+def allowing_no_cuda(initialize_megatron: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
     """``initialize_megatron`` with ``allow_no_cuda=True`` (it asserts CUDA otherwise)."""
 
     @functools.wraps(initialize_megatron)
@@ -432,7 +376,6 @@ def _allowing_no_cuda(initialize_megatron: Callable[..., Any]) -> Callable[..., 
         kwargs["allow_no_cuda"] = True
         return initialize_megatron(*args, **kwargs)
 
-    initialize_megatron_on_cpu.__canzona_cpu_hook__ = True
     return initialize_megatron_on_cpu
 
 
@@ -443,30 +386,21 @@ def _no_cuda_arch() -> int:
     return 0
 
 
-_cpu_training_mode = False
+def no_cuda_arch(original: Callable[[], int], run: Any = None) -> Callable[[], int]:
+    return _no_cuda_arch
 
 
 def enable_cpu_training_mode() -> bool:
     """:func:`enable_cpu_mode`, plus the redirects ``megatron.training``'s loop needs; idempotent.
 
-    Hook 4: the :data:`CPU_TORCH_TRAINING_MODULES` see :class:`_CpuTorch` (one CPU device
+    Hook 4: ``registry.CPU_TORCH_TRAINING_MODULES`` see :class:`_CpuTorch` (one CPU device
     per process); hook 3's pretend-CUDA window wraps ``training.get_model``; the
     ``initialize_megatron`` that ``training.pretrain`` calls gets ``allow_no_cuda=True``;
-    ``arguments.get_device_arch_version`` answers 0 (:func:`_no_cuda_arch`).
+    ``arguments.get_device_arch_version`` answers 0. (A separate group from hooks 1-3:
+    importing ``megatron.training`` costs seconds that Megatron-Core-only users need not pay.)
     Returns False (and touches nothing) when CUDA is available.
     """
-    global _cpu_training_mode
     if not enable_cpu_mode():
         return False
-    if _cpu_training_mode:
-        return True
-    cpu_torch = _CpuTorch(cuda=_CpuCudaOneDevice())
-    for module_name in CPU_TORCH_TRAINING_MODULES:
-        importlib.import_module(module_name).torch = cpu_torch
-    _wrap_pretending_cuda(_PRETEND_CUDA_TRAINING_FUNCTIONS)
-    importlib.import_module("megatron.training.arguments").get_device_arch_version = _no_cuda_arch
-    training = importlib.import_module("megatron.training.training")
-    if not getattr(training.initialize_megatron, "__canzona_cpu_hook__", False):
-        training.initialize_megatron = _allowing_no_cuda(training.initialize_megatron)
-    _cpu_training_mode = True
+    registry.install_group(registry.CPU_TRAINING)
     return True

@@ -1,9 +1,11 @@
 """Fixes for Megatron-Core 0.19.2 bugs that Canzona's runs and baselines would otherwise hit.
 
-Each fix wraps one upstream attribute (:func:`canzona_patches.hooks.install_hook`) without
-changing the math; :func:`apply_all` installs them, once per process, before training starts.
+Each fix is the factory of one wrapper of an upstream attribute, without changing the math;
+which attribute, and for which runs, is a row of :data:`canzona_patches.registry.PATCHES`
+(the layer-wise and DistributedOptimizer fixes only for runs of Megatron's own optimizers,
+the baselines; the iteration numbering for every ``pretrain_gpt.py`` run).
 
-* **Layer-wise Muon in fp32** (:func:`fix_fp32_layer_wise_config`). Canzona is compared
+* **Layer-wise Muon in fp32** (:func:`keeping_config`). Canzona is compared
   against Megatron's layer-wise Muon (``--optimizer muon --use-distributed-optimizer``).
   ``LayerWiseDistributedOptimizer.__init__`` (optimizer/layer_wise_optimizer.py): without
   ``bf16`` its children are raw torch optimizers with no ``config``, so it takes
@@ -14,9 +16,10 @@ changing the math; :func:`apply_all` installs them, once per process, before tra
   path wraps each child in ``Float16OptimizerWithFloat16Params``, wraps each fp32 child in
   Megatron's ``FP32Optimizer``.
 * **Resuming Megatron's distributed AdamW on torch's optimizers** (no Apex or Transformer
-  Engine, as on CPU; :func:`fix_distributed_optimizer_loading`): a ``torch_dist`` or legacy
-  ``torch`` load fails, or resumes with a wrong step count, see the three hooks.
-* **The iteration a NaN is reported at** (:func:`fix_rerun_iteration`). ``RerunStateMachine``
+  Engine, as on CPU; :func:`allocating_state_first`, :func:`loading_exactly`,
+  :func:`restoring_moments`): a ``torch_dist`` or legacy ``torch`` load fails, or resumes
+  with a wrong step count.
+* **The iteration a NaN is reported at** (:func:`numbering_the_step`). ``RerunStateMachine``
   counts from 0 internally and adds 1 in every message; ``train()`` sets its
   ``current_iteration`` to the number of steps done (training.py:3512), and
   ``should_run_forward_backward`` adds 1 before each step (rerun_state_machine.py:303), so
@@ -32,29 +35,18 @@ from typing import Any
 
 import torch
 
-from canzona_patches.hooks import install_hook
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
 
-from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer  # noqa: E402
 from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer  # noqa: E402
 from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine  # noqa: E402
 
 
-def apply_all() -> None:
-    """Every fix in this module; idempotent."""
-    fix_fp32_layer_wise_config()
-    fix_distributed_optimizer_loading()
-    fix_rerun_iteration()
+def keeping_config(init: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """``LayerWiseDistributedOptimizer.__init__`` that lets fp32 layer-wise Muon chain with the
+    distributed optimizer (see the module docstring)."""
 
-
-def fix_fp32_layer_wise_config() -> None:
-    """Let fp32 ``LayerWiseDistributedOptimizer`` chain with the distributed optimizer."""
-    install_hook(LayerWiseDistributedOptimizer, "__init__", _keeping_config)
-
-
-def _keeping_config(init: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(init)
     def init_keeping_config(self, optimizers, config, *args, init_state_fn_list=None, **kwargs):
         init(self, optimizers, config, *args, init_state_fn_list=init_state_fn_list, **kwargs)
@@ -69,14 +61,10 @@ def _keeping_config(init: Callable[..., Any]) -> Callable[..., Any]:
     return init_keeping_config
 
 
-def fix_rerun_iteration() -> None:
-    """NaN and rerun reports name the iteration that ran (``training.train_step`` wrapped)."""
-    import megatron.training.training as training
+def numbering_the_step(train_step: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """``training.train_step`` that first sets the rerun state machine to the step about to run, so
+    NaN and rerun reports name it."""
 
-    install_hook(training, "train_step", _numbering_the_step)
-
-
-def _numbering_the_step(train_step: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(train_step)
     def train_step_numbered(*args: Any, iteration: int | None = None, **kwargs: Any) -> Any:
         machine = get_rerun_state_machine()
@@ -87,24 +75,12 @@ def _numbering_the_step(train_step: Callable[..., Any]) -> Callable[..., Any]:
     return train_step_numbered
 
 
-def fix_distributed_optimizer_loading() -> None:
-    """Let Megatron's own ``DistributedOptimizer`` (``--optimizer adam`` without ``--canzona``)
-    resume exactly with torch's optimizers (no Apex or Transformer Engine, as on CPU), from
-    ``torch_dist`` and legacy ``torch`` checkpoints; idempotent. See the three hooks below."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    if not distrib_optimizer.HAVE_APEX_OR_TE:
-        install_hook(distrib_optimizer.DistributedOptimizer, "sharded_state_dict", _allocating_state_first)
-    install_hook(distrib_optimizer.DistributedOptimizer, "load_state_dict", _loading_exactly)
-    install_hook(distrib_optimizer.DistributedOptimizer, "load_parameter_state", _restoring_moments)
-
-
-def _restoring_moments(load_parameter_state: Callable[..., Any]) -> Callable[..., Any]:
+def restoring_moments(load_parameter_state: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
     """``DistributedOptimizer.load_parameter_state`` (the legacy ``--ckpt-format torch`` load of
     main parameters and moments) fixed for torch's own optimizers.
 
     * Under ``torch.no_grad()``, for the in-place copy into views of leaf parameters described
-      in :func:`_loading_exactly`.
+      in :func:`loading_exactly`.
     * Without the ``step`` tensors: ``_set_main_param_and_optimizer_states`` copies every tensor
       of a parameter's state from the file (distrib_optimizer.py:1222), which holds the
       parameter and moments only, so torch's AdamW ``step`` is a ``KeyError``. The steps, set
@@ -124,7 +100,7 @@ def _restoring_moments(load_parameter_state: Callable[..., Any]) -> Callable[...
     return load_parameter_state_restoring_moments
 
 
-def _loading_exactly(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
+def loading_exactly(load_state_dict: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
     """``DistributedOptimizer.load_state_dict`` fixed for torch's own optimizers.
 
     * Under ``torch.no_grad()``: with fp32 parameters the main parameters are views of the
@@ -152,7 +128,7 @@ def _loading_exactly(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
     return load_state_dict_exactly
 
 
-def _allocating_state_first(sharded_state_dict: Callable[..., Any]) -> Callable[..., Any]:
+def allocating_state_first(sharded_state_dict: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
     """``DistributedOptimizer.sharded_state_dict`` that can load into a fresh torch optimizer.
 
     Without Apex or Transformer Engine (CPU) the inner optimizer is ``torch.optim.AdamW``, whose

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from canzona_patches.arguments import CanzonaArgumentError
+from canzona_patches.arguments import CanzonaArgumentError, canzona_config_from_args
 from canzona_patches.binding import bind_plan, group_coordinates
+from canzona_patches.checkpoint import common_state, load_optimizer_state_dict, optimizer_sharded_state_dict
 from canzona_patches.layout import BUFFER_ROUTING_ATTR, build_canzona_plan, full_param_layouts, wire_config
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim import GateUpLayout, QKVLayout
@@ -107,20 +108,14 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
                            sharding_type: str | None = None, metadata: dict | None = None) -> dict:
         """Every Canzona optimizer state as name-keyed ``ShardedTensor``s (``sharding_type`` is
         ignored: this one format reshards across DP and TP)."""
-        from canzona_patches.checkpoint import optimizer_sharded_state_dict
-
         return optimizer_sharded_state_dict(self, is_loading=is_loading, metadata=metadata)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what :meth:`sharded_state_dict` described, after ``dist_checkpointing.load``."""
-        from canzona_patches.checkpoint import load_optimizer_state_dict
-
         load_optimizer_state_dict(self, state_dict)
 
     def state_dict(self) -> dict:
         """The layout-independent part only; tensors go through :meth:`sharded_state_dict`."""
-        from canzona_patches.checkpoint import common_state
-
         return {"canzona": common_state(self)}
 
     def save_parameter_state(self, filename: str) -> None:
@@ -244,14 +239,10 @@ def _parallel_sizes() -> tuple[int, int]:
 
 def canzona_plan_and_layouts(model_chunks: list[torch.nn.Module], ddp_config: Any, args: Any) -> tuple[CanzonaPlan, list[Any]]:
     """:func:`plan_and_layouts` configured from ``pretrain_gpt.py``'s flags."""
-    from canzona_patches.arguments import canzona_config_from_args
-
     dp_size, tp_size = _parallel_sizes()
     return plan_and_layouts(model_chunks, ddp_config, canzona_config_from_args(args), dp_size=dp_size, tp_size=tp_size)
 
 
 def get_canzona_optimizer(optimizer_config: Any, model_chunks: list, args: Any, plan: CanzonaPlan):
     """:func:`build_canzona_optimizer` configured from ``pretrain_gpt.py``'s flags."""
-    from canzona_patches.arguments import canzona_config_from_args
-
     return build_canzona_optimizer(optimizer_config, model_chunks, canzona_config_from_args(args), plan)

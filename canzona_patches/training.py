@@ -1,8 +1,9 @@
 """Hooks into ``megatron.training`` (megatron-core 0.19.2) for ``pretrain_gpt.py``.
 
-:func:`install_training_hooks` is called once per process, after the flags are parsed and
-before ``megatron.training.pretrain``. Every hook replaces a module attribute that
-``megatron.training.training`` (or the dataset utilities) looks up by name at call time:
+Factories of the ``pretrain`` and ``canzona`` rows of :data:`canzona_patches.registry.PATCHES`
+(which attribute each replaces, and when, is that table). Every hook replaces a module
+attribute that ``megatron.training.training`` (or the dataset utilities) looks up by name at
+call time:
 
 * ``megatron.core.datasets.utils.compile_helpers`` (called by ``initialize._compile_
   dependencies``) -> ``megatron.canzona.data.ensure_dataset_helpers``: the registry wheel
@@ -14,18 +15,15 @@ before ``megatron.training.pretrain``. Every hook replaces a module attribute th
 * ``megatron.training.arguments.parse_args`` -> the same with Canzona's flags added by
   default: ``pretrain`` re-parses the command line (``ft_integration.setup``) without an
   ``extra_args_provider``, and would reject ``--canzona`` or ``--optimizer shampoo``.
-* ``training.save_checkpoint``/``training.load_checkpoint`` (and, with ``--canzona``, the
-  checkpoint content metadata): staged atomic saves and checked loads, see
-  :func:`canzona_patches.checkpoint.install_checkpoint_hooks`.
 * Only with ``--canzona``: ``training.wrap_model_chunks_with_ddp`` makes the run's plan
   (``canzona_patches.optimizer.canzona_plan_and_layouts``, on the chunks before DDP) and
   wraps each chunk in DDP with the plan's layout; ``training.get_megatron_optimizer`` (as
   ``setup_model_and_optimizer`` calls it) builds ``canzona_patches.optimizer.
   get_canzona_optimizer`` with that same plan instead. The plan passes from the first hook
-  to the second in a :class:`PlanHandoff` both are given.
+  to the second in a :class:`PlanHandoff` both share (:meth:`canzona_patches.registry.Run.shared`).
 
-The CPU redirects of ``megatron.training`` live in :func:`canzona_patches.cpu.
-enable_cpu_training_mode`.
+Checkpoint hooks are in :mod:`canzona_patches.checkpoint` and
+:mod:`canzona_patches.checkpoint_files`, the CPU redirects in :mod:`canzona_patches.cpu`.
 """
 
 from __future__ import annotations
@@ -40,38 +38,19 @@ from typing import Any
 
 import torch
 
-from canzona_patches.hooks import install_hook
+from canzona_patches.arguments import add_canzona_args
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
 
-import megatron.core.datasets.utils as _dataset_utils  # noqa: E402  (after the version check)
-import megatron.training.arguments as _arguments  # noqa: E402
-import megatron.training.training as _training  # noqa: E402
+import megatron.training.training as _training  # noqa: E402  (after the version check)
 
 LOSS_KEY = "lm loss"
 """The loss ``pretrain_gpt.py`` reports (Megatron-LM's name)."""
 
 
-def install_training_hooks(args: argparse.Namespace) -> None:
-    """Install the hooks above (the Canzona ones only when ``args.canzona``); idempotent."""
-    install_hook(_dataset_utils, "compile_helpers", lambda _: _compile_helpers)
-    install_hook(_arguments, "parse_args", _with_canzona_flags)
-    metrics = IntervalMetrics(args)
-    install_hook(_training, "setup_model_and_optimizer", lambda setup: _timing_optimizer_step(setup, metrics))
-    install_hook(_training, "training_log", lambda log: _logging_interval_metrics(log, metrics))
-    from canzona_patches.checkpoint import install_checkpoint_hooks
-
-    install_checkpoint_hooks(args)
-    if args.canzona:
-        handoff = PlanHandoff()
-        install_hook(_training, "wrap_model_chunks_with_ddp", lambda wrap: _with_canzona_layouts(wrap, handoff))
-        install_hook(_training, "get_megatron_optimizer", lambda get: _canzona_optimizer(get, handoff))
-
-
-def _with_canzona_flags(parse_args: Callable[..., Any]) -> Callable[..., Any]:
+def with_canzona_flags(parse_args: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
     """``parse_args`` whose parser knows Canzona's flags even when the caller adds none."""
-    from canzona_patches.arguments import add_canzona_args
 
     @functools.wraps(parse_args)
     def parse_args_with_canzona_flags(extra_args_provider=None, ignore_unknown_args=False):
@@ -79,6 +58,11 @@ def _with_canzona_flags(parse_args: Callable[..., Any]) -> Callable[..., Any]:
                           ignore_unknown_args=ignore_unknown_args)
 
     return parse_args_with_canzona_flags
+
+
+def shipped_dataset_helpers(compile_helpers: Callable[[], None], run: Any = None) -> Callable[[], None]:
+    """Stand-in for ``compile_helpers``: the wheel's prebuilt helpers, compiled only if missing."""
+    return _compile_helpers
 
 
 def _compile_helpers() -> None:
@@ -107,7 +91,12 @@ class PlanHandoff:
         return self._plan
 
 
-def _with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any], handoff: PlanHandoff) -> Callable[..., Any]:
+def _handoff(run: Any) -> PlanHandoff:
+    """The run's one handoff, shared by the DDP hook and the optimizer hook."""
+    return run.shared("plan handoff", PlanHandoff)
+
+
+def with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any], run: Any) -> Callable[..., Any]:
     """``wrap_model_chunks_with_ddp`` with the Canzona plan's ``FullParamLayout`` per chunk.
 
     Upstream computes ``DistributedOptimizer.compute_full_param_layout`` per chunk and wraps
@@ -116,6 +105,7 @@ def _with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any], handof
     (``canzona_plan_and_layouts``, which also tags the parameters) and handed over for the
     optimizer. FSDP variants are rejected by the flag validation, so ``DP`` is DDP.
     """
+    handoff = _handoff(run)
 
     @functools.wraps(wrap_model_chunks_with_ddp)
     def wrap_with_canzona_layouts(model_chunks, config, ddp_config, *, DP=_training.DDP,
@@ -137,9 +127,10 @@ def _with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any], handof
     return wrap_with_canzona_layouts
 
 
-def _canzona_optimizer(get_megatron_optimizer: Callable[..., Any], handoff: PlanHandoff) -> Callable[..., Any]:
+def canzona_optimizer(get_megatron_optimizer: Callable[..., Any], run: Any) -> Callable[..., Any]:
     """``get_megatron_optimizer(config, model_chunks, ...)`` -> Canzona's optimizer, on the plan
     the model was wrapped with."""
+    handoff = _handoff(run)
 
     @functools.wraps(get_megatron_optimizer)
     def get_canzona_optimizer(config, model_chunks, *unused_args: Any, **unused: Any):
@@ -258,9 +249,14 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     return line
 
 
-def _timing_optimizer_step(setup_model_and_optimizer: Callable[..., Any],
-                           metrics: IntervalMetrics) -> Callable[..., Any]:
-    """``setup_model_and_optimizer`` whose optimizer's ``step`` feeds ``metrics``."""
+def _metrics(run: Any) -> IntervalMetrics:
+    """The run's one :class:`IntervalMetrics`, shared by the step timer and the log hook."""
+    return run.shared("interval metrics", lambda: IntervalMetrics(run.args))
+
+
+def timing_optimizer_step(setup_model_and_optimizer: Callable[..., Any], run: Any) -> Callable[..., Any]:
+    """``setup_model_and_optimizer`` whose optimizer's ``step`` feeds the run's interval metrics."""
+    metrics = _metrics(run)
 
     @functools.wraps(setup_model_and_optimizer)
     def setup_with_timed_step(*args: Any, **kwargs: Any):
@@ -273,9 +269,9 @@ def _timing_optimizer_step(setup_model_and_optimizer: Callable[..., Any],
     return setup_with_timed_step
 
 
-def _logging_interval_metrics(training_log: Callable[..., Any],
-                              metrics: IntervalMetrics) -> Callable[..., Any]:
+def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Callable[..., Any]:
     """``training_log`` followed, at log iterations, by :func:`format_metrics`'s line."""
+    metrics = _metrics(run)
 
     @functools.wraps(training_log)
     def training_log_with_metrics(loss_dict, total_loss_dict, learning_rate, iteration,

@@ -17,18 +17,28 @@
 #   SEQ_LENGTH GLOBAL_BATCH MICRO_BATCH TRAIN_ITERS LR MIN_LR WARMUP_ITERS PRECISION(bf16|fp32)
 #   DATA_PATH      indexed dataset prefix (<prefix>.bin/.idx, from tools/preprocess_data.py)
 #   SPLIT          train,validation,test weights of its documents (default 989,10,1)
-#   TOKENIZER_TYPE TOKENIZER_MODEL   the tokenizer the dataset was made with
+#   TOKENIZER_TYPE TOKENIZER_MODEL   the tokenizer the dataset was made with; TOKENIZER_MODEL is a
+#                  local path (default data/tokenizers/Qwen3-8B, a Hugging Face tokenizer directory:
+#                  the ranks run with HF_HUB_OFFLINE=1 and never contact the hub; README.md says how
+#                  to fetch it once)
+#   DATA_CACHE     where rank 0 writes the dataset's sample index and every other rank reads it:
+#                  a directory every node sees (default: cache/ beside the DATA_PATH files)
 #   CKPT_DIR       --save and --load directory: a requeued job resumes from its latest checkpoint
 #                  (CKPT_DIR=none: no checkpoints)
 #   SAVE_INTERVAL CKPT_FORMAT(torch_dist|torch) LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS
-#   LOG_DIR        metrics.jsonl and the dataset index cache (default build/<model>-<variant>;
-#                  checkpoints go to its checkpoints/ unless CKPT_DIR is set)
+#   LOG_DIR        metrics.jsonl (default build/<model>-<variant>; checkpoints go to its
+#                  checkpoints/ unless CKPT_DIR is set)
+#   DIST_TIMEOUT_MINUTES  how long a collective waits for its peers (default 30)
+#   GC_INTERVAL    iterations between the ranks' joint garbage collections (default 100)
+#   SHUTDOWN_TIMEOUT  seconds torchrun gives its ranks to exit after relaying a signal before it
+#                  kills them (default 150: SIGUSR1 comes 180 s before the SLURM time limit)
 #   NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun's rendezvous; under
 #                  SLURM (slurm_pretrain.sbatch) NNODES and NODE_RANK come from SLURM_NNODES
 #                  and SLURM_NODEID, the master from the sbatch script
 #   PYTHON         interpreter (default .venv/bin/python of the repository, else python3)
+#   NCCL_* GLOO_SOCKET_IFNAME   the network of the collectives (README.md): passed on when set
 #   DRY_RUN=1      print the command (`env [VAR=value...] python -m torch.distributed.run ...`,
-#                  shell-quoted, one line) and exit
+#                  shell-quoted, one line) and exit, without looking for the data or tokenizer
 #
 # On a machine without CUDA pretrain_gpt.py runs on CPU with gloo (it switches NCCL and the
 # fused kernels off by itself); only pretrain_qwen3_tiny.sh is small enough for that.
@@ -92,9 +102,28 @@ qwen3_training_args() {
         # the rank and iteration. (Megatron's default re-runs the step, then saves and exits
         # asking for a run on other GPUs to tell a hardware fault from a real divergence.)
         --rerun-mode disabled
+        # Collectives wait this long for their peers: enough for rank 0 to build the sample
+        # index of a large corpus while the others wait at a barrier, or for a slow checkpoint
+        # save; a real hang still ends the job within it (Megatron's default is 10 minutes).
+        --distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES"
+        # Python's garbage collector runs on all ranks at the same iterations rather than when
+        # each rank's allocation count says so: a collection on one rank stalls every
+        # collective waiting for it, and at hundreds of ranks one of them is always collecting.
+        --manual-gc --manual-gc-interval "$GC_INTERVAL"
+        # SIGUSR1 makes every rank finish its iteration, save a checkpoint and exit with status
+        # 0 (slurm_pretrain.sbatch sends it before the time limit, torchrun relays it: see
+        # qwen3_launcher). SIGTERM keeps meaning "stop now": torchrun stops the surviving ranks
+        # of a failed job with it. Costs one 4-byte all-gather per iteration.
+        --exit-signal-handler --exit-signal SIGUSR1
     )
     case "$PRECISION" in
-        bf16) TRAINING_ARGS+=(--bf16) ;;
+        # Gradients are accumulated over micro-batches and reduce-scattered over DP in fp32 at
+        # every DP size. A bf16 sum of DP gradients rounds to 8 mantissa bits, and its error
+        # grows with the number of terms, i.e. with the node count; a rule by DP size would
+        # change the numerics between the node counts the recipes compare. Megatron-Core
+        # 0.19.2 already does this for bf16 unless --grad-reduce-in-bf16; the flag says so and
+        # keeps it if that default changes. fp32 runs reduce in fp32 anyway.
+        bf16) TRAINING_ARGS+=(--bf16 --accumulate-allreduce-grads-in-fp32) ;;
         fp32) ;;
         *) qwen3_die "PRECISION=$PRECISION is not bf16 or fp32" ;;
     esac
@@ -111,7 +140,13 @@ qwen3_data_args() {
     DATA_ARGS=(
         --data-path "$DATA_PATH" --split "$SPLIT"
         --tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL"
-        --data-cache-path "$LOG_DIR/data-cache" --num-workers "$NUM_WORKERS"
+        # Rank 0 builds the sample index there and every other rank, on every node, reads it.
+        --data-cache-path "$DATA_CACHE" --num-workers "$NUM_WORKERS"
+        # No [s, s] attention mask in the samples (16 MiB of bools per 4096-token sample, made
+        # by the loader and copied to the GPU every micro-batch): the attention is causal, and
+        # both transformer-engine and Megatron's local softmax (the CPU path) make that mask
+        # themselves when given none.
+        --no-create-attention-mask-in-dataloader
     )
 }
 
@@ -149,7 +184,33 @@ qwen3_launcher() {
         # queue keeps the sequence-parallel communication kernels in issue order.
         LAUNCHER+=(CUDA_DEVICE_MAX_CONNECTIONS=1)
     fi
-    LAUNCHER+=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE")
+    LAUNCHER+=(
+        # Every rank loads the tokenizer from TOKENIZER_MODEL on disk; none asks the Hugging
+        # Face hub (compute nodes are often offline, and hundreds of ranks asking at once
+        # get rate-limited).
+        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+        # NCCL holds on to the tensors of an asynchronous collective until it is waited for,
+        # instead of marking them with record_stream: a block marked so returns to the caching
+        # allocator only once the allocator has polled the communication stream's event, which
+        # lets memory climb under the overlapped reduce-scatter and all-gather.
+        "TORCH_NCCL_AVOID_RECORD_STREAMS=${TORCH_NCCL_AVOID_RECORD_STREAMS:-1}"
+        # Segments grow in place: the many shapes of the gathered matrices and optimizer
+        # scratch tensors would otherwise fragment the caching allocator's memory.
+        "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+    )
+    # The network settings of the collectives, when set (examples/qwen3/README.md): the ranks
+    # would inherit them anyway; naming them shows in the log what the job ran with.
+    local name
+    while read -r name; do
+        LAUNCHER+=("$name=${!name}")
+    done < <(compgen -e | grep -E '^(NCCL_[A-Z0-9_]+|GLOO_SOCKET_IFNAME)$')
+    # torchrun relays SIGUSR1 to its ranks (by default the signal would end torchrun itself),
+    # then gives them SHUTDOWN_TIMEOUT seconds to save a checkpoint and exit before it kills
+    # them. Its ranks run in sessions of their own, so a signal to torchrun's process group
+    # alone would not reach them.
+    LAUNCHER+=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE"
+               --signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+               --shutdown-timeout "$SHUTDOWN_TIMEOUT")
     if (( nnodes == 1 )) && [[ -z "${MASTER_ADDR:-}" ]]; then
         LAUNCHER+=(--standalone)
     else
@@ -176,8 +237,10 @@ qwen3_defaults() {
     WARMUP_ITERS="${WARMUP_ITERS:-50}"
     NUM_WORKERS="${NUM_WORKERS:-2}"
     TOKENIZER_TYPE="${TOKENIZER_TYPE:-HuggingFaceTokenizer}"
-    TOKENIZER_MODEL="${TOKENIZER_MODEL:-Qwen/Qwen3-8B}"
+    TOKENIZER_MODEL="${TOKENIZER_MODEL:-$QWEN3_ROOT/data/tokenizers/Qwen3-8B}"
     DATA_PATH="${DATA_PATH:-$QWEN3_ROOT/data/pretrain/pretrain_text_document}"
+    # Beside the dataset: a directory the dataset's readers, every node, already see.
+    DATA_CACHE="${DATA_CACHE:-$(dirname "$DATA_PATH")/cache}"
     SPLIT="${SPLIT:-989,10,1}"
     LOG_DIR="${LOG_DIR:-$QWEN3_ROOT/build/$MODEL-$VARIANT}"
     CKPT_DIR="${CKPT_DIR:-$LOG_DIR/checkpoints}"
@@ -186,6 +249,9 @@ qwen3_defaults() {
     LOG_INTERVAL="${LOG_INTERVAL:-10}"
     EVAL_INTERVAL="${EVAL_INTERVAL:-1000}"
     EVAL_ITERS="${EVAL_ITERS:-10}"
+    DIST_TIMEOUT_MINUTES="${DIST_TIMEOUT_MINUTES:-30}"
+    GC_INTERVAL="${GC_INTERVAL:-100}"
+    SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-150}"
     if [[ -z "${PYTHON:-}" ]]; then
         if [[ -x "$QWEN3_ROOT/.venv/bin/python" ]]; then
             PYTHON="$QWEN3_ROOT/.venv/bin/python"
@@ -211,6 +277,21 @@ qwen3_command() {
          "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@")
 }
 
+# The ranks run offline: a Hugging Face tokenizer must be a directory on disk already.
+qwen3_check_tokenizer() {
+    if [[ "$TOKENIZER_TYPE" != HuggingFaceTokenizer ]]; then
+        [[ -e "$TOKENIZER_MODEL" ]] || qwen3_die "no tokenizer at TOKENIZER_MODEL=$TOKENIZER_MODEL"
+        return 0
+    fi
+    if [[ ! -f "$TOKENIZER_MODEL/tokenizer_config.json" ]]; then
+        qwen3_die "no Hugging Face tokenizer directory at TOKENIZER_MODEL=$TOKENIZER_MODEL" \
+            "(the ranks run with HF_HUB_OFFLINE=1 and read it from disk): fetch it once where" \
+            "there is internet, e.g. on a login node, to a file system every node sees:" \
+            "huggingface-cli download Qwen/Qwen3-8B config.json tokenizer.json" \
+            "tokenizer_config.json vocab.json merges.txt --local-dir $TOKENIZER_MODEL"
+    fi
+}
+
 qwen3_recipe_main() {
     qwen3_command "$@"
     if [[ "${DRY_RUN:-0}" == 1 ]]; then
@@ -218,12 +299,14 @@ qwen3_recipe_main() {
         printf '\n'
         return 0
     fi
+    # The ranks run in the repository root: relative paths are checked from there too.
+    cd "$QWEN3_ROOT" || exit 1
     if [[ ! -f "$DATA_PATH.idx" || ! -f "$DATA_PATH.bin" ]]; then
         qwen3_die "no dataset at DATA_PATH=$DATA_PATH (.bin/.idx): tokenize a corpus with" \
             "tools/preprocess_data.py and pass its output prefix as DATA_PATH"
     fi
+    qwen3_check_tokenizer
     mkdir -p "$LOG_DIR"
-    cd "$QWEN3_ROOT" || exit 1
     local optimizer="$OPTIMIZER"
     [[ "$VARIANT" == adamw ]] && optimizer=adam
     echo "[$MODEL] variant $VARIANT ($optimizer), TP $TP x PP $PP, $NPROC_PER_NODE processes" \

@@ -8,7 +8,11 @@ Canzona's checks, Megatron's ``validate_args``) in one child process, at the wor
 of one and of eight 8-GPU nodes. The child is this file run as a script: Megatron is
 imported once, and the CPU redirects it installs stay out of pytest's process. The
 environment the recipe launches with (``env VAR=...``) is the one validated, not the CPU
-adaptation's. The tiny recipe also trains for a few iterations with each Muon variant.
+adaptation's. The settings a multi-node GPU job needs (offline tokenizer, NCCL and allocator
+variables, fp32 gradient reduction, timeouts, manual GC, checkpoint-and-exit on SIGUSR1 and
+the requeue of slurm_pretrain.sbatch, no attention mask in the samples, a shared data cache)
+are checked in the printed commands. The tiny recipe also trains for a few iterations with
+each Muon variant, and saves a checkpoint and exits on SIGUSR1.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,7 +58,9 @@ TINY_RUN_TIMEOUT_S = 240
 def dry_run(recipe: str, *args: str, **env: str) -> list[str]:
     """The recipe's torchrun command (DRY_RUN=1), split into words."""
     clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("SLURM_", "MASTER_", "NNODES", "NODE_RANK", "VARIANT", "OPTIMIZER", "TP", "PP"))}
+             if not k.startswith(("SLURM_", "MASTER_", "NNODES", "NODE_RANK", "VARIANT", "OPTIMIZER", "TP", "PP",
+                                  "PRECISION", "NCCL_", "GLOO_", "TORCH_NCCL_", "PYTORCH_CUDA_ALLOC_CONF", "DATA_",
+                                  "TOKENIZER_", "DIST_TIMEOUT", "GC_INTERVAL", "SHUTDOWN_TIMEOUT"))}
     result = subprocess.run(["bash", str(RECIPES_DIR / recipe), *args], env={**clean, "DRY_RUN": "1", **env},
                             capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 0, result.stderr
@@ -131,9 +139,9 @@ def test_single_node_uses_a_free_local_port() -> None:
 
 def test_tensor_parallel_runs_get_one_cuda_work_queue() -> None:
     """Megatron's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 for TP > 1 (before Blackwell)."""
-    assert launch_env(dry_run(RECIPES["qwen3-8b"])) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    assert launch_env(dry_run(RECIPES["qwen3-1.7b"])) == {}
-    assert launch_env(dry_run(RECIPES["qwen3-1.7b"], TP="2")) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert launch_env(dry_run(RECIPES["qwen3-8b"]))["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in launch_env(dry_run(RECIPES["qwen3-1.7b"]))
+    assert launch_env(dry_run(RECIPES["qwen3-1.7b"], TP="2"))["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
 
 
 def test_slurm_environment_sets_the_rendezvous() -> None:
@@ -183,6 +191,68 @@ def test_sbatch_starts_one_torchrun_per_node_with_slurm_rendezvous(tmp_path: Pat
         assert flags[-2:] == ["--train-iters", "9"]
 
 
+def test_sbatch_signal_is_the_one_the_ranks_checkpoint_on() -> None:
+    """SLURM signals the batch script 180 s before the time limit with the signal Megatron's
+    exit handler listens for (--exit-signal), and the job may requeue itself."""
+    directives = [line.split()[1] for line in (RECIPES_DIR / "slurm_pretrain.sbatch").read_text().splitlines()
+                  if line.startswith("#SBATCH")]
+    assert "--requeue" in directives
+    signal_directive = next(d for d in directives if d.startswith("--signal="))
+    assert signal_directive == "--signal=B:USR1@180"
+    _, flags = split_command(dry_run(RECIPES["qwen3-32b"]))
+    assert "--exit-signal-handler" in flags and flag_value(flags, "--exit-signal") == "SIGUSR1"
+
+
+# srun that runs until it gets a signal (or exits with SRUN_STATUS), logging what it got.
+WAITING_SRUN = """#!/usr/bin/env bash
+trap 'echo "srun got USR1" >> "$LOG"; exit 0' USR1
+echo "srun $*" >> "$LOG"
+[[ -n "${SRUN_STATUS:-}" ]] && exit "$SRUN_STATUS"
+touch "$LOG.ready"
+while :; do sleep 0.05; done
+"""
+LOGGING_SCONTROL = """#!/usr/bin/env bash
+echo "scontrol $*" >> "$LOG"
+[[ "$1 $2" == "show hostnames" ]] && echo gpu-a17
+exit 0
+"""
+
+
+def run_sbatch_script(tmp_path: Path, send_usr1: bool, **env: str) -> tuple[int, str]:
+    """slurm_pretrain.sbatch with stand-ins for srun and scontrol: its exit status and their log."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("scontrol", LOGGING_SCONTROL), ("srun", WAITING_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.unlink(missing_ok=True)
+    full_env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "SLURM_JOB_ID": "4242",
+                "SLURM_JOB_NODELIST": "gpu-a17", "SLURM_NNODES": "1", "SLURM_SUBMIT_DIR": str(ROOT), **env}
+    process = subprocess.Popen(["bash", str(RECIPES_DIR / "slurm_pretrain.sbatch"), "examples/qwen3/pretrain_qwen3_8b.sh"],
+                               cwd=tmp_path, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if send_usr1:
+        ready = Path(f"{log}.ready")
+        deadline = time.monotonic() + 20
+        while not ready.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGUSR1)
+    output, _ = process.communicate(timeout=30)
+    return process.returncode, log.read_text() + output
+
+
+def test_usr1_to_the_batch_script_reaches_srun_then_requeues(tmp_path: Path) -> None:
+    code, calls = run_sbatch_script(tmp_path, send_usr1=True)
+    assert code == 0, calls
+    assert "srun got USR1" in calls and "scontrol requeue 4242" in calls, calls
+
+
+def test_a_failed_step_is_not_requeued(tmp_path: Path) -> None:
+    code, calls = run_sbatch_script(tmp_path, send_usr1=False, SRUN_STATUS="3")
+    assert code == 3, calls
+    assert "scontrol requeue" not in calls, calls
+
+
 def test_several_nodes_without_master_is_an_error() -> None:
     result = subprocess.run(["bash", str(RECIPES_DIR / RECIPES["qwen3-8b"])], capture_output=True, text=True,
                             env={"PATH": os.environ["PATH"], "DRY_RUN": "1", "NNODES": "2"}, check=False)
@@ -221,6 +291,105 @@ def test_extra_arguments_come_last() -> None:
     assert flags[-2:] == ["--train-iters", "7"]
 
 
+# --- what a multi-node GPU job needs ---------------------------------------------------------
+
+# (recipe, environment): one 8-GPU node at TP 2 and TP 8, and four nodes of the 32B recipe.
+H100_CASES = {
+    "8b": (RECIPES["qwen3-8b"], {}),
+    "32b": (RECIPES["qwen3-32b"], {}),
+    "32b-4-nodes": (RECIPES["qwen3-32b"], {"NNODES": "4", "NODE_RANK": "1", "MASTER_ADDR": "x"}),
+}
+CLUSTER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+CLUSTER_FLAGS = ("--accumulate-allreduce-grads-in-fp32", "--manual-gc", "--exit-signal-handler",
+                 "--no-create-attention-mask-in-dataloader")
+
+
+@pytest.mark.parametrize("case", list(H100_CASES))
+def test_h100_recipes_carry_every_cluster_setting(case: str) -> None:
+    recipe, env = H100_CASES[case]
+    words = dry_run(recipe, **env)
+    launcher, flags = split_command(words)
+    assert CLUSTER_ENV.items() <= launch_env(words).items()
+    assert set(CLUSTER_FLAGS) <= set(flags)
+    assert [flag_value(flags, f) for f in ("--distributed-timeout-minutes", "--manual-gc-interval", "--exit-signal")] \
+        == ["30", "100", "SIGUSR1"]
+    # torchrun relays SIGUSR1 (else the signal would end it) and waits for the saving ranks.
+    assert "SIGUSR1" in flag_value(launcher, "--signals-to-handle").split(",")
+    assert flag_value(launcher, "--shutdown-timeout") == "150"
+    assert flag_value(flags, "--tokenizer-model") == str(ROOT / "data" / "tokenizers" / "Qwen3-8B")
+    assert flag_value(flags, "--data-cache-path") == str(ROOT / "data" / "pretrain" / "cache")
+    if env:
+        assert [flag_value(launcher, f) for f in ("--nnodes", "--node-rank", "--master-addr")] == ["4", "1", "x"]
+
+
+@pytest.mark.parametrize(("recipe", "env"), [
+    (RECIPES["qwen3-32b"], {"NNODES": "4", "MASTER_ADDR": "x"}),  # DP 4
+    (RECIPES["qwen3-8b"], {}),  # DP 4
+    (RECIPES["qwen3-1.7b"], {"NNODES": "8", "MASTER_ADDR": "x"}),  # DP 64
+], ids=["32b-dp4", "8b-dp4", "1.7b-dp64"])
+def test_bf16_gradients_are_reduced_in_fp32_at_every_dp_size(recipe: str, env: dict[str, str]) -> None:
+    """The rule of common.sh: always with bf16, so the numerics do not change with the node count."""
+    _, flags = split_command(dry_run(recipe, **env))
+    assert "--bf16" in flags and "--accumulate-allreduce-grads-in-fp32" in flags
+    _, flags = split_command(dry_run(recipe, PRECISION="fp32", **env))
+    assert "--bf16" not in flags and "--accumulate-allreduce-grads-in-fp32" not in flags
+
+
+def test_network_variables_are_passed_on_when_set() -> None:
+    network = {"NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5_0,mlx5_1", "GLOO_SOCKET_IFNAME": "eth0"}
+    words = dry_run(RECIPES["qwen3-32b"], NNODES="4", MASTER_ADDR="x", **network)
+    assert network.items() <= launch_env(words).items()
+    env = launch_env(dry_run(RECIPES["qwen3-32b"], NNODES="4", MASTER_ADDR="x"))
+    assert not [name for name in env if name.startswith(("NCCL_", "GLOO_"))], env
+
+
+def test_cluster_settings_follow_the_environment() -> None:
+    words = dry_run(RECIPES["qwen3-14b"], DATA_PATH="/lustre/corpus/web_text_document", DIST_TIMEOUT_MINUTES="45",
+                    GC_INTERVAL="20", SHUTDOWN_TIMEOUT="570", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")
+    launcher, flags = split_command(words)
+    assert flag_value(flags, "--data-cache-path") == "/lustre/corpus/cache"
+    assert [flag_value(flags, f) for f in ("--distributed-timeout-minutes", "--manual-gc-interval")] == ["45", "20"]
+    assert flag_value(launcher, "--shutdown-timeout") == "570"
+    assert launch_env(words)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+    _, flags = split_command(dry_run(RECIPES["qwen3-14b"], DATA_CACHE="/shared/cache/14b"))
+    assert flag_value(flags, "--data-cache-path") == "/shared/cache/14b"
+
+
+def launch_checks(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """The 8B recipe for real up to its launch, with ``true`` as the interpreter that torchrun
+    would be: exit status 0 once the dataset and tokenizer checks pass."""
+    prefix = tmp_path / "corpus_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).touch()
+    full_env = {"PATH": os.environ["PATH"], "PYTHON": "true", "DATA_PATH": str(prefix),
+                "LOG_DIR": str(tmp_path / "log"), **env}
+    return subprocess.run(["bash", str(RECIPES_DIR / RECIPES["qwen3-8b"])], env=full_env, capture_output=True,
+                          text=True, timeout=30, check=False)
+
+
+@pytest.mark.parametrize("tokenizer", ["missing", "Qwen/Qwen3-8B"])
+def test_a_tokenizer_not_on_disk_is_an_error_naming_the_download(tmp_path: Path, tokenizer: str) -> None:
+    """The ranks run offline, so a hub name or a missing directory stops the recipe before
+    torchrun; DRY_RUN=1 prints the command without looking."""
+    path = str(tmp_path / tokenizer) if tokenizer == "missing" else tokenizer
+    result = launch_checks(tmp_path, TOKENIZER_MODEL=path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"TOKENIZER_MODEL={path}" in result.stderr
+    assert f"huggingface-cli download Qwen/Qwen3-8B config.json tokenizer.json tokenizer_config.json vocab.json " \
+           f"merges.txt --local-dir {path}" in result.stderr, result.stderr
+    assert launch_checks(tmp_path, TOKENIZER_MODEL=path, DRY_RUN="1").returncode == 0
+
+
+def test_a_local_tokenizer_directory_passes_the_checks(tmp_path: Path) -> None:
+    tokenizer = tmp_path / "Qwen3-8B"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer_config.json").write_text("{}")
+    result = launch_checks(tmp_path, TOKENIZER_MODEL=str(tokenizer))
+    assert result.returncode == 0, result.stderr
+    assert "[qwen3-8b] variant canzona" in result.stdout
+
+
 # --- the tiny recipe for real --------------------------------------------------------------
 
 
@@ -241,6 +410,49 @@ def test_tiny_recipe_trains_with_the_variant(demo_data, tmp_path: Path, variant:
     assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
     assert all(0 < m["lm_loss"] < 10 for m in metrics), metrics
     assert all(m["canzona"] == (variant != "layerwise") for m in metrics)
+
+
+def test_samples_come_without_attention_mask_when_asked(demo_data, tmp_path: Path) -> None:
+    """What --no-create-attention-mask-in-dataloader asks of pretrain_gpt.py's datasets."""
+    from megatron.canzona.data import GPTDataConfig, build_gpt_datasets, load_tokenizer
+
+    tokenizer = load_tokenizer(demo_data.tokenizer_model)
+    for create in (True, False):
+        config = GPTDataConfig(data_prefix=demo_data.data_prefix, seq_length=64, split="80,10,10",
+                               cache_dir=str(tmp_path), create_attention_mask=create)
+        train, _, _ = build_gpt_datasets(config, tokenizer, (4, 1, 1))
+        assert ("attention_mask" in train[0]) == create
+
+
+@pytest.mark.slow
+def test_tiny_recipe_saves_and_exits_on_sigusr1(demo_data, tmp_path: Path) -> None:
+    """SIGUSR1 to torchrun (the recipe exec's it), as srun relays it from slurm_pretrain.sbatch:
+    both ranks finish their iteration, save it and exit 0; torchrun reports the signal."""
+    ckpt_dir = tmp_path / "checkpoints"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "VARIANT": "adamw",
+           "DATA_PATH": demo_data.data_prefix, "TOKENIZER_MODEL": str(demo_data.tokenizer_model), "SPLIT": "80,10,10",
+           "LOG_DIR": str(tmp_path), "CKPT_DIR": str(ckpt_dir), "SAVE_INTERVAL": "100000", "TRAIN_ITERS": "100000",
+           "WARMUP_ITERS": "1", "LOG_INTERVAL": "1", "EVAL_INTERVAL": "100000"}
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(["bash", str(RECIPES_DIR / RECIPES["qwen3-tiny"])], cwd=ROOT, env=env,
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.monotonic() + TINY_RUN_TIMEOUT_S
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
+            time.sleep(0.5)
+        process.send_signal(signal.SIGUSR1)
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    output = log.read_text()
+    saved = int((ckpt_dir / "latest_checkpointed_iteration.txt").read_text())
+    assert saved >= 2 and f"successfully saved checkpoint from iteration {saved:7d}" in output, output[-6000:]
+    assert "exiting program after receiving SIGTERM" in output  # Megatron's words, whatever the signal
+    assert "got signal: 10" in output and "exitcode" not in output, output[-6000:]  # no rank failed
 
 
 # --- the flags through pretrain_gpt.py's parser and validation --------------------------------
@@ -323,6 +535,16 @@ def test_gpu_recipes_use_the_paper_training_settings(validated: dict[str, dict],
     assert (args["muon_momentum"], args["muon_scale_mode"], args["muon_extra_scale_factor"]) == (0.95, "spectral", 0.2)
 
 
+@pytest.mark.parametrize("model", GPU_RECIPES)
+def test_gpu_recipes_validate_with_the_cluster_settings(validated: dict[str, dict], model: str) -> None:
+    for variant in VARIANTS:
+        args = validated[f"{model}/{variant}/64"]
+        assert args["accumulate_allreduce_grads_in_fp32"] and not args["create_attention_mask_in_dataloader"]
+        assert args["exit_signal_handler"] and args["exit_signal"] == signal.SIGUSR1
+        assert args["manual_gc"] and args["manual_gc_interval"] == 100
+        assert args["distributed_timeout_minutes"] == 30
+
+
 # --- the child: parse and validate every case in one process ----------------------------------
 
 _REPORTED = (
@@ -334,6 +556,8 @@ _REPORTED = (
     "muon_tp_mode", "muon_momentum", "muon_scale_mode", "muon_extra_scale_factor",
     "lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "global_batch_size", "micro_batch_size", "clip_grad",
     "weight_decay", "bf16", "save", "load", "ckpt_format",
+    "accumulate_allreduce_grads_in_fp32", "create_attention_mask_in_dataloader", "exit_signal_handler", "exit_signal",
+    "manual_gc", "manual_gc_interval", "distributed_timeout_minutes",
 )
 
 

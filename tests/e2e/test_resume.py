@@ -3,7 +3,9 @@
 One module-scoped sequence of runs (each rank pays ~8 s of imports, so runs are shared):
 
 1. **killed mid-save**: 8 iterations at DP 2 with ``--save-interval 4``; rank 1 is SIGKILLed
-   (``CANZONA_CKPT_FAULT=write@8:1``) after writing its files of iteration 8. Its metrics
+   (``CANZONA_CKPT_FAULT=write@8:1``, armed by ``pretrain_with_fault.py``, which runs
+   ``pretrain_gpt.py`` with ``tests/checkpoint_faults.py``) after writing its files of
+   iteration 8. Its metrics
    (written before the save) are the uninterrupted reference curve.
 2. **resumed at DP 2** from the same directory: the tracker still names iteration 4; it
    trains 5..8 and saves iteration 8 over the torn attempt.
@@ -45,6 +47,10 @@ pytestmark = pytest.mark.slow
 RUN_TIMEOUT_S = 240
 ITERS, SAVE_INTERVAL = 8, 4
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+FAULTY_ENTRY = "tests/e2e/pretrain_with_fault.py"
+"""``pretrain_gpt.py`` with a ``CANZONA_CKPT_FAULT`` armed (the product has no fault injection)."""
 
 
 def resume_args(data: DemoData, out: Path, *extra: str, optimizer: tuple[str, ...] = ("muon", "--canzona")) -> list[str]:
@@ -96,8 +102,8 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     killed = root / "killed"
     out["killed"] = run_with_deadline(
-        torchrun(2, "pretrain_gpt.py", *resume_args(demo_data, killed, "--save", str(ckpt),
-                                                    "--save-interval", str(SAVE_INTERVAL))),
+        torchrun(2, FAULTY_ENTRY, *resume_args(demo_data, killed, "--save", str(ckpt),
+                                               "--save-interval", str(SAVE_INTERVAL))),
         timeout_s=RUN_TIMEOUT_S, env={"CANZONA_CKPT_FAULT": f"write@{ITERS}:1"})
     out["after_kill"] = sorted(p.name for p in ckpt.iterdir())
     out["tracker_after_kill"] = (ckpt / TRACKER).read_text()
@@ -122,7 +128,7 @@ def async_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) ->
     ckpt = root / "ckpt"
     save = ("--save", str(ckpt), "--save-interval", str(SAVE_INTERVAL), "--async-save")
     out = {"killed": run_with_deadline(
-        torchrun(2, "pretrain_gpt.py", *resume_args(demo_data, root / "killed", *save)),
+        torchrun(2, FAULTY_ENTRY, *resume_args(demo_data, root / "killed", *save)),
         timeout_s=RUN_TIMEOUT_S, env={"CANZONA_CKPT_FAULT": f"commit@{ITERS}"})}
     out["after_kill"] = sorted(p.name for p in ckpt.iterdir())
     out["tracker_after_kill"] = (ckpt / TRACKER).read_text()

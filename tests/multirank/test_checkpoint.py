@@ -18,8 +18,8 @@ The Muon checkpoint directory also holds a save that was killed: rank 1 is SIGKI
 writing its files of iteration 4; the tracker must still name iteration 3, which must load.
 
 Single-process part: the geometry of :mod:`megatron.canzona.runtime.state_io`, and the
-commit steps of an atomic save killed at each point (subprocesses with
-``CANZONA_CKPT_FAULT``).
+commit steps of an atomic save killed at each point (subprocesses with a fault of
+``tests/checkpoint_faults.py`` armed).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ LR = 2e-3
 STEPS, HALF = 6, 3
 OPTIMIZERS = ("muon", "shampoo", "soap", "adam")
 """The Canzona optimizers, and Megatron's own Adam DistributedOptimizer (``dp_reshardable``
-format, with canzona_patches.megatron_fixes.fix_distributed_optimizer_loading)."""
+format, with the DistributedOptimizer fixes of canzona_patches/megatron_fixes.py)."""
 SPLITS = {  # both fused layouts, as in test_canzona_dp.py
     "muon": dict(split_qkv=True, split_gate_up=False),
     "shampoo": dict(split_qkv=True, split_gate_up=True),
@@ -333,7 +333,10 @@ def test_a_placement_outside_the_parameter_is_refused():
 
 _COMMIT = """
 import sys
+from checkpoint_faults import arm
 from canzona_patches.checkpoint_files import commit_checkpoint
+if len(sys.argv) > 2:
+    arm(sys.argv[2])
 commit_checkpoint(sys.argv[1], 4)
 """
 
@@ -348,14 +351,13 @@ def test_a_commit_killed_at_any_point_keeps_the_previous_checkpoint_tracked(tmp_
     staging = save / ".staging-iter_0000004"
     staging.mkdir()
     (staging / "metadata.json").write_text("{}")
-    env = {**os.environ, "CANZONA_CKPT_FAULT": f"{phase}@4", "PYTHONPATH": str(ROOT)}
-    killed = subprocess.run([sys.executable, "-c", _COMMIT, str(save)], env=env, cwd=ROOT,
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    killed = subprocess.run([sys.executable, "-c", _COMMIT, str(save), f"{phase}@4"], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=110)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert (save / "iter_0000003").is_dir()
     # The same commit without the fault publishes iteration 4.
-    env.pop("CANZONA_CKPT_FAULT")
     if phase == "commit":
         done = subprocess.run([sys.executable, "-c", _COMMIT, str(save)], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=110)

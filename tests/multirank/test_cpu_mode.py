@@ -20,20 +20,21 @@ LAUNCH_TIMEOUT_S = 90.0
 def _observe_cpu_mode() -> dict[str, object]:
     import canzona_patches.cpu as cpu
     import megatron.core.distributed.param_and_grad_buffer as buffer_module
+    from canzona_patches import registry
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     facts: dict[str, object] = {}
+    real_type = torch.Tensor.type
     with mock.patch.object(torch.cuda, "is_available", return_value=True):
         facts["enabled_when_cuda"] = cpu.enable_cpu_mode()
-    facts["untouched_when_cuda"] = (
-        buffer_module.torch is torch and torch.Tensor.type is cpu._REAL_TENSOR_TYPE
-    )
+    facts["untouched_when_cuda"] = buffer_module.torch is torch and torch.Tensor.type is real_type
     facts["enabled"] = cpu.enable_cpu_mode()
     wrapped_init = DistributedOptimizer.__init__
     facts["enabled_again"] = cpu.enable_cpu_mode()
-    facts["not_wrapped_twice"] = DistributedOptimizer.__init__ is wrapped_init
+    facts["not_wrapped_twice"] = (DistributedOptimizer.__init__ is wrapped_init
+                                  and not hasattr(wrapped_init.__wrapped__, "__wrapped__"))
     facts["all_modules_redirected"] = all(
-        importlib.import_module(name).torch is not torch for name in cpu.CPU_TORCH_MODULES
+        importlib.import_module(name).torch is not torch for name in registry.CPU_TORCH_MODULES
     )
     facts.update(_observe_stand_ins(buffer_module.torch))
     facts.update(_observe_pretend_cuda(cpu))
@@ -61,7 +62,7 @@ def _observe_stand_ins(megatron_torch) -> dict[str, object]:
 
 def _observe_pretend_cuda(cpu) -> dict[str, object]:
     tensor = torch.zeros(1)
-    inside = cpu._pretending_cuda(
+    inside = cpu.pretending_cuda(
         lambda: (tensor.type(), tensor.cuda() is tensor, tensor.type(torch.float64).dtype)
     )()
     return {

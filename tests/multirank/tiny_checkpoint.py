@@ -13,7 +13,6 @@ staged, then committed atomically.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ class ResumeJob:
     save_after: tuple[int, ...] = ()
     """Steps (1-based counts of completed steps) after which to save."""
     fault: str | None = None
-    """``CANZONA_CKPT_FAULT`` for this job's saves (e.g. ``"write@4:1"``)."""
+    """A fault of ``tests/checkpoint_faults.py`` armed for this job's saves (e.g. ``"write@4:1"``)."""
     verify_integrity: bool = False
     """Saves also write SHA-256 hashes of their files (``--verify-integrity``)."""
     expect_error: bool = False
@@ -53,16 +52,13 @@ def run_resume_jobs(jobs: list[ResumeJob]) -> list[dict[str, Any]]:
 
 def run_resume_job(job: ResumeJob) -> dict[str, Any]:
     """Rank body for one job; see the module docstring."""
-    from canzona_patches.checkpoint_files import FAULT_ENV, CanzonaCheckpointError
-    from canzona_patches.megatron_fixes import fix_distributed_optimizer_loading
+    from canzona_patches.checkpoint_files import CanzonaCheckpointError
     from canzona_patches.cpu import enable_cpu_mode
     from megatron.core import parallel_state
 
-    enable_cpu_mode()
-    fix_distributed_optimizer_loading()  # what pretrain_gpt.py installs, for Megatron's own Adam
+    enable_cpu_mode()  # Megatron's own Adam gets its baseline fixes when tiny_gpt builds it
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=job.run.tp_size)
-    if job.fault:
-        os.environ[FAULT_ENV] = job.fault
+    disarm = _arm(job.fault) if job.fault else lambda: None
     try:
         model, ddp_model, optimizer, plan = _build(job.run)
         start, load_s, in_place = 0, 0.0, []
@@ -91,8 +87,14 @@ def run_resume_job(job: ResumeJob) -> dict[str, Any]:
             **job.extra,
         }
     finally:
-        os.environ.pop(FAULT_ENV, None)
+        disarm()
         parallel_state.destroy_model_parallel()
+
+
+def _arm(fault: str):
+    from checkpoint_faults import arm  # tests/checkpoint_faults.py (tests/ is on pytest's path)
+
+    return arm(fault)
 
 
 def content_metadata(optimizer: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ process, which never needs it.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import time
 from dataclasses import dataclass
@@ -173,9 +174,13 @@ def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer,
     if run.optimizer == "sync_muon":
         return _sync_muon(run, ddp_model, optimizer_config)
     if run.optimizer in ("adam", "megatron_muon"):
-        from canzona_patches.megatron_fixes import apply_all
+        from canzona_patches import registry
 
-        apply_all()  # fp32 layer-wise Muon cannot be built on stock 0.19.2
+        # The upstream fixes pretrain_gpt.py installs for these baselines (fp32 layer-wise Muon
+        # cannot be built on stock 0.19.2; its distributed Adam cannot resume on torch's AdamW).
+        flags = argparse.Namespace(canzona=False, use_distributed_optimizer=not megatron_muon,
+                                   use_layer_wise_distributed_optimizer=megatron_muon, ckpt_format="torch_dist")
+        registry.install(flags, groups=(registry.BASELINE,))
         optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
         # What OptimizerParamScheduler does before the first step (no scheduler here):
         # norms and biases (wd_mult 0) get no weight decay.
@@ -233,7 +238,13 @@ def canzona_config(run: TinyRun):
     matrix = {
         "muon": MuonConfig(ns_dtype="float32", scale_mode="spectral", coefficients="quintic"),
         "shampoo": ShampooConfig(precondition_frequency=2, root_dtype="float64", eps=1e-4, eps_mode="relative"),
-        "soap": SOAPConfig(precondition_frequency=2, eigh_dtype="float64", max_precond_dim=64, eps=1e-4),
+        # Shampoo's refreshes are staggered by name (the default) in every distributed run.
+        # SOAP's are not: a staggered matrix refreshes again at step 2, from statistics of
+        # two gradients, whose ill-determined eigenbasis amplifies the reduce order's
+        # rounding 2.4x past the TP tolerance. Its staggered schedule is checked on one
+        # device (tests/unit/test_optim_stacks_and_refresh.py).
+        "soap": SOAPConfig(precondition_frequency=2, eigh_dtype="float64", max_precond_dim=64, eps=1e-4,
+                           stagger_refresh=False),
     }
     name = run.optimizer if run.optimizer in matrix else "muon"  # sync_muon: Muon's math
     return CanzonaConfig(

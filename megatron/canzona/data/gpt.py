@@ -25,6 +25,9 @@ class GPTDataConfig:
     """Where the sample indices are cached; None puts them in ``<data dir>/cache``."""
     eod_mask_loss: bool = False
     """Mask the loss on end-of-document tokens, as Megatron's ``--eod-mask-loss``."""
+    create_attention_mask: bool = True
+    """Give each sample its causal ``[1, s, s]`` mask; False (Megatron's
+    ``--no-create-attention-mask-in-dataloader``) leaves it to the attention kernels."""
 
 
 def build_gpt_datasets(config: GPTDataConfig, tokenizer: Any, num_samples: tuple[int, int, int]) -> list[Any]:
@@ -55,6 +58,7 @@ def build_gpt_datasets(config: GPTDataConfig, tokenizer: Any, num_samples: tuple
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=config.eod_mask_loss,
+        create_attention_mask=config.create_attention_mask,
     )
     # Every caller holds data (pretrain_gpt's is_dataset_built_on_rank is true on all ranks
     # without pipeline parallelism); with torch.distributed up, rank 0 builds first.

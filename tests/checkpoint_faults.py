@@ -1,0 +1,113 @@
+"""Kill a rank at a chosen point of a checkpoint save (tests only; the product has no such path).
+
+A fault is ``<phase>@<iteration>[:<rank>]`` (rank 0 by default), e.g. ``write@8:1``; the
+rank SIGKILLs itself, after printing one line, at
+
+* ``write``: right after it wrote its data files of that iteration, before the checkpoint's
+  index exists (``FileSystemWriterAsync.write_preloaded_data_multithread``, in the process
+  that writes: synchronous saves);
+* ``commit``: everything written, before the staging directory is renamed into place (the
+  first ``os.replace`` to or from ``iter_<iteration>``);
+* ``tracker``: renamed, temporary tracker written, before it replaces the tracker.
+
+:func:`arm` installs the fault in this process; :func:`arm_from_environment` reads it from
+``CANZONA_CKPT_FAULT`` (``tests/e2e/pretrain_with_fault.py`` arms a ``pretrain_gpt.py`` run).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FAULT_ENV = "CANZONA_CKPT_FAULT"
+PHASES = ("write", "commit", "tracker")
+_TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True)
+class Fault:
+    phase: str
+    iteration: int
+    rank: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        match = re.fullmatch(r"(?P<phase>\w+)@(?P<iteration>\d+)(?::(?P<rank>\d+))?", spec.strip())
+        if match is None or match["phase"] not in PHASES:
+            raise ValueError(f"{FAULT_ENV}={spec!r}: expected <{'|'.join(PHASES)}>@<iteration>[:<rank>]")
+        return cls(match["phase"], int(match["iteration"]), int(match["rank"] or 0))
+
+    def fire(self) -> None:
+        if _rank() != self.rank:
+            return
+        print(f"[test fault] {FAULT_ENV}: killing rank {self.rank} during '{self.phase}' of iteration "
+              f"{self.iteration}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _names_iteration(path: Any, iteration: int) -> bool:
+    return f"iter_{iteration:07d}" in Path(path).name
+
+
+def _is_iteration(path: Any, iteration: int) -> bool:
+    return Path(path).name == f"iter_{iteration:07d}"
+
+
+def arm(spec: str) -> Callable[[], None]:
+    """Install the fault ``spec`` in this process; returns the function that removes it."""
+    fault = Fault.parse(spec)
+    if fault.phase == "write":
+        return _arm_write(fault)
+    real_replace = os.replace
+
+    def replace_or_die(source: Any, target: Any, *args: Any, **kwargs: Any) -> None:
+        if fault.phase == "commit" and (_is_iteration(source, fault.iteration) or _is_iteration(target, fault.iteration)):
+            fault.fire()
+        if (fault.phase == "tracker" and Path(target).name == _TRACKER
+                and Path(source).read_text().strip() == str(fault.iteration)):
+            fault.fire()
+        return real_replace(source, target, *args, **kwargs)
+
+    os.replace = replace_or_die
+
+    def disarm() -> None:
+        os.replace = real_replace
+
+    return disarm
+
+
+def _arm_write(fault: Fault) -> Callable[[], None]:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = FileSystemWriterAsync.__dict__["write_preloaded_data_multithread"]
+
+    def write_then_die(transform_list: Any, use_msc: Any, rank: Any, write_buckets: Any, *args: Any, **kwargs: Any):
+        result = original.__func__(transform_list, use_msc, rank, write_buckets, *args, **kwargs)
+        if any(_names_iteration(Path(bucket[0]).parent, fault.iteration) for bucket in write_buckets):
+            fault.fire()
+        return result
+
+    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(write_then_die)
+
+    def disarm() -> None:
+        FileSystemWriterAsync.write_preloaded_data_multithread = original
+
+    return disarm
+
+
+def arm_from_environment() -> None:
+    """:func:`arm` the fault ``CANZONA_CKPT_FAULT`` names, if any."""
+    spec = os.environ.get(FAULT_ENV)
+    if spec:
+        arm(spec)

@@ -1,0 +1,72 @@
+"""The registry on parsed flags: the baselines' upstream fixes only for Megatron's own
+optimizers (never for ``--canzona``), the Canzona hooks only for ``--canzona``, and a second
+install wraps nothing twice (``patch_conditions.py``, in a process of its own)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from canzona_patches import registry
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TIMEOUT_S = 240
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-iters", "10", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512"]
+CASES = {  # the first case is also installed twice
+    "canzona": [*TINY, "--optimizer", "muon", "--canzona", "--use-distributed-optimizer"],
+    "layerwise": [*TINY, "--optimizer", "muon", "--use-distributed-optimizer"],
+    "adam": [*TINY, "--optimizer", "adam", "--use-distributed-optimizer"],
+    "adam_legacy": [*TINY, "--optimizer", "adam", "--use-distributed-optimizer", "--ckpt-format", "torch"],
+}
+LAYER_WISE_FIX = "megatron.core.optimizer.layer_wise_optimizer:LayerWiseDistributedOptimizer.__init__"
+DISTOPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
+
+
+def _first_targets(group: str) -> set[str]:
+    return {p.targets[0] for p in registry.PATCHES if p.group == group}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    done = subprocess.run([sys.executable, "tests/integration/patch_conditions.py", json.dumps(CASES)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_a_canzona_run_gets_no_baseline_fix(report):
+    holds = set(report["conditions"]["canzona"])
+    assert not holds & _first_targets(registry.BASELINE), sorted(holds & _first_targets(registry.BASELINE))
+    assert _first_targets(registry.CANZONA) <= holds
+    assert _first_targets(registry.PRETRAIN) <= holds
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_the_baselines_get_their_fixes_and_no_canzona_hook(report):
+    layerwise, adam, legacy = (set(report["conditions"][n]) for n in ("layerwise", "adam", "adam_legacy"))
+    assert LAYER_WISE_FIX in layerwise and LAYER_WISE_FIX not in adam
+    assert f"{DISTOPT}.load_state_dict" in adam and f"{DISTOPT}.load_state_dict" in layerwise
+    assert f"{DISTOPT}.load_parameter_state" in legacy and f"{DISTOPT}.load_parameter_state" not in adam
+    if not torch.cuda.is_available():  # torch's AdamW (no Apex or Transformer Engine here)
+        assert f"{DISTOPT}.sharded_state_dict" in adam
+    for holds in (layerwise, adam, legacy):
+        assert not holds & _first_targets(registry.CANZONA)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_installing_twice_wraps_once(report):
+    assert report["unresolved"] == []
+    twice = report["twice"]
+    assert twice["rows"] > 20 and twice["all_in_place"]
+    assert twice["changed_by_second_install"] == []
+    assert twice["wrapping_a_wrapper"] == []
