@@ -33,7 +33,9 @@ from canzona_patches.arguments import (
     validate_canzona_args,
 )
 from canzona_patches.cpu import enable_cpu_training_mode
+from canzona_patches.registry import ARGUMENTS as ARGUMENT_PATCHES
 from canzona_patches.registry import install as install_patches
+from canzona_patches.registry import install_group as install_patch_group
 from canzona_patches.training import LOSS_KEY
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
@@ -231,6 +233,7 @@ def parse_and_validate() -> argparse.Namespace:
     Megatron's own ``parse_and_validate_args`` in three steps, so that Canzona's checks run
     first (one-line errors) and its one correction runs after ``validate_args``.
     """
+    install_patch_group(ARGUMENT_PATCHES)  # Megatron's --help must format (canzona_patches/registry.py)
     args = parse_args(extra_args_provider=add_canzona_args)
     validate_canzona_args(args)
     on_cpu = enable_cpu_training_mode()

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
+from collections.abc import Callable
+from typing import Any
 
 from canzona_patches.version import require_pinned_megatron
 
@@ -257,3 +260,17 @@ def canzona_config_from_args(args: argparse.Namespace):
         tp_mode=args.canzona_tp_mode,
         tp_group_budget=args.canzona_tp_group_budget,
     )
+
+
+def escaping_percent_in_help(build: Callable[..., dict], run: Any) -> Callable[..., dict]:
+    """``ArgumentGroupFactory._build_argparse_kwargs_from_field`` with a literal ``%`` of the
+    docstring-made help written ``%%``, as argparse's format string needs (``%(...)``
+    placeholders are kept)."""
+
+    def build_kwargs(self: Any, attribute: Any) -> dict:
+        kwargs = build(self, attribute)
+        if isinstance(kwargs.get("help"), str):
+            kwargs["help"] = re.sub(r"%(?!\()", "%%", kwargs["help"])
+        return kwargs
+
+    return build_kwargs

@@ -40,6 +40,7 @@ CPU = "cpu"  # cpu.enable_cpu_mode: Megatron-Core on CPU (or on meta, for dry ru
 CPU_TRAINING = "cpu-training"  # cpu.enable_cpu_training_mode: megatron.training on CPU
 CPU_CHECKPOINT = "cpu-checkpoint"  # checkpoint_files.enable_cpu_checkpointing
 CPU_SYNC_SAVE = "cpu-sync-save"  # the same, for synchronous saves
+ARGUMENTS = "arguments"  # pretrain_gpt.py, before it parses the command line
 PRETRAIN = "pretrain"  # pretrain_gpt.py's loop and checkpoints
 CANZONA = "canzona"  # --canzona: its layout, optimizer and checkpoint metadata
 BASELINE = "baseline"  # upstream fixes only Megatron's own optimizers need
@@ -256,6 +257,11 @@ PATCHES: tuple[Patch, ...] = (
           reason="a synchronous save writes in this process: an in-process queue instead of a spawned Manager "
                  "(forbidden in daemonic ranks, ~4 s in a torchrun rank)"),
     # --- pretrain_gpt.py
+    Patch(targets=("megatron.training.argument_utils:ArgumentGroupFactory._build_argparse_kwargs_from_field",),
+          make="canzona_patches.arguments:escaping_percent_in_help",
+          condition="every `pretrain_gpt.py` run, before it parses the flags", when=_always, group=ARGUMENTS,
+          reason="flags built from config dataclasses take their help from docstrings, which argparse formats "
+                 "with `%`: `--moe-paged-stash-buffer-size-factor-cuda`'s \"10%\" makes `--help` raise"),
     Patch(targets=("megatron.core.datasets.utils:compile_helpers",),
           make="canzona_patches.training:shipped_dataset_helpers",
           condition=_EVERY_RUN, when=_always, group=PRETRAIN,
@@ -271,7 +277,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(targets=(f"{_TRAINING}:training_log",), make="canzona_patches.training:logging_interval_metrics",
           condition=_EVERY_RUN, when=_always, group=PRETRAIN,
           reason="one more line per log interval (optimizer step time, tokens/s, progress) and "
-                 "`--canzona-metrics-file`"),
+                 "`--canzona-metrics-file`; a first iteration on the log interval resets the sums, so the next "
+                 "line does not average two intervals (resumed runs, `--log-interval 1`)"),
     Patch(targets=(f"{_TRAINING}:train_step",), make="canzona_patches.megatron_fixes:numbering_the_step",
           condition=_EVERY_RUN, when=_always, group=PRETRAIN,
           reason="NaN and rerun reports name the iteration after the failing one; the rerun state machine is "

@@ -270,7 +270,14 @@ def timing_optimizer_step(setup_model_and_optimizer: Callable[..., Any], run: An
 
 
 def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Callable[..., Any]:
-    """``training_log`` followed, at log iterations, by :func:`format_metrics`'s line."""
+    """``training_log`` followed, at log iterations, by :func:`format_metrics`'s line.
+
+    Megatron logs a run's first iteration even off the log interval and then keeps its sums
+    (``is_first_iteration``), so that the next line covers the whole interval. When the first
+    iteration *is* on the interval (a resume from a checkpoint saved on it, or any run with
+    ``--log-interval 1``) those sums were kept all the same, and the next line averaged two
+    intervals. Here the first iteration counts as first only off the interval, so a resumed
+    run logs what the straight run logs, line for line."""
     metrics = _metrics(run)
 
     @functools.wraps(training_log)
@@ -279,7 +286,9 @@ def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Call
                                   *rest: Any, is_first_iteration: bool = False, **kwargs: Any):
         args = _training.get_args()
         metrics.record(loss_dict, skipped_iter)
-        logging_now = iteration % args.log_interval == 0 or is_first_iteration
+        on_interval = iteration % args.log_interval == 0
+        is_first_iteration = is_first_iteration and not on_interval
+        logging_now = on_interval or is_first_iteration
         # Read Megatron's interval timer before training_log resets it.
         interval_s = _training.get_timers()("interval-time").elapsed(reset=False) if logging_now else 0.0
         result = training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
