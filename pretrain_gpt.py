@@ -37,6 +37,7 @@ from canzona_patches.registry import ARGUMENTS as ARGUMENT_PATCHES
 from canzona_patches.registry import install as install_patches
 from canzona_patches.registry import install_group as install_patch_group
 from canzona_patches.training import LOSS_KEY
+from megatron.canzona.data import GPTDataConfig, build_gpt_datasets, check_gpt_data, describe_datasets
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
@@ -46,6 +47,7 @@ from megatron.training.argument_utils import (
 )
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import set_global_variables
+from megatron.training.utils import get_blend_and_blend_per_split
 
 # Fused kernels that need CUDA, apex or transformer-engine, as (args attribute, CPU value).
 _CPU_FLAG_VALUES = (
@@ -102,54 +104,84 @@ def _layer_spec(args: argparse.Namespace) -> Any:
 
 
 def train_valid_test_datasets_provider(num_samples: tuple[int, int, int], vp_stage: int | None = None) -> list[Any]:
-    """``[train, valid, test]`` GPTDatasets from the one ``--data-path`` prefix and ``--split``
-    (the same for every virtual pipeline stage ``vp_stage``)."""
-    from megatron.canzona.data import GPTDataConfig, build_gpt_datasets
+    """``[train, valid, test]`` GPT datasets from Megatron's data flags (the same for every
+    virtual pipeline stage ``vp_stage``): see :func:`data_config_from_args`.
 
+    A data flag that would crash or hang Megatron's dataset builder (a missing file, a split
+    without documents in any dataset of a blend) stops the run with one line naming the fix.
+    """
     args = get_args()
-    if not args.data_path or len(args.data_path) != 1:
-        raise ValueError(
-            f"pretrain_gpt.py reads one dataset prefix, got --data-path {args.data_path}: pass "
-            "e.g. --data-path data/demo/demo_text_document (no weights, no blends)")
-    split = args.split or "949,50,1"
-    _check_every_split_has_documents(args.data_path[0], split)
-    config = GPTDataConfig(
-        data_prefix=args.data_path[0],
+    try:
+        config = data_config_from_args(args)
+        check_gpt_data(config)
+    except ValueError as error:
+        raise CanzonaArgumentError(str(error)) from None
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    datasets = build_gpt_datasets(config, get_tokenizer(), num_samples)
+    for line in describe_datasets(datasets):
+        print_rank_0(f">   {line}")
+    return datasets
+
+
+# What Megatron's validate_args gives --data-path without --split; --data-args-path gets the same.
+_DEFAULT_SPLIT = "969, 30, 1"
+
+
+def data_config_from_args(args: argparse.Namespace) -> GPTDataConfig:
+    """The data flags as Megatron's pretrain_gpt reads them, onto a :class:`GPTDataConfig`.
+
+    ``--data-path [W1] P1 [W2] P2 ...`` or ``--data-args-path FILE`` (the same list in a
+    file): a blend every split is drawn from, each dataset cut by ``--split``;
+    ``--train-data-path/--valid-data-path/--test-data-path`` or ``--per-split-data-args-path
+    JSON``: one blend per split; ``--mock-data``: Megatron's synthetic tokens. Blends are
+    parsed by Megatron's own ``get_blend_and_blend_per_split``.
+    """
+    _check_data_flags(args)
+    try:
+        blend, blend_per_split = get_blend_and_blend_per_split(args)
+    except OSError as error:
+        raise ValueError(f"cannot read the data args file: {error}") from None
+    except KeyError as error:
+        raise ValueError(f"--per-split-data-args-path needs the keys train, valid and test: "
+                         f"{error} is missing") from None
+    if blend_per_split is not None and args.split is not None:
+        raise ValueError(f"--split {args.split} cuts the datasets of --data-path; with --train/valid/test-data-path "
+                         "each split has its own datasets: drop --split")
+    return GPTDataConfig(
         seq_length=args.seq_length,
-        split=split,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        mock=args.mock_data,
+        split=args.split if args.split is not None else _DEFAULT_SPLIT,
         seed=args.seed,
         cache_dir=args.data_cache_path,
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        num_builder_threads=args.num_dataset_builder_threads,
     )
-    print_rank_0("> building train, validation, and test datasets for GPT ...")
-    return build_gpt_datasets(config, get_tokenizer(), num_samples)
 
 
-def _check_every_split_has_documents(prefix: str, split: str) -> None:
-    """Fail fast on a split with weight but no documents.
-
-    Megatron-Core 0.19.2's ``GPTDataset._get_num_epochs`` (gpt_dataset.py:676) loops forever
-    for a split of zero tokens, so a small corpus with ``--split 949,50,1`` hangs there.
-    The split bounds are computed as ``BlendedMegatronDatasetBuilder`` does.
-    """
-    from pathlib import Path
-
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    if not Path(prefix + ".idx").is_file():
-        return  # build_gpt_datasets reports the missing file with its fix
-    num_documents = IndexedDataset(prefix).document_indices.shape[0] - 1
-    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    for name, bound in zip(("train", "validation", "test"), bounds):
-        if bound is not None and round(bound[1] * num_documents) == round(bound[0] * num_documents):
-            raise ValueError(
-                f"--split {split} leaves the {name} split of {prefix} ({num_documents} documents) "
-                "empty, which hangs Megatron's GPTDataset: give it a larger weight or weight 0")
+def _check_data_flags(args: argparse.Namespace) -> None:
+    """One data source, and no path flag given without a path (Megatron's parser would fail on it)."""
+    path_flags = {"--data-path": args.data_path, "--train-data-path": args.train_data_path,
+                  "--valid-data-path": args.valid_data_path, "--test-data-path": args.test_data_path}
+    for flag, paths in path_flags.items():
+        if paths is not None and not paths:
+            raise ValueError(f"{flag} names no dataset: give a prefix, or weights and prefixes (e.g. 0.3 A 0.7 B)")
+    sources = {
+        "--data-path": args.data_path is not None,
+        "--data-args-path": args.data_args_path is not None,
+        "--train/valid/test-data-path": any(paths is not None for paths in
+                                            (args.train_data_path, args.valid_data_path, args.test_data_path)),
+        "--per-split-data-args-path": args.per_split_data_args_path is not None,
+        "--mock-data": args.mock_data,
+    }
+    named = [flag for flag, given in sources.items() if given]
+    if len(named) > 1:
+        raise ValueError(f"{' and '.join(named)} each name the data: keep one")
 
 
 # Every rank builds the datasets itself (no broadcast of batches over TP ranks needed):

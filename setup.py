@@ -20,5 +20,6 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
         "test": ["pytest", "pytest-timeout", "hypothesis"],
+        "wandb": ["wandb"],
     },
 )

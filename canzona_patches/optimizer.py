@@ -30,7 +30,7 @@ from canzona_patches.checkpoint import common_state, load_optimizer_state_dict, 
 from canzona_patches.layout import BUFFER_ROUTING_ATTR, build_canzona_plan, full_param_layouts, wire_config
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim import GateUpLayout, QKVLayout
-from megatron.canzona.planning import CanzonaPlan, CostModel, ParamSpec, WireConfig, summarize_canzona
+from megatron.canzona.planning import CanzonaPlan, CostModel, summarize_canzona
 from megatron.canzona.runtime.config import CanzonaConfig
 from megatron.canzona.runtime.host_groups import HostGroupEngine
 from megatron.canzona.runtime.optimizer import CanzonaOptimizer
@@ -58,17 +58,29 @@ def plan_and_layouts(
 ) -> tuple[CanzonaPlan, list[Any]]:
     """The run's plan (:func:`canzona_patches.layout.build_canzona_plan`), logged once, and
     the ``FullParamLayout`` per (unwrapped) chunk that DDP must be built with."""
+    plan, layouts, _ = _plan_layouts_summary(model_chunks, ddp_config, cfg, dp_size=dp_size, tp_size=tp_size)
+    return plan, layouts
+
+
+def _plan_layouts_summary(
+    model_chunks: list[torch.nn.Module], ddp_config: Any, cfg: CanzonaConfig, *, dp_size: int, tp_size: int,
+    summarize_here: bool = False,
+) -> tuple[CanzonaPlan, list[Any], dict | None]:
+    """:func:`plan_and_layouts` and the plan's summary (:func:`summarize_canzona`), computed on
+    global rank 0, which logs it, and where ``summarize_here`` asks for it (else ``None``)."""
     plan, specs = build_canzona_plan(model_chunks, ddp_config, cfg, dp_size=dp_size, tp_size=tp_size)
     named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
-    _log_plan(plan, specs, CostModel(kind=cfg.cost_kind), wire_config(named, ddp_config))
-    return plan, full_param_layouts(plan, model_chunks, ddp_config)
+    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    summary = None
+    if first or summarize_here:
+        summary = summarize_canzona(plan, specs, CostModel(kind=cfg.cost_kind), wire_config(named, ddp_config))
+    if first:
+        _log_plan(plan, summary)
+    return plan, full_param_layouts(plan, model_chunks, ddp_config), summary
 
 
-def _log_plan(plan: CanzonaPlan, specs: list[ParamSpec], cost_model: CostModel, wire: WireConfig) -> None:
-    """One line on global rank 0: balance, padding, buckets, split matrices, bytes per rank."""
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-        return
-    s = summarize_canzona(plan, specs, cost_model, wire)
+def _log_plan(plan: CanzonaPlan, s: dict) -> None:
+    """One line: balance, padding, buckets, split matrices, bytes per rank."""
     print(
         f"[canzona] plan: {len(plan.hosts)} matrices over DP {plan.dp_size} x TP {plan.tp_size}, "
         f"{s['num_buckets']} bucket(s), {s['split_params']} split across DP shards, "
@@ -237,10 +249,14 @@ def _parallel_sizes() -> tuple[int, int]:
             parallel_state.get_tensor_model_parallel_world_size())
 
 
-def canzona_plan_and_layouts(model_chunks: list[torch.nn.Module], ddp_config: Any, args: Any) -> tuple[CanzonaPlan, list[Any]]:
-    """:func:`plan_and_layouts` configured from ``pretrain_gpt.py``'s flags."""
+def canzona_plan_and_layouts(
+    model_chunks: list[torch.nn.Module], ddp_config: Any, args: Any, *, summarize_here: bool = False,
+) -> tuple[CanzonaPlan, list[Any], dict | None]:
+    """:func:`plan_and_layouts` configured from ``pretrain_gpt.py``'s flags, with the plan's
+    summary where it is logged (rank 0) or ``summarize_here`` asks for it."""
     dp_size, tp_size = _parallel_sizes()
-    return plan_and_layouts(model_chunks, ddp_config, canzona_config_from_args(args), dp_size=dp_size, tp_size=tp_size)
+    return _plan_layouts_summary(model_chunks, ddp_config, canzona_config_from_args(args), dp_size=dp_size,
+                                 tp_size=tp_size, summarize_here=summarize_here)
 
 
 def get_canzona_optimizer(optimizer_config: Any, model_chunks: list, args: Any, plan: CanzonaPlan):

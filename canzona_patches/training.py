@@ -76,13 +76,15 @@ def _compile_helpers() -> None:
 
 
 class PlanHandoff:
-    """The plan made when the model was wrapped, for the optimizer built after it."""
+    """The plan made when the model was wrapped, for the optimizer built after it (and its
+    summary, for the logs, where it was computed)."""
 
     def __init__(self) -> None:
         self._plan: Any = None
+        self.summary: dict | None = None
 
-    def put(self, plan: Any) -> None:
-        self._plan = plan
+    def put(self, plan: Any, summary: dict | None = None) -> None:
+        self._plan, self.summary = plan, summary
 
     def take(self) -> Any:
         if self._plan is None:
@@ -115,8 +117,10 @@ def with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any], run: An
             raise RuntimeError("--canzona supports Megatron's DistributedDataParallel only")
         from canzona_patches.optimizer import canzona_plan_and_layouts
 
-        plan, layouts = canzona_plan_and_layouts(model_chunks, ddp_config, _training.get_args())
-        handoff.put(plan)
+        args = _training.get_args()
+        plan, layouts, summary = canzona_plan_and_layouts(model_chunks, ddp_config, args,
+                                                          summarize_here=_writes_logs(args))
+        handoff.put(plan, summary)
         disable = disable_bucketing_per_chunk or [False] * len(model_chunks)
         return [
             DP(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=off,
@@ -238,6 +242,36 @@ class IntervalMetrics:
             stream.write(json.dumps(metrics) + "\n")
 
 
+def _writes_logs(args: argparse.Namespace) -> bool:
+    """Whether this rank holds Megatron's TensorBoard or W&B writer (the last rank, if asked)."""
+    return bool(getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)) and _is_last_rank()
+
+
+def plan_scalars(summary: dict | None) -> dict[str, float]:
+    """The plan's numbers logged beside Megatron's scalars (once per log interval)."""
+    if not summary:
+        return {}
+    return {
+        "canzona/plan makespan over lower bound": float(summary["makespan_over_lower_bound"]),
+        "canzona/plan padding": float(summary["padding_overhead"]),
+        "canzona/bytes sent per rank per step": float(summary["comm_bytes_per_rank"]),
+    }
+
+
+def write_scalars(metrics: dict[str, Any], plan: dict[str, float], iteration: int) -> None:
+    """Canzona's scalars to Megatron's TensorBoard and W&B writers, where this rank has them."""
+    scalars = {"canzona/optimizer step ms": metrics["optimizer_step_ms"], **plan}
+    if metrics["tokens_per_s"] is not None:
+        scalars["canzona/tokens per s"] = metrics["tokens_per_s"]
+    writer = _training.get_tensorboard_writer()
+    if writer is not None:
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, iteration)
+    wandb_writer = _training.get_wandb_writer()
+    if wandb_writer is not None:
+        wandb_writer.log(scalars, iteration)
+
+
 def format_metrics(metrics: dict[str, Any]) -> str:
     """One Megatron-style line (`` name: value |`` fields) for :meth:`IntervalMetrics.report`."""
     line = " [canzona] iteration {:8d}/{:8d} |".format(metrics["iteration"], metrics["train_iters"] or 0)
@@ -299,6 +333,7 @@ def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Call
                                     learning_rate=learning_rate, grad_norm=grad_norm,
                                     reset=not is_first_iteration)
             _training.print_rank_last(format_metrics(report))
+            write_scalars(report, plan_scalars(_handoff(run).summary), iteration)
         return result
 
     return training_log_with_metrics

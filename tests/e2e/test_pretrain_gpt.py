@@ -114,13 +114,41 @@ def test_canzona_dp2_trains(demo_data: DemoData, tmp_path: Path, run: str) -> No
 
 
 def test_canzona_tp2_dp2_trains(demo_data: DemoData, tmp_path: Path) -> None:
-    """The README's main job in small: Muon with --canzona at TP 2 x DP 2 (4 processes)."""
+    """The README's main job in small: Muon with --canzona at TP 2 x DP 2 (4 processes), logging to
+    TensorBoard and to W&B (offline) as Megatron users do."""
     args = pretrain_args(demo_data, tmp_path, "--optimizer", "muon", "--canzona", "--use-distributed-optimizer",
-                         "--tensor-model-parallel-size", "2", "--overlap-grad-reduce", "--overlap-param-gather")
-    result = run_with_deadline(torchrun(4, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+                         "--tensor-model-parallel-size", "2", "--overlap-grad-reduce", "--overlap-param-gather",
+                         "--tensorboard-dir", str(tmp_path / "tb"), "--tensorboard-log-interval", "1",
+                         "--wandb-project", "canzona-test", "--wandb-exp-name", "tp2-dp2",
+                         "--wandb-save-dir", str(tmp_path / "wandb"))
+    result = run_with_deadline(torchrun(4, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S,
+                               env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     metrics = check_training(result, tmp_path / "metrics.jsonl", dp_size=2, tp_size=2)
     assert metrics[-1]["canzona"] and "number of skipped iterations:   0" in result.stdout
     assert "DP x TP makespan / lower bound" in result.stdout, result.stdout[-4000:]
+    check_tensorboard(tmp_path / "tb", metrics)
+    runs = list((tmp_path / "wandb").glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0, "no offline W&B run"
+    assert b"canzona/optimizer step ms" in runs[0].read_bytes()
+
+
+def check_tensorboard(directory: Path, metrics: list[dict]) -> None:
+    """Megatron's scalars and Canzona's, read back from the event file the last rank wrote."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm"} <= tags, tags
+    logged = {m["iteration"]: m for m in metrics}
+    step_ms = {e.step: e.value for e in events.Scalars("canzona/optimizer step ms")}
+    assert sorted(step_ms) == sorted(logged)
+    for iteration, value in step_ms.items():
+        assert value == pytest.approx(logged[iteration]["optimizer_step_ms"], rel=1e-6)
+    balance = [e.value for e in events.Scalars("canzona/plan makespan over lower bound")]
+    assert balance and all(value >= 1.0 for value in balance)
+    assert all(e.value > 0 for e in events.Scalars("canzona/bytes sent per rank per step"))
+    assert len(events.Scalars("lm loss")) == NUM_ITERS
 
 
 def test_canzona_buckets_smaller_than_a_matrix_split_it_across_shards(demo_data: DemoData, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Data pipeline: corpus reading, SentencePiece tokenizers, Megatron indexed datasets, GPT splits."""
+"""Data pipeline: corpus reading, SentencePiece tokenizers, Megatron indexed datasets, GPT splits and blends."""
 
 from megatron.canzona.data.corpus import (
     book_paragraphs,
@@ -10,7 +10,7 @@ from megatron.canzona.data.corpus import (
     iter_texts,
     write_jsonl,
 )
-from megatron.canzona.data.gpt import GPTDataConfig, build_gpt_datasets
+from megatron.canzona.data.gpt import Blend, GPTDataConfig, build_gpt_datasets, check_gpt_data, describe_datasets
 from megatron.canzona.data.helpers import build_dataset_helpers, dataset_helpers_available, ensure_dataset_helpers
 from megatron.canzona.data.indexed import DatasetSummary, PreprocessConfig, dataset_prefix, preprocess
 from megatron.canzona.data.tokenizer import (
@@ -23,6 +23,7 @@ from megatron.canzona.data.tokenizer import (
 
 __all__ = [
     "SENTENCEPIECE_TOKENIZER_TYPES",
+    "Blend",
     "DatasetSummary",
     "GPTDataConfig",
     "PreprocessConfig",
@@ -31,10 +32,12 @@ __all__ = [
     "books_to_documents",
     "build_dataset_helpers",
     "build_gpt_datasets",
+    "check_gpt_data",
     "check_input_files",
     "check_tokenizer_type",
     "dataset_helpers_available",
     "dataset_prefix",
+    "describe_datasets",
     "ensure_dataset_helpers",
     "group_paragraphs",
     "is_jsonl",

@@ -1,24 +1,45 @@
-"""Train/valid/test ``GPTDataset`` splits from one indexed dataset, as Megatron's pretrain_gpt builds them."""
+"""Train/valid/test GPT datasets as Megatron's pretrain_gpt builds them.
+
+The data come from one indexed dataset, a weighted blend of several (every split cut from
+each by ``split``), one blend per split, or Megatron's mock generator; Megatron-Core's
+``BlendedMegatronDatasetBuilder`` builds them all. Before it runs, :func:`check_gpt_data`
+turns the inputs that would crash or hang it into one-line errors naming the fix.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from megatron.canzona.data.helpers import ensure_dataset_helpers
+
+Blend = tuple[list[str], list[float] | None]
+"""Megatron's blend: dataset prefixes and their weights (None: in proportion to their sizes)."""
+
+SPLIT_NAMES = ("train", "validation", "test")
+_PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
 
 
 @dataclass(frozen=True, kw_only=True)
 class GPTDataConfig:
-    """Where the tokens are and how to cut them into samples."""
+    """Where the tokens are and how to cut them into samples (give exactly one source)."""
 
-    data_prefix: str
-    """Indexed dataset prefix (``.bin``/``.idx`` without suffix), as Megatron's ``--data-path``."""
     seq_length: int
     """Tokens per sample (Megatron reads one more for the shifted labels)."""
-    split: str = "949,50,1"
-    """Train,valid,test weights over documents, as Megatron's ``--split``."""
+    data_prefix: str | None = None
+    """One indexed dataset prefix (``.bin``/``.idx`` without suffix): short for ``blend=([prefix], None)``."""
+    blend: Blend | None = None
+    """Datasets every split is drawn from, each cut by ``split``, as Megatron's ``--data-path [W] P ...``."""
+    blend_per_split: Sequence[Blend | None] | None = None
+    """Train, valid and test blends (None: no such split), as ``--train/valid/test-data-path``."""
+    mock: bool = False
+    """Megatron's synthetic tokens instead of files, as ``--mock-data``."""
+    split: str | None = "949,50,1"
+    """Train,valid,test weights over each dataset's documents, as ``--split`` (unused per split or mock)."""
     seed: int = 1234
     """Shuffling seed, as Megatron's ``--seed``."""
     cache_dir: str | None = None
@@ -28,38 +49,185 @@ class GPTDataConfig:
     create_attention_mask: bool = True
     """Give each sample its causal ``[1, s, s]`` mask; False (Megatron's
     ``--no-create-attention-mask-in-dataloader``) leaves it to the attention kernels."""
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token, as ``--reset-position-ids``."""
+    reset_attention_mask: bool = False
+    """Stop attention across end-of-document tokens, as ``--reset-attention-mask``."""
+    mid_level_dataset_surplus: float = 0.005
+    """Extra fraction of samples built per blended dataset, as ``--mid-level-dataset-surplus``."""
+    num_builder_threads: int = 1
+    """Threads building a blend's datasets, as ``--num-dataset-builder-threads``."""
+
+    def resolved_blend(self) -> Blend | None:
+        """The blend every split is drawn from (``data_prefix`` as a blend of one), or None."""
+        if self.data_prefix is not None:
+            return [self.data_prefix], None
+        return self.blend
 
 
-def build_gpt_datasets(config: GPTDataConfig, tokenizer: Any, num_samples: tuple[int, int, int]) -> list[Any]:
-    """Build ``[train, valid, test]`` with ``BlendedMegatronDatasetBuilder`` (None for an empty split).
+def build_gpt_datasets(config: GPTDataConfig, tokenizer: Any, num_samples: Sequence[int | None]) -> list[Any]:
+    """Build ``[train, valid, test]`` with ``BlendedMegatronDatasetBuilder`` (None for a split with no data).
 
-    ``num_samples`` is the number of samples wanted from each split; a split with fewer
-    tokens is cycled over more epochs, as in Megatron.
+    ``num_samples`` is the number of samples wanted from each split; a dataset with fewer
+    tokens is cycled over more epochs, as in Megatron. A split drawn from several datasets is
+    a ``BlendedDataset`` over one ``GPTDataset`` per prefix.
     """
-    for suffix in (".bin", ".idx"):
-        if not Path(config.data_prefix + suffix).is_file():
-            raise ValueError(
-                f"{config.data_prefix}{suffix} not found: pass the prefix without .bin/.idx "
-                "as written by tools/preprocess_data.py (e.g. data/demo/demo_text_document)"
-            )
-    if config.seq_length < 1:
-        raise ValueError(f"seq_length must be 1 or more, got {config.seq_length}")
+    check_gpt_data(config)
     ensure_dataset_helpers()
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     dataset_config = GPTDatasetConfig(
         random_seed=config.seed,
         sequence_length=config.seq_length,
-        blend=([config.data_prefix], None),
-        split=config.split,
+        # Neither given means mock data to Megatron.
+        blend=None if config.mock else config.resolved_blend(),
+        blend_per_split=None if config.mock or config.blend_per_split is None else list(config.blend_per_split),
+        split=None if config.mock or config.blend_per_split is not None else config.split,
+        num_dataset_builder_threads=config.num_builder_threads,
         path_to_cache=config.cache_dir,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
+        mid_level_dataset_surplus=config.mid_level_dataset_surplus,
+        reset_position_ids=config.reset_position_ids,
+        reset_attention_mask=config.reset_attention_mask,
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=config.create_attention_mask,
     )
+    dataset_class = MockGPTDataset if config.mock else GPTDataset
     # Every caller holds data (pretrain_gpt's is_dataset_built_on_rank is true on all ranks
     # without pipeline parallelism); with torch.distributed up, rank 0 builds first.
-    return BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, dataset_config).build()
+    return BlendedMegatronDatasetBuilder(dataset_class, list(num_samples), lambda: True, dataset_config).build()
+
+
+def check_gpt_data(config: GPTDataConfig) -> None:
+    """Raise ``ValueError`` naming the fix for a config Megatron's builder would crash or hang on.
+
+    One source given; every prefix's ``.bin``/``.idx`` present; blend weights positive and one
+    per prefix; and no split of any prefix without tokens: Megatron-Core 0.19.2's
+    ``GPTDataset._get_num_epochs`` (gpt_dataset.py:676) loops forever for a split of zero
+    tokens, so a small corpus with ``--split 949,50,1`` would hang there.
+    """
+    if config.seq_length < 1:
+        raise ValueError(f"seq_length must be 1 or more, got {config.seq_length}")
+    _check_one_source(config)
+    if config.blend_per_split is not None:
+        _check_per_split(config.blend_per_split)
+    elif not config.mock:
+        _check_split_of_blend(config.resolved_blend(), config.split)
+
+
+def _check_per_split(blend_per_split: Sequence[Blend | None]) -> None:
+    """Each split's datasets are used whole, so each must hold tokens."""
+    if len(blend_per_split) != len(SPLIT_NAMES):
+        raise ValueError(f"blend_per_split needs one blend (or None) per split, got {len(blend_per_split)}")
+    for flag, name, blend in zip(_PER_SPLIT_FLAGS, SPLIT_NAMES, blend_per_split):
+        if blend is None:
+            continue
+        _check_blend(blend, flag)
+        for prefix in blend[0]:
+            if (num_documents := _documents_if_empty(prefix, (0.0, 1.0))) is not None:
+                raise ValueError(
+                    f"{flag} {prefix} holds no tokens ({num_documents} documents), which hangs "
+                    f"Megatron's GPTDataset as the {name} split: give a dataset with documents")
+
+
+def _check_split_of_blend(blend: Blend, split: str | None) -> None:
+    """``split`` cuts every dataset of the blend alike, so each of its parts must hold tokens."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    _check_blend(blend, "--data-path")
+    if split is None:
+        raise ValueError("--data-path needs --split (train,valid,test weights, e.g. 949,50,1)")
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for prefix in blend[0]:
+        for name, bound in zip(SPLIT_NAMES, bounds):
+            if bound is not None and (num_documents := _documents_if_empty(prefix, bound)) is not None:
+                raise ValueError(
+                    f"--split {split} leaves the {name} split of {prefix} ({num_documents} documents) "
+                    "empty, which hangs Megatron's GPTDataset: give it a larger weight or weight 0")
+
+
+def _check_one_source(config: GPTDataConfig) -> None:
+    per_split = config.blend_per_split is not None and any(b is not None for b in config.blend_per_split)
+    given = [config.data_prefix is not None, config.blend is not None, per_split, config.mock]
+    if sum(given) == 1:
+        return
+    if sum(given) == 0:
+        raise ValueError("no data given: pass --data-path (or --data-args-path), --train-data-path/"
+                         "--valid-data-path/--test-data-path, or --mock-data")
+    raise ValueError("give one data source: --data-path (or --data-args-path), --train-data-path/"
+                     "--valid-data-path/--test-data-path, or --mock-data, not several")
+
+
+def _check_blend(blend: Blend, flag: str) -> None:
+    prefixes, weights = blend
+    if not prefixes:
+        raise ValueError(f"{flag} names no dataset: pass a prefix, or weights and prefixes (e.g. 0.3 A 0.7 B)")
+    if weights is not None:
+        if len(weights) != len(prefixes):
+            raise ValueError(f"{flag} has {len(weights)} weights for {len(prefixes)} datasets: give one per prefix")
+        if any(not weight > 0 for weight in weights):
+            raise ValueError(f"{flag} weights must be positive, got {weights}: leave a dataset out instead of weight 0")
+    for prefix in prefixes:
+        _check_files(prefix)
+
+
+def _check_files(prefix: str) -> None:
+    if _is_object_storage(prefix):
+        return
+    for suffix in (".bin", ".idx"):
+        if not Path(prefix + suffix).is_file():
+            raise ValueError(
+                f"{prefix}{suffix} not found: pass the prefix without .bin/.idx "
+                "as written by tools/preprocess_data.py (e.g. data/demo/demo_text_document)"
+            )
+
+
+def _documents_if_empty(prefix: str, bound: tuple[float, float]) -> int | None:
+    """``prefix``'s number of documents if those in ``bound`` hold no token, else None.
+
+    The documents of a split are cut as ``BlendedMegatronDatasetBuilder`` cuts them: by rounding
+    the bound times the number of sequences (one per document in a GPT dataset).
+    """
+    if _is_object_storage(prefix):
+        return None
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    if Path(prefix + ".bin").stat().st_size == 0:
+        return 0  # nothing to read (and an empty file cannot be mapped)
+    dataset = IndexedDataset(prefix)  # held while its lengths are read: deleting it closes their mmap
+    num_sequences = dataset.sequence_lengths.shape[0]
+    begin, end = (int(round(b * float(num_sequences))) for b in bound)
+    num_tokens = int(np.sum(dataset.sequence_lengths[begin:end], dtype=np.int64)) if end > begin else 0
+    del dataset
+    return None if num_tokens > 0 else num_sequences
+
+
+def _is_object_storage(prefix: str) -> bool:
+    from megatron.core.datasets.object_storage_utils import is_object_storage_path
+
+    return bool(is_object_storage_path(prefix))
+
+
+def describe_datasets(datasets: Sequence[Any]) -> list[str]:
+    """One line per split: its samples and where they come from (per dataset of a blend)."""
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+
+    lines = []
+    for name, dataset in zip(SPLIT_NAMES, datasets):
+        if dataset is None:
+            lines.append(f"{name}: none")
+        elif isinstance(dataset, BlendedDataset):
+            counts = np.bincount(dataset.dataset_index, minlength=len(dataset.datasets))
+            total = float(sum(dataset.weights))
+            parts = [f"{int(count)} from {part.dataset_path} (weight {weight / total:.3f})"
+                     for count, part, weight in zip(counts, dataset.datasets, dataset.weights)]
+            lines.append(f"{name}: {len(dataset)} samples, blend of {len(parts)}: {', '.join(parts)}")
+        elif dataset.dataset_path is None:
+            lines.append(f"{name}: {len(dataset)} mock samples")
+        else:
+            lines.append(f"{name}: {len(dataset)} samples from {dataset.dataset_path}")
+    return lines
