@@ -2,11 +2,12 @@
 
 Importing Megatron costs seconds per process; forking after one import makes each run cost
 only its own setup and iterations. Each child is a world of one rank (``torchrun``'s
-environment variables, a fresh port) with its output in its own file. Usage::
+environment variables, a fresh port) with its stdout and stderr in files of its own. Usage::
 
     python tests/e2e/forked_pretrain.py '{"name": ["--flag", ...], ...}'
 
-prints ``{"name": {"returncode": int, "output": str}, ...}`` as JSON on stdout's last line.
+prints ``{"name": {"returncode": int, "stdout": str, "stderr": str, "output": str}, ...}``
+(``output``: stdout, then stderr) as JSON on stdout's last line.
 """
 
 from __future__ import annotations
@@ -28,11 +29,10 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _run_case(pretrain_gpt, flags: list[str], output_path: str) -> int:
-    """In the child: stdout and stderr to a file, one rank's environment, run main(), its exit code."""
-    descriptor = os.open(output_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(descriptor, 1)
-    os.dup2(descriptor, 2)
+def _run_case(pretrain_gpt, flags: list[str], stdout_path: str, stderr_path: str) -> int:
+    """In the child: stdout and stderr to files, one rank's environment, run main(), its exit code."""
+    for stream, path in ((1, stdout_path), (2, stderr_path)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), stream)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     sys.argv = ["pretrain_gpt.py", *flags]
@@ -57,14 +57,15 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in cases.items():
-            output_path = os.path.join(tmp, f"{name}.out")
+            paths = {stream: os.path.join(tmp, f"{name}.{stream}") for stream in ("stdout", "stderr")}
             sys.stdout.flush()
             pid = os.fork()
             if pid == 0:
-                os._exit(_run_case(pretrain_gpt, flags, output_path))
+                os._exit(_run_case(pretrain_gpt, flags, paths["stdout"], paths["stderr"]))
             _, status = os.waitpid(pid, 0)
-            results[name] = {"returncode": os.waitstatus_to_exitcode(status),
-                             "output": Path(output_path).read_text() if os.path.exists(output_path) else ""}
+            result = {stream: Path(path).read_text() if os.path.exists(path) else "" for stream, path in paths.items()}
+            results[name] = {"returncode": os.waitstatus_to_exitcode(status), **result,
+                             "output": result["stdout"] + result["stderr"]}
     print(json.dumps(results))
 
 

@@ -213,13 +213,13 @@ def check_one_line_error(name: str, returncode: int, stderr: str) -> None:
 
 
 def test_bad_flags_fail_with_one_line_naming_the_fix() -> None:
-    """Every case through pretrain_gpt.main() (tests/e2e/flag_errors.py forks one child per
+    """Every case through pretrain_gpt.main() (tests/e2e/forked_pretrain.py forks one child per
     case after one import), and one case as a plain command line beside it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cli = subprocess.Popen([sys.executable, "pretrain_gpt.py", *BAD_INPUTS["adam"][0]], cwd=ROOT, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cases = {name: flags for name, (flags, _) in BAD_INPUTS.items()}
-    forked = run_with_deadline([sys.executable, "tests/e2e/flag_errors.py", json.dumps(cases)],
+    forked = run_with_deadline([sys.executable, "tests/e2e/forked_pretrain.py", json.dumps(cases)],
                                timeout_s=RUN_TIMEOUT_S)
     try:
         _, cli_stderr = cli.communicate(timeout=RUN_TIMEOUT_S)
