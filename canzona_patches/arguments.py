@@ -10,8 +10,9 @@ accepts ``muon`` and ``soap``). Muon keeps Megatron's ``--muon-*`` flags (moment
 :func:`validate_canzona_args` runs *before* Megatron's ``validate_args`` (whose asserts
 would otherwise answer first, with a traceback) and raises
 :class:`CanzonaArgumentError` with a one-line message that names the fix.
-:func:`finalize_canzona_args` runs after ``validate_args`` and undoes the one rewrite of
-Megatron's that contradicts Canzona (see its docstring).
+:func:`finalize_canzona_args` runs after ``validate_args``: it undoes the one rewrite of
+Megatron's that contradicts Canzona, and gives ``--rampup-batch-size``, which Megatron-Core
+0.19.2 parses but ignores, its effect (see their docstrings).
 
 Hooks (megatron-core 0.19.2): ``megatron.training.arguments.parse_args`` (the parser it
 hands to ``extra_args_provider``) and ``validate_args`` (arguments.py:1669-1682, the
@@ -204,7 +205,8 @@ def _check_ranges(args: argparse.Namespace) -> None:
 
 
 def finalize_canzona_args(args: argparse.Namespace) -> None:
-    """After Megatron's ``validate_args``: keep the stock distributed optimizer under Canzona.
+    """After Megatron's ``validate_args``: give ``--rampup-batch-size`` its effect (every run,
+    :func:`rampup_as_step_schedule`) and keep the stock distributed optimizer under Canzona.
 
     For any optimizer other than adam/sgd, ``validate_args`` turns
     ``--use-distributed-optimizer`` into Megatron's layer-wise distributed optimizer
@@ -213,10 +215,61 @@ def finalize_canzona_args(args: argparse.Namespace) -> None:
     all-gather over equal shards) with a layout in which every matrix lies whole in one
     shard, so the rewrite is undone here.
     """
+    schedule = rampup_as_step_schedule(args)
+    if schedule is not None:
+        args.step_batch_size_schedule = schedule
+        if args.rank == 0:
+            start, increment, samples = args.rampup_batch_size
+            print(f"> --rampup-batch-size {start} {increment} {samples} runs as --step-batch-size-schedule "
+                  f"'{schedule}' (thresholds in tokens; Megatron-Core 0.19.2 ignores the ramp flag)", flush=True)
     if not args.canzona:
         return
     args.use_layer_wise_distributed_optimizer = False
     args.use_distributed_optimizer = True
+
+
+def rampup_as_step_schedule(args: argparse.Namespace) -> str | None:
+    """``--rampup-batch-size START INCREMENT SAMPLES`` as a ``--step-batch-size-schedule``.
+
+    Megatron-Core 0.19.2 still parses the ramp flag but its microbatch calculator ignores it
+    (only the step schedule reaches it), so the batch would stay at ``--global-batch-size``
+    from the first step. The ramp keeps its meaning from earlier Megatron releases: the batch
+    grows by INCREMENT each SAMPLES / n consumed samples, n = (global batch - START) /
+    INCREMENT, i.e. it is START + INCREMENT * floor(consumed * n / SAMPLES) until it reaches
+    the global batch. ``--global-batch-size`` stays the final batch, which the learning-rate
+    schedule and the dataset sizes of ``--train-iters`` runs count in, as they did. The
+    thresholds are written in tokens (samples times ``--seq-length``), the unit in which
+    Megatron reads them when the sequence length is known. ``None`` without a ramp.
+    """
+    if args.rampup_batch_size is None:
+        return None
+    start, increment, samples = args.rampup_batch_size
+    final = args.global_batch_size
+    if args.step_batch_size_schedule is not None:
+        raise CanzonaArgumentError(
+            "--rampup-batch-size and --step-batch-size-schedule both set how the batch grows: keep one")
+    if args.decrease_batch_size_if_needed:
+        raise CanzonaArgumentError(
+            "--rampup-batch-size sets every batch size itself: drop --decrease-batch-size-if-needed")
+    if min(start, increment, samples) <= 0 or start > final or (final - start) % increment:
+        raise CanzonaArgumentError(
+            f"--rampup-batch-size {start} {increment} {samples} must climb from START to --global-batch-size "
+            f"{final} in steps of INCREMENT: pass positive numbers with {final} - START a multiple of INCREMENT")
+    per_step = args.micro_batch_size * args.data_parallel_size * getattr(args, "gtp_weight_remat_size", 1)
+    sizes = range(start, final + 1, increment)
+    uneven = [size for size in sizes if size % per_step]
+    if uneven:
+        raise CanzonaArgumentError(
+            f"--rampup-batch-size {start} {increment} {samples} reaches a batch of {uneven[0]}, not a multiple of "
+            f"--micro-batch-size x data-parallel size = {per_step}: pick START and INCREMENT multiples of {per_step}")
+    num_increments = len(sizes) - 1
+    # The first consumed-sample count at which k increments have happened: ceil(k * SAMPLES / n),
+    # exact in integers. A ramp of fewer samples than increments takes several at once.
+    steps: dict[int, int] = {}
+    for k, size in enumerate(sizes):
+        steps[-(-k * samples // num_increments) if k else 0] = size
+    tokens_per_sample = args.seq_length or 1
+    return " ".join(f"{threshold * tokens_per_sample}:{size}" for threshold, size in steps.items())
 
 
 def canzona_config_from_args(args: argparse.Namespace):

@@ -188,6 +188,8 @@ PRETEND_CUDA_WINDOWS = (
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.get_parameter_state_dp_zero",
     "megatron.core.models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer",
     "megatron.core.utils:check_param_hashes_across_dp_replicas",
+    # .cuda(current_device()) of the loaded loss scale (--fp16 resumes):
+    "megatron.core.optimizer.grad_scaler:DynamicGradScaler.load_state_dict",
 )
 """Functions inside which a CPU tensor answers as a CUDA one; each binding needs its own entry."""
 

@@ -44,6 +44,7 @@ from canzona_patches.version import require_pinned_megatron
 require_pinned_megatron()
 
 import megatron.training.training as _training  # noqa: E402  (after the version check)
+from megatron.core.num_microbatches_calculator import get_current_global_batch_size  # noqa: E402
 
 LOSS_KEY = "lm loss"
 """The loss ``pretrain_gpt.py`` reports (Megatron-LM's name)."""
@@ -166,6 +167,7 @@ class IntervalMetrics:
         self._step_seconds = 0.0
         self._step_events: list[tuple[Any, Any]] = []
         self._iterations = 0
+        self._samples = 0
 
     def time_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap ``optimizer.step`` to accumulate its time without waiting for the device: on
@@ -189,10 +191,14 @@ class IntervalMetrics:
 
         return timed_step
 
-    def record(self, loss_dict: dict[str, torch.Tensor], skipped_iter: int) -> None:
-        """Account one iteration (``training_log`` is called once per iteration). The loss
-        stays on its device, summed in float64, until a report reads it."""
+    def record(self, loss_dict: dict[str, torch.Tensor], skipped_iter: int,
+               global_batch_size: int | None = None) -> None:
+        """Account one iteration (``training_log`` is called once per iteration) of
+        ``global_batch_size`` samples (default ``--global-batch-size``; smaller while
+        ``--rampup-batch-size`` ramps up). The loss stays on its device, summed in float64,
+        until a report reads it."""
         self._iterations += 1
+        self._samples += global_batch_size or self._args.global_batch_size
         loss = loss_dict.get(LOSS_KEY)
         if loss is not None and not skipped_iter:
             self._loss_sum = self._loss_sum + loss.detach().float().sum().double()
@@ -212,7 +218,7 @@ class IntervalMetrics:
         args = self._args
         iterations = max(1, self._iterations)
         step_s = _max_over_ranks(self._step_time()) / iterations
-        tokens = iterations * args.global_batch_size * args.seq_length
+        tokens = self._samples * args.seq_length
         metrics = {
             "iteration": iteration,
             "train_iters": args.train_iters,
@@ -230,7 +236,7 @@ class IntervalMetrics:
             "tp_size": args.tensor_model_parallel_size,
         }
         if reset:
-            self._loss_sum, self._loss_count, self._step_seconds, self._iterations = 0.0, 0, 0.0, 0
+            self._loss_sum, self._loss_count, self._step_seconds, self._iterations, self._samples = 0.0, 0, 0.0, 0, 0
         self._write(metrics)
         return metrics
 
@@ -319,7 +325,7 @@ def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Call
                                   loss_scale, report_memory_flag, skipped_iter, grad_norm,
                                   *rest: Any, is_first_iteration: bool = False, **kwargs: Any):
         args = _training.get_args()
-        metrics.record(loss_dict, skipped_iter)
+        metrics.record(loss_dict, skipped_iter, get_current_global_batch_size())
         on_interval = iteration % args.log_interval == 0
         is_first_iteration = is_first_iteration and not on_interval
         logging_now = on_interval or is_first_iteration
