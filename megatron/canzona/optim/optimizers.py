@@ -140,6 +140,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.batch_same_shape = batch_same_shape
         self._stacks: dict[tuple[Any, ...], _Stack] = {}
+        self._stack_of: dict[Any, tuple[Any, ...]] = {}
         self._names_by_id: dict[int, str] = {}
         for group in self.param_groups:
             self._validate_group(group)
@@ -274,13 +275,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
     ) -> tuple[OptimizerState, _Stack | None]:
         """The state a bucket updates: a lone piece's own, or the bucket's stacked state, whose
         members' state dicts hold views of it (made on first use, so no step copies state)."""
+        members = tuple((owner if isinstance(owner, str) else id(owner), index) for owner, index, _ in bucket)
         if len(bucket) == 1:
+            self._retire_stacks(members)
             owner, index, grad = bucket[0]
             pieces = self._state_of(owner)["pieces"]
             if pieces[index] is None:
                 pieces[index] = self.state_type.create(grad.shape, config, device=device, grad_dtype=grad_dtype).as_dict()
             return self.state_type.from_dict(pieces[index]), None
-        members = tuple((owner if isinstance(owner, str) else id(owner), index) for owner, index, _ in bucket)
         stored = [self._state_of(owner)["pieces"][index] for owner, index, _ in bucket]
         stack = self._stacks.get(members)
         if stack is not None and stack.backs(stored):
@@ -295,8 +297,19 @@ class MatrixOptimizer(torch.optim.Optimizer):
         stack = _Stack(state)
         for (owner, index, _), view in zip(bucket, stack.views):
             self._state_of(owner)["pieces"][index] = view
+        self._retire_stacks(members)
         self._stacks[members] = stack
+        self._stack_of.update(dict.fromkeys(members, members))
         return state, stack
+
+    def _retire_stacks(self, members: tuple[Any, ...]) -> None:
+        """Forget the stacks these members belonged to (a bucket of other members, e.g. after a
+        step without some gradients): their storage lives on only through the views the other
+        members still hold, until those are re-stacked too."""
+        for member in members:
+            old = self._stack_of.pop(member, None)
+            if old is not None and old != members:
+                self._stacks.pop(old, None)
 
     def _commit(self, bucket: list[_Job], state: OptimizerState, stack: _Stack | None) -> None:
         """Keep what the update did: tensors it replaced (SOAP's bases) and the step."""
