@@ -9,8 +9,6 @@ from megatron.canzona.optim.adamw import AdamWState, adamw_foreach, adamw_update
 from megatron.canzona.optim.common import (
     OptimizerState,
     apply_update,
-    stack_states,
-    unstack_into,
 )
 from megatron.canzona.optim.config import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
 from megatron.canzona.optim.muon import MuonState, muon_scale, muon_update
@@ -69,6 +67,4 @@ __all__ = [
     "singular_value_band",
     "soap_update",
     "split_pieces",
-    "stack_states",
-    "unstack_into",
 ]

@@ -1,4 +1,4 @@
-"""Pieces shared by the update functions: state containers, stacking, applying an update.
+"""Pieces shared by the update functions: state containers, refresh schedules, applying an update.
 
 Conventions every update function follows:
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import zlib
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
 import torch
 
@@ -139,31 +139,8 @@ class OptimizerState:
             return
         for name, value in sub.tensors().items():
             target = getattr(self, name)[part]
-            if value is not target and value.data_ptr() != target.data_ptr():
+            if value.data_ptr() != target.data_ptr():  # replaced, not updated in place
                 target.copy_(value)
-
-
-StateT = TypeVar("StateT", bound=OptimizerState)
-
-
-def stack_states(states: list[StateT]) -> StateT:
-    """Stack same-structure states along a new leading dimension (copies the tensors; the
-    optimizers keep stacked states instead, see ``MatrixOptimizer``)."""
-    first = states[0]
-    if any(s.step != first.step for s in states):
-        raise ValueError("stack_states needs states at the same step; bucket them by step first.")
-    fields: dict[str, Any] = {"step": first.step}
-    for name in first.tensors():
-        fields[name] = torch.stack([getattr(s, name) for s in states])
-    return type(first).from_dict(fields)
-
-
-def unstack_into(stacked: StateT, states: list[StateT]) -> None:
-    """Copy a stacked state back into the per-item states it was built from."""
-    for index, state in enumerate(states):
-        for name, value in stacked.tensors().items():
-            getattr(state, name).copy_(value[index])
-        state.step = stacked.step
 
 
 @torch.no_grad()
