@@ -3,7 +3,11 @@
 
     python tools/plan.py --model qwen3-32b --tp 8 --dp 32 --compare --plot loads.png
     python tools/plan.py --model qwen3-8b --tp 2 --dp 64 --optimizer soap --json
+    python tools/plan.py --model qwen3-30b-a3b --ep 8 --dp 64 --split-qkv --compare   # MoE: expert buffers too
+    python tools/plan.py --model qwen3-235b-a22b --tp 4 --ep 8 --pp 8 --dp 8 --split-qkv \
+        --decoder-first-pipeline-num-layers 11 --decoder-last-pipeline-num-layers 11
     python tools/plan.py --cases --plot cases.png   # the README's case matrix
+    python tools/plan.py --moe-cases --split-qkv    # the README's MoE table
 """
 
 from __future__ import annotations
@@ -20,20 +24,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.canzona.planning import (  # noqa: E402
     DEFAULT_ALPHA,
+    EXPERT_LAYOUTS,
     QWEN3_MODELS,
     Calibration,
     CanzonaPlan,
     CostModel,
     WireConfig,
+    combined_lower_bound,
+    expert_dp_size,
+    get_qwen3_config,
     lower_bound,
     make_plan,
     plan_eq1,
     plan_hosts,
     plan_zero1,
     qwen3_specs,
+    split_experts,
+    stage_layer_counts,
     summarize_canzona,
+    summarize_plan,
     summarize_sync,
+    with_experts,
 )
+from megatron.canzona.planning.geometry import default_bucket_size  # noqa: E402
 
 STRATEGIES = ("canzona", "eq1", "megatron_layerwise", "zero1")
 CASES = (
@@ -42,6 +55,10 @@ CASES = (
     ("qwen3-14b", 4, (8, 32, 64, 128)),
     ("qwen3-32b", 8, (8, 16, 32, 64, 128, 256)),
 )
+MOE_CASES = (  # model, TP, EP, expert TP, PP, first/last stage layers, DPs
+    ("qwen3-30b-a3b", 1, 8, 1, 1, None, (32, 64, 256)),
+    ("qwen3-235b-a22b", 4, 8, 1, 8, 11, (4, 8)),
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +66,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="qwen3-8b", help=f"one of: {', '.join(QWEN3_MODELS)}")
     p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=8, help="data-parallel size")
+    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
+                   help="expert-parallel size (MoE models): each EP rank holds num_experts/EP local experts")
+    p.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=int, default=1,
+                   help="expert tensor-parallel size (default 1 here; Megatron's own default is ETP = TP)")
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1,
+                   help="pipeline stages: every stage is planned, the busiest one reported")
+    p.add_argument("--decoder-first-pipeline-num-layers", dest="first_stage_layers", type=int, default=None,
+                   help="layers of the first pipeline stage when PP does not divide the layers")
+    p.add_argument("--decoder-last-pipeline-num-layers", dest="last_stage_layers", type=int, default=None,
+                   help="layers of the last pipeline stage when PP does not divide the layers")
+    p.add_argument("--expert-layout", choices=EXPERT_LAYOUTS, default="sequential",
+                   help="module holding the experts: SequentialMLP, TE GroupedMLP, legacy GroupedMLP (stacked)")
+    p.add_argument("--no-joint-balance", dest="joint_balance", action="store_false",
+                   help="plan dense and expert buffers each on its own (for comparison)")
     p.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon", help="matrix optimizer whose cost is balanced")
     p.add_argument("--cost", choices=("flops", "numel"), default="flops", help="balance optimizer FLOPs or element counts")
     p.add_argument("--calibration", metavar="FILE", help="JSON of measured seconds per shape (replaces the FLOP formulas)")
@@ -64,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="FILE.png",
                    help="bar chart of per-GPU loads, one panel per strategy (with --cases: padding and bytes per case)")
     p.add_argument("--cases", action="store_true", help="run the README case matrix and print its table")
+    p.add_argument("--moe-cases", action="store_true", help="run the README mixture-of-experts table")
     return p.parse_args(argv)
 
 
@@ -82,33 +114,50 @@ def wire_config(args: argparse.Namespace) -> WireConfig:
 
 
 def strategy_records(specs, args, cm: CostModel, wire: WireConfig, strategies) -> tuple[dict[str, dict], CanzonaPlan]:
-    """Each strategy's record (planning/metrics.py) with its planning time, and Canzona's plan."""
+    """Each strategy's record (planning/metrics.py) with its planning time, and Canzona's plan.
+
+    Every strategy lays out the dense buffers over DP x TP and the expert-parallel buffers
+    over expert DP x expert TP; its record holds the dense fields, ``experts`` and the
+    combined balance per GPU (``canzona`` balances the two together, the others as is)."""
     records, plan = {}, None
+    dense, experts = split_experts(specs)
     if "megatron_layerwise" in strategies:
         from canzona_patches.version import quiet_megatron_notices
 
         quiet_megatron_notices()
         import canzona_patches.layerwise_baseline  # noqa: F401  (loads Megatron-Core before the clock starts)
+    expert_dp = expert_dp_size(dp_size=args.dp, tp_size=args.tp, ep_size=args.ep, expert_tp_size=args.etp)
+    bucket_size = default_bucket_size(args.dp) if args.bucket_size is None else args.bucket_size
     for name in strategies:
         start = time.perf_counter()
         if name == "canzona":
             plan = make_plan(specs, dp_size=args.dp, tp_size=args.tp, cost_model=cm, alpha=args.alpha,
-                             bucket_size=args.bucket_size, tp_budget=args.tp_group_budget, wire=wire)
+                             bucket_size=args.bucket_size, tp_budget=args.tp_group_budget, wire=wire, ep_size=args.ep,
+                             expert_tp_size=args.etp, joint_balance=args.joint_balance)
             record = summarize_canzona(plan, specs, cm, wire)
-        elif name == "eq1":  # whole matrices on the DP rank of their start, one host TP rank each
-            eq1 = plan_eq1(specs, dp_size=args.dp, cost_model=cm, bucket_size=args.bucket_size)
-            record = summarize_canzona(plan_hosts(eq1, specs, tp_size=args.tp, cost_model=cm, wire=wire), specs, cm, wire)
-        elif name == "megatron_layerwise":
-            from canzona_patches.layerwise_baseline import plan_megatron_layerwise
-
-            layerwise = plan_megatron_layerwise(specs, dp_size=args.dp, cost_model=cm, bucket_size=args.bucket_size)
-            record = summarize_sync(layerwise, specs, cm, wire, args.tp)
         else:
-            zero1 = plan_zero1(specs, dp_size=args.dp, cost_model=cm, bucket_size=args.bucket_size)
-            record = summarize_sync(zero1, specs, cm, wire, args.tp)
+            record = buffer_record(name, dense, args.dp, args.tp, bucket_size, cm, wire)
+            if experts:
+                expert_record = buffer_record(name, experts, expert_dp, args.etp, bucket_size, cm, wire)
+                record = with_experts(record, expert_record, specs, cm, dp_size=args.dp, tp_size=args.tp,
+                                      ep_size=args.ep, expert_tp_size=args.etp)
         records[name] = {**record, "plan_seconds": time.perf_counter() - start}
     assert plan is not None
     return records, plan
+
+
+def buffer_record(name: str, specs, dp: int, tp: int, bucket_size: int, cm: CostModel, wire: WireConfig) -> dict:
+    """The record of strategy ``name`` (not ``canzona``) on the buffers of ``specs`` over DP x TP."""
+    if name == "eq1":  # whole matrices on the DP rank of their start, one host TP rank each
+        eq1 = plan_eq1(specs, dp_size=dp, cost_model=cm, bucket_size=bucket_size)
+        return summarize_plan(plan_hosts(eq1, specs, tp_size=tp, cost_model=cm, wire=wire), specs, cm, wire)
+    if name == "megatron_layerwise":
+        from canzona_patches.layerwise_baseline import plan_megatron_layerwise
+
+        layerwise = plan_megatron_layerwise(specs, dp_size=dp, cost_model=cm, bucket_size=bucket_size)
+        return summarize_sync(layerwise, specs, cm, wire, tp)
+    zero1 = plan_zero1(specs, dp_size=dp, cost_model=cm, bucket_size=bucket_size)
+    return summarize_sync(zero1, specs, cm, wire, tp)
 
 
 def host_summary(plan: CanzonaPlan) -> dict:
@@ -127,25 +176,68 @@ def host_summary(plan: CanzonaPlan) -> dict:
     }
 
 
+def stage_specs(args: argparse.Namespace, pp_rank: int) -> list:
+    return qwen3_specs(
+        args.model, tp_size=args.tp, ep_size=args.ep, expert_tp_size=args.etp, pp_size=args.pp, pp_rank=pp_rank,
+        first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
+        split_qkv=args.split_qkv, split_gate_up=args.split_gate_up, expert_layout=args.expert_layout,
+    )
+
+
+def plan_stages(args: argparse.Namespace, cm: CostModel, wire: WireConfig, strategies) -> tuple[int, list, list]:
+    """Every pipeline stage's specs and records; the index of the busiest stage (the largest
+    optimizer compute on one GPU under Canzona: the step waits for it). Stages with the same
+    parameters (the middle ones) are planned once."""
+    cache: dict[tuple, tuple[dict, CanzonaPlan]] = {}
+    stages = []
+    for pp_rank in range(args.pp):
+        specs = stage_specs(args, pp_rank)
+        key = tuple(specs)
+        if key not in cache:
+            cache[key] = strategy_records(specs, args, cm, wire, strategies)
+        stages.append((specs, *cache[key]))
+    peaks = [max(r["canzona"].get("combined_gpu_loads", r["canzona"]["gpu_loads"]), default=0.0) for _, r, _ in stages]
+    return max(range(args.pp), key=lambda k: (peaks[k], -k)), stages, peaks
+
+
 def report(args: argparse.Namespace) -> dict:
     cm = cost_model(args)
     wire = wire_config(args)
-    specs = qwen3_specs(args.model, tp_size=args.tp, split_qkv=args.split_qkv, split_gate_up=args.split_gate_up)
     strategies = STRATEGIES if args.compare else ("canzona",)
-    records, plan = strategy_records(specs, args, cm, wire, strategies)
-    return {
+    busiest, stages, peaks = plan_stages(args, cm, wire, strategies)
+    specs, records, plan = stages[busiest]
+    dense, experts = split_experts(specs)
+    rep = {
         "config": {
-            "model": args.model, "tp": args.tp, "dp": args.dp, "optimizer": args.optimizer, "cost": cm.kind,
+            "model": args.model, "tp": args.tp, "dp": args.dp, "ep": args.ep, "etp": args.etp, "pp": args.pp,
+            "expert_dp": expert_dp_size(dp_size=args.dp, tp_size=args.tp, ep_size=args.ep, expert_tp_size=args.etp),
+            "expert_layout": args.expert_layout, "joint_balance": args.joint_balance,
+            "optimizer": args.optimizer, "cost": cm.kind,
             "cost_unit": cm.unit, "alpha": args.alpha, "bucket_size": plan.dp.bucket_size,
             "params_dtype": args.params_dtype, "grad_reduce_in_fp32": args.grad_reduce_in_fp32,
             "split_qkv": args.split_qkv, "split_gate_up": args.split_gate_up,
-            "num_matrices": sum(s.family == "matrix" for s in specs), "git": git_revision(),
+            "num_matrices": sum(s.family == "matrix" for s in dense),
+            "num_expert_matrices": sum(len(s.matrices) for s in experts if s.family == "matrix"),
+            "git": git_revision(),
             "machine": f"{platform.node()} {platform.machine()} python {platform.python_version()}",
         },
-        "lower_bound": lower_bound(specs, cm, args.dp * args.tp),
+        "pipeline": {
+            "stage": busiest, "num_stages": args.pp, "label": f"stage {busiest} of {args.pp}",
+            "layers_per_stage": list(stage_layer_counts(
+                get_qwen3_config(args.model).num_layers, args.pp, first_stage_layers=args.first_stage_layers,
+                last_stage_layers=args.last_stage_layers)),
+            "stage_peak_loads": peaks,
+        },
+        "lower_bound": lower_bound(dense, cm, args.dp * args.tp),
         "strategies": records,
         "host_groups": host_summary(plan),
     }
+    if plan.experts is not None:
+        rep["expert_lower_bound"] = lower_bound(experts, cm, rep["config"]["expert_dp"] * args.etp)
+        rep["combined_lower_bound"] = combined_lower_bound(specs, cm, dp_size=args.dp, tp_size=args.tp,
+                                                           ep_size=args.ep, expert_tp_size=args.etp)
+        rep["expert_host_groups"] = host_summary(plan.experts)
+    return rep
 
 
 def git_revision() -> str:
@@ -157,20 +249,50 @@ def git_revision() -> str:
         return "unknown"
 
 
+TABLE_HEADER = (f"{'strategy':<20}{'makespan/LB':>12}{'padding':>9}{'split':>7}{'buckets':>9}{'largest bucket':>16}"
+                f"{'GB sent/rank':>14}{'plan s':>8}")
+
+
 def print_report(rep: dict) -> None:
     c = rep["config"]
-    print(f"{c['model']}  TP={c['tp']} DP={c['dp']}  cost={c['cost']} ({c['cost_unit']})  alpha={c['alpha']}  "
-          f"bucket_size={c['bucket_size']:,}  matrices={c['num_matrices']}")
+    moe = "expert_lower_bound" in rep
+    parallel = f"TP={c['tp']} DP={c['dp']}" + (f" EP={c['ep']} ETP={c['etp']}" if moe else "")
+    print(f"{c['model']}  {parallel}  cost={c['cost']} ({c['cost_unit']})  alpha={c['alpha']}  "
+          f"bucket_size={c['bucket_size']:,}  matrices={c['num_matrices']}"
+          + (f"  expert matrices={c['num_expert_matrices']} per EP rank" if moe else ""))
+    pipe = rep["pipeline"]
+    if pipe["num_stages"] > 1:
+        print(f"pipeline: {pipe['label']} is the busiest (layers per stage: {pipe['layers_per_stage']}); "
+              f"the tables below are its buffers")
     print(f"lower bound per GPU (max of total/(DP*TP) and largest matrix): {rep['lower_bound']:.4g} {c['cost_unit']}\n")
-    print(f"{'strategy':<20}{'makespan/LB':>12}{'padding':>9}{'split':>7}{'buckets':>9}{'largest bucket':>16}"
-          f"{'GB sent/rank':>14}{'plan s':>8}")
+    if moe:
+        print(f"dense buffers (DP {c['dp']} x TP {c['tp']})")
+    print(TABLE_HEADER)
     for name, s in rep["strategies"].items():
-        print(f"{name:<20}{s['makespan_over_lower_bound']:>12.3f}{s['padding_overhead'] * 100:>8.1f}%{s['split_params']:>7}"
-              f"{s['num_buckets']:>9}{s['largest_bucket_elements']:>16,}{s['comm_bytes_per_rank'] / 1e9:>14.3f}"
-              f"{s['plan_seconds']:>8.3f}")
+        print_row(name, s)
+    if moe:
+        print(f"\nexpert buffers (expert DP {c['expert_dp']} x expert TP {c['etp']}, the same on each of {c['ep']} "
+              f"EP ranks; lower bound {rep['expert_lower_bound']:.4g} {c['cost_unit']})")
+        print(TABLE_HEADER)
+        for name, s in rep["strategies"].items():
+            print_row(name, s["experts"])
+        print(f"\ncombined per GPU, dense + expert (lower bound {rep['combined_lower_bound']:.4g} {c['cost_unit']}"
+              f"{'' if c['joint_balance'] else '; --no-joint-balance'}):")
+        for name, s in rep["strategies"].items():
+            print(f"{name:<20}{s['combined_makespan_over_lower_bound']:>12.3f}")
     g = rep["host_groups"]
     print(f"\nhost groups: {g['num_groups']} micro-group(s), budget {g['budget']:.3g} {c['cost_unit']}; "
           f"{g['hosts']} hosts, at most {g['max_matrices_per_host']} matrices on one")
+    if moe:
+        g = rep["expert_host_groups"]
+        print(f"expert host groups: {g['num_groups']} micro-group(s), budget {g['budget']:.3g} {c['cost_unit']}; "
+              f"{g['hosts']} hosts, at most {g['max_matrices_per_host']} matrices on one")
+
+
+def print_row(name: str, s: dict) -> None:
+    print(f"{name:<20}{s['makespan_over_lower_bound']:>12.3f}{s['padding_overhead'] * 100:>8.1f}%{s['split_params']:>7}"
+          f"{s['num_buckets']:>9}{s['largest_bucket_elements']:>16,}{s['comm_bytes_per_rank'] / 1e9:>14.3f}"
+          + (f"{s['plan_seconds']:>8.3f}" if 'plan_seconds' in s else ""))
 
 
 def plot(rep: dict, path: str) -> None:
@@ -181,19 +303,23 @@ def plot(rep: dict, path: str) -> None:
 
     names = list(rep["strategies"])
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
-    bound = rep["lower_bound"]
+    moe = "combined_lower_bound" in rep  # MoE: each GPU's dense plus expert work
+    bound = rep["combined_lower_bound"] if moe else rep["lower_bound"]
     for ax, name in zip(axes[0], names):
         s = rep["strategies"][name]
-        loads = [x / bound for x in s["gpu_loads"]]
+        loads = [x / bound for x in s["combined_gpu_loads" if moe else "gpu_loads"]]
         ax.bar(range(len(loads)), loads, width=1.0, color="tab:blue" if name == "canzona" else "tab:gray")
         ax.axhline(1.0, color="tab:red", linestyle="--", linewidth=1, label="lower bound")
-        ax.set_title(f"{name}\nmakespan/LB {s['makespan_over_lower_bound']:.2f}, pad {s['padding_overhead'] * 100:.0f}%", fontsize=9)
+        ratio = s["combined_makespan_over_lower_bound" if moe else "makespan_over_lower_bound"]
+        ax.set_title(f"{name}\n{'combined ' if moe else ''}makespan/LB {ratio:.2f}, "
+                     f"pad {s['padding_overhead'] * 100:.0f}%", fontsize=9)
         ax.set_xlabel("GPU (DP rank x TP size + TP rank)")
         ax.set_ylim(0, max(1.2, max(loads) * 1.1))
         ax.set_ylabel("optimizer compute / lower bound")
     axes[0][0].legend(fontsize=8)
     c = rep["config"]
-    fig.suptitle(f"{c['model']} TP={c['tp']} DP={c['dp']}: per-rank {c['cost']} load", fontsize=10)
+    what = f"EP={c['ep']} ETP={c['etp']}: per-GPU dense + expert" if moe else "per-rank"
+    fig.suptitle(f"{c['model']} TP={c['tp']} DP={c['dp']} {what} {c['cost']} load", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}", file=sys.stderr)
@@ -259,11 +385,49 @@ def plot_cases(rows: list[dict], path: str) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+MOE_HEADER = (
+    "| model | TP | EP | PP: busiest stage | DP | expert DP | dense makespan/LB | expert makespan/LB "
+    "| dense padding | expert padding | combined makespan/LB | combined, planned apart | dense / expert GB sent/rank "
+    "| plan s |"
+)
+
+
+def run_moe_cases(args: argparse.Namespace) -> list[dict]:
+    """The README's MoE table: Canzona beside Megatron's layer-wise layout (``a / b``) on the
+    dense and the expert buffers of the busiest pipeline stage, and the combined balance per
+    GPU with and without joint balance."""
+    rows = []
+    print(MOE_HEADER)
+    print("|" + "---|" * (MOE_HEADER.count("|") - 1))
+    for model, tp, ep, etp, pp, edge, dps in MOE_CASES:
+        for dp in dps:
+            sizes = {"model": model, "tp": tp, "dp": dp, "ep": ep, "etp": etp, "pp": pp, "first_stage_layers": edge,
+                     "last_stage_layers": edge}
+            case = argparse.Namespace(**{**vars(args), **sizes, "compare": True, "joint_balance": True})
+            rep = report(case)
+            apart = report(argparse.Namespace(**{**vars(case), "compare": False, "joint_balance": False}))
+            cz, lw = rep["strategies"]["canzona"], rep["strategies"]["megatron_layerwise"]
+
+            def pair(key: str, scale: float = 1.0, fmt: str = ".3f", sub: str | None = None) -> str:
+                a, b = (cz[sub] if sub else cz)[key], (lw[sub] if sub else lw)[key]
+                return f"{a * scale:{fmt}} / {b * scale:{fmt}}"
+
+            print(f"| {model} | {tp} | {ep} | {rep['pipeline']['label']} | {dp} | {rep['config']['expert_dp']} | "
+                  f"{pair('makespan_over_lower_bound')} | {pair('makespan_over_lower_bound', sub='experts')} | "
+                  f"{pair('padding_overhead', 100, '.1f')}% | {pair('padding_overhead', 100, '.1f', 'experts')}% | "
+                  f"{pair('combined_makespan_over_lower_bound')} | "
+                  f"{apart['strategies']['canzona']['combined_makespan_over_lower_bound']:.3f} | "
+                  f"{cz['comm_bytes_per_rank'] / 1e9:.2f} / {cz['experts']['comm_bytes_per_rank'] / 1e9:.2f} | "
+                  f"{cz['plan_seconds']:.2f} |", flush=True)
+            rows.append(rep)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.cases:
-            rows = run_cases(args)
+        if args.cases or args.moe_cases:
+            rows = run_cases(args) if args.cases else run_moe_cases(args)
             if args.plot:
                 plot_cases(rows, args.plot)
             if args.json:

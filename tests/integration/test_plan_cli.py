@@ -47,3 +47,53 @@ def test_bad_input_is_one_line_with_the_fix(args, hint):
     assert out.returncode == 2
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("plan.py: error:") and hint in lines[0]
+
+
+EXPERT_FIELDS = {"makespan_over_lower_bound", "padding_overhead", "split_params", "num_buckets", "largest_bucket_elements",
+                 "comm_bytes_per_rank", "gpu_loads"}
+
+
+def test_moe_json_has_expert_buffers_beside_the_dense_ones_for_every_strategy():
+    out = plan("--model", "qwen3-moe-tiny", "--tp", "2", "--dp", "2", "--ep", "2", "--pp", "2", "--compare", "--json")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    c = rep["config"]
+    assert (c["ep"], c["etp"], c["pp"], c["expert_dp"]) == (2, 1, 2, 2)
+    assert c["num_matrices"] == 2 and c["num_expert_matrices"] == 4  # one layer per stage, 2 local experts
+    pipe = rep["pipeline"]
+    assert pipe["num_stages"] == 2 and pipe["layers_per_stage"] == [1, 1]
+    assert pipe["label"] == f"stage {pipe['stage']} of 2" and len(pipe["stage_peak_loads"]) == 2
+    assert set(rep["strategies"]) == {"canzona", "eq1", "megatron_layerwise", "zero1"}
+    for s in rep["strategies"].values():
+        assert EXPERT_FIELDS <= set(s["experts"])
+        assert len(s["experts"]["gpu_loads"]) == 2 and len(s["gpu_loads"]) == 4 and len(s["combined_gpu_loads"]) == 4
+        assert s["combined_makespan_over_lower_bound"] >= 1.0 - 1e-9
+    assert rep["expert_lower_bound"] > 0 and rep["combined_lower_bound"] >= rep["lower_bound"]
+    assert rep["expert_host_groups"]["num_groups"] >= 1
+
+
+def test_moe_table_names_the_busiest_stage_and_prints_the_expert_block():
+    out = plan("--model", "qwen3-235b-a22b", "--tp", "4", "--ep", "8", "--pp", "8", "--dp", "4", "--split-qkv",
+               "--decoder-first-pipeline-num-layers", "11", "--decoder-last-pipeline-num-layers", "11")
+    assert out.returncode == 0, out.stderr
+    assert "stage 1 of 8 is the busiest (layers per stage: [11, 12, 12, 12, 12, 12, 12, 11])" in out.stdout
+    assert "expert buffers (expert DP 2 x expert TP 1" in out.stdout and "combined per GPU" in out.stdout
+
+
+def test_etp_default_is_documented():
+    out = plan("--help")
+    assert out.returncode == 0 and "Megatron's own default is ETP = TP" in " ".join(out.stdout.split())
+
+
+@pytest.mark.parametrize("args,hint", [
+    (("--model", "qwen3-235b-a22b", "--tp", "4", "--ep", "8", "--pp", "8", "--dp", "4"),
+     "--decoder-first-pipeline-num-layers 11 --decoder-last-pipeline-num-layers 11"),
+    (("--model", "qwen3-30b-a3b", "--ep", "3"), "divides 128"),
+    (("--model", "qwen3-30b-a3b", "--ep", "8", "--dp", "4"), "choose --ep and --etp"),
+    (("--model", "qwen3-8b", "--ep", "2"), "choose an MoE model"),
+])
+def test_bad_moe_input_is_one_line_with_the_fix(args, hint):
+    out = plan(*args)
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("plan.py: error:") and hint in lines[0]

@@ -117,12 +117,17 @@ class _Ranks:
 
 def assign_hosts(
     items: Sequence[HostItem], *, dp_size: int, tp_size: int, alpha: float, wire: WireConfig,
-    base_bytes: float, byte_scale: float, load_scale: float,
+    base_bytes: float, byte_scale: float, load_scale: float, base_loads: Sequence[float] | None = None,
 ) -> tuple[list[tuple[int, int | None]], _Ranks]:
     """``(dp_rank, tp_rank)`` per item (``tp_rank`` None: every TP rank computes it), and the
-    per-rank totals. ``base_bytes``: what every rank sends for the stock collectives."""
+    per-rank totals. ``base_bytes``: what every rank sends for the stock collectives;
+    ``base_loads``: compute each rank (index ``dp_rank * tp_size + tp_rank``) already has
+    (its expert work), which the hosts fill around and the returned loads include."""
     ranks = _Ranks(dp_size, tp_size, alpha, load_scale, byte_scale, wire)
     ranks.bytes = [base_bytes] * (dp_size * tp_size)
+    if base_loads is not None:
+        assert len(base_loads) == dp_size * tp_size, (len(base_loads), dp_size, tp_size)
+        ranks.load = [float(load) for load in base_loads]
     for item in items:  # every holder sends its piece unless it becomes the host
         for d, numel, t in _holders(item, tp_size, every_copy=True):
             ranks.bytes[d * tp_size + t] += numel * wire.main_grad_bytes

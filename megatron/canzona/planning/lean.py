@@ -130,10 +130,12 @@ def _best_fill(pool: list[tuple[int, int]], start: int, end: int) -> list[tuple[
     return best
 
 
-def balanced_homes(costs: Sequence[float], dp_size: int) -> list[int]:
+def balanced_homes(costs: Sequence[float], dp_size: int, base: Sequence[float] | None = None) -> list[int]:
     """A DP rank per matrix, costliest first onto the least-loaded rank (list scheduling):
-    where each matrix would go if its bytes could go anywhere."""
-    loads = [0.0] * dp_size
+    where each matrix would go if its bytes could go anywhere. ``base``: load each DP rank
+    starts with (its expert work)."""
+    loads = [0.0] * dp_size if base is None else [float(load) for load in base]
+    assert len(loads) == dp_size, (len(loads), dp_size)
     homes = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         rank = min(range(dp_size), key=lambda r: (loads[r], r))

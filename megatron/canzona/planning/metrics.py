@@ -13,6 +13,12 @@ Every strategy is scored the same way (``tools/plan.py --json`` prints these rec
 * ``comm_bytes_per_rank``: what the busiest rank sends in one step for gradients and
   parameters (:mod:`megatron.canzona.planning.comm`): reduce-scatter and all-gather of
   both buffers, host-group gathers and scatters, synchronous-compute gathers.
+
+Expert-parallel parameters are never counted in this record. With expert buffers the record
+gains ``experts`` (the same fields for the expert buffers, over expert DP x expert TP),
+``combined_makespan_over_lower_bound`` (per GPU of the stage: its dense plus its expert
+compute, over max(all of it / GPUs, largest matrix); every EP rank computes its own local
+experts) and ``combined_gpu_loads``.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Sequence
 
 from .comm import RankTraffic, Task, WireConfig, plan_tasks, sync_tasks, traffic
 from .cost import CostModel
+from .grid import dense_to_expert
 from .plan import BufferPlan, CanzonaPlan, DPPlan
 from .specs import ParamSpec, matrix_specs
 
@@ -48,11 +55,53 @@ def split_params(buffers: Sequence[BufferPlan]) -> int:
 
 
 def summarize_canzona(plan: CanzonaPlan, specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig) -> dict:
-    """The record of a Canzona plan: one host per matrix."""
+    """The record of a stage's Canzona plan, one host per matrix; ``specs`` are the stage's
+    (expert-parallel ones are scored against ``plan.experts``, never in the dense record)."""
+    dense = [s for s in specs if not s.is_expert]
+    record = summarize_plan(plan, dense, cost_model, wire)
+    if plan.experts is None:
+        return record
+    experts = [s for s in specs if s.is_expert]
+    return with_experts(record, summarize_plan(plan.experts, experts, cost_model, wire), specs, cost_model,
+                        dp_size=plan.dp_size, tp_size=plan.tp_size, ep_size=plan.ep_size,
+                        expert_tp_size=plan.experts.tp_size)
+
+
+def summarize_plan(plan: CanzonaPlan, specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig) -> dict:
+    """The record of ``plan``'s own buffers, ``specs`` being what it was made of (dense or
+    expert); :func:`summarize_canzona` is the record of a whole stage."""
     rank_loads = [load for row in plan.rank_loads() for load in row]
     dp_loads = [sum(row) for row in plan.rank_loads()]
     return _summary([dp.matrix for dp in plan.layouts], _elementwise(plan.layouts), dp_loads, rank_loads,
                     plan_tasks(plan, specs), specs, cost_model, wire, plan.dp_size, plan.tp_size)
+
+
+def with_experts(
+    dense: dict, experts: dict, specs: Sequence[ParamSpec], cost_model: CostModel, *, dp_size: int, tp_size: int,
+    ep_size: int, expert_tp_size: int,
+) -> dict:
+    """The dense record with the expert buffers' record beside it and the combined balance."""
+    coords = dense_to_expert(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size)
+    combined = [load + experts["gpu_loads"][edp * expert_tp_size + etp]
+                for load, (edp, etp) in zip(dense["gpu_loads"], coords)]
+    bound = combined_lower_bound(specs, cost_model, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size,
+                                 expert_tp_size=expert_tp_size)
+    return {**dense, "experts": experts,
+            "combined_makespan_over_lower_bound": makespan_over_lower_bound(combined, bound),
+            "combined_gpu_loads": combined}
+
+
+def combined_lower_bound(specs: Sequence[ParamSpec], cost_model: CostModel, *, dp_size: int, tp_size: int,
+                         ep_size: int, expert_tp_size: int) -> float:
+    """No GPU's dense plus expert compute beats max(all of it / GPUs, largest matrix): every EP
+    rank computes its own local experts, and a matrix not TP-sharded is computed on every TP
+    rank holding it."""
+    total, largest = 0.0, 0.0
+    for s in matrix_specs(specs):
+        cost = cost_model.cost(s)
+        copies = ep_size * (1 if s.tp_sharded else expert_tp_size) if s.is_expert else (1 if s.tp_sharded else tp_size)
+        total, largest = total + cost * copies, max(largest, cost)
+    return max(total / (dp_size * tp_size), largest)
 
 
 def summarize_sync(plan: DPPlan, specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import serde
+from .grid import dense_to_expert
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +144,10 @@ class CanzonaPlan:
     Every matrix is computed once, by its host (DP rank, TP rank). A matrix that lies whole
     in its host's DP shard and is not TP-sharded needs no communication; any other gathers
     its pieces (DP shards x TP shards) to the host and gets its update slices back.
+
+    With expert parallelism the expert buffers have a plan of their own (``experts``) of the
+    same kind, over expert DP x expert TP; every EP rank holds the same local expert names
+    and runs the same expert plan (:mod:`~megatron.canzona.planning.grid` maps GPUs).
     """
 
     layouts: tuple[DPPlan, ...]
@@ -153,6 +158,11 @@ class CanzonaPlan:
     """One entry per matrix of every chunk, by micro-group then cost (largest first)."""
     budget: float
     """Largest cost one host takes in one micro-group (a single larger matrix goes alone)."""
+    experts: CanzonaPlan | None = None
+    """Plan of the expert-parallel buffers over expert DP (its ``dp_size``) x expert TP (its
+    ``tp_size``); ``None`` without expert-parallel parameters."""
+    ep_size: int = 1
+    """Expert-parallel size the plan was made for."""
 
     @property
     def dp(self) -> DPPlan:
@@ -188,6 +198,16 @@ class CanzonaPlan:
             for t in range(self.tp_size) if h.tp_rank is None else (h.tp_rank,):
                 loads[h.dp_rank][t] += h.cost
         return loads
+
+    def combined_loads(self) -> list[float]:
+        """Dense plus expert compute per GPU of the stage, index ``dp_rank * tp_size + tp_rank``."""
+        dense = [load for row in self.rank_loads() for load in row]
+        if self.experts is None:
+            return dense
+        expert = self.experts.rank_loads()
+        coords = dense_to_expert(dp_size=self.dp_size, tp_size=self.tp_size, ep_size=self.ep_size,
+                                 expert_tp_size=self.experts.tp_size)
+        return [load + expert[edp][etp] for load, (edp, etp) in zip(dense, coords)]
 
     def to_json(self) -> str:
         return serde.dumps(self)

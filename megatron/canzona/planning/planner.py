@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .balance import plan_canzona
 from .comm import WireConfig
 from .cost import CostModel
+from .experts import plan_with_experts
 from .partition import DEFAULT_ALPHA
 from .plan import CanzonaPlan
 from .specs import ParamSpec
@@ -22,14 +22,23 @@ def make_plan(
     bucket_size: int | None = None,
     tp_budget: float | None = None,
     wire: WireConfig | None = None,
+    ep_size: int = 1,
+    expert_tp_size: int = 1,
+    joint_balance: bool = True,
 ) -> CanzonaPlan:
     """Lean DP layouts and one host (DP rank, TP rank) per matrix, in pipelined micro-groups.
 
     Each matrix's update is computed once, by its host; ``tp_budget`` caps one host's cost per
     micro-group (default: about four groups on the busiest host, two at least wherever a host
     has two matrices).
+
+    Expert-parallel parameters (``is_expert``) are planned the same way over the expert-data-
+    parallel group, ``dp_size * tp_size / (ep_size * expert_tp_size)`` GPUs, and expert TP
+    ``expert_tp_size`` (``plan.experts``); the dense plan then fills around each GPU's expert
+    work (``joint_balance``; off plans the dense matrices as if there were no experts).
     """
-    return plan_canzona(
-        specs, dp_size=dp_size, tp_size=tp_size, cost_model=cost_model or CostModel(), alpha=alpha,
-        bucket_size=bucket_size, wire=wire, budget=tp_budget,
+    return plan_with_experts(
+        specs, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
+        cost_model=cost_model or CostModel(), alpha=alpha, bucket_size=bucket_size, wire=wire, budget=tp_budget,
+        joint_balance=joint_balance,
     )

@@ -1,22 +1,29 @@
-"""Qwen3 dense architectures as parameter descriptions with Megatron-Core naming.
+"""Qwen3 architectures (dense and mixture-of-experts) as parameter descriptions with
+Megatron-Core naming.
 
 Names, shapes and registration order follow Megatron-Core's GPT model with the local
 layer spec (``input_layernorm``, then attention ``linear_proj`` before the fused
 ``linear_qkv`` and the QK RMSNorms, then ``pre_mlp_layernorm`` and the fused gate/up
-``linear_fc1`` and ``linear_fc2``). Backprop order is the reverse of registration.
+``linear_fc1`` and ``linear_fc2``; in MoE layers the router and the experts instead,
+:mod:`~megatron.canzona.planning.qwen3_moe`). Backprop order is the reverse of
+registration. One call describes what one rank of one pipeline stage holds: layer indices
+in names are local to the stage, as Megatron names them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .geometry import round_up
+from .pipeline import stage_layer_counts
+from .qwen3_moe import EXPERT_LAYOUTS, check_experts, moe_rows
 from .specs import ParamSpec
 
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3Config:
-    """Architecture of one Qwen3 dense model."""
+    """Architecture of one Qwen3 model (dense, or mixture-of-experts when ``num_experts`` > 0)."""
 
     name: str
     """Catalog key, e.g. ``qwen3-8b``."""
@@ -25,7 +32,8 @@ class Qwen3Config:
     hidden_size: int
     """Model width."""
     ffn_hidden_size: int
-    """SwiGLU inner width (gate and up each have this many rows)."""
+    """SwiGLU inner width of a dense MLP (gate and up each have this many rows); unused by an
+    MoE model whose every layer is MoE (its HF ``intermediate_size``)."""
     num_attention_heads: int
     """Query heads."""
     num_query_groups: int = 8
@@ -38,6 +46,25 @@ class Qwen3Config:
     """Whether the output layer reuses the input embedding."""
     seq_length: int = 4096
     """Sequence length of the published recipes."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 is a dense model."""
+    moe_ffn_hidden_size: int = 0
+    """SwiGLU inner width of one expert (HF ``moe_intermediate_size``)."""
+    moe_router_topk: int = 0
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 0:
+            raise ValueError(f"{self.name}: num_experts must be >= 0 (0 is dense), got {self.num_experts}")
+        if self.num_experts and (self.moe_ffn_hidden_size < 1 or not 1 <= self.moe_router_topk <= self.num_experts):
+            raise ValueError(
+                f"{self.name}: an MoE model needs moe_ffn_hidden_size >= 1 and 1 <= moe_router_topk <= "
+                f"num_experts={self.num_experts}, got {self.moe_ffn_hidden_size} and {self.moe_router_topk}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 QWEN3_MODELS: dict[str, Qwen3Config] = {
@@ -53,6 +80,22 @@ QWEN3_MODELS: dict[str, Qwen3Config] = {
         Qwen3Config(
             name="qwen3-tiny", num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
             num_query_groups=2, kv_channels=16, vocab_size=1024, tied_embeddings=False, seq_length=64,
+        ),
+        # Mixture of experts, every layer MoE, no shared expert (HF config.json of each model;
+        # its dense intermediate_size is kept as ffn_hidden_size but no layer uses it).
+        Qwen3Config(
+            name="qwen3-30b-a3b", num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+            num_query_groups=4, num_experts=128, moe_ffn_hidden_size=768, moe_router_topk=8,
+        ),
+        Qwen3Config(
+            name="qwen3-235b-a22b", num_layers=94, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=64,
+            num_query_groups=4, num_experts=128, moe_ffn_hidden_size=1536, moe_router_topk=8,
+        ),
+        # The MoE sibling of qwen3-tiny, for CPU runs.
+        Qwen3Config(
+            name="qwen3-moe-tiny", num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
+            num_query_groups=2, kv_channels=16, vocab_size=1024, tied_embeddings=False, seq_length=64,
+            num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
         ),
     )
 }
@@ -72,12 +115,11 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) ->
 
 
 def _check_tp(cfg: Qwen3Config, tp_size: int) -> None:
-    for what, value in (
-        ("num_attention_heads", cfg.num_attention_heads),
-        ("num_query_groups", cfg.num_query_groups),
-        ("ffn_hidden_size", cfg.ffn_hidden_size),
-    ):
-        if tp_size < 1 or value % tp_size:
+    checks = [("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups)]
+    if not cfg.is_moe:  # an MoE model has no dense MLP to shard
+        checks.append(("ffn_hidden_size", cfg.ffn_hidden_size))
+    for what, value in checks:
+        if not isinstance(tp_size, int) or tp_size < 1 or value % tp_size:
             raise ValueError(
                 f"{cfg.name}: {what}={value} is not divisible by tp_size={tp_size}; "
                 f"choose a tensor-parallel size that divides it"
@@ -88,45 +130,81 @@ def qwen3_specs(
     model: str | Qwen3Config,
     *,
     tp_size: int = 1,
+    ep_size: int = 1,
+    expert_tp_size: int = 1,
+    pp_size: int = 1,
+    pp_rank: int = 0,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
     split_qkv: bool = False,
     split_gate_up: bool = False,
     dtype: str = "bfloat16",
+    expert_layout: str = "sequential",
 ) -> list[ParamSpec]:
-    """Parameter descriptions of a Qwen3 model, in registration order.
+    """Parameter descriptions of what one rank of pipeline stage ``pp_rank`` holds, in
+    registration order.
 
     ``split_qkv`` / ``split_gate_up`` make the optimizer treat the fused QKV and gate/up
     weights as separate Q, K, V and gate, up matrices (the buffer still holds one tensor).
+    MoE models: ``ep_size`` experts-parallel ranks hold ``num_experts / ep_size`` local
+    experts each, sharded over ``expert_tp_size``; ``expert_layout`` is Megatron's module
+    holding them (:data:`~megatron.canzona.planning.qwen3_moe.EXPERT_LAYOUTS`).
+    ``first_stage_layers`` / ``last_stage_layers`` are Megatron's
+    ``--decoder-first/last-pipeline-num-layers``.
     """
     cfg = model if isinstance(model, Qwen3Config) else get_qwen3_config(model)
     _check_tp(cfg, tp_size)
+    check_experts(cfg, ep_size=ep_size, expert_tp_size=expert_tp_size, expert_layout=expert_layout)
+    counts = stage_layer_counts(cfg.num_layers, pp_size, first_stage_layers=first_stage_layers,
+                                last_stage_layers=last_stage_layers)
+    if not isinstance(pp_rank, int) or not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank must lie in [0, {pp_size}), got {pp_rank!r}")
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    h = cfg.hidden_size
+    vocab = padded_vocab_size(cfg.vocab_size, tp_size)
+    rows: list[ParamSpec] = []
+    if first:
+        rows.append(_spec("embedding.word_embeddings.weight", (vocab, h), tp_size=tp_size, tp_dim=0,
+                          family="elementwise"))
+    for i in range(counts[pp_rank]):
+        rows += _layer_rows(cfg, f"decoder.layers.{i}.", tp_size=tp_size, split_qkv=split_qkv,
+                            split_gate_up=split_gate_up, ep_size=ep_size, expert_tp_size=expert_tp_size,
+                            expert_layout=expert_layout)
+    if last:
+        rows.append(_spec("decoder.final_layernorm.weight", (h,), tp_size=tp_size, family="elementwise"))
+        # Tied models keep a copy of the embedding as the output layer on a later stage.
+        if not cfg.tied_embeddings or not first:
+            rows.append(_spec("output_layer.weight", (vocab, h), tp_size=tp_size, tp_dim=0, family="elementwise"))
+    top = len(rows) - 1
+    return [dataclasses.replace(spec, dtype=dtype, order=top - k) for k, spec in enumerate(rows)]
+
+
+def _spec(name: str, shape: tuple[int, ...], *, tp_size: int, tp_dim: int | None = None, family: str = "matrix",
+          blocks: tuple[tuple[int, int], ...] = (), fused: str | None = None) -> ParamSpec:
+    """A dense parameter before its dtype and backprop order are known."""
+    return ParamSpec(name=name, global_shape=shape, tp_dim=tp_dim, tp_size=tp_size,
+                     family=family, blocks=blocks, fused=fused)  # type: ignore[arg-type]
+
+
+def _layer_rows(cfg: Qwen3Config, p: str, *, tp_size: int, split_qkv: bool, split_gate_up: bool, ep_size: int,
+                expert_tp_size: int, expert_layout: str) -> list[ParamSpec]:
+    """One transformer layer's parameters in registration order."""
     h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.kv_channels
     q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
-    vocab = padded_vocab_size(cfg.vocab_size, tp_size)
-    rows: list[tuple[str, tuple[int, ...], int | None, str, tuple, str | None]] = [
-        ("embedding.word_embeddings.weight", (vocab, h), 0, "elementwise", (), None),
+    rows = [
+        _spec(p + "input_layernorm.weight", (h,), tp_size=tp_size, family="elementwise"),
+        _spec(p + "self_attention.linear_proj.weight", (h, q), tp_size=tp_size, tp_dim=1),
+        _spec(p + "self_attention.linear_qkv.weight", (q + 2 * kv, h), tp_size=tp_size, tp_dim=0,
+              blocks=((q, h), (kv, h), (kv, h)) if split_qkv else (), fused="qkv"),
+        _spec(p + "self_attention.q_layernorm.weight", (d,), tp_size=tp_size, family="elementwise"),
+        _spec(p + "self_attention.k_layernorm.weight", (d,), tp_size=tp_size, family="elementwise"),
+        _spec(p + "pre_mlp_layernorm.weight", (h,), tp_size=tp_size, family="elementwise"),
     ]
-    for i in range(cfg.num_layers):
-        p = f"decoder.layers.{i}."
-        rows += [
-            (p + "input_layernorm.weight", (h,), None, "elementwise", (), None),
-            (p + "self_attention.linear_proj.weight", (h, q), 1, "matrix", (), None),
-            (p + "self_attention.linear_qkv.weight", (q + 2 * kv, h), 0, "matrix",
-             ((q, h), (kv, h), (kv, h)) if split_qkv else (), "qkv"),
-            (p + "self_attention.q_layernorm.weight", (d,), None, "elementwise", (), None),
-            (p + "self_attention.k_layernorm.weight", (d,), None, "elementwise", (), None),
-            (p + "pre_mlp_layernorm.weight", (h,), None, "elementwise", (), None),
-            (p + "mlp.linear_fc1.weight", (2 * f, h), 0, "matrix",
-             ((f, h), (f, h)) if split_gate_up else (), "gate_up"),
-            (p + "mlp.linear_fc2.weight", (h, f), 1, "matrix", (), None),
-        ]
-    rows.append(("decoder.final_layernorm.weight", (h,), None, "elementwise", (), None))
-    if not cfg.tied_embeddings:
-        rows.append(("output_layer.weight", (vocab, h), 0, "elementwise", (), None))
-    last = len(rows) - 1
-    return [
-        ParamSpec(
-            name=name, global_shape=shape, tp_dim=tp_dim, tp_size=tp_size, dtype=dtype,
-            family=family, order=last - k, blocks=blocks, fused=fused,  # type: ignore[arg-type]
-        )
-        for k, (name, shape, tp_dim, family, blocks, fused) in enumerate(rows)
+    if cfg.is_moe:
+        return rows + moe_rows(cfg, p + "mlp.", tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
+                               split_gate_up=split_gate_up, layout=expert_layout)
+    return rows + [
+        _spec(p + "mlp.linear_fc1.weight", (2 * f, h), tp_size=tp_size, tp_dim=0,
+              blocks=((f, h), (f, h)) if split_gate_up else (), fused="gate_up"),
+        _spec(p + "mlp.linear_fc2.weight", (h, f), tp_size=tp_size, tp_dim=1),
     ]

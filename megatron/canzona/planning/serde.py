@@ -35,6 +35,10 @@ def loads(cls: type[T], text: str) -> T:
     return from_jsonable(cls, json.loads(text))
 
 
+def _has_default(f: dataclasses.Field) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
 def _build(tp: Any, data: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -52,7 +56,9 @@ def _build(tp: Any, data: Any) -> Any:
         return {_build(key_tp, k): _build(val_tp, v) for k, v in data.items()}
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
-        kwargs = {f.name: _build(hints[f.name], data[f.name]) for f in dataclasses.fields(tp) if f.init}
+        # A field missing from the data keeps its default: JSON written before the field existed.
+        kwargs = {f.name: _build(hints[f.name], data[f.name]) for f in dataclasses.fields(tp)
+                  if f.init and (f.name in data or not _has_default(f))}
         return tp(**kwargs)
     if tp is float and isinstance(data, int):
         return float(data)

@@ -8,6 +8,9 @@ from typing import Literal
 
 Family = Literal["matrix", "elementwise"]
 FAMILIES: tuple[str, ...] = ("matrix", "elementwise")
+FUSED_LAYOUTS: tuple[str, ...] = ("qkv", "gate_up", "experts")
+"""Fused layouts a parameter may have: Megatron's QKV, a gated fc1 (gate rows then up rows,
+per TP shard), and the legacy ``GroupedMLP``'s stacked experts (``blocks`` are its experts)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +37,7 @@ class ParamSpec:
     """Global shapes of the matrices the optimizer treats separately (split QKV, gate/up);
     empty means the whole parameter is one matrix."""
     fused: str | None = None
-    """Fused layout of the tensor (``qkv`` or ``gate_up``), needed to split and re-shard it."""
+    """Fused layout of the tensor (one of :data:`FUSED_LAYOUTS`), needed to split and re-shard it."""
     chunk: int = 0
     """Model chunk (virtual pipeline stage) holding the parameter; each chunk has its own buffers."""
 
@@ -52,6 +55,8 @@ class ParamSpec:
                 f"{self.name}: dim {self.tp_dim} of {self.global_shape} is not divisible by "
                 f"tp_size={self.tp_size}; choose a tensor-parallel size that divides it"
             )
+        if self.fused is not None and self.fused not in FUSED_LAYOUTS:
+            raise ValueError(f"{self.name}: fused must be None or one of {FUSED_LAYOUTS}, got {self.fused!r}")
         for m, n in self.blocks:
             if m <= 0 or n <= 0:
                 raise ValueError(f"{self.name}: block shapes must be positive, got {(m, n)}")

@@ -1,0 +1,119 @@
+"""Expert-parallel buffers planned beside the dense ones, and balanced with them per GPU.
+
+Megatron-Core keeps expert-parallel parameters (``allreduce = False``; ``ParamSpec.is_expert``)
+in buffers of their own, reduce-scattered over the expert-data-parallel group of
+``dp_size * tp_size / (ep_size * expert_tp_size)`` GPUs and sharded over the expert TP
+group. Canzona plans them by the same rules as the dense buffers
+(:func:`~megatron.canzona.planning.balance.plan_canzona`: lean buckets, each matrix whole or
+split with one host, balanced, little padding), over expert DP x expert TP. Every EP rank
+holds the same local expert names and shapes, so one expert plan serves every EP rank.
+
+A GPU does both its dense and its expert work in one optimizer step, so the two are balanced
+together, in three passes (:func:`plan_with_experts`):
+
+1. the experts alone: many small matrices, a near-even plan;
+2. the dense matrices with each GPU's expert load as its base load: the few large dense
+   matrices go where the expert work leaves the most room;
+3. the experts again, each expert rank's base load being the dense load of the busiest GPU
+   that runs it (every EP rank of an expert rank's group runs the same expert work), so the
+   expert plan gives less to groups whose GPUs host dense matrices. It is kept only if it
+   lowers the stage's combined makespan.
+
+Dense matrices are coarse (Qwen3-30B-A3B has 96 attention matrices for 256 GPUs at DP 256;
+one of them is 0.45 TFLOP of Muon where a GPU's expert work is 3.9): pass 2 alone cannot
+even that out, pass 3 can (combined makespan / lower bound 1.069 -> 1.008 there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from .balance import plan_canzona
+from .comm import WireConfig
+from .cost import CostModel
+from .geometry import default_bucket_size
+from .grid import dense_to_expert, expert_dp_size
+from .partition import check_inputs, check_tp_size
+from .plan import CanzonaPlan
+from .specs import ParamSpec
+
+
+def split_experts(specs: Sequence[ParamSpec]) -> tuple[list[ParamSpec], list[ParamSpec]]:
+    """``(dense, expert)`` parameters: expert ones live in the expert-parallel buffers."""
+    return [s for s in specs if not s.is_expert], [s for s in specs if s.is_expert]
+
+
+def check_expert_specs(experts: Sequence[ParamSpec], expert_tp_size: int) -> None:
+    """Expert parameters must be sharded over the expert TP group the plan is made for."""
+    for s in experts:
+        if s.tp_sharded and s.tp_size != expert_tp_size:
+            raise ValueError(
+                f"{s.name} is sharded over {s.tp_size} expert TP ranks but the plan is for expert_tp_size="
+                f"{expert_tp_size}; pass the expert tensor-parallel size the model was built with"
+            )
+
+
+def expert_base_loads(experts: CanzonaPlan, *, dp_size: int, tp_size: int, ep_size: int) -> list[list[float]]:
+    """``[dp_rank][tp_rank]``: the expert compute of the GPU at each dense coordinate."""
+    loads = experts.rank_loads()
+    coords = iter(dense_to_expert(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=experts.tp_size))
+    return [[loads[edp][etp] for edp, etp in (next(coords) for _ in range(tp_size))] for _ in range(dp_size)]
+
+
+def busiest_dense_loads(dense: CanzonaPlan, *, ep_size: int, expert_tp_size: int) -> list[list[float]]:
+    """``[expert_dp_rank][expert_tp_rank]``: the dense load of the busiest GPU running each
+    expert rank's work (its EP ranks)."""
+    coords = dense_to_expert(dp_size=dense.dp_size, tp_size=dense.tp_size, ep_size=ep_size,
+                             expert_tp_size=expert_tp_size)
+    expert_dp = max(edp for edp, _ in coords) + 1
+    out = [[0.0] * expert_tp_size for _ in range(expert_dp)]
+    for load, (edp, etp) in zip((x for row in dense.rank_loads() for x in row), coords):
+        out[edp][etp] = max(out[edp][etp], load)
+    return out
+
+
+def plan_with_experts(
+    specs: Sequence[ParamSpec],
+    *,
+    dp_size: int,
+    tp_size: int,
+    ep_size: int,
+    expert_tp_size: int,
+    cost_model: CostModel,
+    alpha: float,
+    bucket_size: int | None,
+    wire: WireConfig | None,
+    budget: float | None,
+    joint_balance: bool = True,
+) -> CanzonaPlan:
+    """The plan of a stage whose ``specs`` may hold expert-parallel parameters: expert buffers
+    over expert DP x expert TP (``plan.experts``), dense ones over DP x TP, balanced together
+    (module docstring; ``joint_balance`` off plans each as if the other were not there)."""
+    check_inputs(dp_size, alpha, bucket_size)
+    check_tp_size(tp_size)
+    expert_dp = expert_dp_size(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size)
+    dense, experts = split_experts(specs)
+    # Megatron sizes every buffer's buckets by the dense DP group, expert buffers included.
+    bucket_size = default_bucket_size(dp_size) if bucket_size is None else bucket_size
+    common = dict(cost_model=cost_model, alpha=alpha, bucket_size=bucket_size, wire=wire, budget=budget)
+
+    def plan_dense(base: list[list[float]] | None) -> CanzonaPlan:
+        return plan_canzona(dense, dp_size=dp_size, tp_size=tp_size, base_loads=base,
+                            **common)  # type: ignore[arg-type]
+
+    def plan_experts(base: list[list[float]] | None) -> CanzonaPlan:
+        return plan_canzona(experts, dp_size=expert_dp, tp_size=expert_tp_size, base_loads=base,
+                            **common)  # type: ignore[arg-type]
+
+    if not experts:
+        return dataclasses.replace(plan_dense(None), ep_size=ep_size)
+    check_expert_specs(experts, expert_tp_size)
+    expert_plan = plan_experts(None)
+    if not joint_balance:
+        return dataclasses.replace(plan_dense(None), experts=expert_plan, ep_size=ep_size)
+    plan = plan_dense(expert_base_loads(expert_plan, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size))
+    first = dataclasses.replace(plan, experts=expert_plan, ep_size=ep_size)
+    refined = plan_experts(busiest_dense_loads(plan, ep_size=ep_size, expert_tp_size=expert_tp_size))
+    second = dataclasses.replace(plan, experts=refined, ep_size=ep_size)
+    return second if max(second.combined_loads()) < max(first.combined_loads()) else first
