@@ -58,6 +58,7 @@ _CPU_FLAG_VALUES = (
     ("apply_rope_fusion", False),
     ("gradient_accumulation_fusion", False),
     ("no_persist_layer_norm", True),
+    ("moe_grouped_gemm", False),  # needs CUDA (validate_args reads the device capability)
 )
 
 
@@ -94,13 +95,14 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 def _layer_spec(args: argparse.Namespace) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if args.num_experts:
-        raise ValueError("pretrain_gpt.py builds dense models only: drop --num-experts")
+    # With --num-experts every layer's MLP is a mixture of experts (Qwen3-MoE has no dense
+    # layers): SequentialMLP on the local spec, grouped GEMM with --moe-grouped-gemm on TE.
     if args.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=args.qk_layernorm)
+            num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm)
     return gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+        num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
+        normalization=args.normalization)
 
 
 def train_valid_test_datasets_provider(num_samples: tuple[int, int, int], vp_stage: int | None = None) -> list[Any]:

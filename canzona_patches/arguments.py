@@ -187,6 +187,28 @@ def _check_parallelism(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(
             "--canzona needs Megatron's gloo process groups (its distributed optimizer builds on them): "
             "drop --disable-gloo-process-groups")
+    _check_expert_parallelism(args)
+
+
+def _check_expert_parallelism(args: argparse.Namespace) -> None:
+    if args.num_experts:
+        etp = args.expert_tensor_parallel_size  # None: Megatron makes it the TP size
+        check_expert_sizes(args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                           args.tensor_model_parallel_size if etp is None else etp)
+
+
+def check_expert_sizes(tp_size: int, ep_size: int, expert_tp_size: int) -> None:
+    """Canzona hosts expert matrices over the expert-data-parallel group alone (expert TP 1);
+    at EP 1 experts are dense parameters, sharded like the others over the TP group."""
+    if ep_size > 1 and expert_tp_size != 1:
+        raise CanzonaArgumentError(
+            f"--canzona with --expert-model-parallel-size {ep_size} needs --expert-tensor-parallel-size 1 (it is "
+            f"{expert_tp_size}; Megatron defaults it to --tensor-model-parallel-size): experts are hosted over "
+            "expert-data-parallel ranks")
+    if ep_size == 1 and expert_tp_size != tp_size:
+        raise CanzonaArgumentError(
+            f"--canzona at --expert-model-parallel-size 1 needs --expert-tensor-parallel-size equal to "
+            f"--tensor-model-parallel-size {tp_size} (not {expert_tp_size}): experts are then dense parameters")
 
 
 def _check_ranges(args: argparse.Namespace) -> None:

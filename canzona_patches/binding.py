@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from canzona_patches.layout import BUFFER_ROUTING_ATTR
+from canzona_patches.names import global_param_names
 from megatron.canzona.optim.split import FusedLayout
 from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.runtime.host_groups import Coord, MatrixTask
@@ -44,7 +45,9 @@ class Binding:
     layouts: dict[str, FusedLayout | None]
     """Per task: how its host splits the full matrix into separately optimized pieces."""
     names: dict[str, str]
-    """Per task: the parameter's name (what tests and logs count)."""
+    """Per task: the parameter's global name (:func:`canzona_patches.names.global_param_names`:
+    what tests and logs count, and what per-matrix schedules such as refresh offsets derive
+    from, so they do not change with the PP or EP layout)."""
     params: dict[str, torch.nn.Parameter]
     """Per task: the model parameter (for checkpoint names)."""
 
@@ -64,6 +67,7 @@ def bind_plan(
     ``full_layout(name, module)`` gives a matrix's fused layout at full (TP-global) size."""
     tp_size = plan.tp_size
     modules = [chunk.module for chunk in model_chunks]
+    global_names = global_param_names(model_chunks)
     params = {(c, n): p for c, m in enumerate(modules) for n, p in m.named_parameters()}
     tasks, layouts, names, task_params = [], {}, {}, {}
     keys_of: dict[tuple[int, str], list[str]] = {}
@@ -85,7 +89,7 @@ def bind_plan(
                 column=0 if sharded else (column or 0),
             ))
             layouts[key] = full_layout(h.name, module)
-            names[key], task_params[key] = h.name, param
+            names[key], task_params[key] = global_names[param], param
             keys_of.setdefault((h.chunk, h.name), []).append(key)
     where = {p: (c, n) for (c, n), p in params.items()}
     refs: dict[torch.Tensor, PieceRef] = {}

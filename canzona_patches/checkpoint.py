@@ -28,7 +28,6 @@ Which attribute each hook replaces, and when, is :data:`canzona_patches.registry
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from canzona_patches.binding import shard_entries
+from canzona_patches.names import global_param_names
 from canzona_patches.checkpoint_files import (
     TRACKER,
     CanzonaCheckpointError,
@@ -67,8 +67,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # no
 
 STATE_PREFIX = "optimizer.canzona."
 """Key prefix of every Canzona optimizer tensor in a checkpoint."""
-STATE_FORMAT = 1
-"""Version of the layout below; stored in the checkpoint's content metadata and common state."""
+STATE_FORMAT = 2
+"""Version of the layout below (2: parameter groups keyed by :func:`group_signature`); stored in the checkpoint's content metadata and common state."""
 
 # --------------------------------------------------------------------------- optimizer state
 
@@ -125,22 +125,44 @@ def load_optimizer_state_dict(optimizer: Any, state_dict: dict) -> None:
             if tuple(value.shape) != tuple(chunk.data.shape):
                 raise CanzonaCheckpointError(f"{key}: loaded shape {tuple(value.shape)}, expected {tuple(chunk.data.shape)}")
             chunk.restore(value)
-    inner = optimizer.optimizer
-    for group, saved in zip(inner.param_groups, common["param_groups"]):
-        group.update(saved)
-    if optimizer.grad_scaler is not None and common.get("grad_scaler") is not None:
-        optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
+    for part in canzona_parts(optimizer):
+        for group in part.optimizer.param_groups:
+            group.update(common["param_groups"][group_signature(group)])
+        if part.grad_scaler is not None and common.get("grad_scaler") is not None:
+            part.grad_scaler.load_state_dict(common["grad_scaler"])
+
+
+def canzona_parts(optimizer: Any) -> list[Any]:
+    """The Canzona DistributedOptimizers of a run: the one, or the dense and the expert one a
+    ``CanzonaChainedOptimizer`` chains (expert parallelism)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def group_signature(group: dict) -> str:
+    """A parameter group's name independent of the parallel layout: its optimizer family and
+    Megatron's multipliers and schedule bounds. Expert parameters are a group of their own at
+    EP > 1 and share the dense groups at EP 1; both are the same signature."""
+    skip = {"lr", "weight_decay", "step", "is_expert_parallel"}
+    fields = sorted((k, v) for k, v in group.items()
+                    if k not in skip and isinstance(v, (bool, int, float, str)))
+    return ",".join(f"{k}={v}" for k, v in fields)
 
 
 def common_state(optimizer: Any) -> dict:
-    """What the checkpoint stores once for all ranks: format, optimizer, pieces, group scalars."""
-    inner = optimizer.optimizer
+    """What the checkpoint stores once for all ranks: format, optimizer, pieces, group scalars
+    (by :func:`group_signature`, so that they load at any expert-parallel size)."""
+    parts = canzona_parts(optimizer)
+    groups: dict[str, dict] = {}
+    for part in parts:
+        for g in part.optimizer.param_groups:
+            groups.setdefault(group_signature(g), {"lr": g["lr"], "weight_decay": g["weight_decay"]})
+    scaler = parts[0].grad_scaler
     return {
         "format": STATE_FORMAT,
-        "optimizer": optimizer_name(inner),
-        "pieces": pieces_signature(inner),
-        "param_groups": [{"lr": g["lr"], "weight_decay": g["weight_decay"]} for g in inner.param_groups],
-        "grad_scaler": optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None,
+        "optimizer": optimizer_name(parts[0].optimizer),
+        "pieces": sorted({piece for part in parts for piece in pieces_signature(part.optimizer)}),
+        "param_groups": groups,
+        "grad_scaler": scaler.state_dict() if scaler is not None else None,
     }
 
 
@@ -170,9 +192,11 @@ def _check_common(saved: dict, current: dict) -> None:
             f"the checkpoint optimizes fused matrices split as {', '.join(saved['pieces']) or 'none'}, this run as "
             f"{', '.join(current['pieces']) or 'none'}; match --canzona-split-qkv/--canzona-split-gate-up to the saved run"
         )
-    if len(saved["param_groups"]) != len(current["param_groups"]):
+    missing = sorted(set(current["param_groups"]) - set(saved["param_groups"]))
+    if missing:
         raise CanzonaCheckpointError(
-            f"the checkpoint has {len(saved['param_groups'])} parameter groups, this run {len(current['param_groups'])}"
+            f"the checkpoint has no parameter group {missing[0]} (it has {', '.join(sorted(saved['param_groups']))}); "
+            "resume with the learning-rate and weight-decay settings of the saved run"
         )
 
 
@@ -185,6 +209,11 @@ def state_chunks(optimizer: Any, *, find_main: bool = True) -> list[StateChunk]:
     holder; of a matrix every TP rank computes, TP rank 0's copy). The writer follows from
     the plan, without a collective; ``find_main`` is accepted for callers and ignored."""
     del find_main
+    return [chunk for part in canzona_parts(optimizer) for chunk in _part_chunks(part)]
+
+
+def _part_chunks(optimizer: Any) -> list[StateChunk]:
+    """:func:`state_chunks` of one Canzona DistributedOptimizer (dense or expert buffers)."""
     inner = optimizer.optimizer
     inner.init_state()  # zeros where there is no state yet; what a first step would create
     names = global_param_names(optimizer.model_chunks)
@@ -228,36 +257,6 @@ def _rank_and_size(group: Any) -> tuple[int, int]:
     if group is None or not torch.distributed.is_initialized():
         return 0, 1
     return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-
-
-_LAYER = re.compile(r"^(?P<stack>.*?\blayers)\.(?P<index>\d+)\.")
-
-
-def global_param_names(model_chunks: list) -> dict[torch.nn.Parameter, str]:
-    """Parameter -> name independent of the parallel layout: wrapper prefixes (``module.``)
-    dropped and a transformer layer's local index replaced by its global ``layer_number - 1``
-    (pipeline stages number their layers from 0)."""
-    names: dict[torch.nn.Parameter, str] = {}
-    for chunk in model_chunks:
-        module = chunk
-        while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-            module = module.module
-        layers = {
-            name: sub.layer_number - 1
-            for name, sub in module.named_modules()
-            if isinstance(getattr(sub, "layer_number", None), int) and _LAYER.match(name + ".")
-        }
-        for name, param in module.named_parameters():
-            match = _LAYER.match(name)
-            if match:
-                prefix = f"{match['stack']}.{match['index']}"
-                if prefix in layers:
-                    name = f"{match['stack']}.{layers[prefix]}." + name[match.end():]
-            if names.setdefault(param, name) != name:
-                raise RuntimeError(f"parameter named both {names[param]} and {name}")
-    if len(set(names.values())) != len(names):
-        raise RuntimeError("two parameters share a global name; checkpoint keys would collide")
-    return names
 
 
 def save_distributed(sharded_state_dict: dict, save_dir: str | Path, iteration: int, *,
@@ -311,7 +310,8 @@ def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimi
 def is_canzona_optimizer(optimizer: Any) -> bool:
     """Whether ``optimizer`` is the Canzona optimizer (a DistributedOptimizer around a
     :class:`CanzonaOptimizer`: ``canzona_patches.optimizer.CanzonaDistributedOptimizer``)."""
-    return isinstance(optimizer, DistributedOptimizer) and isinstance(optimizer.optimizer, CanzonaOptimizer)
+    return all(isinstance(part, DistributedOptimizer) and isinstance(part.optimizer, CanzonaOptimizer)
+               for part in canzona_parts(optimizer))
 
 
 def check_optimizer_compatible(path: Path, optimizer: Any) -> None:

@@ -46,6 +46,7 @@ See ``docs/megatron-cpu-notes.md`` for the upstream line each hook exists for.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -344,6 +345,39 @@ def enable_cpu_mode(*, meta: bool = False) -> bool:
     registry.install_group(registry.CPU)
     _rebuild_rng_tracker_built_before()
     return True
+
+
+def split_sizes_on_cpu(original: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """``maybe_move_tensor_to_cpu`` (moe_utils.py:1169) for CPU tensors too: with ``as_numpy``
+    the all-to-all dispatcher wants host split sizes, which it gets only from CUDA tensors."""
+
+    @functools.wraps(original)
+    def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return move_to_cpu
+
+
+def torch_norm_with_sequence_parallel(original: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """``WrappedTorchNorm.__new__`` (torch_norm.py:35) under sequence parallelism: the norm is
+    built as without it, and its weights get ``sequence_parallel = True``, so that
+    ``finalize_model_grads`` sums their gradients over the TP group (each TP rank normalises
+    its own slice of the sequence), as for transformer-engine's and apex's norms."""
+
+    @functools.wraps(original)
+    def new_norm(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return new_norm
 
 
 # --- megatron.training (pretrain_gpt.py) -------------------------------------------------

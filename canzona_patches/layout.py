@@ -39,10 +39,33 @@ SINGLE_BUCKET = 2**62
 
 
 def is_matrix_param(name: str, param: torch.nn.Parameter) -> bool:
-    """Matrix optimizers take 2-D weights except embeddings and the output layer (AdamW)."""
+    """Matrix optimizers take 2-D weights except embeddings, the output layer and MoE
+    routers (AdamW: a router's rows are per-expert logits, not a linear map to orthogonalize)."""
     if param.dim() != 2 or getattr(param, "is_embedding_or_output_parameter", False):
         return False
+    if ".router." in f".{name}":
+        return False
     return not ("embedding" in name or name.startswith("output_layer") or ".output_layer." in name)
+
+
+def is_expert_param(param: torch.nn.Parameter) -> bool:
+    """Whether DDP puts ``param`` in an expert buffer, reduced over the expert-data-parallel
+    group: Megatron marks expert weights ``allreduce = False`` when experts are sharded
+    differently from dense weights (EP > 1, or expert TP unlike TP); at EP 1 with expert TP
+    equal to TP (what ``--canzona`` asks for there) they are ordinary dense parameters."""
+    return not getattr(param, "allreduce", True)
+
+
+def _fused_kind(name: str, gated_linear_unit: bool) -> str | None:
+    """How a parameter fuses several matrices: Megatron's QKV, a gated fc1, or the legacy
+    ``GroupedMLP``'s stacked expert weights (``experts.weight1``/``weight2``)."""
+    if name.endswith("linear_qkv.weight"):
+        return "qkv"
+    if name.endswith("linear_fc1.weight") and gated_linear_unit:
+        return "gate_up"
+    if name.endswith(("experts.weight1", "experts.weight2")):
+        return "experts"
+    return None
 
 
 def specs_from_model(
@@ -56,20 +79,24 @@ def specs_from_model(
     split_qkv: bool = False,
     split_gate_up: bool = False,
     chunk: int = 0,
+    expert_tp_size: int = 1,
+    num_local_experts: int = 0,
 ) -> list[ParamSpec]:
-    """Planner descriptions of a live (TP-sharded) model chunk, in registration order."""
+    """Planner descriptions of a live (TP-sharded) model chunk, in registration order.
+
+    Expert-parallel parameters (:func:`is_expert_param`) are sharded over the expert TP
+    group (``expert_tp_size``), every other one over the TP group; a legacy ``GroupedMLP``
+    stacked weight holds ``num_local_experts`` matrices, each optimized on its own."""
     specs, last = [], len(named_params) - 1
     for k, (name, p) in enumerate(named_params):
-        sharded = getattr(p, "tensor_model_parallel", False) and tp_size > 1
+        expert = is_expert_param(p)
+        group_size = expert_tp_size if expert else tp_size
+        sharded = getattr(p, "tensor_model_parallel", False) and group_size > 1
         tp_dim = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
         shape = list(p.shape)
         if sharded and tp_dim is not None:
-            shape[tp_dim] *= tp_size
-        fused = None
-        if name.endswith("linear_qkv.weight"):
-            fused = "qkv"
-        elif name.endswith("linear_fc1.weight") and gated_linear_unit:
-            fused = "gate_up"
+            shape[tp_dim] *= group_size
+        fused = _fused_kind(name, gated_linear_unit)
         blocks: tuple[tuple[int, int], ...] = ()
         if fused == "qkv" and split_qkv:
             if None in (num_attention_heads, num_query_groups, kv_channels):
@@ -78,12 +105,26 @@ def specs_from_model(
             blocks = ((q, shape[1]), (kv, shape[1]), (kv, shape[1]))
         elif fused == "gate_up" and split_gate_up:
             blocks = ((shape[0] // 2, shape[1]), (shape[0] // 2, shape[1]))
+        elif fused == "experts":
+            blocks = stacked_expert_blocks(name, tuple(shape), num_local_experts)
         specs.append(ParamSpec(
-            name=name, global_shape=tuple(shape), tp_dim=tp_dim, tp_size=tp_size if sharded else 1,
+            name=name, global_shape=tuple(shape), tp_dim=tp_dim, tp_size=group_size if sharded else 1,
             dtype=str(p.dtype).removeprefix("torch."), family="matrix" if is_matrix_param(name, p) else "elementwise",
-            is_expert=not getattr(p, "allreduce", True), order=last - k, blocks=blocks, fused=fused, chunk=chunk,
+            is_expert=expert, order=last - k, blocks=blocks, fused=fused, chunk=chunk,
         ))
     return specs
+
+
+def stacked_expert_blocks(name: str, shape: tuple[int, ...], num_local_experts: int) -> tuple[tuple[int, int], ...]:
+    """The per-expert matrices of a ``GroupedMLP`` stacked weight: ``weight1`` of shape
+    ``(h, E * fc1)`` is E contiguous ``(h, fc1)`` matrices, ``weight2`` of shape
+    ``(E * fc2, h)`` is E contiguous ``(fc2, h)`` ones (the views its forward takes)."""
+    if num_local_experts < 1:
+        raise ValueError(f"{name}: a stacked expert weight needs the number of local experts")
+    rows, cols = shape
+    if name.endswith("weight1"):
+        return ((rows, cols // num_local_experts),) * num_local_experts
+    return ((rows // num_local_experts, cols),) * num_local_experts
 
 
 def plan_bucket_size(ddp_config: Any, dp_size: int) -> int:
@@ -103,10 +144,13 @@ def wire_config(named_params: NamedParams, ddp_config: Any) -> WireConfig:
 
 def build_canzona_plan(
     model_chunks: Sequence[torch.nn.Module], ddp_config: Any, cfg: Any, *, dp_size: int, tp_size: int,
+    ep_size: int = 1, expert_tp_size: int = 1,
 ) -> tuple[CanzonaPlan, list[ParamSpec]]:
     """The plan of this pipeline stage (every model chunk together), and the specs it was
     made from. ``cfg`` is a ``megatron.canzona.runtime.config.CanzonaConfig``; parameters are
-    tagged for buffer routing (:func:`tag_params_for_buffers`) as a side effect."""
+    tagged for buffer routing (:func:`tag_params_for_buffers`) as a side effect. With expert
+    parallelism (``ep_size`` > 1) the expert buffers are planned over the expert-data-parallel
+    group (``plan.experts``), balanced together with the dense work of the same ranks."""
     if not ddp_config.use_distributed_optimizer:
         raise ValueError("--canzona needs the distributed optimizer: pass --use-distributed-optimizer")
     specs: list[ParamSpec] = []
@@ -118,7 +162,8 @@ def build_canzona_plan(
             named, tp_size=tp_size, num_attention_heads=tc.num_attention_heads,
             num_query_groups=tc.num_query_groups or tc.num_attention_heads, kv_channels=tc.kv_channels,
             gated_linear_unit=tc.gated_linear_unit, split_qkv=cfg.split_qkv, split_gate_up=cfg.split_gate_up,
-            chunk=index,
+            chunk=index, expert_tp_size=expert_tp_size,
+            num_local_experts=(getattr(tc, "num_moe_experts", None) or 0) // ep_size,
         )
         tag_params_for_buffers(named, chunk_specs)
         specs += chunk_specs
@@ -126,19 +171,21 @@ def build_canzona_plan(
     plan = make_plan(
         specs, dp_size=dp_size, tp_size=tp_size, cost_model=CostModel(kind=cfg.cost_kind), alpha=cfg.alpha,
         bucket_size=plan_bucket_size(ddp_config, dp_size), tp_budget=cfg.tp_group_budget,
-        wire=wire_config(named_all, ddp_config),
+        wire=wire_config(named_all, ddp_config), ep_size=ep_size, expert_tp_size=expert_tp_size,
     )
     return plan, specs
 
 
 def full_param_layouts(plan: CanzonaPlan, model_chunks: Sequence[torch.nn.Module], ddp_config: Any) -> list[FullParamLayout]:
-    """The ``FullParamLayout`` of each chunk, for ``DistributedDataParallel(full_param_layout=...)``."""
+    """The ``FullParamLayout`` of each chunk, for ``DistributedDataParallel(full_param_layout=...)``:
+    its dense buffers from ``plan.layouts``, its expert buffers from ``plan.experts.layouts``."""
     if len(plan.layouts) != len(model_chunks):
         raise ValueError(f"the plan has {len(plan.layouts)} chunk layouts for {len(model_chunks)} model chunks")
+    experts = plan.experts.layouts if plan.experts is not None else [None] * len(model_chunks)
     return [
         to_full_param_layout(layout, [(n, p) for n, p in chunk.named_parameters() if p.requires_grad],
-                             grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32)
-        for layout, chunk in zip(plan.layouts, model_chunks)
+                             grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32, experts=expert_layout)
+        for layout, expert_layout, chunk in zip(plan.layouts, experts, model_chunks)
     ]
 
 
@@ -149,26 +196,32 @@ def tag_params_for_buffers(named_params: NamedParams, specs: Sequence[ParamSpec]
         setattr(p, BUFFER_ROUTING_ATTR, family[name] == "matrix")
 
 
-def to_full_param_layout(plan: DPPlan, named_params: NamedParams, *, grad_reduce_in_fp32: bool) -> FullParamLayout:
-    """The plan as the ``FullParamLayout`` that ``DistributedDataParallel`` accepts.
+def to_full_param_layout(plan: DPPlan, named_params: NamedParams, *, grad_reduce_in_fp32: bool,
+                         experts: DPPlan | None = None) -> FullParamLayout:
+    """The plan as the ``FullParamLayout`` that ``DistributedDataParallel`` accepts: ``plan``
+    lays out the dense buffers, ``experts`` (over the expert-DP group) the expert buffers.
 
     Parameters must already be tagged with :func:`tag_params_for_buffers`.
     """
     name_of = {p: n for n, p in named_params}
     groups = group_params_for_buffers([p for _, p in named_params], grad_reduce_in_fp32)
-    seen: set[bool] = set()
+    seen: set[tuple[bool, bool]] = set()
     layouts = {}
     for key, (params, indices) in groups.items():
-        matrix = bool(key.is_managed_by_layer_wise_optimizer)
-        if matrix in seen or key.is_expert_parallel:
+        matrix, expert = bool(key.is_managed_by_layer_wise_optimizer), bool(key.is_expert_parallel)
+        if (matrix, expert) in seen:
             raise ValueError(
-                "Canzona plans one matrix buffer and one elementwise buffer per model chunk; this model "
-                f"needs more ({key}). Use a single parameter dtype and no expert parallelism with --canzona"
+                "Canzona plans one matrix buffer and one elementwise buffer per model chunk (and per expert "
+                f"group); this model needs more ({key}). Use a single parameter dtype with --canzona"
             )
-        seen.add(matrix)
-        buffer = plan.matrix if matrix else plan.elementwise
-        assert buffer is not None, "plan has no elementwise buffer but the model has elementwise params"
-        layouts[key] = _per_buffer(buffer, params, indices, name_of, plan.dp_size)
+        seen.add((matrix, expert))
+        dp_plan = experts if expert else plan
+        if dp_plan is None:
+            raise ValueError("the model has expert-parallel parameters but the plan has no expert layout; "
+                             "plan with the run's --expert-model-parallel-size")
+        buffer = dp_plan.matrix if matrix else dp_plan.elementwise
+        assert buffer is not None, f"plan has no {'matrix' if matrix else 'elementwise'} buffer for {key}"
+        layouts[key] = _per_buffer(buffer, params, indices, name_of, dp_plan.dp_size)
     return FullParamLayout(layouts=layouts)
 
 

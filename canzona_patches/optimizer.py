@@ -24,12 +24,19 @@ from typing import Any
 
 import torch
 
-from canzona_patches.arguments import CanzonaArgumentError, canzona_config_from_args
+from canzona_patches.arguments import CanzonaArgumentError, canzona_config_from_args, check_expert_sizes
 from canzona_patches.binding import bind_plan, group_coordinates
 from canzona_patches.checkpoint import common_state, load_optimizer_state_dict, optimizer_sharded_state_dict
-from canzona_patches.layout import BUFFER_ROUTING_ATTR, build_canzona_plan, full_param_layouts, wire_config
+from canzona_patches.layout import (
+    BUFFER_ROUTING_ATTR,
+    build_canzona_plan,
+    full_param_layouts,
+    is_expert_param,
+    stacked_expert_blocks,
+    wire_config,
+)
 from canzona_patches.version import require_pinned_megatron
-from megatron.canzona.optim import GateUpLayout, QKVLayout
+from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, QKVLayout
 from megatron.canzona.planning import CanzonaPlan, CostModel, summarize_canzona
 from megatron.canzona.runtime.config import CanzonaConfig
 from megatron.canzona.runtime.host_groups import HostGroupEngine
@@ -44,6 +51,7 @@ from megatron.core.optimizer import (  # noqa: E402
 )
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler  # noqa: E402
+from megatron.core.optimizer.optimizer import ChainedOptimizer  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.utils import get_pg_rank  # noqa: E402
 
@@ -54,21 +62,24 @@ logger = logging.getLogger(__name__)
 
 
 def plan_and_layouts(
-    model_chunks: list[torch.nn.Module], ddp_config: Any, cfg: CanzonaConfig, *, dp_size: int, tp_size: int
+    model_chunks: list[torch.nn.Module], ddp_config: Any, cfg: CanzonaConfig, *, dp_size: int, tp_size: int,
+    ep_size: int = 1,
 ) -> tuple[CanzonaPlan, list[Any]]:
     """The run's plan (:func:`canzona_patches.layout.build_canzona_plan`), logged once, and
     the ``FullParamLayout`` per (unwrapped) chunk that DDP must be built with."""
-    plan, layouts, _ = _plan_layouts_summary(model_chunks, ddp_config, cfg, dp_size=dp_size, tp_size=tp_size)
+    plan, layouts, _ = _plan_layouts_summary(model_chunks, ddp_config, cfg, dp_size=dp_size, tp_size=tp_size,
+                                             ep_size=ep_size)
     return plan, layouts
 
 
 def _plan_layouts_summary(
     model_chunks: list[torch.nn.Module], ddp_config: Any, cfg: CanzonaConfig, *, dp_size: int, tp_size: int,
-    summarize_here: bool = False,
+    ep_size: int = 1, summarize_here: bool = False,
 ) -> tuple[CanzonaPlan, list[Any], dict | None]:
     """:func:`plan_and_layouts` and the plan's summary (:func:`summarize_canzona`), computed on
     global rank 0, which logs it, and where ``summarize_here`` asks for it (else ``None``)."""
-    plan, specs = build_canzona_plan(model_chunks, ddp_config, cfg, dp_size=dp_size, tp_size=tp_size)
+    plan, specs = build_canzona_plan(model_chunks, ddp_config, cfg, dp_size=dp_size, tp_size=tp_size,
+                                     ep_size=ep_size)
     named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
     first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     summary = None
@@ -89,6 +100,16 @@ def _log_plan(plan: CanzonaPlan, s: dict) -> None:
         f"sent per rank and step {s['comm_bytes_per_rank'] / 2**20:.1f} MiB",
         flush=True,
     )
+    experts = s.get("experts")
+    if plan.experts is not None and experts is not None:
+        print(
+            f"[canzona] experts: {len(plan.experts.hosts)} matrices per EP rank over expert-DP {plan.experts.dp_size} "
+            f"x EP {plan.ep_size}, {experts['num_buckets']} bucket(s), {experts['split_params']} split | "
+            f"makespan / lower bound {experts['makespan_over_lower_bound']:.3f} | padding "
+            f"{100 * experts['padding_overhead']:.1f}% | dense + experts per rank "
+            f"{s.get('combined_makespan_over_lower_bound', float('nan')):.3f}",
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -150,6 +171,24 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         return bool(flag.item() > 0)
 
 
+class CanzonaChainedOptimizer(ChainedOptimizer):
+    """The dense and the expert Canzona optimizers of an expert-parallel run, stepped as
+    Megatron chains its own, checkpointed as one: a single name-keyed state (experts by
+    global index), the same as at EP 1, where experts are dense parameters of one optimizer."""
+
+    def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
+                           sharding_type: str | None = None, metadata: dict | None = None) -> dict:
+        """One :func:`optimizer_sharded_state_dict` over both optimizers (no ``chained_i.``
+        prefixes: keys must not depend on how many optimizers a layout has)."""
+        return optimizer_sharded_state_dict(self, is_loading=is_loading, metadata=metadata)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        load_optimizer_state_dict(self, state_dict)
+
+    def state_dict(self) -> dict:
+        return {"canzona": common_state(self)}
+
+
 def _collective_device() -> torch.device:
     """Where a rank's small collective tensors live: its CUDA device (NCCL) or the CPU (gloo)."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -163,6 +202,11 @@ def _fused_layout(name: str, module: torch.nn.Module, cfg: CanzonaConfig):
         return QKVLayout(num_query_groups=groups, heads_per_group=tc.num_attention_heads // groups, head_dim=tc.kv_channels)
     if cfg.split_gate_up and tc.gated_linear_unit and name.endswith("linear_fc1.weight"):
         return GateUpLayout(num_partitions=1)
+    if name.endswith(("experts.weight1", "experts.weight2")):  # legacy GroupedMLP: one matrix per expert
+        shape = tuple(module.get_parameter(name).shape)
+        num_local = tc.num_moe_experts // tc.expert_model_parallel_size
+        blocks = stacked_expert_blocks(name, shape, num_local)
+        return ExpertStackLayout(num_experts=num_local, expert_shape=blocks[0], shape=shape)
     return None
 
 
@@ -203,19 +247,57 @@ def build_canzona_optimizer(
     Megatron's DistributedOptimizer wraps one :class:`CanzonaOptimizer` (the matrix
     optimizer's math plus a host-group engine over the tensor-and-data-parallel group).
     ``host_ranks`` maps (DP rank, TP rank) to the rank in that group; by default the ranks
-    tell each other (a collective)."""
+    tell each other (a collective).
+
+    With expert parallelism, as in Megatron, a second one over the expert buffers and the
+    expert-data-parallel group (its host group; expert TP must be 1) is chained after it
+    (:class:`CanzonaChainedOptimizer`)."""
     if not optimizer_config.use_distributed_optimizer:
         raise ValueError("--canzona needs the distributed optimizer: pass --use-distributed-optimizer")
-    experts = [n for chunk in model_chunks for n, p in chunk.named_parameters() if not getattr(p, "allreduce", True)]
-    if experts:
+    experts = [n for chunk in model_chunks for n, p in chunk.named_parameters() if is_expert_param(p)]
+    if experts and plan.experts is None:
         raise ValueError(
-            f"the Canzona optimizer does not handle mixture-of-experts parameters yet ({experts[0]} and "
-            f"{len(experts) - 1} more would be left out): build the model without experts, or use Megatron's optimizer")
+            f"the model has expert-parallel parameters ({experts[0]} and {len(experts) - 1} more) but the Canzona "
+            "plan has no expert layout: plan with the run's --expert-model-parallel-size")
     pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, True)
+    dense_tp = ProcessGroupCollection.use_mpu_process_groups().tp
+    coord = (get_pg_rank(pgs["dp_cp_group"]), get_pg_rank(dense_tp))
+    host_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    dense = _canzona_dist_optimizer(
+        optimizer_config, model_chunks, cfg, plan, expert=False, dp_group=pgs["dp_cp_group"],
+        dp_group_gloo=pgs["intra_dp_cp_group_gloo"], dp_group_idx=get_pg_rank(pgs["mp_group"]), tp_group=dense_tp,
+        host_group=host_group, coord=coord,
+        rank_of=host_ranks if host_ranks is not None else group_coordinates(host_group, coord),
+    )
+    dense.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
+    if not experts:
+        return dense
+    check_expert_sizes(plan.tp_size, plan.ep_size, parallel_state.get_expert_tensor_parallel_world_size())
+    edp_group = pgs["intra_expt_dp_group"]
+    edp_rank, edp_size = get_pg_rank(edp_group), plan.experts.dp_size
+    expert = _canzona_dist_optimizer(
+        optimizer_config, model_chunks, cfg, plan.experts, expert=True, dp_group=edp_group,
+        dp_group_gloo=pgs["intra_expt_dp_group_gloo"], dp_group_idx=get_pg_rank(pgs["expt_tp_pp_group"]),
+        tp_group=parallel_state.get_expert_tensor_parallel_group(), host_group=edp_group, coord=(edp_rank, 0),
+        # Expert TP 1: a host (expert-DP rank, 0) is that rank of the expert-DP group.
+        rank_of={(d, 0): d for d in range(edp_size)},
+    )
+    expert.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
+    return CanzonaChainedOptimizer([dense, expert])
+
+
+def _canzona_dist_optimizer(
+    optimizer_config: Any, model_chunks: list, cfg: CanzonaConfig, plan: CanzonaPlan, *, expert: bool,
+    dp_group: Any, dp_group_gloo: Any, dp_group_idx: int, tp_group: Any, host_group: Any, coord: tuple[int, int],
+    rank_of: dict[tuple[int, int], int],
+) -> CanzonaDistributedOptimizer:
+    """One DistributedOptimizer around a :class:`CanzonaOptimizer`: the dense buffers over the
+    data-parallel group, or (``expert``) the expert buffers over the expert-data-parallel one."""
     groups, buffers = _get_param_groups_and_buffers(
         model_chunks, model_chunk_offset=0, config=optimizer_config,
         config_overrides=get_standard_config_overrides(optimizer_config),
-        filter_fn=lambda g: not g["is_expert_parallel"], buffer_name="buffers",
+        filter_fn=lambda g: g["is_expert_parallel"] == expert,
+        buffer_name="expert_parallel_buffers" if expert else "buffers",
     )
     inner = CanzonaOptimizer(
         _route_groups(groups, optimizer_config.weight_decay), math=cfg.optimizer, lr=optimizer_config.lr,
@@ -223,17 +305,13 @@ def build_canzona_optimizer(
     )
     optimizer = CanzonaDistributedOptimizer(
         inner, optimizer_config, _grad_scaler(optimizer_config), lambda opt, config=None: opt.init_state(),
-        model_chunks=model_chunks, per_model_buffers=buffers, data_parallel_group=pgs["dp_cp_group"],
-        data_parallel_group_gloo=pgs["intra_dp_cp_group_gloo"], data_parallel_group_idx=get_pg_rank(pgs["mp_group"]),
+        model_chunks=model_chunks, per_model_buffers=buffers, data_parallel_group=dp_group,
+        data_parallel_group_gloo=dp_group_gloo, data_parallel_group_idx=dp_group_idx,
         distributed_optimizer_instance_id=0,
     )
-    optimizer.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
-    optimizer.tp_group = ProcessGroupCollection.use_mpu_process_groups().tp
-    coord = (get_pg_rank(pgs["dp_cp_group"]), get_pg_rank(optimizer.tp_group))
-    host_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    optimizer.tp_group = tp_group
     binding = bind_plan(plan, optimizer, model_chunks, coord=coord,
                         full_layout=lambda name, module: _fused_layout(name, module, cfg))
-    rank_of = host_ranks if host_ranks is not None else group_coordinates(host_group, coord)
     engine = HostGroupEngine(binding.tasks, group=host_group, rank_of=rank_of, coord=coord, tp_size=plan.tp_size,
                              mode=cfg.tp_mode)
     inner.bind(binding.pieces, engine, binding.layouts, binding.names)
@@ -244,9 +322,11 @@ def build_canzona_optimizer(
 # --------------------------------------------------------------------------- training entry points
 
 
-def _parallel_sizes() -> tuple[int, int]:
+def _parallel_sizes() -> tuple[int, int, int]:
+    """DP (with context parallelism), TP and EP sizes of this run."""
     return (parallel_state.get_data_parallel_world_size(with_context_parallel=True),
-            parallel_state.get_tensor_model_parallel_world_size())
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size())
 
 
 def canzona_plan_and_layouts(
@@ -254,9 +334,11 @@ def canzona_plan_and_layouts(
 ) -> tuple[CanzonaPlan, list[Any], dict | None]:
     """:func:`plan_and_layouts` configured from ``pretrain_gpt.py``'s flags, with the plan's
     summary where it is logged (rank 0) or ``summarize_here`` asks for it."""
-    dp_size, tp_size = _parallel_sizes()
+    dp_size, tp_size, ep_size = _parallel_sizes()
+    if args.num_experts:
+        check_expert_sizes(tp_size, ep_size, parallel_state.get_expert_tensor_parallel_world_size())
     return _plan_layouts_summary(model_chunks, ddp_config, canzona_config_from_args(args), dp_size=dp_size,
-                                 tp_size=tp_size, summarize_here=summarize_here)
+                                 tp_size=tp_size, ep_size=ep_size, summarize_here=summarize_here)
 
 
 def get_canzona_optimizer(optimizer_config: Any, model_chunks: list, args: Any, plan: CanzonaPlan):

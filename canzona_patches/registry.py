@@ -144,6 +144,11 @@ CPU_TORCH_MODULES = (
     "megatron.core.transformer.module",
     "megatron.core.transformer.transformer_layer",
     "megatron.core.transformer.utils",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.distributed.distributed_data_parallel",
@@ -228,6 +233,14 @@ PATCHES: tuple[Patch, ...] = (
           label=f"{len(PRETEND_CUDA_WINDOWS)} functions (`registry.PRETEND_CUDA_WINDOWS`)",
           condition=_ON_CPU, when=_no_cuda, group=CPU,
           reason="the pretend-CUDA windows: these route parameters by `type()` or move CPU data with `.cuda()`"),
+    Patch(targets=("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",),
+          make="canzona_patches.cpu:split_sizes_on_cpu", condition=_ON_CPU, when=_no_cuda, group=CPU,
+          reason="the all-to-all token dispatcher turns its split sizes into host lists only when they are on CUDA; "
+                 "on CPU they stay tensors, which the all-to-all rejects"),
+    Patch(targets=("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",),
+          make="canzona_patches.cpu:torch_norm_with_sequence_parallel", condition=_ON_CPU, when=_no_cuda, group=CPU,
+          reason="the local spec's torch norms refuse sequence parallelism, which MoE with TP requires; "
+                 "they accept it and mark their weights for the TP all-reduce, as transformer-engine's norms do"),
     # --- megatron.training on CPU
     Patch(targets=tuple(f"{module}:torch" for module in CPU_TORCH_TRAINING_MODULES),
           make="canzona_patches.cpu:cpu_torch_one_device",

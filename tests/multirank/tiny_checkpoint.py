@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .tiny_gpt import TinyRun, _build, _full_params, _train_step
+from .tiny_gpt import TinyRun, _build, _full_params, _train_step, init_model_parallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +57,7 @@ def run_resume_job(job: ResumeJob) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     enable_cpu_mode()  # Megatron's own Adam gets its baseline fixes when tiny_gpt builds it
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=job.run.tp_size)
+    init_model_parallel(job.run)
     disarm = _arm(job.fault) if job.fault else lambda: None
     try:
         model, ddp_model, optimizer, plan = _build(job.run)
@@ -99,10 +99,9 @@ def _arm(fault: str):
 
 def content_metadata(optimizer: Any) -> dict[str, Any]:
     """What ``megatron.training`` would declare: Canzona's format, or Megatron's default."""
-    from canzona_patches.checkpoint import canzona_content_metadata
-    from canzona_patches.optimizer import CanzonaDistributedOptimizer
+    from canzona_patches.checkpoint import canzona_content_metadata, is_canzona_optimizer
 
-    if isinstance(optimizer, CanzonaDistributedOptimizer):
+    if is_canzona_optimizer(optimizer):
         return canzona_content_metadata()
     return {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
             "chained_optim_avoid_prefix": True}

@@ -89,6 +89,14 @@ class TinyRun:
     """Fill rank 0's gradient buffers with NaN before this step's update (the step must be skipped)."""
     count_syncs: bool = False
     """Count the host synchronisations inside each ``optimizer.step()`` (``host_syncs.py``)."""
+    num_experts: int = 0
+    """MoE: experts per layer (every layer's MLP), 0 for the dense model."""
+    ep_size: int = 1
+    """Expert-parallel size (expert TP is 1 with EP > 1, else the TP size, as Canzona needs)."""
+    moe_ffn_hidden: int = 32
+    """Each expert's SwiGLU intermediate size."""
+    moe_topk: int = 2
+    """Experts per token."""
 
 
 def train_tiny_gpts(runs: list[TinyRun]) -> list[dict[str, Any]]:
@@ -102,7 +110,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     enable_cpu_mode()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.tp_size)
+    init_model_parallel(run)
     try:
         model, ddp_model, optimizer, plan = _build(run)
         syncs: list[list[str]] = []
@@ -114,7 +122,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "losses": list(losses),
             "grad_norms": list(grad_norms),
             "whole_params_owned": _owned_ranges_are_whole(optimizer),
-            "updated": list(getattr(_inner(optimizer), "last_step_updates", [])),
+            "updated": _updated(optimizer),
             "step_seconds": step_seconds,
             "skipped_steps": [step for step, ok in enumerate(applied) if not ok],
             "tp_stats": _tp_stats(optimizer),
@@ -123,6 +131,17 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
         }
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def init_model_parallel(run: TinyRun) -> None:
+    """Megatron's process groups for ``run``: TP, EP, and expert TP 1 under expert
+    parallelism (else the TP size: at EP 1 experts are dense parameters)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=run.tp_size, expert_model_parallel_size=run.ep_size,
+        expert_tensor_parallel_size=1 if run.ep_size > 1 else run.tp_size,
+    )
 
 
 def _build(run: TinyRun):
@@ -139,6 +158,8 @@ def _build(run: TinyRun):
     model_parallel_cuda_manual_seed(run.seed)
     config = _transformer_config(run)
     model = _gpt_model(config)
+    if run.num_experts:
+        _init_by_global_name(model, run.seed)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=run.optimizer != "sync_muon",
         overlap_grad_reduce=run.overlap_grad_reduce,
@@ -261,6 +282,12 @@ def _tp_stats(optimizer) -> dict[str, Any] | None:
     return dataclasses.asdict(stats) if stats is not None else None
 
 
+def _updated(optimizer) -> list[str]:
+    """Global names (experts by global index) of the matrices this rank computed last step."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [name for part in parts for name in getattr(getattr(part, "optimizer", None), "last_step_updates", [])]
+
+
 def _inner(optimizer):
     """The Canzona inner optimizer (None for Megatron's own, which may be chained)."""
     if hasattr(optimizer, "chained_optimizers"):
@@ -295,6 +322,20 @@ def _transformer_config(run: TinyRun):
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **_moe_config(run),
+    )
+
+
+def _moe_config(run: TinyRun) -> dict[str, Any]:
+    """Qwen3-MoE's router (softmax over the top k, auxiliary load-balancing loss), dropless,
+    all-to-all token dispatch, sequence parallelism with TP; nothing for the dense model."""
+    if not run.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=run.num_experts, moe_router_topk=run.moe_topk, moe_ffn_hidden_size=run.moe_ffn_hidden,
+        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+        expert_model_parallel_size=run.ep_size, expert_tensor_parallel_size=1 if run.ep_size > 1 else run.tp_size,
+        sequence_parallel=run.tp_size > 1,  # Megatron's MoE layer refuses TP without it
     )
 
 
@@ -304,7 +345,8 @@ def _gpt_model(config):
 
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+        get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                 normalization="RMSNorm"),
         vocab_size=VOCAB,
         max_sequence_length=SEQ_LEN,
         position_embedding_type="rope",
@@ -326,7 +368,7 @@ def _layout(run: TinyRun, model: torch.nn.Module, dp_size: int, ddp_config):
 
         plan, (layout,) = plan_and_layouts(
             [model], ddp_config, canzona_config(run), dp_size=dp_size,
-            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(), ep_size=run.ep_size,
         )
         return plan, layout
     params = [p for p in model.parameters() if p.requires_grad]
@@ -436,13 +478,55 @@ def _mean_loss(num_tokens: int, per_token_loss: torch.Tensor):
     return loss, {"loss": loss.detach().clone()}  # the schedule rescales `loss` in place
 
 
-def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _init_by_global_name(model: torch.nn.Module, seed: int) -> None:
+    """Draw every matrix from a generator seeded by its global name, and take this rank's TP
+    shard: the same model at any EP and TP size. (Megatron draws experts in construction
+    order, so an EP rank holding experts 2 and 3 draws what EP 1 gives experts 0 and 1, and
+    every later layer shifts with it.) Norm weights keep their ones."""
+    import zlib
+
     from megatron.core import parallel_state
 
+    from canzona_patches.names import global_param_names
+    from canzona_patches.layout import is_expert_param
+
+    names = global_param_names([model])
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() < 2:
+                continue
+            expert = is_expert_param(param)
+            group = parallel_state.get_expert_tensor_parallel_group() if expert else \
+                parallel_state.get_tensor_model_parallel_group()
+            tp_size, tp_rank = dist.get_world_size(group), dist.get_rank(group)
+            sharded = tp_size > 1 and getattr(param, "tensor_model_parallel", False)
+            shape = list(param.shape)
+            if sharded:
+                shape[param.partition_dim] *= tp_size
+            generator = torch.Generator().manual_seed(zlib.crc32(names[param].encode()) ^ seed)
+            full = 0.02 * torch.randn(shape, generator=generator)
+            if sharded:  # rank r holds pieces r, r + tp, ... of tp * stride along the dim (see _unshard)
+                stride = param.partition_stride
+                pieces = full.chunk(tp_size * stride, dim=param.partition_dim)
+                full = torch.cat([pieces[j * tp_size + tp_rank] for j in range(stride)], dim=param.partition_dim)
+            param.copy_(full)
+
+
+def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's parameters, TP-unsharded, by global name (experts by global index: the
+    union over EP ranks is the whole model)."""
+    from megatron.core import parallel_state
+
+    from canzona_patches.names import global_param_names
+    from canzona_patches.layout import is_expert_param
+
+    names = global_param_names([model])
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    expert_tp_group = parallel_state.get_expert_tensor_parallel_group()
     return {
-        name: _unshard(param.detach().float().clone(), param, tp_group)
-        for name, param in model.named_parameters()
+        names[param]: _unshard(param.detach().float().clone(), param,
+                               expert_tp_group if is_expert_param(param) else tp_group)
+        for param in model.parameters()
     }
 
 

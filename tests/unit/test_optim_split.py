@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron.canzona.optim import (
+    ExpertStackLayout,
     GateUpLayout,
     ParamRouting,
     QKVLayout,
@@ -136,3 +137,18 @@ def test_build_param_groups():
     # Without layouts, fused weights stay single matrices.
     plain = {g["name"]: g for g in build_param_groups(model.named_parameters())}
     assert model.linear_qkv.weight in plain["matrix"]["params"] and "qkv" not in plain
+
+
+@pytest.mark.parametrize(("stacked", "expert"), [((8, 3 * 12), (8, 12)), ((3 * 5, 8), (5, 8))])
+def test_expert_stack_layout_takes_the_views_grouped_mlp_takes(stacked, expert):
+    """Legacy GroupedMLP: weight1 (h, E*fc1) is E contiguous (h, fc1) matrices and weight2
+    (E*fc2, h) E contiguous (fc2, h) ones -- its forward's ``view(E, ...)``."""
+    layout = ExpertStackLayout(num_experts=3, expert_shape=expert, shape=stacked)
+    x = torch.randn(stacked)
+    pieces = layout.split(x)
+    assert [tuple(p.shape) for p in pieces] == [expert] * 3
+    for e, piece in enumerate(pieces):
+        assert torch.equal(piece, x.view(3, *expert)[e])
+    assert torch.equal(layout.merge(pieces), x)
+    with pytest.raises(ValueError, match="do not fill"):
+        ExpertStackLayout(num_experts=4, expert_shape=expert, shape=stacked)

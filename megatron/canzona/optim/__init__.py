@@ -23,6 +23,7 @@ from megatron.canzona.optim.optimizers import MATRIX_OPTIMIZERS, SOAP, MatrixOpt
 from megatron.canzona.optim.shampoo import ShampooState, inverse_root, shampoo_update
 from megatron.canzona.optim.soap import SOAPState, soap_update
 from megatron.canzona.optim.split import (
+    ExpertStackLayout,
     GateUpLayout,
     ParamRouting,
     QKVLayout,
@@ -37,6 +38,7 @@ __all__ = [
     "AdamWConfig",
     "AdamWState",
     "EMERGING_OPTIMIZERS_COEFFICIENTS",
+    "ExpertStackLayout",
     "GateUpLayout",
     "MATRIX_OPTIMIZERS",
     "MatrixOptimizer",

@@ -9,6 +9,8 @@ should treat separately and merge per-piece updates back into the fused layout:
   from tensor-parallel shards along the rows keeps this layout.
 * :class:`GateUpLayout`: a SwiGLU ``linear_fc1.weight`` stacks ``[gate; up]`` per
   tensor-parallel partition; split gives the gate and the up projection.
+* :class:`ExpertStackLayout`: the legacy ``GroupedMLP``'s stacked expert weights; split
+  gives one matrix per expert.
 
 Routing is by rules evaluated in order (see :func:`classify_parameter`); the defaults
 send embeddings, the output layer, norms, biases and every non-2-D tensor to AdamW.
@@ -125,6 +127,34 @@ class GateUpLayout:
         block = half // self.num_partitions
         parts = [t.reshape(*lead, self.num_partitions, 1, block, cols) for t in (gate, up)]
         return torch.cat(parts, dim=-3).reshape(*lead, 2 * half, cols)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertStackLayout:
+    """Megatron's legacy ``GroupedMLP`` weights: ``num_experts`` matrices of shape
+    ``expert_shape`` one after another in memory (``weight1`` of shape ``(h, E * fc1)`` holds
+    E ``(h, fc1)`` matrices, ``weight2`` of shape ``(E * fc2, h)`` E ``(fc2, h)`` ones)."""
+
+    num_experts: int
+    """Local experts stacked in the tensor."""
+    expert_shape: tuple[int, int]
+    """One expert's matrix, as ``GroupedMLP``'s forward views it."""
+    shape: tuple[int, int]
+    """Shape of the stacked parameter."""
+
+    def __post_init__(self) -> None:
+        rows, cols = self.expert_shape
+        if self.num_experts < 1 or self.num_experts * rows * cols != self.shape[0] * self.shape[1]:
+            raise ValueError(
+                f"ExpertStackLayout: {self.num_experts} experts of {self.expert_shape} do not fill {self.shape}")
+
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """One matrix per expert (views of ``x``)."""
+        return list(x.reshape(self.num_experts, *self.expert_shape).unbind(0))
+
+    def merge(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Inverse of :meth:`split`."""
+        return torch.stack(list(pieces)).reshape(self.shape)
 
 
 def split_pieces(x: torch.Tensor, layout: FusedLayout | None) -> list[torch.Tensor]:

@@ -1,0 +1,172 @@
+"""Mixture of experts under Canzona equals single-device math, and its checkpoints reshard
+across expert-parallel sizes.
+
+The tiny MoE GPT (``tiny_gpt.py`` with 4 experts of FFN 32, top-2, the all-to-all
+dispatcher and an auxiliary load-balancing loss) trains a few steps with Muon, Shampoo and
+SOAP at EP 2 x DP 2 (expert-DP 2) and at EP 2 with TP 2 (expert TP 1, expert-DP 2), and once
+in a single process (EP 1: Megatron makes experts ordinary dense parameters there). The
+distributed runs must end with the single process's parameters (SOAP within twice what EP 1 x
+DP 4 differs by: see YARDSTICK), every matrix -- each expert of each layer by its global
+index -- computed exactly once per step over all ranks.
+
+A Muon run at EP 2 x DP 2 saves after step 2 and resumes at EP 4 (expert-DP 1) and at EP 1
+(one process): both must continue to the uninterrupted run's parameters.
+
+Two launches (4 ranks, then 1): starting processes and importing Megatron costs more than
+the training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.canzona.runtime import LaunchConfig, launch
+
+from . import tiny_gpt
+from .tiny_checkpoint import ResumeJob, run_resume_job
+from .tiny_gpt import TinyRun
+
+pytestmark = [
+    pytest.mark.multirank,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo runs of the CUDA->CPU redirect"),
+]
+
+LR = 2e-3
+STEPS = 4  # Shampoo and SOAP (frequency 2) refresh their preconditioners twice
+HALF = 2
+OPTIMIZERS = ("muon", "shampoo", "soap")
+# Tolerances of the dense TP test (tests/multirank/test_canzona_tp.py, where they are
+# derived): a lost, doubled or misrouted update moves a whole matrix by ~lr per step.
+MATRIX_ATOL = {"muon": 1e-3 * LR, "shampoo": 1e-3 * LR, "soap": 0.5 * LR}
+ELEMENTWISE_ATOL = {"muon": 0.01 * LR, "shampoo": 0.01 * LR, "soap": 0.25 * LR}
+MEAN_ATOL = {"muon": 1e-4 * LR, "shampoo": 1e-4 * LR, "soap": 0.05 * LR}
+LOSS_RTOL = 1e-5
+# SOAP's eigenbases of rank-deficient statistics (an expert's gradient has the rank of the
+# tokens routed to it) are picked by rounding, so the reduce order alone moves its results:
+# EP 1 x DP 4, with no expert parallelism, differs from one process by 2.5e-3 (1.2 lr) at
+# most, 4.8e-4 on average, and 3.5e-6 in the loss -- as much as EP 2 x DP 2 (2.5e-3, 4.7e-4,
+# 1.1e-5) and EP 2 with TP 2 (2.3e-3, 4.8e-4, 8.3e-6), measured. For SOAP that run is the
+# yardstick: each bound is at least REORDER_FACTOR times its difference (LOSS_FACTOR for the
+# loss, where a token's top-k choice can flip). A lost or doubled expert update moves a
+# whole matrix by ~lr per step: a mean of 2e-3, twice the bound.
+YARDSTICK = ("soap",)
+REORDER_FACTOR = 2.0
+LOSS_FACTOR = 4.0
+MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+LAYOUTS = {"ep2_dp2": dict(tp_size=1, ep_size=2), "ep2_tp2": dict(tp_size=2, ep_size=2)}
+LAUNCH_TIMEOUT_S = 420.0
+TEST_TIMEOUT_S = 2 * LAUNCH_TIMEOUT_S
+
+
+def _run(optimizer: str, **sizes: int) -> TinyRun:
+    return TinyRun(lr=LR, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1, num_experts=4,
+                   split_qkv=optimizer != "soap", **sizes)
+
+
+def moe_jobs(jobs: list[TinyRun | ResumeJob]) -> list[dict[str, Any]]:
+    """Rank body: plain runs and checkpoint jobs in order, each result with the global rank."""
+    results = []
+    for job in jobs:
+        result = run_resume_job(job) if isinstance(job, ResumeJob) else tiny_gpt.train_tiny_gpt(job)
+        results.append({**result, "rank": dist.get_rank()})
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[tuple[str, str], list[dict]]:
+    """(optimizer or job, layout) -> per-rank results."""
+    root = tmp_path_factory.mktemp("moe_checkpoints")
+    saved = _run("muon", tp_size=1, ep_size=2)
+    four = [(opt, name, _run(opt, **sizes)) for name, sizes in LAYOUTS.items() for opt in OPTIMIZERS]
+    four += [(opt, "dp4", _run(opt)) for opt in YARDSTICK]  # EP 1 x DP 4: the reduce order alone
+    four += [("saved", "ep2_dp2", ResumeJob(run=saved, save_dir=str(root), save_after=(HALF,))),
+             ("resumed", "ep4", ResumeJob(run=replace(saved, ep_size=4), load_dir=str(root)))]
+    one = [(opt, "single", _run(opt)) for opt in OPTIMIZERS]
+    one += [("resumed", "ep1", ResumeJob(run=replace(saved, ep_size=1), load_dir=str(root)))]
+    out = {}
+    for world_size, cases in ((4, four), (1, one)):
+        per_rank = launch(moe_jobs, LaunchConfig(world_size=world_size, timeout_s=LAUNCH_TIMEOUT_S),
+                          [job for _, _, job in cases])
+        for i, (key, layout, _) in enumerate(cases):
+            out[(key, layout)] = [rank[i] for rank in per_rank]
+    return out
+
+
+def _union(per_rank: list[dict]) -> dict[str, torch.Tensor]:
+    """The whole model: dense parameters (the same on every rank) and every rank's experts."""
+    params: dict[str, torch.Tensor] = {}
+    for result in per_rank:
+        params.update(result["params"])
+    return params
+
+
+def _differences(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """The largest element and the largest mean absolute difference over all tensors."""
+    diffs = [(actual[name] - value).abs() for name, value in expected.items()]
+    return max(float(d.max()) for d in diffs), max(float(d.mean()) for d in diffs)
+
+
+def _assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], optimizer: str,
+                         where: str, yardstick: tuple[float, float] = (0.0, 0.0)) -> None:
+    assert sorted(actual) == sorted(expected), f"{where}: parameter names differ"
+    for name, value in expected.items():
+        max_atol = (MATRIX_ATOL if name.endswith(MATRIX_SUFFIXES) else ELEMENTWISE_ATOL)[optimizer]
+        max_atol = max(max_atol, REORDER_FACTOR * yardstick[0])
+        torch.testing.assert_close(actual[name], value, rtol=0, atol=max_atol, msg=lambda m: f"{where} {name}: {m}")
+        mean = float((actual[name] - value).abs().mean())
+        mean_atol = max(MEAN_ATOL[optimizer], REORDER_FACTOR * yardstick[1])
+        assert mean <= mean_atol, f"{where} {name}: mean absolute difference {mean:.3g} (allowed {mean_atol:.3g})"
+
+
+def _loss_rtol(losses: list[float], reference: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_moe_equals_single_process(results, optimizer: str, layout: str) -> None:
+    (reference,) = results[(optimizer, "single")]
+    yardstick, loss_rtol = (0.0, 0.0), LOSS_RTOL
+    if optimizer in YARDSTICK:
+        dp4 = results[(optimizer, "dp4")]
+        yardstick = _differences(dp4[0]["params"], reference["params"])
+        loss_rtol = max(loss_rtol, LOSS_FACTOR * _loss_rtol(dp4[0]["losses"], reference["losses"]))
+    per_rank = results[(optimizer, layout)]
+    for result in per_rank:
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=loss_rtol, atol=0)
+    _assert_params_close(_union(per_rank), reference["params"], optimizer, f"{optimizer} {layout}", yardstick)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_expert_matrix_is_computed_once_per_step(results, optimizer: str, layout: str) -> None:
+    (reference,) = results[(optimizer, "single")]
+    matrices = sorted(name for name in reference["params"] if name.endswith(MATRIX_SUFFIXES))
+    assert sum(".experts.local_experts." in name for name in matrices) == 2 * 4 * 2  # layers x experts x fc1/fc2
+    per_rank = results[(optimizer, layout)]
+    computed = sorted(name for result in per_rank for name in result["updated"])
+    assert computed == matrices
+    experts_by_rank = [{n for n in result["updated"] if ".experts." in n} for result in per_rank]
+    assert sum(bool(e) for e in experts_by_rank) == len(per_rank), "every rank should host some experts"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("layout", ["ep4", "ep1"])
+def test_resume_across_expert_parallel_sizes(results, layout: str) -> None:
+    straight = _union(results[("muon", "ep2_dp2")])
+    resumed_ranks = results[("resumed", layout)]
+    assert all(r["start"] == HALF for r in resumed_ranks)
+    (saved_losses,) = {tuple(r["losses"]) for r in results[("saved", "ep2_dp2")]}
+    torch.testing.assert_close(list(saved_losses), results[("muon", "ep2_dp2")][0]["losses"], rtol=0, atol=0)
+    for result in resumed_ranks:
+        torch.testing.assert_close(result["losses"], results[("muon", "ep2_dp2")][0]["losses"][HALF:],
+                                   rtol=LOSS_RTOL, atol=0)
+    _assert_params_close(_union(resumed_ranks), straight, "muon", f"resumed at {layout}")
+
