@@ -3,9 +3,11 @@
 #
 # A recipe sets its architecture (NUM_LAYERS, HIDDEN_SIZE, FFN_HIDDEN_SIZE, NUM_HEADS,
 # NUM_QUERY_GROUPS, KV_CHANNELS, VOCAB_SIZE, TIED_EMBEDDINGS, the numbers of
-# megatron/canzona/planning/qwen3.py) and its defaults for the layout and batch, sources
-# this file and calls `qwen3_recipe_main "$@"`. Arguments go to pretrain_gpt.py last, so
-# they win over every flag below.
+# megatron/canzona/planning/qwen3.py; a mixture of experts adds NUM_EXPERTS, MOE_TOPK and
+# MOE_FFN_HIDDEN_SIZE, and on CPU MOE_GROUPED_GEMM=0) and its defaults
+# for the layout and batch, sources this file and calls `qwen3_recipe_main "$@"` (a CPU
+# recipe: `qwen3_cpu_main "$@"`). Arguments go to pretrain_gpt.py last, so they win over every
+# flag below.
 #
 # Environment (all optional):
 #   VARIANT        canzona (default): --optimizer $OPTIMIZER --canzona, asynchronous TP compute
@@ -14,6 +16,11 @@
 #                  adamw:     --optimizer adam with Megatron's distributed optimizer
 #   OPTIMIZER      matrix optimizer of canzona/sync/layerwise: muon (default) | shampoo | soap
 #   TP PP          tensor / pipeline parallel sizes (the recipe's defaults suit 8-GPU nodes)
+#   PP_FIRST_LAYERS PP_LAST_LAYERS   layers of the first / last pipeline stage when the layers
+#                  do not split evenly (the other stages share the rest equally)
+#   EP ETP         MoE recipes (NUM_EXPERTS set) only: expert-parallel size (default 1) and
+#                  expert-tensor-parallel size (default 1, the only size canzona and sync take:
+#                  Canzona does not split expert matrices over TP ranks)
 #   SEQ_LENGTH GLOBAL_BATCH MICRO_BATCH TRAIN_ITERS LR MIN_LR WARMUP_ITERS PRECISION(bf16|fp32)
 #   DATA_PATH      indexed dataset prefix (<prefix>.bin/.idx, from tools/preprocess_data.py)
 #   SPLIT          train,validation,test weights of its documents (default 989,10,1)
@@ -41,7 +48,8 @@
 #                  shell-quoted, one line) and exit, without looking for the data or tokenizer
 #
 # On a machine without CUDA pretrain_gpt.py runs on CPU with gloo (it switches NCCL and the
-# fused kernels off by itself); only pretrain_qwen3_tiny.sh is small enough for that.
+# fused kernels off by itself); only pretrain_qwen3_tiny.sh and pretrain_qwen3_moe_tiny.sh are
+# small enough for that.
 
 QWEN3_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
@@ -88,6 +96,32 @@ qwen3_model_args() {
     if [[ "$TIED_EMBEDDINGS" != 1 ]]; then
         MODEL_ARGS+=(--untie-embeddings-and-output-weights)
     fi
+    if [[ -n "${NUM_EXPERTS:-}" ]]; then
+        qwen3_moe_args
+        MODEL_ARGS+=("${MOE_ARGS[@]}")
+    fi
+}
+
+# Qwen3-MoE's mixture of experts, as its config.json sets it: every layer's MLP is
+# NUM_EXPERTS SwiGLU experts of width MOE_FFN_HIDDEN_SIZE (decoder_sparse_step 1, no
+# mlp_only_layers, no shared expert), each token routed to MOE_TOPK of them.
+qwen3_moe_args() {
+    MOE_ARGS=(
+        --num-experts "$NUM_EXPERTS" --moe-ffn-hidden-size "$MOE_FFN_HIDDEN_SIZE" --moe-layer-freq 1
+        # Qwen3 takes the softmax over all experts' logits, keeps the top k and divides them by
+        # their sum (norm_topk_prob). Megatron's default order, top k of the logits and then a
+        # softmax over those k (no --moe-router-pre-softmax), gives exactly these probabilities:
+        # exp(l_i) / sum over the top k of exp(l_j) either way.
+        --moe-router-topk "$MOE_TOPK" --moe-router-score-function softmax
+        # Load-balancing auxiliary loss with Qwen3's router_aux_loss_coef.
+        --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3
+        --moe-token-dispatcher-type "${MOE_DISPATCHER:-alltoall}"
+    )
+    # One grouped GEMM per layer over its local experts (transformer-engine); the CPU recipe
+    # runs them one after the other (MOE_GROUPED_GEMM=0).
+    if [[ "${MOE_GROUPED_GEMM:-1}" == 1 ]]; then
+        MOE_ARGS+=(--moe-grouped-gemm)
+    fi
 }
 
 qwen3_training_args() {
@@ -133,6 +167,22 @@ qwen3_parallel_args() {
     PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
     if (( TP > 1 )); then
         PARALLEL_ARGS+=(--sequence-parallel)
+    fi
+    if [[ -n "${PP_FIRST_LAYERS:-}" ]]; then
+        PARALLEL_ARGS+=(--decoder-first-pipeline-num-layers "$PP_FIRST_LAYERS")
+    fi
+    if [[ -n "${PP_LAST_LAYERS:-}" ]]; then
+        PARALLEL_ARGS+=(--decoder-last-pipeline-num-layers "$PP_LAST_LAYERS")
+    fi
+    if [[ -n "${NUM_EXPERTS:-}" ]]; then
+        # Megatron's expert TP defaults to TP; Canzona plans each expert matrix whole on one
+        # rank of its expert-data-parallel group and takes no expert TP > 1, so every variant
+        # gets ETP 1 explicitly (the experts are split over EP alone, the same for all four).
+        if (( ETP != 1 )) && [[ "$VARIANT" == canzona || "$VARIANT" == sync ]]; then
+            qwen3_die "ETP=$ETP: VARIANT=$VARIANT (Canzona) supports expert tensor parallel size 1 only;" \
+                "leave ETP unset"
+        fi
+        PARALLEL_ARGS+=(--expert-model-parallel-size "$EP" --expert-tensor-parallel-size "$ETP")
     fi
 }
 
@@ -228,6 +278,8 @@ qwen3_defaults() {
     NPROC_PER_NODE="${NPROC_PER_NODE:-8}"
     TP="${TP:-1}"
     PP="${PP:-1}"
+    EP="${EP:-1}"
+    ETP="${ETP:-1}"
     SEQ_LENGTH="${SEQ_LENGTH:-4096}"
     GLOBAL_BATCH="${GLOBAL_BATCH:-128}"
     MICRO_BATCH="${MICRO_BATCH:-1}"
@@ -290,6 +342,45 @@ qwen3_check_tokenizer() {
             "huggingface-cli download Qwen/Qwen3-8B config.json tokenizer.json" \
             "tokenizer_config.json vocab.json merges.txt --local-dir $TOKENIZER_MODEL"
     fi
+}
+
+# The CPU recipes (pretrain_qwen3_tiny.sh, pretrain_qwen3_moe_tiny.sh): their defaults, the
+# demo corpus made when it is missing (tools/prepare_demo_data.py, unless DATA_PATH names
+# another one), then qwen3_recipe_main. Two gloo ranks with one torch thread each, sequence 64,
+# global batch 8, fp32 (bf16 for VARIANT=layerwise), torch_dist checkpoints.
+qwen3_cpu_main() {
+    VARIANT="${VARIANT:-canzona}"
+    if [[ -z "${PRECISION:-}" ]]; then
+        # Megatron-Core 0.19.2's layer-wise Muon only chains its sub-optimizers in bf16 (in fp32
+        # they carry no config and ChainedOptimizer asserts).
+        if [[ "$VARIANT" == layerwise ]]; then PRECISION=bf16; else PRECISION=fp32; fi
+    fi
+    NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
+    SEQ_LENGTH="${SEQ_LENGTH:-64}"
+    GLOBAL_BATCH="${GLOBAL_BATCH:-8}"
+    MICRO_BATCH="${MICRO_BATCH:-2}"
+    TRAIN_ITERS="${TRAIN_ITERS:-100}"
+    LR="${LR:-3e-3}"
+    MIN_LR="${MIN_LR:-3e-4}"
+    WARMUP_ITERS="${WARMUP_ITERS:-10}"
+    NUM_WORKERS="${NUM_WORKERS:-0}"
+    TOKENIZER_TYPE="${TOKENIZER_TYPE:-SentencePieceTokenizer}"
+    TOKENIZER_MODEL="${TOKENIZER_MODEL:-$QWEN3_ROOT/data/demo/tokenizer.model}"
+    DATA_PATH="${DATA_PATH:-$QWEN3_ROOT/data/demo/demo_text_document}"
+    SPLIT="${SPLIT:-949,50,1}"
+    CKPT_FORMAT="${CKPT_FORMAT:-torch_dist}"
+    SAVE_INTERVAL="${SAVE_INTERVAL:-50}"
+    LOG_INTERVAL="${LOG_INTERVAL:-10}"
+    EVAL_INTERVAL="${EVAL_INTERVAL:-50}"
+    EVAL_ITERS="${EVAL_ITERS:-2}"
+    # One torch thread per rank: the ranks share the CPU cores.
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    if [[ "${DRY_RUN:-0}" != 1 && "$DATA_PATH" == "$QWEN3_ROOT/data/demo/demo_text_document" \
+          && ! -f "$DATA_PATH.idx" ]]; then
+        qwen3_defaults
+        "$PYTHON" "$QWEN3_ROOT/tools/prepare_demo_data.py" --output-dir "$QWEN3_ROOT/data/demo" > /dev/null
+    fi
+    qwen3_recipe_main "$@"
 }
 
 qwen3_recipe_main() {
