@@ -49,13 +49,15 @@ LOSS_RTOL = 1e-5
 # SOAP's eigenbases of rank-deficient statistics (an expert's gradient has the rank of the
 # tokens routed to it) are picked by rounding, so the reduce order alone moves its results:
 # EP 1 x DP 4, with no expert parallelism, differs from one process by 2.5e-3 (1.2 lr) at
-# most, 4.8e-4 on average, and 3.5e-6 in the loss -- as much as EP 2 x DP 2 (2.5e-3, 4.7e-4,
-# 1.1e-5) and EP 2 with TP 2 (2.3e-3, 4.8e-4, 8.3e-6), measured. For SOAP that run is the
-# yardstick: each bound is at least REORDER_FACTOR times its difference (LOSS_FACTOR for the
-# loss, where a token's top-k choice can flip). A lost or doubled expert update moves a
-# whole matrix by ~lr per step: a mean of 2e-3, twice the bound.
+# most, 4.8e-4 on average, and 3.5e-6 in the loss -- as much as EP 2 x DP 2 (4.6e-3 on one
+# embedding element, whose sign-like first Adam steps flip: 2.3 lr; 4.7e-4, 1.1e-5) and EP 2
+# with TP 2 (2.3e-3, 4.8e-4, 8.3e-6), measured. For SOAP that run is the yardstick: the
+# largest difference may be MAX_FACTOR times its own, the mean REORDER_FACTOR times, the loss
+# LOSS_FACTOR times (a token's top-k choice can flip). A lost or doubled expert update moves
+# a whole matrix by ~lr per step: a mean of 2e-3, twice the bound.
 YARDSTICK = ("soap",)
 REORDER_FACTOR = 2.0
+MAX_FACTOR = 3.0
 LOSS_FACTOR = 4.0
 MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 LAYOUTS = {"ep2_dp2": dict(tp_size=1, ep_size=2), "ep2_tp2": dict(tp_size=2, ep_size=2)}
@@ -116,7 +118,7 @@ def _assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, to
     assert sorted(actual) == sorted(expected), f"{where}: parameter names differ"
     for name, value in expected.items():
         max_atol = (MATRIX_ATOL if name.endswith(MATRIX_SUFFIXES) else ELEMENTWISE_ATOL)[optimizer]
-        max_atol = max(max_atol, REORDER_FACTOR * yardstick[0])
+        max_atol = max(max_atol, MAX_FACTOR * yardstick[0])
         torch.testing.assert_close(actual[name], value, rtol=0, atol=max_atol, msg=lambda m: f"{where} {name}: {m}")
         mean = float((actual[name] - value).abs().mean())
         mean_atol = max(MEAN_ATOL[optimizer], REORDER_FACTOR * yardstick[1])
