@@ -161,20 +161,44 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         """Whether a gradient on any rank holds inf or NaN. One fused norm per rank on the
         gradients' device, one all-reduce, one host read per step, whatever the number of
         parameters (an inf or NaN element makes its tensor's norm non-finite)."""
+        return _any_rank(self._local_nonfinite_flag(), self.get_grad_stats_parallel_group())
+
+    def _local_nonfinite_flag(self) -> torch.Tensor:
+        """1.0 where one of this rank's gradients holds inf or NaN, else 0.0 (on the device)."""
         grads = [] if self.is_stub_optimizer else self._collect_main_grad_data_for_unscaling()
-        if grads:
-            norms = torch.stack(torch._foreach_norm(grads))
-            flag = (~torch.isfinite(norms).all()).to(torch.float32).reshape(1)
-        else:
-            flag = torch.zeros(1, device=_collective_device())
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.get_grad_stats_parallel_group())
-        return bool(flag.item() > 0)
+        if not grads:
+            return torch.zeros(1, device=_collective_device())
+        norms = torch.stack(torch._foreach_norm(grads))
+        return (~torch.isfinite(norms).all()).to(torch.float32).reshape(1)
+
+
+def _any_rank(flag: torch.Tensor, group: Any) -> bool:
+    """Whether ``flag`` is set on any rank of ``group``: one all-reduce, one host read."""
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(flag.item() > 0)
 
 
 class CanzonaChainedOptimizer(ChainedOptimizer):
     """The dense and the expert Canzona optimizers of an expert-parallel run, stepped as
     Megatron chains its own, checkpointed as one: a single name-keyed state (experts by
     global index), the same as at EP 1, where experts are dense parameters of one optimizer."""
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Both optimizers' gradients, with one inf/NaN check for the two when no loss scaler
+        checks (the dense and expert flags max-reduced together: one host read per step)."""
+        found_inf = False
+        flags = []
+        for part in self.chained_optimizers:
+            found_inf |= DistributedOptimizer.prepare_grads(part)
+            if part.grad_scaler is None:
+                flags.append(part._local_nonfinite_flag())
+        if flags:
+            group = self.chained_optimizers[0].get_grad_stats_parallel_group()
+            if _any_rank(torch.stack(flags).amax().reshape(1), group):
+                logger.warning("Canzona: skipping the optimizer step, a gradient holds inf or NaN")
+                found_inf = True
+        return found_inf
 
     def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
                            sharding_type: str | None = None, metadata: dict | None = None) -> dict:

@@ -97,6 +97,8 @@ class TinyRun:
     """Each expert's SwiGLU intermediate size."""
     moe_topk: int = 2
     """Experts per token."""
+    clip_grad: float = 0.0
+    """Megatron's global-norm gradient clipping (0: none; the norm is then not computed)."""
 
 
 def train_tiny_gpts(runs: list[TinyRun]) -> list[dict[str, Any]]:
@@ -183,7 +185,7 @@ def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer,
         optimizer="muon" if megatron_muon else "adam",
         lr=run.lr,
         weight_decay=run.weight_decay,
-        clip_grad=0.0,
+        clip_grad=run.clip_grad,
         bf16=False,
         params_dtype=torch.float32,
         # Megatron's own switch for Muon: the layer-wise optimizer replaces the distributed one.
@@ -358,7 +360,11 @@ def _layout(run: TinyRun, model: torch.nn.Module, dp_size: int, ddp_config):
     if run.layout not in LAYOUTS:
         raise ValueError(f"TinyRun.layout must be one of {LAYOUTS}, got {run.layout!r}.")
     if run.optimizer == "megatron_muon":
-        return None, megatron_layer_wise_muon_layout(model, dp_size, ddp_config, bucket_size=run.bucket_size)
+        from megatron.core import parallel_state
+
+        expert_dp_size = parallel_state.get_expert_data_parallel_world_size()
+        return None, megatron_layer_wise_muon_layout(model, dp_size, ddp_config, bucket_size=run.bucket_size,
+                                                     expert_dp_size=expert_dp_size)
     if run.layout == "megatron":
         return None, None  # DDP computes DistributedOptimizer's default layout itself
     if run.layout == "canzona":
@@ -375,9 +381,12 @@ def _layout(run: TinyRun, model: torch.nn.Module, dp_size: int, ddp_config):
     return None, layer_wise_layout(params, dp_size, ddp_config, bucket_size=run.bucket_size)
 
 
-def megatron_layer_wise_muon_layout(model, dp_size: int, ddp_config, *, bucket_size: int | None):
+def megatron_layer_wise_muon_layout(model, dp_size: int, ddp_config, *, bucket_size: int | None,
+                                    expert_dp_size: int | None = None):
     """What ``megatron.training`` does for ``--optimizer muon --use-distributed-optimizer``:
-    tag the parameters for buffer routing and take LayerWiseDistributedOptimizer's layout."""
+    tag the parameters for buffer routing and take LayerWiseDistributedOptimizer's layout,
+    expert buffers sharded over the expert-DP group (``wrap_model_chunks_with_ddp``; sized by
+    the dense DP group, they name shards no expert-DP rank has)."""
     from megatron.core.optimizer.layer_wise_optimizer import (
         LayerWiseDistributedOptimizer,
         tag_params_for_buffer_routing,
@@ -385,7 +394,9 @@ def megatron_layer_wise_muon_layout(model, dp_size: int, ddp_config, *, bucket_s
 
     tag_params_for_buffer_routing([model])
     params = [p for p in model.parameters() if p.requires_grad]
-    return LayerWiseDistributedOptimizer.compute_full_param_layout(params, bucket_size, dp_size, ddp_config)
+    return LayerWiseDistributedOptimizer.compute_full_param_layout(
+        params, bucket_size, dp_size, ddp_config, expert_data_parallel_world_size=expert_dp_size
+    )
 
 
 def layer_wise_layout(params, dp_size: int, ddp_config, *, bucket_size: int | None):
