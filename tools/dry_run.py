@@ -4,6 +4,9 @@
     python tools/dry_run.py --model qwen3-32b --tp 8 --dp 32
     python tools/dry_run.py --model qwen3-8b --tp 2 --dp 128 --rank 17 --optimizer soap
     python tools/dry_run.py --model qwen3-32b --tp 8 --dp 16 --pp 2 --rank 255 --json
+    python tools/dry_run.py --model qwen3-30b-a3b --ep 8 --dp 32 --rank 77
+    python tools/dry_run.py --model qwen3-235b-a22b --ep 8 --dp 32 --pp 8 \
+        --decoder-first-pipeline-num-layers 10 --decoder-last-pipeline-num-layers 12
 
 The named rank's real Megatron-Core ``GPTModel`` (its pipeline stage; local layer spec),
 Megatron's ``DistributedDataParallel`` with the Canzona layout and the Canzona optimizer are
@@ -12,12 +15,17 @@ process-group backend standing in for the whole world. It prints what that rank 
 parameter and gradient buffers, buckets, fp32 main parameters, optimizer state by kind,
 the largest temporary buffer of the step -- beside the planner's prediction
 (``megatron.canzona.planning.memory``), and exits 1 where they disagree.
+
+Mixture-of-experts models with ``--ep`` above 1 (expert TP 1) also get expert-parallel
+buffers, planned over the expert-data-parallel group, and a second (chained) optimizer over
+them: the ``expert ...`` rows; optimizer state is summed over both optimizers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -25,9 +33,19 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.canzona.planning import DEFAULT_ALPHA, QWEN3_MODELS, get_qwen3_config  # noqa: E402
-from megatron.canzona.planning.memory import FIELD_KINDS, STATE_BYTES, STATE_KINDS, StateLayout, rank_memory  # noqa: E402
+from megatron.canzona.planning import DEFAULT_ALPHA, QWEN3_MODELS, get_qwen3_config, qwen3_specs  # noqa: E402
+from megatron.canzona.planning.grid import expert_coordinates, expert_dp_size  # noqa: E402
+from megatron.canzona.planning.memory import (  # noqa: E402
+    FIELD_KINDS,
+    STATE_BYTES,
+    STATE_KINDS,
+    RankMemory,
+    StateLayout,
+    rank_memory,
+)
+from megatron.canzona.planning.pipeline import FIRST_FLAG, LAST_FLAG, stage_layer_counts  # noqa: E402
 from megatron.canzona.planning.qwen3 import padded_vocab_size  # noqa: E402
+from megatron.canzona.planning.qwen3_moe import check_experts  # noqa: E402
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
@@ -38,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=8, help="data-parallel size")
     p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
+                   help="expert-parallel size (MoE models; expert TP is 1 above 1)")
+    p.add_argument(FIRST_FLAG, dest="first_stage_layers", type=int, default=None,
+                   help="layers of the first pipeline stage (Megatron's; for layers PP does not divide)")
+    p.add_argument(LAST_FLAG, dest="last_stage_layers", type=int, default=None,
+                   help="layers of the last pipeline stage")
     p.add_argument("--rank", type=int, default=0, help="global rank to build (Megatron's default rank order)")
     p.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon", help="matrix optimizer")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="planner balance knob")
@@ -53,12 +77,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--tp, --dp and --pp must be 1 or more")
     if not 0 <= args.rank < world:
         p.error(f"--rank {args.rank} is outside the world of TP {args.tp} x DP {args.dp} x PP {args.pp} = {world} ranks")
+    cfg = get_qwen3_config(args.model)
+    try:
+        check_experts(cfg, ep_size=args.ep, expert_tp_size=expert_tp_size(args) if cfg.is_moe else 1,
+                      expert_layout="sequential")
+        if cfg.is_moe:
+            expert_dp_size(dp_size=args.dp, tp_size=args.tp, ep_size=args.ep, expert_tp_size=expert_tp_size(args))
+        stage_layer_counts(cfg.num_layers, args.pp, first_stage_layers=args.first_stage_layers,
+                           last_stage_layers=args.last_stage_layers)
+    except ValueError as error:
+        p.error(str(error))
     return args
+
+
+def expert_tp_size(args: argparse.Namespace) -> int:
+    """Canzona hosts experts over expert DP alone: expert TP 1 under EP; at EP 1 experts are
+    dense parameters, sharded like them over the TP group."""
+    return 1 if args.ep > 1 else args.tp
 
 
 def coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
     """(DP rank, TP rank, PP stage) of a global rank in Megatron's default order tp-cp-ep-dp-pp."""
     return (rank // tp) % dp, rank % tp, rank // (tp * dp)
+
+
+def expert_coords(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(expert DP rank, EP rank, expert TP rank) of ``args.rank`` in Megatron's expert order etp-ep-dp-pp."""
+    dp_rank, tp_rank, _ = coordinates(args.rank, args.tp, args.dp)
+    return expert_coordinates(dp_rank, tp_rank, tp_size=args.tp, ep_size=args.ep, expert_tp_size=expert_tp_size(args))
 
 
 def host_ranks(args: argparse.Namespace, stage: int) -> dict[tuple[int, int], int]:
@@ -80,68 +126,44 @@ def host_ranks(args: argparse.Namespace, stage: int) -> dict[tuple[int, int], in
     return table
 
 
+def check_expert_hosts(args: argparse.Namespace, engine) -> None:
+    """The expert optimizer's hosts ``(expert DP rank d, 0)`` are rank ``d`` of its host group
+    (``build_canzona_optimizer``'s mapping): check that group rank ``d`` is the GPU of this
+    stage and EP rank whose expert DP coordinate is ``d``."""
+    import torch.distributed as dist
+
+    base = coordinates(args.rank, args.tp, args.dp)[2] * args.tp * args.dp
+    members = dist.get_process_group_ranks(engine.group)
+    _, ep_rank, _ = expert_coords(args)
+    for (edp, etp), index in engine.rank_of.items():
+        g = members[index]
+        dp_rank, tp_rank, _ = coordinates(g, args.tp, args.dp)
+        where = expert_coordinates(dp_rank, tp_rank, tp_size=args.tp, ep_size=args.ep,
+                                   expert_tp_size=expert_tp_size(args))
+        if not base <= g < base + args.tp * args.dp or where != (edp, ep_rank, etp):
+            raise RuntimeError(f"the expert host group's rank {index} is global rank {g} at expert (DP, EP, TP) "
+                               f"{where}, not the host ({edp}, {ep_rank}, {etp}) the expert optimizer maps to it")
+
+
 def build_rank(args: argparse.Namespace):
     """Rank ``args.rank``'s model stage, DDP wrapper, plan and Canzona optimizer, on meta."""
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from canzona_patches.version import quiet_megatron_notices
-
-    quiet_megatron_notices()
-    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.tp * args.dp * args.pp)
-    from canzona_patches.cpu import enable_cpu_mode
-
-    enable_cpu_mode(meta=True)
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from canzona_patches.layout import build_canzona_plan, full_param_layouts
     from canzona_patches.optimizer import build_canzona_optimizer
 
-    real_new_group = dist.new_group
-
-    def fake_group(*group_args, backend=None, **kwargs):  # every group fakes, Megatron's gloo ones too
-        return real_new_group(*group_args, **kwargs)
-
-    dist.new_group = fake_group
-    try:
-        parallel_state.initialize_model_parallel(args.tp, args.pp)
-    finally:
-        dist.new_group = real_new_group
-    model_parallel_cuda_manual_seed(1234)
-    cfg = get_qwen3_config(args.model)
     dtype = torch.bfloat16 if args.params_dtype == "bf16" else torch.float32
-    config = TransformerConfig(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
-        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
-        kv_channels=cfg.kv_channels, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True, add_bias_linear=False,
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=False,
-        perform_initialization=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
-    )
-    with torch.device("meta"):
-        model = GPTModel(
-            config, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
-            vocab_size=padded_vocab_size(cfg.vocab_size, args.tp), max_sequence_length=cfg.seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=cfg.tied_embeddings, position_embedding_type="rope",
-            rotary_base=1_000_000,
-        ).to(dtype)  # what Megatron's Float16Module does to a bf16 model
+    config, model = build_model(args, dtype)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
         grad_reduce_in_fp32=args.grad_reduce_in_fp32, bucket_size=args.bucket_size,
     )
     canzona = canzona_config(args)
-    plan, specs = build_canzona_plan([model], ddp_config, canzona, dp_size=args.dp, tp_size=args.tp)
+    # The plan is made from the live model's parameters, as pretrain_gpt.py makes it.
+    plan, specs = build_canzona_plan([model], ddp_config, canzona, dp_size=args.dp, tp_size=args.tp, ep_size=args.ep,
+                                     expert_tp_size=expert_tp_size(args))
     (layout,) = full_param_layouts(plan, [model], ddp_config)
     ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
     optimizer_config = OptimizerConfig(
@@ -150,8 +172,104 @@ def build_rank(args: argparse.Namespace):
     )
     stage = coordinates(args.rank, args.tp, args.dp)[2]
     optimizer = build_canzona_optimizer(optimizer_config, [ddp_model], canzona, plan, host_ranks=host_ranks(args, stage))
-    optimizer.optimizer.init_state()
+    dense, expert = split_optimizer(optimizer)
+    if expert is not None:  # its host mapping is build_canzona_optimizer's own: check it
+        check_expert_hosts(args, expert.optimizer.engine)
+    for part in (dense, expert):
+        if part is not None:
+            part.optimizer.init_state()
     return ddp_model, optimizer, plan, specs, canzona
+
+
+def init_fake_world(args: argparse.Namespace) -> None:
+    """Torch's fake process groups for the whole world, Megatron's groups over them, and
+    Megatron's CUDA allocations redirected to the meta device."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from canzona_patches.version import quiet_megatron_notices
+
+    quiet_megatron_notices()
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)  # "GPTModel IS DEPRECATED"
+    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.tp * args.dp * args.pp)
+    from canzona_patches.cpu import enable_cpu_mode
+
+    enable_cpu_mode(meta=True)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    real_new_group = dist.new_group
+
+    def fake_group(*group_args, backend=None, **kwargs):  # every group fakes, Megatron's gloo ones too
+        return real_new_group(*group_args, **kwargs)
+
+    dist.new_group = fake_group
+    try:
+        parallel_state.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep,
+                                                 expert_tensor_parallel_size=expert_tp_size(args))
+    finally:
+        dist.new_group = real_new_group
+    model_parallel_cuda_manual_seed(1234)
+
+
+def build_model(args: argparse.Namespace, dtype):
+    """(TransformerConfig, this rank's GPTModel stage on meta) of ``args.model``."""
+    import torch
+
+    init_fake_world(args)
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = get_qwen3_config(args.model)
+    config = TransformerConfig(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True, add_bias_linear=False,
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        num_layers_in_first_pipeline_stage=args.first_stage_layers,
+        num_layers_in_last_pipeline_stage=args.last_stage_layers,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=False,
+        perform_initialization=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        **moe_config(args, cfg),
+    )
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts or None, moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization="RMSNorm")  # moe_grouped_gemm off: SequentialMLP, the catalog's
+    with torch.device("meta"):
+        model = GPTModel(
+            config, spec,
+            vocab_size=padded_vocab_size(cfg.vocab_size, args.tp), max_sequence_length=cfg.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=cfg.tied_embeddings, position_embedding_type="rope",
+            rotary_base=1_000_000,
+        ).to(dtype)  # what Megatron's Float16Module does to a bf16 model
+    return config, model
+
+
+def moe_config(args: argparse.Namespace, cfg) -> dict:
+    """Qwen3-MoE's TransformerConfig fields (router, dropless all-to-all dispatch, expert
+    sizes); nothing for a dense model."""
+    if not cfg.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3,
+        expert_model_parallel_size=args.ep, expert_tensor_parallel_size=expert_tp_size(args),
+        sequence_parallel=args.tp > 1,  # Megatron's MoE layer refuses TP without it
+    )
+
+
+def split_optimizer(optimizer):
+    """(dense, expert or None) ``CanzonaDistributedOptimizer``s of what ``build_canzona_optimizer`` returned."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        return optimizer, None
+    dense, expert = chained
+    return dense, expert
 
 
 def canzona_config(args: argparse.Namespace):
@@ -164,10 +282,18 @@ def canzona_config(args: argparse.Namespace):
 
 
 def measure(ddp_model, optimizer) -> dict:
-    """What the built rank actually holds, in elements."""
+    """What the built rank actually holds, in elements: its dense buffers and optimizer, and
+    (``experts``) its expert-parallel ones."""
+    dense, expert = split_optimizer(optimizer)
+    record = _measure_part(list(ddp_model.buffers), dense)
+    record["experts"] = None if expert is None else _measure_part(list(ddp_model.expert_parallel_buffers), expert)
+    return record
+
+
+def _measure_part(buffers: list, optimizer) -> dict:
+    """Buffers, shards, main parameters, state and temporaries of one distributed optimizer."""
     from canzona_patches.layout import BUFFER_ROUTING_ATTR
 
-    buffers = list(ddp_model.buffers) + list(ddp_model.expert_parallel_buffers)
     matrix = [b for b in buffers if getattr(b.params[0], BUFFER_ROUTING_ATTR, False)]
     other = [b for b in buffers if not getattr(b.params[0], BUFFER_ROUTING_ATTR, False)]
     inner = optimizer.optimizer
@@ -204,8 +330,33 @@ def measure(ddp_model, optimizer) -> dict:
 
 
 def predict(args: argparse.Namespace, plan, specs_state: StateLayout, specs) -> dict:
+    """The planner's prediction of what :func:`measure` finds, dense and (``experts``) expert."""
     dp_rank, tp_rank, _ = coordinates(args.rank, args.tp, args.dp)
     mem = rank_memory(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, state=specs_state)
+    record = _predict_part(args, mem, plan)
+    record["experts"] = None if mem.experts is None else _predict_part(args, mem.experts, plan.experts)
+    return record
+
+
+def catalog_row(args: argparse.Namespace, specs) -> dict:
+    """The stage's parameters as the planning catalog describes them (``qwen3_specs``: its
+    pipeline split, expert sharding and Megatron names) against the built model's: the
+    plan is made from the model, so this is what checks the model is the one asked for."""
+    stage = coordinates(args.rank, args.tp, args.dp)[2]
+    catalog = qwen3_specs(args.model, tp_size=args.tp, ep_size=args.ep,
+                          expert_tp_size=expert_tp_size(args) if get_qwen3_config(args.model).is_moe else 1,
+                          pp_size=args.pp, pp_rank=stage, first_stage_layers=args.first_stage_layers,
+                          last_stage_layers=args.last_stage_layers)
+
+    def described(rows) -> list[tuple]:
+        return [(s.name, s.local_shape, s.is_expert, s.family) for s in rows]
+
+    row = _row("parameter elements (the catalog's names and shapes)", sum(s.numel for s in catalog),
+               sum(s.numel for s in specs), None)
+    return {**row, "ok": row["ok"] and described(catalog) == described(specs)}
+
+
+def _predict_part(args: argparse.Namespace, mem: RankMemory, plan) -> dict:
     return {
         "param_buffer_elements": mem.param_buffer_elements,
         "grad_buffer_elements": mem.param_buffer_elements,
@@ -222,51 +373,73 @@ def predict(args: argparse.Namespace, plan, specs_state: StateLayout, specs) -> 
     }
 
 
-ROWS = (  # (key, label, bytes per element: a number, or the key of one)
+PART_ROWS = (  # (key, label, bytes per element: a number, or the key of one), once per part (dense, expert)
     ("param_buffer_elements", "parameter buffers", "param_dtype_bytes"),
     ("grad_buffer_elements", "gradient buffers", "grad_dtype_bytes"),
     ("num_matrix_buckets", "matrix buffer buckets", None),
     ("shard_elements", "parameter elements in this rank's shards", None),
     ("main_param_elements", "fp32 main parameters", STATE_BYTES),
-    *((f"state:{kind}", f"optimizer state: {kind.replace('_', ' ')}", STATE_BYTES) for kind in STATE_KINDS),
+)
+STATE_ROWS = tuple((f"state:{kind}", f"optimizer state: {kind.replace('_', ' ')}", STATE_BYTES) for kind in STATE_KINDS)
+"""Summed over the dense and the expert optimizer."""
+TEMPORARY_ROWS = (
     ("largest_temporary_elements", "largest temporary buffer of the step", STATE_BYTES),
     ("step_temporary_elements", "host-group buffers alive at once", STATE_BYTES),
     ("compute_batch_elements", "largest host-compute batch (stacked grads)", STATE_BYTES),
 )
-STEADY = ("parameter buffers", "gradient buffers", "fp32 main parameters",
-          *(f"optimizer state: {kind.replace('_', ' ')}" for kind in STATE_KINDS))
-"""What a rank holds between steps; the step adds the host-group buffers and a stack copy."""
+EXPERT = "expert "
+"""Label prefix of the expert part's rows."""
+STEADY = ("parameter buffers", "gradient buffers", "fp32 main parameters")
+"""What a part holds between steps, with the optimizer state; the step adds the host-group
+buffers and a stack copy."""
 TRANSIENT = ("host-group buffers alive at once", "largest host-compute batch (stacked grads)")
 
 
 def memory_summary(rows: list[dict]) -> dict:
-    """Steady-state and peak bytes of the step, from the measured rows."""
+    """Steady-state and peak bytes of the step, from the measured rows. The dense and the
+    expert optimizer step one after the other, so the peak adds the larger of their transients."""
     by_name = {row["quantity"]: row["bytes"] or 0 for row in rows}
-    steady = sum(by_name[name] for name in STEADY)
-    peak = steady + sum(by_name[name] for name in TRANSIENT)
+    steady = sum(by_name.get(prefix + name, 0) for prefix in ("", EXPERT) for name in STEADY)
+    steady += sum(by_name[label] for _, label, _ in STATE_ROWS)
+    peak = steady + max(sum(by_name.get(prefix + name, 0) for name in TRANSIENT) for prefix in ("", EXPERT))
     return {"steady_bytes": steady, "peak_bytes": peak, "peak_over_steady": peak / steady if steady else 0.0}
 
 
-def _value(record: dict, key: str):
-    if key.startswith("state:"):
-        return record["state_elements"][key.split(":", 1)[1]]
-    return record[key]
+def _row(label: str, predicted: int, measured: int, size: int | None) -> dict:
+    return {"quantity": label, "predicted": predicted, "measured": measured,
+            "bytes": None if size is None else measured * size, "ok": predicted == measured}
+
+
+def _part_rows(predicted: dict, measured: dict, specs: tuple, prefix: str) -> list[dict]:
+    return [_row(prefix + label, predicted[key], measured[key], measured[per] if isinstance(per, str) else per)
+            for key, label, per in specs]
+
+
+def _layout_rows(predicted: dict, measured: dict, prefix: str) -> list[dict]:
+    """Every bucket's size in order, and the buffers' dtypes."""
+    rows = [{"quantity": prefix + "bucket sizes, in order", "predicted": len(predicted["bucket_elements"]),
+             "measured": len(measured["bucket_elements"]), "bytes": None,
+             "ok": predicted["bucket_elements"] == measured["bucket_elements"]}]
+    return rows + [_row(prefix + key.replace("_", " "), predicted[key], measured[key], None)
+                   for key in ("param_dtype_bytes", "grad_dtype_bytes")]
 
 
 def compare(predicted: dict, measured: dict) -> list[dict]:
+    """One row per quantity: the dense part, the expert part (when either side has one), the
+    optimizer state of both, the temporaries of each optimizer, then bucket sizes and dtypes."""
+    parts = [(predicted, measured, "")]
     rows = []
-    for key, label, per in ROWS:
-        p, m = _value(predicted, key), _value(measured, key)
-        size = measured[per] if isinstance(per, str) else per
-        rows.append({"quantity": label, "predicted": p, "measured": m, "bytes": None if size is None else m * size,
-                     "ok": p == m})
-    rows.append({"quantity": "bucket sizes, in order", "predicted": len(predicted["bucket_elements"]),
-                 "measured": len(measured["bucket_elements"]), "bytes": None,
-                 "ok": predicted["bucket_elements"] == measured["bucket_elements"]})
-    for key in ("param_dtype_bytes", "grad_dtype_bytes"):
-        rows.append({"quantity": key.replace("_", " "), "predicted": predicted[key], "measured": measured[key],
-                     "bytes": None, "ok": predicted[key] == measured[key]})
-    return rows
+    if predicted["experts"] is not None and measured["experts"] is not None:
+        parts.append((predicted["experts"], measured["experts"], EXPERT))
+    elif predicted["experts"] is not None or measured["experts"] is not None:
+        rows.append(_row("expert-parallel buffers", int(predicted["experts"] is not None),
+                         int(measured["experts"] is not None), None))
+    rows = [row for p, m, prefix in parts for row in _part_rows(p, m, PART_ROWS, prefix)] + rows
+    for key, label, per in STATE_ROWS:
+        kind = key.split(":", 1)[1]
+        rows.append(_row(label, *(sum(part[i]["state_elements"][kind] for part in parts) for i in (0, 1)), per))
+    rows += [row for p, m, prefix in parts for row in _part_rows(p, m, TEMPORARY_ROWS, prefix)]
+    return rows + [row for p, m, prefix in parts for row in _layout_rows(p, m, prefix)]
 
 
 def _gib(value: int | None) -> str:
@@ -287,16 +460,21 @@ def main(argv: list[str] | None = None) -> int:
                         grafting=getattr(matrix, "grafting", "adam") == "adam")
     measured = measure(ddp_model, optimizer)
     predicted = predict(args, plan, state, specs)
-    rows = compare(predicted, measured)
+    rows = [catalog_row(args, specs), *compare(predicted, measured)]
     dp_rank, tp_rank, stage = coordinates(args.rank, args.tp, args.dp)
+    expert_dp_rank, ep_rank, _ = expert_coords(args)
+    experts = measured["experts"]
     report = {
-        "config": {"model": args.model, "tp": args.tp, "dp": args.dp, "pp": args.pp, "rank": args.rank,
-                   "dp_rank": dp_rank, "tp_rank": tp_rank, "pp_stage": stage, "optimizer": args.optimizer,
+        "config": {"model": args.model, "tp": args.tp, "dp": args.dp, "pp": args.pp, "ep": args.ep, "rank": args.rank,
+                   "dp_rank": dp_rank, "tp_rank": tp_rank, "pp_stage": stage,
+                   "expert_dp": None if plan.experts is None else plan.experts.dp_size,
+                   "expert_dp_rank": expert_dp_rank, "ep_rank": ep_rank, "optimizer": args.optimizer,
                    "params_dtype": args.params_dtype, "grad_reduce_in_fp32": args.grad_reduce_in_fp32,
                    "alpha": args.alpha, "bucket_size": plan.dp.bucket_size, "device": measured["device"]},
         "build_seconds": built,
         "rows": rows,
         "buckets": measured["bucket_elements"],
+        "expert_buckets": None if experts is None else experts["bucket_elements"],
         "memory": memory_summary(rows),
         "agree": all(r["ok"] for r in rows),
     }
@@ -309,15 +487,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_report(report: dict) -> None:
     c = report["config"]
+    experts = "" if c["expert_dp"] is None else \
+        f" (experts: EP {c['ep']} x expert DP {c['expert_dp']}, EP rank {c['ep_rank']}, expert DP rank {c['expert_dp_rank']})"
     print(f"[canzona] dry run: {c['model']} TP {c['tp']} x DP {c['dp']} x PP {c['pp']}, rank {c['rank']} "
-          f"(DP rank {c['dp_rank']}, TP rank {c['tp_rank']}, stage {c['pp_stage']}), {c['optimizer']}, "
+          f"(DP rank {c['dp_rank']}, TP rank {c['tp_rank']}, stage {c['pp_stage']}){experts}, {c['optimizer']}, "
           f"{c['params_dtype']} parameters, built on {c['device']} in {report['build_seconds']:.1f} s")
-    print(f"{'':2}{'quantity':<44}{'predicted':>16}{'measured':>16}{'bytes':>14}")
+    width = max(44, *(len(row["quantity"]) + 2 for row in report["rows"]))
+    print(f"{'':2}{'quantity':<{width}}{'predicted':>16}{'measured':>16}{'bytes':>14}")
     for row in report["rows"]:
         mark = "  " if row["ok"] else "! "
-        print(f"{mark}{row['quantity']:<44}{row['predicted']:>16,}{row['measured']:>16,}{_gib(row['bytes']):>14}")
-    buckets = report["buckets"]
-    print(f"buckets: {len(buckets)}, largest {max(buckets):,} elements, smallest {min(buckets):,}")
+        print(f"{mark}{row['quantity']:<{width}}{row['predicted']:>16,}{row['measured']:>16,}{_gib(row['bytes']):>14}")
+    for label, buckets in (("buckets", report["buckets"]), ("expert buckets", report["expert_buckets"])):
+        if buckets:
+            print(f"{label}: {len(buckets)}, largest {max(buckets):,} elements, smallest {min(buckets):,}")
     memory = report["memory"]
     print(f"memory: {_gib(memory['steady_bytes'])} between steps, peak {_gib(memory['peak_bytes'])} in the "
           f"optimizer step ({memory['peak_over_steady']:.3f}x; the update functions' own working set comes on top)")

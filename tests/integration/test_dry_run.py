@@ -4,7 +4,8 @@ Each run builds a real Megatron-Core GPTModel stage of Qwen3 for one rank of a 2
 Megatron's DDP with the Canzona layout and the Canzona optimizer, under torch's fake
 process-group backend, in a few seconds and without storage; the buffers, buckets, main
 parameters, optimizer state by kind and step temporaries DDP and the optimizer actually
-allocated must be the ones the planner predicts.
+allocated must be the ones the planner predicts. One MoE rank adds the expert-parallel
+buffers and the chained expert optimizer.
 """
 
 from __future__ import annotations
@@ -64,6 +65,38 @@ def test_a_full_size_rank_is_what_the_plan_predicts(case):
         assert rows["optimizer state: momentum"]["measured"] > 0
 
 
+MOE_CASE = ("--model", "qwen3-30b-a3b", "--ep", "8", "--dp", "32", "--rank", "27")
+"""Qwen3-30B-A3B at EP 8 x expert DP 4 (32 GPUs): rank 27 is EP rank 3, expert DP rank 3,
+holding 16 local experts in each of 48 layers (3.6 G expert elements). Expert DP 4, not 2,
+because at 2 every expert lies whole in its host's shard and the expert host-group step has
+nothing to gather; the build costs the same (about 9 s of CPU)."""
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_a_full_size_moe_rank_is_what_the_plan_predicts():
+    out = dry_run(*MOE_CASE, "--json")
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = {row["quantity"]: row for row in report["rows"]}
+    assert report["agree"] and all(row["ok"] for row in rows.values())
+    c = report["config"]
+    assert (c["ep"], c["expert_dp"], c["ep_rank"], c["expert_dp_rank"]) == (8, 4, 3, 3)
+    parts = ("parameter buffers", "gradient buffers", "matrix buffer buckets", "parameter elements in this rank's shards",
+             "fp32 main parameters", "largest temporary buffer of the step", "host-group buffers alive at once",
+             "largest host-compute batch (stacked grads)")
+    for name in parts:
+        assert rows[name]["measured"] > 0 and rows["expert " + name]["measured"] > 0, name
+    # 48 layers x 16 local experts x (gate/up + down) 3 x 2048 x 768, unpadded, in the expert buffers.
+    assert rows["expert parameter buffers"]["measured"] >= 48 * 16 * 3 * 2048 * 768
+    assert len(report["expert_buckets"]) == rows["expert matrix buffer buckets"]["measured"] > 2
+    state = sum(row["measured"] for name, row in rows.items() if name.startswith("optimizer state"))
+    steady = sum(rows[prefix + name]["bytes"] for prefix in ("", "expert ")
+                 for name in ("parameter buffers", "gradient buffers", "fp32 main parameters"))
+    memory = report["memory"]
+    assert memory["steady_bytes"] == steady + 4 * state
+    assert memory["steady_bytes"] < memory["peak_bytes"] <= PEAK_FACTOR * memory["steady_bytes"]
+
+
 def test_the_table_names_every_quantity():
     out = dry_run("--model", "qwen3-tiny", "--dp", "4")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -94,8 +127,12 @@ def test_a_disagreement_exits_non_zero_and_names_the_quantity():
     assert "DISAGREE with the plan: optimizer state: adam moments" in out.stdout
 
 
-@pytest.mark.parametrize("args,hint", [(("--rank", "8", "--dp", "4"), "outside the world"),
-                                       (("--model", "gpt-9"), "choose one of")])
+@pytest.mark.parametrize("args,hint", [
+    (("--rank", "8", "--dp", "4"), "outside the world"),
+    (("--model", "gpt-9"), "choose one of"),
+    (("--model", "qwen3-235b-a22b", "--pp", "8", "--ep", "8", "--dp", "8"), "--decoder-first-pipeline-num-layers 11"),
+    (("--model", "qwen3-30b-a3b", "--ep", "16", "--dp", "8"), "choose --ep"),
+])
 def test_bad_input_is_one_line_with_the_fix(args, hint):
     out = dry_run(*args)
     assert out.returncode == 2

@@ -2,7 +2,10 @@
 
 For a (DP rank, TP rank) of a pipeline stage: the parameter and gradient buffers and their
 buckets, the fp32 main parameters (copies of its shard, for bf16/fp16 parameters), the
-optimizer state by kind, and the temporaries of the host-group step. ``tools/dry_run.py``
+optimizer state by kind, and the temporaries of the host-group step. With expert
+parallelism (``plan.experts``) the same quantities of the rank's expert buffers follow from
+the expert plan at the rank's expert coordinate (:mod:`~megatron.canzona.planning.grid`),
+in ``RankMemory.experts``. ``tools/dry_run.py``
 builds the real rank (Megatron's model, DDP and the Canzona optimizer, on the meta device)
 and checks every number here against what was actually allocated.
 
@@ -19,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .comm import holders_of
+from .grid import expert_coordinates
 from .plan import BufferPlan, CanzonaPlan
 from .specs import ParamSpec
 
@@ -88,12 +92,22 @@ class RankMemory:
     compute_batch_elements: int = 0
     """Full-matrix elements of the largest host-compute batch: at most what stacking its
     same-shape gradients copies (the update functions' own working set comes on top)."""
+    experts: RankMemory | None = None
+    """The same for the rank's expert-parallel buffers and the expert optimizer (a second
+    one, stepped after the dense one); ``None`` without expert parallelism."""
 
 
 def rank_memory(
     plan: CanzonaPlan, specs: Sequence[ParamSpec], *, dp_rank: int, tp_rank: int, state: StateLayout,
 ) -> RankMemory:
-    """Predicted memory of rank ``(dp_rank, tp_rank)`` under ``plan`` (async mode)."""
+    """Predicted memory of rank ``(dp_rank, tp_rank)`` under ``plan`` (async mode), its
+    expert buffers included (``experts``) when the plan has an expert plan."""
+    experts = None
+    if plan.experts is not None:
+        expert_dp_rank, _, expert_tp_rank = expert_coordinates(
+            dp_rank, tp_rank, tp_size=plan.tp_size, ep_size=plan.ep_size, expert_tp_size=plan.experts.tp_size)
+        # Every EP rank holds the same local expert names, so the EP coordinate does not matter.
+        experts = rank_memory(plan.experts, specs, dp_rank=expert_dp_rank, tp_rank=expert_tp_rank, state=state)
     by_name = {(s.chunk, s.name): s for s in specs}
     buffers = [(c, dp.matrix) for c, dp in enumerate(plan.layouts)]
     buffers += [(c, dp.elementwise) for c, dp in enumerate(plan.layouts) if dp.elementwise is not None]
@@ -114,6 +128,7 @@ def rank_memory(
         largest_temporary_elements=largest,
         step_temporary_elements=step,
         compute_batch_elements=_largest_batch(plan, specs, dp_rank, tp_rank),
+        experts=experts,
     )
 
 
