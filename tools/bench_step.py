@@ -4,6 +4,7 @@
     python tools/bench_step.py                          # DP 2 on gloo, one thread per rank
     python tools/bench_step.py --dp 4 --layers 4 --hidden 512 --steps 8 --rounds 4 --json step.json
     python tools/bench_step.py --tp 2 --dp 1 --gantt step_tp2.png    # tensor parallelism
+    python tools/bench_step.py --moe --dp 4 --ep 2 --layers 2 --hidden 256   # mixture of experts
 
 Every variant trains the same Qwen3-like GPT (QK-norm, SwiGLU, GQA) with Megatron-Core's
 DDP on gloo, one process and one torch thread per DP rank, and times ``optimizer.step()``
@@ -25,9 +26,37 @@ per step and rank on the TP group are measured for Canzona's two modes and compu
 shapes for Megatron's all-gathers (at TP 1, Canzona's host-group bytes: non-zero only for
 matrices split across DP shards). ``--gantt FILE.png`` draws one async step per rank.
 
-Prints the median step time of each variant, the ratios to ``sync`` and the ideal
-``1/DP``, and a JSON object (``--json FILE`` to also write it). Ratios from one run only:
-the machine is shared and absolute times drift between runs.
+Prints the median step time of each variant, its ratios to ``sync`` and to ``megatron``,
+the ideal ``canzona / sync`` (1/DP for a dense model at TP 1), the matrices each rank
+computes per step, and a JSON object with the configuration, git revision and machine
+(``--json FILE`` to also write it). Ratios from one run only: the machine is shared and
+absolute times drift between runs.
+
+``--moe`` replaces every layer's MLP by ``--num-experts`` SwiGLU experts (top ``--moe-topk``,
+all-to-all dispatch, auxiliary load-balancing loss) over ``--ep`` expert-parallel ranks,
+expert TP 1 (sequence parallelism with ``--tp`` > 1); each rank holds num_experts / EP
+local experts, replicated over the expert-DP group of DP*TP / EP ranks. The variants:
+
+* ``canzona`` -- the dense and the expert Canzona optimizers chained: each dense matrix
+  computed once over DP x TP, each expert matrix once over its expert-DP group;
+* ``sync`` -- at TP 1 every rank runs Muon on every matrix it holds: all dense matrices and
+  its local experts. That is synchronous compute under EP: DDP all-reduces dense gradients
+  over DP and expert gradients over expert-DP, so every replica of a matrix computes the same
+  update (it ends within fp32 rounding of ``canzona``'s parameters). At TP > 1 it is
+  Canzona's ``sync`` TP mode, as without experts;
+* ``megatron`` -- Megatron's layer-wise Muon, wired as ``megatron.training`` wires it:
+  expert buffers laid out and sharded over expert-DP, each matrix computed once over its
+  (expert-)DP group. One difference in the math: Megatron's Muon takes every 2-D
+  non-embedding weight, so it also orthogonalizes the MoE routers, which Canzona (like the
+  ``sync`` variant) leaves to AdamW (its rows are per-expert logits) -- one small matrix
+  (experts x hidden) per layer; with the routers on AdamW the two end within rounding.
+
+Matrices per step and rank (parameter tensors, a fused QKV as one) are what each Canzona
+rank reports computing; for ``sync`` at TP 1 the matrices the rank holds; for ``megatron``
+the mean over ranks from the shapes (routers included), as its per-rank split is not
+reported. The ideal ``canzona / sync`` is a perfectly balanced share of the plan's cost
+against what a ``sync`` rank computes. Host-group bytes are not measured under ``--moe``
+(the harness reports them for a single Canzona optimizer, not a dense + expert chain).
 """
 
 from __future__ import annotations
@@ -35,11 +64,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from megatron.canzona.planning import CanzonaPlan  # noqa: E402
 from megatron.canzona.runtime import LaunchConfig, launch  # noqa: E402
@@ -65,20 +96,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps per variant and round")
     parser.add_argument("--rounds", type=int, default=3,
                         help="variants run in turn this many times, so load drift hits them alike")
+    parser.add_argument("--moe", action="store_true", help="mixture of experts in every layer (see --num-experts)")
+    parser.add_argument("--num-experts", type=int, default=8, help="with --moe: experts per layer")
+    parser.add_argument("--ep", type=int, default=None, help="with --moe: expert-parallel size (default 2)")
+    parser.add_argument("--moe-ffn-hidden", type=int, default=None,
+                        help="with --moe: each expert's SwiGLU size (default: hidden / 2)")
+    parser.add_argument("--moe-topk", type=int, default=2, help="with --moe: experts per token")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a hung launch fails")
     parser.add_argument("--json", metavar="FILE", help="also write the JSON result here")
     args = parser.parse_args(argv)
     if args.dp < 1 or args.tp < 1:
         parser.error(f"--dp {args.dp} and --tp {args.tp} must be at least 1")
-    if args.gantt and args.tp == 1:
-        parser.error("--gantt draws the TP pipeline: add --tp 2")
+    if args.gantt and (args.tp == 1 or args.moe):
+        parser.error("--gantt draws the dense TP pipeline: add --tp 2, without --moe")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error("--steps and --rounds must be at least 1 and --warmup at least 0")
     if args.hidden % 4:
         parser.error(f"--hidden {args.hidden} must be a multiple of the 4 attention heads")
     # 8/3 hidden, rounded to a multiple of 64 so it splits over TP ranks.
     args.ffn_hidden = args.ffn_hidden or max(64, round(8 * args.hidden / 3 / 64) * 64)
+    check_moe_args(parser, args)
     return args
+
+
+def check_moe_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the MoE defaults (``ep_size`` 1 and no experts without ``--moe``) and check them."""
+    if not args.moe:
+        if args.ep is not None:
+            parser.error("--ep needs --moe")
+        args.ep, args.num_experts = 1, 0
+        return
+    args.ep = 2 if args.ep is None else args.ep
+    args.moe_ffn_hidden = args.moe_ffn_hidden or max(64, args.hidden // 2)
+    world = args.dp * args.tp
+    if args.ep < 1 or world % args.ep:
+        parser.error(f"--ep {args.ep} must divide the {world} processes (--dp {args.dp} x --tp {args.tp})")
+    if args.num_experts < 1 or args.num_experts % args.ep:
+        parser.error(f"--num-experts {args.num_experts} must be a positive multiple of --ep {args.ep}")
+    if not 1 <= args.moe_topk <= args.num_experts:
+        parser.error(f"--moe-topk {args.moe_topk} must lie in 1..{args.num_experts} (--num-experts)")
 
 
 def variants(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
@@ -94,6 +150,8 @@ def runs_for(args: argparse.Namespace) -> list[TinyRun]:
             num_steps=args.warmup + args.steps, global_batch=global_batch, micro_batch=2,
             lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
             ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha,
+            **(dict(num_experts=args.num_experts, ep_size=args.ep, moe_ffn_hidden=args.moe_ffn_hidden,
+                    moe_topk=args.moe_topk) if args.moe else {}),
         )
         for _ in range(args.rounds)
         for optimizer, tp_mode in variants(args).values()
@@ -107,13 +165,90 @@ def step_times(per_rank: list[dict], warmup: int) -> list[float]:
 
 def megatron_duplicated_bytes(params: dict, args: argparse.Namespace) -> float:
     """Mean bytes a rank sends per step in Megatron's duplicated TP mode: every TP rank
-    all-gathers each TP-sharded matrix of its DP rank (fp32, (tp-1) shards each)."""
-    sharded = [p for n, p in params.items() if n.endswith(TP_SHARDED_SUFFIXES)]
+    all-gathers each TP-sharded matrix of its DP rank (fp32, (tp-1) shards each). Experts
+    (expert TP 1 under EP) are not sharded."""
+    sharded = [p for n, p in params.items() if n.endswith(MATRIX_SUFFIXES) and not is_expert_name(n)]
     total = sum(p.numel() // args.tp * 4 * (args.tp - 1) * args.tp for p in sharded)
     return total / (args.dp * args.tp)
 
 
-TP_SHARDED_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+"""The weights every variant gives Muon (TP-sharded when dense); not embeddings, output, routers."""
+
+
+def is_expert_name(name: str) -> bool:
+    return ".local_experts." in name
+
+
+def matrices_per_rank(last: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, object]:
+    """Matrices (parameter tensors) each rank computes per step: Canzona's reported updates,
+    at TP 1 every matrix a ``sync`` rank holds, Megatron's mean from the shapes (each Muon
+    matrix, routers included, once over its DP or expert-DP group)."""
+    names = set().union(*(r["params"] for r in last["canzona"]))  # experts by global index
+    experts = sum(n.endswith(MATRIX_SUFFIXES) and is_expert_name(n) for n in names)
+    dense = sum(n.endswith(MATRIX_SUFFIXES) and not is_expert_name(n) for n in names)
+    routers = sum(n.endswith("router.weight") for n in names)
+    expert_dp = expert_dp_size(args)
+    sync = ([sum(n.endswith(MATRIX_SUFFIXES) for n in r["params"]) for r in last["sync"]] if args.tp == 1
+            else [len(r["updated"]) for r in last["sync"]])
+    return {
+        "model": {"dense": dense, "experts": experts, "routers": routers},
+        "canzona": [len(r["updated"]) for r in last["canzona"]],
+        "sync": sync,
+        "megatron_mean": (dense + routers) / args.dp + experts / args.ep / expert_dp,
+    }
+
+
+def expert_dp_size(args: argparse.Namespace) -> int:
+    """Ranks holding the same experts: expert TP is 1 under EP, else the TP size (tiny_gpt)."""
+    return args.dp * args.tp // (args.ep * (1 if args.ep > 1 else args.tp))
+
+
+def ideal_ratio(plan: CanzonaPlan, args: argparse.Namespace) -> float:
+    """Canzona's step against ``sync``'s if the plan's cost were spread evenly over all
+    ranks: ``sync`` computes every matrix it holds at TP 1, its DP rank's share at TP > 1."""
+    dense = sum(h.cost for h in plan.hosts)
+    local_experts = 0.0 if plan.experts is None else sum(h.cost for h in plan.experts.hosts)
+    canzona = statistics.mean(plan.combined_loads())
+    if args.tp == 1:
+        return canzona / (dense + local_experts)
+    expert_dp = 1 if plan.experts is None else plan.experts.dp_size
+    return canzona / (dense / args.dp + local_experts / expert_dp)
+
+
+def git_revision() -> str | None:
+    """HEAD's commit, read from ``.git`` (no git process needed)."""
+
+    def read(*parts: str) -> str:
+        with open(os.path.join(*parts)) as stream:
+            return stream.read().strip()
+
+    git = os.path.join(ROOT, ".git")
+    try:
+        if os.path.isfile(git):  # a worktree: "gitdir: PATH"
+            git = read(git).split(":", 1)[1].strip()
+        head = read(git, "HEAD")
+        if not head.startswith("ref: "):
+            return head
+        ref = head.removeprefix("ref: ")
+        if os.path.exists(os.path.join(git, ref)):
+            return read(git, ref)
+        packed = read(git, "packed-refs").splitlines()
+        return next((line.split()[0] for line in packed if line.endswith(" " + ref)), None)
+    except (OSError, IndexError):
+        return None
+
+
+def machine() -> dict[str, object]:
+    """Where the run ran: the load average says how busy the shared machine was."""
+    import torch
+
+    return {
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+        "backend": "gloo", "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
 
 
 def draw_gantt(per_rank: list[dict], path: str) -> None:
@@ -149,12 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     runs = runs_for(args)
-    print(f"bench_step: TP {args.tp} x DP {args.dp} on gloo, {args.layers} layers, hidden {args.hidden}, "
-          f"ffn {args.ffn_hidden}; {args.rounds} rounds of {args.warmup} + {args.steps} steps per variant ...",
-          flush=True)
+    moe = (f"; {args.num_experts} experts (ffn {args.moe_ffn_hidden}, top {args.moe_topk}) over EP {args.ep}"
+           if args.moe else f", ffn {args.ffn_hidden}")
+    print(f"bench_step: TP {args.tp} x DP {args.dp} on gloo, {args.layers} layers, hidden {args.hidden}{moe}; "
+          f"{args.rounds} rounds of {args.warmup} + {args.steps} steps per variant ...", flush=True)
     start = time.perf_counter()
-    world = args.dp * args.tp
-    per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=world, timeout_s=args.timeout), runs)
+    per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=args.dp * args.tp, timeout_s=args.timeout), runs)
     names = list(variants(args))
     results: dict[str, list[float]] = {name: [] for name in names}
     last: dict[str, list[dict]] = {}
@@ -162,34 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         name = names[i % len(names)]
         last[name] = [rank[i] for rank in per_rank]
         results[name] += step_times(last[name], args.warmup)
-    medians = {name: statistics.median(times) for name, times in results.items()}
-    sync = medians["sync"]
-    report = {
-        "dp_size": args.dp,
-        "tp_size": args.tp,
-        "model": {"layers": args.layers, "hidden": args.hidden, "ffn_hidden": args.ffn_hidden},
-        "timed_steps_per_variant": args.rounds * args.steps,
-        "median_step_ms": {name: 1e3 * m for name, m in medians.items()},
-        "ratio_to_sync": {name: m / sync for name, m in medians.items()},
-        "ideal_ratio_to_sync": 1.0 / world,
-        "canzona_speedup_over_megatron": medians["megatron"] / medians["canzona"],
-        "wall_seconds": time.perf_counter() - start,
-    }
-    plan = CanzonaPlan.from_json(last["canzona"][0]["plan"])
-    report["split_matrices"] = sum(p.host is None for p in plan.dp.matrix.placements)
-    host_names = ("canzona", "sync") if args.tp > 1 else ("canzona",)
-    report["host_group_bytes_per_rank_step"] = {
-        name: sum(r["tp_stats"]["bytes_sent"] for r in last[name]) / world for name in host_names
-    }
-    if args.tp > 1:
-        report["host_group_bytes_per_rank_step"]["megatron"] = megatron_duplicated_bytes(last["canzona"][0]["params"], args)
-    print(f"{'variant':<10} {'median step (ms)':>17} {'/ sync':>8} {'host-group bytes/rank':>22}")
-    for name in names:
-        sent = report["host_group_bytes_per_rank_step"].get(name)
-        print(f"{name:<10} {1e3 * medians[name]:>17.2f} {medians[name] / sync:>8.3f} "
-              f"{'' if sent is None else f'{sent:,.0f}':>22}")
-    print(f"ideal canzona / sync = 1/(DP*TP) = {1 / world:.3f} (compute only); "
-          f"canzona is {report['canzona_speedup_over_megatron']:.2f}x faster than Megatron's layer-wise Muon")
+    report = summarize(args, results, last)
+    report["wall_seconds"] = time.perf_counter() - start
+    print_table(report, names)
     if args.gantt:
         draw_gantt(last["canzona"], args.gantt)
     text = json.dumps(report, indent=2)
@@ -198,6 +308,56 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as stream:
             stream.write(text + "\n")
     return 0
+
+
+def summarize(args: argparse.Namespace, results: dict[str, list[float]], last: dict[str, list[dict]]) -> dict:
+    """The JSON report: configuration, medians and ratios, matrices and bytes per rank."""
+    world = args.dp * args.tp
+    medians = {name: statistics.median(times) for name, times in results.items()}
+    plan = CanzonaPlan.from_json(last["canzona"][0]["plan"])
+    report = {
+        "dp_size": args.dp,
+        "tp_size": args.tp,
+        "model": {"layers": args.layers, "hidden": args.hidden, "ffn_hidden": None if args.moe else args.ffn_hidden},
+        "moe": {"num_experts": args.num_experts, "ep_size": args.ep, "expert_dp_size": expert_dp_size(args),
+                "moe_ffn_hidden": args.moe_ffn_hidden, "topk": args.moe_topk} if args.moe else None,
+        "timed_steps_per_variant": args.rounds * args.steps,
+        "median_step_ms": {name: 1e3 * m for name, m in medians.items()},
+        "ratio_to_sync": {name: m / medians["sync"] for name, m in medians.items()},
+        "ratio_to_megatron": {name: m / medians["megatron"] for name, m in medians.items()},
+        "ideal_ratio_to_sync": ideal_ratio(plan, args),
+        "canzona_speedup_over_megatron": medians["megatron"] / medians["canzona"],
+        "matrices_per_rank_step": matrices_per_rank(last, args),
+        "git_revision": git_revision(),
+        "machine": machine(),
+    }
+    plans = [plan] if plan.experts is None else [plan, plan.experts]
+    report["split_matrices"] = sum(p.host is None for part in plans for p in part.dp.matrix.placements)
+    if args.moe:  # tiny_gpt reports the bytes of one Canzona optimizer, not of a dense + expert chain
+        report["host_group_bytes_per_rank_step"] = None
+        return report
+    host_names = ("canzona", "sync") if args.tp > 1 else ("canzona",)
+    report["host_group_bytes_per_rank_step"] = {
+        name: sum(r["tp_stats"]["bytes_sent"] for r in last[name]) / world for name in host_names
+    }
+    if args.tp > 1:
+        report["host_group_bytes_per_rank_step"]["megatron"] = megatron_duplicated_bytes(last["canzona"][0]["params"], args)
+    return report
+
+
+def print_table(report: dict, names: list[str]) -> None:
+    matrices = report["matrices_per_rank_step"]
+    print(f"{'variant':<10} {'median step (ms)':>17} {'/ sync':>8} {'/ megatron':>11} {'matrices/rank':>14} "
+          f"{'host-group bytes/rank':>22}")
+    for name in names:
+        sent = (report["host_group_bytes_per_rank_step"] or {}).get(name)
+        counts = matrices.get(name)
+        counts = (f"{matrices['megatron_mean']:.2f} mean" if counts is None
+                  else f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}")
+        print(f"{name:<10} {report['median_step_ms'][name]:>17.2f} {report['ratio_to_sync'][name]:>8.3f} "
+              f"{report['ratio_to_megatron'][name]:>11.3f} {counts:>14} {'' if sent is None else f'{sent:,.0f}':>22}")
+    print(f"ideal canzona / sync = {report['ideal_ratio_to_sync']:.3f} (the plan's cost spread evenly, compute "
+          f"only); canzona is {report['canzona_speedup_over_megatron']:.2f}x faster than Megatron's layer-wise Muon")
 
 
 if __name__ == "__main__":

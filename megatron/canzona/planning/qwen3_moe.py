@@ -54,7 +54,7 @@ def check_experts(cfg: Qwen3Config, *, ep_size: int, expert_tp_size: int, expert
             raise ValueError(f"{name} must be a positive integer, got {value!r}; pass {flag} 1 or more")
     if not cfg.is_moe:
         if ep_size > 1 or expert_tp_size > 1:
-            raise ValueError(f"{cfg.name} is dense (no experts); drop --ep/--etp or choose an MoE model")
+            raise ValueError(f"{cfg.name} is dense (no experts); use expert-parallel size 1 (drop --ep) or choose an MoE model")
         return
     if cfg.num_experts % ep_size:
         raise ValueError(
