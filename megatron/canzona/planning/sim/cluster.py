@@ -1,0 +1,264 @@
+"""Cluster descriptions and calibration files, read with one-line errors that name the field.
+
+The schema is in the package docstring (:mod:`megatron.canzona.planning.sim`). Files are
+TOML (``.toml``) or JSON (anything else); :meth:`ClusterSpec.from_dict` takes the same
+mapping from code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..cost import COST_KINDS, Calibration
+
+OPTIMIZER_DTYPES: tuple[str, ...] = ("bf16", "fp32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    """One accelerator (or one CPU rank): its matmul and memory throughput."""
+
+    bf16_tflops: float
+    """Dense bf16 matmul peak, TFLOP/s."""
+    fp32_tflops: float
+    """fp32 matmul peak, TFLOP/s."""
+    memory_gb_per_s: float
+    """Memory bandwidth, GB/s."""
+    matmul_efficiency: float = 0.6
+    """Fraction of the matmul peak the optimizer's matmuls reach."""
+    memory_efficiency: float = 0.8
+    """Fraction of the memory bandwidth elementwise kernels reach."""
+    optimizer_dtype: str = "bf16"
+    """Dtype of the optimizer's matmuls (Newton-Schulz, preconditioners): ``bf16`` or ``fp32``."""
+
+    @property
+    def optimizer_flops_per_s(self) -> float:
+        """Matmul FLOP/s the optimizer's updates run at."""
+        peak = self.bf16_tflops if self.optimizer_dtype == "bf16" else self.fp32_tflops
+        return peak * 1e12 * self.matmul_efficiency
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        """Bytes/s elementwise kernels move."""
+        return self.memory_gb_per_s * 1e9 * self.memory_efficiency
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """One kind of link: per-rank bandwidth in each direction and per-message latency."""
+
+    bandwidth_gb_per_s: float
+    """GB/s one rank sends (and receives) at once over this link."""
+    latency_us: float
+    """Microseconds per message or ring step (α of the α-β model)."""
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gb_per_s * 1e9
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveSpec:
+    """How close the collectives' algorithms come to the link bandwidth."""
+
+    ring_efficiency: float = 1.0
+    """Reduce-scatter / all-gather bus bandwidth over link bandwidth."""
+    alltoall_efficiency: float = 1.0
+    """All-to-all bandwidth over link bandwidth."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """Nodes of identical ranks, a fast link inside a node and a slower one between nodes."""
+
+    name: str
+    """Preset or file name, for reports."""
+    gpus_per_node: int
+    """Ranks per node."""
+    gpu: GPUSpec
+    """Each rank's compute and memory."""
+    intra_node: LinkSpec
+    """Link between ranks of one node (NVLink)."""
+    inter_node: LinkSpec | None = None
+    """Link between nodes, per rank (InfiniBand); ``None`` for a single-node cluster."""
+    collectives: CollectiveSpec = CollectiveSpec()
+    """Algorithm efficiencies."""
+    mfu: float = 0.4
+    """Model FLOPs utilization of forward and backward (fraction of the bf16 peak)."""
+    compute_slots: int | None = None
+    """Ranks of a node that compute at once (``None``: all of them)."""
+
+    def contention(self, ranks: int) -> float:
+        """Slow-down of compute when ``ranks`` ranks of a node share fewer compute slots."""
+        slots = self.compute_slots or self.gpus_per_node
+        return max(1.0, min(ranks, self.gpus_per_node) / slots)
+
+    def link(self, spans_nodes: bool) -> LinkSpec:
+        """The link a transfer uses; ValueError when it needs an inter-node link there is none of."""
+        if not spans_nodes:
+            return self.intra_node
+        if self.inter_node is None:
+            raise ValueError(
+                f"cluster {self.name!r} has no [inter_node] link but the run spans more than its "
+                f"gpus_per_node={self.gpus_per_node} ranks; add [inter_node] or use fewer ranks"
+            )
+        return self.inter_node
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "cluster") -> ClusterSpec:
+        """Build from the schema's mapping; ValueError ``"<source>: <field> ..."`` on bad input."""
+        reader = _Reader(source)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{source}: expected a table of cluster fields, got {type(data).__name__}")
+        gpu = reader.table(data, "gpu")
+        training = reader.table(data, "training", required=False)
+        links = reader.table(data, "collectives", required=False)
+        dtype = gpu.get("optimizer_dtype", "bf16")
+        if dtype not in OPTIMIZER_DTYPES:
+            raise ValueError(f"{source}: gpu.optimizer_dtype must be one of {OPTIMIZER_DTYPES}, got {dtype!r}")
+        inter = data.get("inter_node")
+        return cls(
+            name=str(data.get("name", os.path.splitext(os.path.basename(source))[0])),
+            gpus_per_node=reader.integer(data, "gpus_per_node"),
+            gpu=GPUSpec(
+                bf16_tflops=reader.number(gpu, "gpu.bf16_tflops"),
+                fp32_tflops=reader.number(gpu, "gpu.fp32_tflops"),
+                memory_gb_per_s=reader.number(gpu, "gpu.memory_gb_per_s"),
+                matmul_efficiency=reader.fraction(gpu, "gpu.matmul_efficiency", 0.6),
+                memory_efficiency=reader.fraction(gpu, "gpu.memory_efficiency", 0.8),
+                optimizer_dtype=dtype,
+            ),
+            intra_node=reader.link(reader.table(data, "intra_node"), "intra_node"),
+            inter_node=None if inter is None else reader.link(reader.table(data, "inter_node"), "inter_node"),
+            collectives=CollectiveSpec(
+                ring_efficiency=reader.fraction(links, "collectives.ring_efficiency", 1.0),
+                alltoall_efficiency=reader.fraction(links, "collectives.alltoall_efficiency", 1.0),
+            ),
+            mfu=reader.fraction(training, "training.mfu", 0.4),
+            compute_slots=reader.integer(data, "compute_slots") if "compute_slots" in data else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The schema's mapping (``from_dict(to_dict())`` gives an equal spec)."""
+        out: dict[str, Any] = {
+            "name": self.name, "gpus_per_node": self.gpus_per_node, "gpu": vars(self.gpu).copy(),
+            "training": {"mfu": self.mfu}, "intra_node": vars(self.intra_node).copy(),
+            "collectives": vars(self.collectives).copy(),
+        }
+        if self.inter_node is not None:
+            out["inter_node"] = vars(self.inter_node).copy()
+        if self.compute_slots is not None:
+            out["compute_slots"] = self.compute_slots
+        return out
+
+
+class _Reader:
+    """Field checks that raise one-line ValueErrors prefixed with the file name."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, field: str, what: str, value: Any) -> ValueError:
+        return ValueError(f"{self.source}: {field} must be {what}, got {value!r}")
+
+    def table(self, data: Mapping[str, Any], key: str, required: bool = True) -> Mapping[str, Any]:
+        if key not in data:
+            if required:
+                raise ValueError(f"{self.source}: missing [{key}] table (see the schema in megatron.canzona.planning.sim)")
+            return {}
+        if not isinstance(data[key], Mapping):
+            raise self.fail(f"[{key}]", "a table", data[key])
+        return data[key]
+
+    def number(self, data: Mapping[str, Any], field: str, default: float | None = None) -> float:
+        key = field.rsplit(".", 1)[-1]
+        if key not in data:
+            if default is None:
+                raise ValueError(f"{self.source}: missing {field} (a positive number)")
+            return default
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise self.fail(field, "a positive number", value)
+        return float(value)
+
+    def fraction(self, data: Mapping[str, Any], field: str, default: float) -> float:
+        value = self.number(data, field, default)
+        if value > 1:
+            raise self.fail(field, "a fraction in (0, 1]", value)
+        return value
+
+    def integer(self, data: Mapping[str, Any], field: str) -> int:
+        value = data.get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self.fail(field, "a positive integer", value)
+        return value
+
+    def link(self, data: Mapping[str, Any], name: str) -> LinkSpec:
+        latency = data.get("latency_us")
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not math.isfinite(latency) or latency < 0:
+            raise self.fail(f"{name}.latency_us", "a number >= 0", latency)
+        return LinkSpec(bandwidth_gb_per_s=self.number(data, f"{name}.bandwidth_gb_per_s"), latency_us=float(latency))
+
+
+def _read_mapping(path: str) -> Any:
+    name = os.path.basename(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror}); pass an existing file") from None
+    try:
+        if path.endswith(".toml"):
+            return tomllib.loads(raw.decode())
+        return json.loads(raw)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        kind = "TOML" if path.endswith(".toml") else "JSON"
+        raise ValueError(f"{name}: not valid {kind}: {str(exc).splitlines()[0]}") from None
+
+
+def load_cluster(path: str) -> ClusterSpec:
+    """Read a cluster file (TOML or JSON)."""
+    return ClusterSpec.from_dict(_read_mapping(path), source=os.path.basename(path))
+
+
+def load_calibration(path: str) -> Calibration:
+    """Read a calibration (``tools/bench_optim.py --calibration-dir`` output) with errors naming the field:
+    ``{"optimizer": "muon", "timings": [{"m": 4096, "n": 4096, "seconds": 0.0123}, ...]}``."""
+    name = os.path.basename(path)
+    data = _read_mapping(path)
+    return calibration_from_dict(data, source=name)
+
+
+def calibration_from_dict(data: Any, source: str = "calibration") -> Calibration:
+    """A :class:`Calibration` from its JSON mapping, every field checked."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{source}: expected an object with 'optimizer' and 'timings', got {type(data).__name__}")
+    optimizer = data.get("optimizer")
+    if optimizer not in COST_KINDS or optimizer == "numel":
+        raise ValueError(f"{source}: optimizer must be one of muon, shampoo, soap, got {optimizer!r}")
+    timings = data.get("timings")
+    if not isinstance(timings, list) or not timings:
+        raise ValueError(f"{source}: timings must be a non-empty list of {{m, n, seconds}}, got {timings!r}")
+    seconds: dict[tuple[int, int], float] = {}
+    for i, row in enumerate(timings):
+        if not isinstance(row, Mapping):
+            raise ValueError(f"{source}: timings[{i}] must be an object with m, n and seconds, got {row!r}")
+        for key in ("m", "n"):
+            value = row.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{source}: timings[{i}].{key} must be a positive integer, got {value!r}")
+        value = row.get("seconds")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{source}: timings[{i}].seconds must be a positive number, got {value!r}")
+        seconds[(row["m"], row["n"])] = float(value)
+    return Calibration(optimizer=optimizer, seconds=seconds)

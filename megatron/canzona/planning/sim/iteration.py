@@ -1,0 +1,69 @@
+"""Forward/backward of one iteration and the bucket collectives that overlap it.
+
+* Forward and backward of one micro-batch on a rank take its model FLOPs over
+  ``bf16 peak · MFU``; backward is two thirds of it. An iteration runs
+  ``global_batch / (dp_size · micro_batch)`` micro-batches, and a pipeline of PP stages
+  idles ``(PP − 1)`` micro-batches' worth (1F1B: a fraction (PP − 1)/microbatches).
+* Gradients are reduced bucket by bucket during the last micro-batch's backward (Megatron
+  reduces only once every micro-batch is accumulated): a bucket is ready when backward
+  has produced its last gradient, backward order being ``ParamSpec.order`` and backward
+  time spread over parameters by their matmul work; the reductions run one at a time.
+  What runs past the end of backward is exposed.
+* Parameters are all-gathered bucket by bucket, in forward order, all issued when the
+  first forward starts; forward waits at a bucket's first parameter until its all-gather
+  is done. The wait is exposed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .result import Segment
+
+BACKWARD_SHARE = 2.0 / 3.0
+"""Backward's share of a micro-batch's forward and backward compute (2 of 6 · params FLOPs)."""
+
+
+@dataclass(frozen=True)
+class BucketSync:
+    """One bucket's collective and where in backward it becomes ready."""
+
+    seconds: float
+    """Duration of the collective."""
+    ready: float
+    """Fraction of backward done when its last gradient is produced (forward needs its first
+    parameter after ``1 - ready`` of the forward)."""
+    label: str = ""
+
+
+def overlap_backward(buckets: Sequence[BucketSync], backward: float, rank: int = 0,
+                     origin: float = 0.0) -> tuple[float, list[Segment]]:
+    """Exposed seconds after a backward of ``backward`` seconds starting at ``origin``, and
+    the collectives' spans."""
+    free, segments = 0.0, []
+    for b in sorted(buckets, key=lambda b: b.ready):
+        if b.seconds <= 0:
+            continue
+        start = max(free, b.ready * backward)
+        free = start + b.seconds
+        segments.append(Segment(rank, "comm", "grad_reduce", origin + start, origin + free, b.label))
+    return max(0.0, free - backward), segments
+
+
+def overlap_forward(buckets: Sequence[BucketSync], forward: float, rank: int = 0,
+                    origin: float = 0.0) -> tuple[float, list[Segment]]:
+    """Exposed seconds of a forward of ``forward`` seconds whose parameters are all-gathered
+    bucket by bucket from ``origin``, and the collectives' spans."""
+    done, clock, reached, segments = 0.0, 0.0, 0.0, []
+    for b in sorted(buckets, key=lambda b: -b.ready):  # forward order
+        if b.seconds <= 0:
+            continue
+        need = 1.0 - b.ready
+        clock += (need - reached) * forward
+        reached = need
+        start, done = done, done + b.seconds
+        segments.append(Segment(rank, "comm", "param_gather", origin + start, origin + done, b.label))
+        clock = max(clock, done)
+    clock += (1.0 - reached) * forward
+    return max(0.0, clock - forward), segments

@@ -1,0 +1,153 @@
+"""What each strategy asks of the network and the ranks, read off the plans it runs.
+
+Every builder returns a :class:`Work`: the matrix tasks of the dense buffers (stage ranks)
+and of the expert buffers (per EP rank, mapped to stage ranks), how they run, AdamW's
+elements per rank, and the buffers whose buckets are reduced and gathered over DP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..comm import holders_of
+from ..plan import BufferPlan, CanzonaPlan
+from ..specs import ParamSpec
+from .step import SimTask
+
+Seconds = Callable[[ParamSpec], float]
+"""Seconds of one whole update of a parameter's matrices on one rank."""
+RankOf = Callable[[int, int], int]
+"""Stage rank of a ``(dp_rank, tp_rank)`` of a plan's grid."""
+TaskBuilder = Callable[[BufferPlan, list[ParamSpec], RankOf, int], list[SimTask]]
+"""``(matrix buffer, its specs, rank of (dp, tp), TP size) -> tasks`` of a DP layout."""
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The ranks of one pipeline stage: dense DP x TP, and expert DP x EP x expert TP."""
+
+    dp_size: int
+    tp_size: int
+    ep_size: int = 1
+    expert_tp_size: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.dp_size * self.tp_size
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.size // (self.ep_size * self.expert_tp_size)
+
+    def rank(self, dp_rank: int, tp_rank: int) -> int:
+        return dp_rank * self.tp_size + tp_rank
+
+    def expert_rank(self, edp_rank: int, etp_rank: int, ep_rank: int) -> int:
+        """Stage rank of an expert coordinate (Megatron's etp-ep-dp order, expert TP fastest)."""
+        return etp_rank + self.expert_tp_size * (ep_rank + self.ep_size * edp_rank)
+
+    def dp_group(self) -> list[int]:
+        return [self.rank(d, 0) for d in range(self.dp_size)]
+
+    def expert_dp_group(self) -> list[int]:
+        return [self.expert_rank(e, 0, 0) for e in range(self.expert_dp_size)]
+
+    def expert_members(self, ep_rank: int) -> list[int]:
+        return [self.expert_rank(e, t, ep_rank) for e in range(self.expert_dp_size) for t in range(self.expert_tp_size)]
+
+
+@dataclass
+class Buffers:
+    """DP-reduced buffers of one kind (dense or expert) and the group reducing them."""
+
+    buffers: list[tuple[int, BufferPlan]]
+    """``(model chunk, buffer)``."""
+    group: list[int]
+    """Stage ranks of one DP group reducing them (every DP group does the same)."""
+
+
+@dataclass
+class Work:
+    """Everything one strategy does in an iteration besides forward and backward."""
+
+    mode: str
+    """``pipelined``, ``blocking`` or ``per_matrix`` (:mod:`.step`)."""
+    dense: list[SimTask] = field(default_factory=list)
+    experts: list[tuple[list[int], list[SimTask]]] = field(default_factory=list)
+    """Per EP rank: its expert group's stage ranks and its tasks."""
+    adamw: dict[int, float] = field(default_factory=dict)
+    """Elementwise elements each rank updates with AdamW."""
+    reduced: list[Buffers] = field(default_factory=list)
+    """Buffers whose gradients are reduced (and parameters gathered) bucket by bucket."""
+    all_reduce: bool = False
+    """Gradients all-reduced (synchronous compute): no parameter all-gather."""
+
+
+def _spec_map(specs: Sequence[ParamSpec]) -> dict[tuple[int, str], ParamSpec]:
+    return {(s.chunk, s.name): s for s in specs}
+
+
+def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
+               *, synchronous: bool = False) -> list[SimTask]:
+    """A task per host of ``plan`` (per TP rank for a matrix every TP rank holds), in its
+    micro-group; ``synchronous``: computed by every holder (``--canzona-tp-mode sync``)."""
+    by_key = _spec_map(specs)
+    tasks = []
+    for h in plan.hosts:
+        spec = by_key[(h.chunk, h.name)]
+        buffer = plan.layouts[h.chunk].matrix
+        placement = buffer.placement(h.name)
+        for column in range(plan.tp_size) if h.tp_rank is None else (h.tp_rank,):
+            holders = holders_of(buffer, placement, tp_sharded=spec.tp_sharded, tp_size=plan.tp_size, tp_column=column)
+            host = None if synchronous else rank(h.dp_rank, column)
+            tasks.append(SimTask(h.name, tuple((rank(d, t), n) for d, t, n in holders), host, seconds(spec), h.group))
+    return tasks
+
+
+def buffer_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
+                 tp_size: int, *, chunk: int = 0) -> list[SimTask]:
+    """Synchronous tasks of a DP layout: every rank holding a piece computes the matrix
+    (a matrix every TP rank holds whole: each TP rank its own copy)."""
+    by_key = _spec_map(specs)
+    tasks = []
+    for p in buffer.placements:
+        spec = by_key[(chunk, p.name)]
+        for column in (0,) if spec.tp_sharded else range(tp_size):
+            holders = holders_of(buffer, p, tp_sharded=spec.tp_sharded, tp_size=tp_size, tp_column=column)
+            tasks.append(SimTask(p.name, tuple((rank(d, t), n) for d, t, n in holders), None, seconds(spec)))
+    return tasks
+
+
+def home_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
+               tp_size: int) -> list[SimTask]:
+    """Megatron-LM's ``layer_sharded``: each TP-sharded matrix of a DP rank's shard gets one
+    home TP rank (costliest first onto the least-loaded TP rank of that DP rank); all in one
+    blocking group."""
+    tasks = buffer_tasks(buffer, specs, seconds, rank, tp_size)
+    load: dict[int, float] = {}
+    out = []
+    for task in sorted(tasks, key=lambda t: -t.seconds):
+        ranks = [r for r, _ in task.holders]
+        if len(ranks) == 1:
+            out.append(SimTask(task.name, task.holders, ranks[0], task.seconds))
+            continue
+        host = min(ranks, key=lambda r: (load.get(r, 0.0), r))
+        load[host] = load.get(host, 0.0) + task.seconds
+        out.append(SimTask(task.name, task.holders, host, task.seconds))
+    return out
+
+
+def adamw_elements(buffers: Sequence[BufferPlan], rank: RankOf, tp_size: int) -> dict[int, float]:
+    """Real (unpadded) elementwise elements in each rank's shards (every TP rank has its own)."""
+    out: dict[int, float] = {}
+    for buffer in buffers:
+        for p in buffer.placements:
+            for d, lo, hi in buffer.pieces(p):
+                for t in range(tp_size):
+                    out[rank(d, t)] = out.get(rank(d, t), 0.0) + (hi - lo)
+    return out
+
+
+def merge(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
+    return {r: a.get(r, 0.0) + b.get(r, 0.0) for r in set(a) | set(b)}

@@ -1,0 +1,415 @@
+"""One iteration of one pipeline stage under each strategy: the entry point :func:`simulate`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..comm import WireConfig
+from ..cost import Calibration, CostModel
+from ..experts import split_experts
+from ..geometry import default_bucket_size
+from ..partition import DEFAULT_ALPHA, plan_zero1
+from ..plan import BufferPlan, CanzonaPlan, DPPlan
+from ..planner import make_plan
+from ..specs import ParamSpec
+from .cluster import ClusterSpec
+from .iteration import BACKWARD_SHARE, BucketSync, overlap_backward, overlap_forward
+from .layouts import (
+    Buffers,
+    Grid,
+    RankOf,
+    Seconds,
+    TaskBuilder,
+    Work,
+    adamw_elements,
+    buffer_tasks,
+    home_tasks,
+    merge,
+    plan_tasks,
+)
+from .network import Topology
+from .result import Segment, StrategyResult
+from .step import MOMENTUM_BYTES_PER_ELEMENT, SimTask, StepRun, run_adamw, run_host_groups, run_per_matrix
+
+STRATEGIES: tuple[str, ...] = (
+    "canzona", "canzona_tp_sync", "sync", "megatron_layerwise", "layer_sharded", "zero1", "adamw",
+)
+"""Strategies :func:`simulate` knows (package docstring). To add one, write a builder that
+returns a :class:`~.layouts.Work` and register it in :data:`BUILDERS`."""
+NEEDS_LAYERWISE_PLAN = ("megatron_layerwise", "layer_sharded")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one iteration trains, for forward/backward and the overlap of the bucket collectives."""
+
+    global_batch: int
+    """Sequences per iteration over all DP ranks."""
+    micro_batch: int = 1
+    """Sequences per micro-batch."""
+    seq_length: int = 4096
+    """Tokens per sequence."""
+    flops_per_token: float | None = None
+    """Forward and backward FLOPs per token on one GPU of the stage; ``None``: from the specs
+    (:func:`stage_flops_per_token`)."""
+    expert_activity: float = 1.0
+    """Fraction of a GPU's local expert parameters an average token uses: top-k · EP / experts."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "micro_batch", "seq_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Workload.{name} must be a positive integer, got {value!r}")
+        if not 0 < self.expert_activity <= 1:
+            raise ValueError(f"Workload.expert_activity must lie in (0, 1], got {self.expert_activity}")
+
+    def microbatches(self, dp_size: int) -> int:
+        per_step = dp_size * self.micro_batch
+        if self.global_batch % per_step:
+            fix = -(-self.global_batch // per_step) * per_step
+            raise ValueError(
+                f"global batch {self.global_batch} is not a multiple of DP {dp_size} x micro batch "
+                f"{self.micro_batch} = {per_step}; pass --global-batch {fix} (or a smaller --micro-batch)"
+            )
+        return self.global_batch // per_step
+
+
+def matmul_weight(spec: ParamSpec, expert_activity: float = 1.0) -> float:
+    """A parameter's share of forward/backward matmul work per token on its GPU (local
+    elements; norms count too, being negligible; the input embedding is a lookup)."""
+    if spec.name.endswith("word_embeddings.weight"):
+        return 0.0
+    return spec.numel * (expert_activity if spec.is_expert else 1.0)
+
+
+def stage_flops_per_token(specs: Sequence[ParamSpec], seq_length: int, expert_activity: float = 1.0) -> float:
+    """Forward and backward FLOPs per token on one GPU of the stage: 6 per local matmul
+    parameter, plus causal attention 6 · seq · (query width) per layer (QKᵀ and AV, half
+    of the positions); a stage without an output layer but with the embedding computes
+    its logits with the (tied) embedding."""
+    flops = 6.0 * sum(matmul_weight(s, expert_activity) for s in specs)
+    flops += sum(6.0 * seq_length * s.local_shape[1] for s in specs if s.name.endswith("linear_proj.weight"))
+    names = {s.name for s in specs}
+    if not any(n.endswith("output_layer.weight") for n in names):
+        flops += sum(6.0 * s.numel for s in specs if s.name.endswith("word_embeddings.weight"))
+    return flops
+
+
+@dataclass(frozen=True)
+class _Context:
+    specs: list[ParamSpec]
+    grid: Grid
+    seconds: Seconds
+    cost_model: CostModel
+    bucket_size: int | None
+    plan: CanzonaPlan | DPPlan | None
+    expert_plan: DPPlan | None
+    wire: WireConfig
+    overlap: bool
+    alpha: float
+
+    @property
+    def dense(self) -> list[ParamSpec]:
+        return split_experts(self.specs)[0]
+
+    @property
+    def experts(self) -> list[ParamSpec]:
+        return split_experts(self.specs)[1]
+
+    def buckets_for(self, dp_size: int) -> int:
+        return default_bucket_size(dp_size) if self.bucket_size is None else self.bucket_size
+
+
+def _canzona(ctx: _Context, synchronous: bool = False) -> Work:
+    g = ctx.grid
+    plan = ctx.plan
+    if plan is None:
+        plan = make_plan(ctx.specs, dp_size=g.dp_size, tp_size=g.tp_size, cost_model=ctx.cost_model, alpha=ctx.alpha,
+                         bucket_size=ctx.bucket_size, wire=ctx.wire, ep_size=g.ep_size, expert_tp_size=g.expert_tp_size)
+    if not isinstance(plan, CanzonaPlan):
+        raise TypeError(f"canzona needs a CanzonaPlan (make_plan(...)), got {type(plan).__name__}")
+    mode = "blocking" if synchronous or not ctx.overlap else "pipelined"
+    work = Work(mode=mode, dense=plan_tasks(plan, ctx.dense, ctx.seconds, g.rank, synchronous=synchronous))
+    work.adamw = adamw_elements(_elementwise(plan.layouts), g.rank, g.tp_size)
+    work.reduced.append(Buffers(_reduced(plan.layouts), g.dp_group()))
+    if plan.experts is not None:
+        ex = plan.experts
+        for e in range(g.ep_size):
+            rank = _expert_rank(g, e)
+            work.experts.append((g.expert_members(e), plan_tasks(ex, ctx.experts, ctx.seconds, rank,
+                                                                  synchronous=synchronous)))
+            work.adamw = merge(work.adamw, adamw_elements(_elementwise(ex.layouts), rank, ex.tp_size))
+        work.reduced.append(Buffers(_reduced(ex.layouts), g.expert_dp_group()))
+    return work
+
+
+def _expert_rank(g: Grid, ep_rank: int) -> RankOf:
+    return lambda d, t: g.expert_rank(d, t, ep_rank)
+
+
+def _elementwise(layouts: Sequence[DPPlan]) -> list[BufferPlan]:
+    return [dp.elementwise for dp in layouts if dp.elementwise is not None]
+
+
+def _reduced(layouts: Sequence[DPPlan]) -> list[tuple[int, BufferPlan]]:
+    out = []
+    for chunk, dp in enumerate(layouts):
+        out.append((chunk, dp.matrix))
+        if dp.elementwise is not None:
+            out.append((chunk, dp.elementwise))
+    return out
+
+
+def _dp_layout_work(ctx: _Context, dense: DPPlan, experts: DPPlan | None, mode: str, tasks_of: TaskBuilder) -> Work:
+    """Work of a strategy on DP layouts: ``tasks_of(buffer, specs, rank, tp_size)`` gives the tasks."""
+    g = ctx.grid
+    work = Work(mode=mode, dense=tasks_of(dense.matrix, ctx.dense, g.rank, g.tp_size))
+    work.adamw = adamw_elements(_elementwise([dense]), g.rank, g.tp_size)
+    work.reduced.append(Buffers(_reduced([dense]), g.dp_group()))
+    if experts is not None:
+        for e in range(g.ep_size):
+            rank = _expert_rank(g, e)
+            work.experts.append((g.expert_members(e), tasks_of(experts.matrix, ctx.experts, rank, g.expert_tp_size)))
+            work.adamw = merge(work.adamw, adamw_elements(_elementwise([experts]), rank, g.expert_tp_size))
+        work.reduced.append(Buffers(_reduced([experts]), g.expert_dp_group()))
+    return work
+
+
+def _costed(builder, seconds: Seconds) -> TaskBuilder:
+    """``builder(buffer, specs, seconds, rank, tp_size)`` with the update costs bound."""
+    return lambda buffer, specs, rank, tp_size: builder(buffer, specs, seconds, rank, tp_size)
+
+
+def _zero1(ctx: _Context, dp_size: int, specs: list[ParamSpec]) -> DPPlan | None:
+    if not specs:
+        return None
+    return plan_zero1(specs, dp_size=dp_size, cost_model=ctx.cost_model, bucket_size=ctx.buckets_for(dp_size))
+
+
+def _zero1_work(ctx: _Context) -> Work:
+    g = ctx.grid
+    dense = _zero1(ctx, g.dp_size, ctx.dense)
+    assert dense is not None
+    tasks = _costed(buffer_tasks, ctx.seconds)
+    return _dp_layout_work(ctx, dense, _zero1(ctx, g.expert_dp_size, ctx.experts), "per_matrix", tasks)
+
+
+def _layerwise_work(ctx: _Context, sharded: bool) -> Work:
+    if not isinstance(ctx.plan, DPPlan) or (ctx.experts and not isinstance(ctx.expert_plan, DPPlan)):
+        raise ValueError(
+            "megatron_layerwise and layer_sharded run Megatron-Core's layer-wise layout: pass plan= (and expert_plan= "
+            "for MoE) from canzona_patches.layerwise_baseline.plan_megatron_layerwise(specs, dp_size=..., cost_model=...)"
+        )
+    if sharded:
+        return _dp_layout_work(ctx, ctx.plan, ctx.expert_plan, "blocking", _costed(home_tasks, ctx.seconds))
+    return _dp_layout_work(ctx, ctx.plan, ctx.expert_plan, "per_matrix", _costed(buffer_tasks, ctx.seconds))
+
+
+def _sync_work(ctx: _Context) -> Work:
+    """Moonlight's synchronous compute: gradients all-reduced over DP (stock buckets), every
+    DP rank holds every local tensor whole (a DP-1 layout) and computes every matrix, every
+    TP rank gathering the TP shards; AdamW on every local element. Every DP rank does the
+    same, so only DP rank 0's (and expert DP rank 0's) ranks are run."""
+    g = ctx.grid
+    work = Work(mode="per_matrix", all_reduce=True)
+    dense_rank: RankOf = lambda _, t: g.rank(0, t)  # noqa: E731
+    expert_ranks: list[RankOf] = [lambda _, t, e=e: g.expert_rank(0, t, e) for e in range(g.ep_size)]
+    for specs, dp_size, tp_size, ranks, group in (
+            (ctx.dense, g.dp_size, g.tp_size, [dense_rank], g.dp_group()),
+            (ctx.experts, g.expert_dp_size, g.expert_tp_size, expert_ranks, g.expert_dp_group())):
+        whole, reduced = _zero1(ctx, 1, specs), _zero1(ctx, dp_size, specs)
+        if whole is None or reduced is None:
+            continue
+        for rank in ranks:
+            work.dense += buffer_tasks(whole.matrix, specs, ctx.seconds, rank, tp_size)
+            work.adamw = merge(work.adamw, adamw_elements(_elementwise([whole]), rank, tp_size))
+        work.reduced.append(Buffers(_reduced([reduced]), group))
+    return work
+
+
+def _adamw_work(ctx: _Context) -> Work:
+    g = ctx.grid
+    work = Work(mode="per_matrix")
+    for specs, dp_size, tp_size, group, ranks in (
+            (ctx.dense, g.dp_size, g.tp_size, g.dp_group(), [g.rank]),
+            (ctx.experts, g.expert_dp_size, g.expert_tp_size, g.expert_dp_group(),
+             [_expert_rank(g, e) for e in range(g.ep_size)])):
+        plan = _zero1(ctx, dp_size, [dataclasses.replace(s, family="elementwise") for s in specs])
+        if plan is None:
+            continue
+        for rank in ranks:
+            work.adamw = merge(work.adamw, adamw_elements(_elementwise([plan]), rank, tp_size))
+        work.reduced.append(Buffers(_reduced([plan]), group))
+    return work
+
+
+BUILDERS: dict[str, Callable[[_Context], Work]] = {
+    "canzona": _canzona,
+    "canzona_tp_sync": lambda ctx: _canzona(ctx, synchronous=True),
+    "sync": _sync_work,
+    "megatron_layerwise": lambda ctx: _layerwise_work(ctx, sharded=False),
+    "layer_sharded": lambda ctx: _layerwise_work(ctx, sharded=True),
+    "zero1": _zero1_work,
+    "adamw": _adamw_work,
+}
+"""Strategy name -> builder of its :class:`~.layouts.Work`."""
+
+
+def seconds_per_update(cost_model: CostModel, cluster: ClusterSpec) -> Seconds:
+    """Seconds of one parameter's whole update on one rank: the calibration's, or its FLOPs
+    at the cluster's optimizer throughput plus its momentum at the memory bandwidth."""
+    if cost_model.calibration is not None:
+        return cost_model.cost
+    rate, memory = cluster.gpu.optimizer_flops_per_s, cluster.gpu.memory_bytes_per_s
+    return lambda spec: cost_model.cost(spec) / rate + MOMENTUM_BYTES_PER_ELEMENT * spec.global_numel / memory
+
+
+def _check(strategy: str, dp_size: int, tp_size: int, ep_size: int, expert_tp_size: int, pp_size: int) -> Grid:
+    if strategy not in BUILDERS:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+    for name, value in (("dp_size", dp_size), ("tp_size", tp_size), ("ep_size", ep_size),
+                        ("expert_tp_size", expert_tp_size), ("pp_size", pp_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if (dp_size * tp_size) % (ep_size * expert_tp_size):
+        raise ValueError(f"EP {ep_size} x expert TP {expert_tp_size} must divide DP {dp_size} x TP {tp_size}")
+    return Grid(dp_size, tp_size, ep_size, expert_tp_size)
+
+
+def simulate(
+    specs: Sequence[ParamSpec],
+    *,
+    strategy: str,
+    cluster: ClusterSpec,
+    dp_size: int,
+    tp_size: int = 1,
+    ep_size: int = 1,
+    expert_tp_size: int = 1,
+    pp_size: int = 1,
+    optimizer: str = "muon",
+    calibration: Calibration | None = None,
+    workload: Workload | None = None,
+    plan: CanzonaPlan | DPPlan | None = None,
+    expert_plan: DPPlan | None = None,
+    wire: WireConfig | None = None,
+    overlap: bool = True,
+    alpha: float = DEFAULT_ALPHA,
+    bucket_size: int | None = None,
+) -> StrategyResult:
+    """One iteration of the pipeline stage whose parameters are ``specs`` (package docstring)."""
+    grid = _check(strategy, dp_size, tp_size, ep_size, expert_tp_size, pp_size)
+    if optimizer not in ("muon", "shampoo", "soap"):
+        raise ValueError(f"optimizer must be muon, shampoo or soap, got {optimizer!r}")
+    wire = wire or WireConfig()
+    planning_cost = CostModel(kind=optimizer)  # the runtime plans with the FLOP formulas
+    timing_cost = CostModel(kind=optimizer, calibration=calibration) if calibration else planning_cost
+    ctx = _Context(list(specs), grid, seconds_per_update(timing_cost, cluster), planning_cost, bucket_size, plan,
+                   expert_plan, wire, overlap, alpha)
+    work = BUILDERS[strategy](ctx)
+    slowdown = cluster.contention(grid.size * pp_size)
+    step_end, run = _run_step(work, grid, cluster, wire, slowdown)
+    return _assemble(strategy, ctx, work, cluster, workload, pp_size, slowdown, step_end, run)
+
+
+def _run_step(work: Work, grid: Grid, cluster: ClusterSpec, wire: WireConfig, slowdown: float) -> tuple[float, StepRun]:
+    """Dense matrices, dense AdamW, then (a chained optimizer) the expert matrices per EP group."""
+    run = StepRun(range(grid.size), {}, cluster, wire, slowdown=slowdown)
+    _run_tasks(run, work.mode, work.dense)
+    run_adamw(run, work.adamw)
+    for members, tasks in work.experts:
+        sub = StepRun(members, run.clock, cluster, wire, slowdown=slowdown)
+        _run_tasks(sub, work.mode, tasks)
+        run.clock.update(sub.clock)
+        for r in members:
+            run.busy[r] += sub.busy[r]
+            run.sent[r] += sub.sent[r]
+        run.segments += sub.segments
+    return run.end, run
+
+
+def _run_tasks(run: StepRun, mode: str, tasks: Sequence[SimTask]) -> None:
+    if mode == "per_matrix":
+        run_per_matrix(run, tasks)
+    else:
+        run_host_groups(run, tasks, pipelined=mode == "pipelined")
+
+
+def _bucket_syncs(ctx: _Context, work: Work, topology: Topology, workload: Workload | None) \
+        -> tuple[list[BucketSync], list[BucketSync]]:
+    """Gradient reductions and parameter all-gathers of every bucket, with their readiness."""
+    activity = workload.expert_activity if workload else 1.0
+    weights = [(s.order, s.chunk, matmul_weight(s, activity), s.name) for s in ctx.specs]
+    total = sum(w for _, _, w, _ in weights) or 1.0
+    done, ready = 0.0, {}
+    for _, chunk, w, name in sorted(weights):
+        done += w
+        ready[(chunk, name)] = done / total
+    reduce, gather = [], []
+    for buffers in work.reduced:
+        for chunk, buffer in buffers.buffers:
+            for k, bucket in enumerate(buffer.buckets):
+                frac = max((ready.get((chunk, p.name), 1.0) for p in buffer.placements if p.bucket == k), default=1.0)
+                rs = topology.ring(bucket.numel * ctx.wire.grad_bytes, buffers.group)
+                reduce.append(BucketSync(2 * rs if work.all_reduce else rs, frac, str(k)))
+                if not work.all_reduce:
+                    gather.append(BucketSync(topology.ring(bucket.numel * ctx.wire.param_bytes, buffers.group), frac,
+                                             str(k)))
+    return reduce, gather
+
+
+def _assemble(strategy: str, ctx: _Context, work: Work, cluster: ClusterSpec, workload: Workload | None,
+              pp_size: int, slowdown: float, step_end: float, run: StepRun) -> StrategyResult:
+    reduce, gather = _bucket_syncs(ctx, work, Topology(cluster), workload)
+    micro = fwd_bwd = 0.0
+    details: dict = {"mode": work.mode, "num_tasks": len(work.dense) + sum(len(t) for _, t in work.experts),
+                     "num_groups": len({t.group for t in work.dense}), "compute_slowdown": slowdown}
+    if workload is not None:
+        count = workload.microbatches(ctx.grid.dp_size)
+        per_token = workload.flops_per_token
+        if per_token is None:
+            per_token = stage_flops_per_token(ctx.specs, workload.seq_length, workload.expert_activity)
+        tokens = workload.micro_batch * workload.seq_length
+        micro = per_token * tokens / (cluster.gpu.bf16_tflops * 1e12 * cluster.mfu) * slowdown
+        fwd_bwd = count * micro
+        details.update(microbatches=count, flops_per_token=per_token, micro_batch_seconds=micro, mfu=cluster.mfu)
+    bubble = (pp_size - 1) * micro
+    backward = BACKWARD_SHARE * micro
+    ag_exposed, ag_segments = overlap_forward(gather, micro - backward, origin=bubble)
+    rs_origin = bubble + ag_exposed + fwd_bwd - backward
+    rs_exposed, rs_segments = overlap_backward(reduce, backward, origin=rs_origin)
+    step_origin = bubble + ag_exposed + fwd_bwd + rs_exposed
+    busiest = max(run.busy.values(), default=0.0)
+    timeline = _timeline(ctx.grid.size, bubble, fwd_bwd + ag_exposed, ag_segments + rs_segments, step_origin, run)
+    return StrategyResult(
+        strategy=strategy,
+        optimizer_step_seconds=step_end,
+        iteration_seconds=step_origin + step_end,
+        exposed_comm_seconds=ag_exposed + rs_exposed + (step_end - busiest),
+        forward_backward_seconds=fwd_bwd,
+        bubble_seconds=bubble,
+        grad_reduce_seconds=sum((b.seconds for b in reduce), 0.0),
+        grad_reduce_exposed_seconds=rs_exposed,
+        param_gather_seconds=sum((b.seconds for b in gather), 0.0),
+        param_gather_exposed_seconds=ag_exposed,
+        step_compute_seconds=busiest,
+        step_comm_exposed_seconds=step_end - busiest,
+        step_bytes_per_rank=max(run.sent.values(), default=0.0),
+        details=details,
+        timeline=timeline,
+    )
+
+
+def _timeline(size: int, bubble: float, fwd_bwd: float, bucket_segments: list[Segment], step_origin: float,
+              run: StepRun) -> tuple[Segment, ...]:
+    """Every rank's iteration: bubble, forward/backward, bucket collectives, the step."""
+    out: list[Segment] = []
+    for r in range(size):
+        if bubble > 0:
+            out.append(Segment(r, "compute", "bubble", 0.0, bubble))
+        if fwd_bwd > 0:
+            out.append(Segment(r, "compute", "forward_backward", bubble, bubble + fwd_bwd))
+        out += [dataclasses.replace(s, rank=r) for s in bucket_segments]
+    out += [dataclasses.replace(s, start=s.start + step_origin, end=s.end + step_origin) for s in run.segments]
+    return tuple(out)

@@ -1,0 +1,218 @@
+"""The optimizer step per rank: matrix tasks, their gathers and scatters, the updates, AdamW.
+
+A :class:`SimTask` is one matrix update as the network sees it: the pieces its holders
+have, who computes it (its host, or every holder), and how long the update takes. Three
+ways to run the tasks of a step:
+
+* :func:`run_host_groups` with ``pipelined=True`` -- Canzona's asynchronous micro-groups,
+  in the order of ``HostGroupEngine._run_async``: group k+1's gather is issued before
+  group k computes and group k's scatter before group k−1 is applied. Collectives of the
+  group run one at a time on the communication stream (G0, G1, S0, G2, S1, ...) and start
+  when every rank has issued them; compute runs beside them.
+* :func:`run_host_groups` with ``pipelined=False`` -- the same groups, each one gather,
+  compute, scatter, apply, blocking (Canzona without overlap, ``--canzona-tp-mode sync``,
+  Megatron-LM's ``layer_sharded``).
+* :func:`run_per_matrix` -- synchronous compute matrix by matrix: each rank all-gathers a
+  matrix's pieces from its other holders (a blocking ring) and computes it (Megatron's
+  ``muon_tp_mode duplicated``, stock ZeRO-1, Moonlight's synchronous compute).
+
+Elementwise costs are memory-bound: a matrix update's momentum reads the gradient and
+reads and writes the fp32 momentum (:data:`MOMENTUM_BYTES_PER_ELEMENT`, formula costs
+only: a calibration measured it with the update); applying an update reads the fp32
+parameter and the update and writes the fp32 parameter and its bf16 copy
+(:data:`APPLY_BYTES_PER_ELEMENT`); AdamW reads gradient, parameter and both moments and
+writes all but the gradient, plus the bf16 copy (:data:`ADAMW_BYTES_PER_ELEMENT`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from ..comm import WireConfig
+from .cluster import ClusterSpec
+from .network import Flows, Topology
+from .result import Segment
+
+MOMENTUM_BYTES_PER_ELEMENT = 12
+"""fp32 gradient read, fp32 momentum read and written."""
+APPLY_BYTES_PER_ELEMENT = 14
+"""fp32 parameter and update read, fp32 parameter and bf16 model copy written."""
+ADAMW_BYTES_PER_ELEMENT = 30
+"""fp32 gradient, parameter and two moments read (16), parameter and moments written (12), bf16 copy (2)."""
+
+
+@dataclass(frozen=True)
+class SimTask:
+    """One matrix update: its pieces, who computes it and for how long."""
+
+    name: str
+    holders: tuple[tuple[int, int], ...]
+    """``(rank, numel)`` of every piece of the matrix (each holder once)."""
+    host: int | None
+    """The rank computing the update; ``None``: every holder computes it (synchronous)."""
+    seconds: float
+    """Compute of the whole update on one rank."""
+    group: int = 0
+    """Micro-group (host groups run in increasing order)."""
+
+    @property
+    def numel(self) -> int:
+        return sum(n for _, n in self.holders)
+
+
+class StepRun:
+    """Per-rank clocks, busy time, bytes sent and timeline of one optimizer step."""
+
+    def __init__(self, members: Sequence[int], starts: Mapping[int, float], cluster: ClusterSpec,
+                 wire: WireConfig, *, slowdown: float = 1.0) -> None:
+        self.members = list(members)
+        self.topology = Topology(cluster)
+        self.cluster, self.wire, self.slowdown = cluster, wire, slowdown
+        self.clock = {r: float(starts.get(r, 0.0)) for r in self.members}
+        self.busy = {r: 0.0 for r in self.members}
+        self.sent = {r: 0.0 for r in self.members}
+        self.segments: list[Segment] = []
+        self.comm_free = 0.0
+
+    def work(self, rank: int, seconds: float, kind: str, label: str = "") -> None:
+        """``rank`` computes for ``seconds`` (scaled by compute contention)."""
+        seconds *= self.slowdown
+        if seconds <= 0:
+            return
+        start = self.clock[rank]
+        self.clock[rank] = start + seconds
+        self.busy[rank] += seconds
+        self.segments.append(Segment(rank, "compute", kind, start, start + seconds, label))
+
+    def elementwise_seconds(self, numel: float, bytes_per_element: int) -> float:
+        return numel * bytes_per_element / self.cluster.gpu.memory_bytes_per_s
+
+    def collective(self, flows: Flows, issue: Mapping[int, float], kind: str, label: str = "") -> float | None:
+        """Schedule one all-to-all over every member, issued at ``issue[rank]``; its end, or
+        ``None`` when nothing moves (the runtime then issues no collective)."""
+        duration = self.topology.alltoall(flows)
+        if flows.empty:
+            return None
+        start = max(self.comm_free, max(issue[r] for r in self.members))
+        end = start + duration
+        self.comm_free = end
+        for r in self.members:
+            self.sent[r] += flows.sent(r)
+            self.segments.append(Segment(r, "comm", kind, start, end, label))
+        return end
+
+    def wait(self, rank: int, until: float | None) -> None:
+        if until is not None and until > self.clock[rank]:
+            self.clock[rank] = until
+
+    @property
+    def end(self) -> float:
+        return max(self.clock.values(), default=0.0)
+
+
+def _by_group(tasks: Iterable[SimTask]) -> list[list[SimTask]]:
+    groups: dict[int, list[SimTask]] = {}
+    for task in tasks:
+        groups.setdefault(task.group, []).append(task)
+    return [groups[k] for k in sorted(groups)]
+
+
+def _gather(run: StepRun, tasks: Sequence[SimTask]) -> Flows:
+    """Pieces to their host (fp32 main gradients), or to every other holder (synchronous)."""
+    size = run.wire.main_grad_bytes
+    transfers = []
+    for task in tasks:
+        targets = [task.host] if task.host is not None else [r for r, _ in task.holders]
+        transfers += [(r, t, n * size) for r, n in task.holders for t in targets if t != r]
+    return run.topology.flows(transfers)
+
+
+def _scatter(run: StepRun, tasks: Sequence[SimTask]) -> Flows:
+    """Each holder's slice of the update back from the host (fp32)."""
+    size = run.wire.update_bytes
+    return run.topology.flows((t.host, r, n * size) for t in tasks if t.host is not None for r, n in t.holders)
+
+
+def _compute(run: StepRun, tasks: Sequence[SimTask]) -> dict[int, float]:
+    seconds: dict[int, float] = {}
+    for task in tasks:
+        for r in [task.host] if task.host is not None else [r for r, _ in task.holders]:
+            seconds[r] = seconds.get(r, 0.0) + task.seconds
+    return seconds
+
+
+def _apply(run: StepRun, tasks: Sequence[SimTask]) -> dict[int, float]:
+    numel: dict[int, float] = {}
+    for task in tasks:
+        for r, n in task.holders:
+            numel[r] = numel.get(r, 0.0) + n
+    return {r: run.elementwise_seconds(n, APPLY_BYTES_PER_ELEMENT) for r, n in numel.items()}
+
+
+def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool) -> None:
+    """Micro-groups of host (or synchronous) tasks; see the module docstring."""
+    groups = _by_group(tasks)
+    if not groups:
+        return
+    compute = [_compute(run, g) for g in groups]
+    apply = [_apply(run, g) for g in groups]
+    if not pipelined:
+        for k, group in enumerate(groups):
+            _blocking_group(run, k, group, compute[k], apply[k])
+        return
+    gathers: list[float | None] = [run.collective(_gather(run, groups[0]), run.clock, "gather", "0")]
+    scatters: list[float | None] = []
+    for k in range(len(groups)):
+        if k + 1 < len(groups):  # in flight while group k computes
+            gathers.append(run.collective(_gather(run, groups[k + 1]), run.clock, "gather", str(k + 1)))
+        for r in run.members:
+            run.wait(r, gathers[k])
+            run.work(r, compute[k].get(r, 0.0), "compute", str(k))
+        scatters.append(run.collective(_scatter(run, groups[k]), run.clock, "scatter", str(k)))
+        if k:  # group k-1 is applied while group k's scatter is in flight
+            _apply_group(run, k - 1, scatters[k - 1], apply[k - 1])
+    _apply_group(run, len(groups) - 1, scatters[-1], apply[-1])
+
+
+def _blocking_group(run: StepRun, k: int, group: Sequence[SimTask], compute: Mapping[int, float],
+                    apply: Mapping[int, float]) -> None:
+    gathered = run.collective(_gather(run, group), run.clock, "gather", str(k))
+    for r in run.members:
+        run.wait(r, gathered)
+        run.work(r, compute.get(r, 0.0), "compute", str(k))
+    scattered = run.collective(_scatter(run, group), run.clock, "scatter", str(k))
+    _apply_group(run, k, scattered, apply)
+
+
+def _apply_group(run: StepRun, k: int, scattered: float | None, apply: Mapping[int, float]) -> None:
+    for r in run.members:
+        run.wait(r, scattered)
+        run.work(r, apply.get(r, 0.0), "apply", str(k))
+
+
+def run_per_matrix(run: StepRun, tasks: Sequence[SimTask]) -> None:
+    """Synchronous compute, one matrix at a time on each rank: a blocking ring all-gather of
+    its pieces among its holders, then the whole update; then every piece is applied.
+    Ranks are not coupled beyond that (holders of a matrix reach it in step)."""
+    size = run.wire.main_grad_bytes
+    applied: dict[int, float] = {}
+    for task in tasks:
+        ranks = [r for r, _ in task.holders]
+        gather = run.topology.ring(task.numel * size, ranks)
+        for r, n in task.holders:
+            if gather > 0:
+                start = run.clock[r]
+                run.clock[r] = start + gather
+                run.sent[r] += task.numel * size * (len(ranks) - 1) / len(ranks)
+                run.segments.append(Segment(r, "comm", "gather", start, start + gather, task.name))
+            run.work(r, task.seconds, "compute", task.name)
+            applied[r] = applied.get(r, 0.0) + n
+    for r in run.members:
+        run.work(r, run.elementwise_seconds(applied.get(r, 0.0), APPLY_BYTES_PER_ELEMENT), "apply")
+
+
+def run_adamw(run: StepRun, numel: Mapping[int, float]) -> None:
+    """AdamW on each rank's elementwise elements (its shard of the elementwise buffers)."""
+    for r in run.members:
+        run.work(r, run.elementwise_seconds(numel.get(r, 0.0), ADAMW_BYTES_PER_ELEMENT), "adamw")

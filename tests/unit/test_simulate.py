@@ -1,0 +1,311 @@
+"""The simulator on toy cases whose times are computed by hand, its properties, its errors and its CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron.canzona.planning import Calibration, CostModel, ParamSpec, WireConfig, make_plan, muon_flops, plan_zero1
+from megatron.canzona.planning.lean import balanced_homes
+from megatron.canzona.planning.sim import ClusterSpec, Workload, load_calibration, load_cluster, simulate
+from megatron.canzona.planning.sim.step import SimTask, StepRun, run_host_groups
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOY = {
+    "name": "toy", "gpus_per_node": 8,
+    "gpu": {"bf16_tflops": 100.0, "fp32_tflops": 10.0, "memory_gb_per_s": 1000.0, "matmul_efficiency": 0.5,
+            "memory_efficiency": 1.0},
+    "training": {"mfu": 0.5},
+    "intra_node": {"bandwidth_gb_per_s": 100.0, "latency_us": 10.0},
+    "inter_node": {"bandwidth_gb_per_s": 10.0, "latency_us": 20.0},
+    "collectives": {"ring_efficiency": 1.0, "alltoall_efficiency": 0.5},
+}
+M, N = 256, 512  # 131072 elements: a multiple of every bucket alignment below
+NUMEL = M * N
+COMPUTE = muon_flops(M, N) / (100e12 * 0.5) + 12 * NUMEL / 1e12  # Newton-Schulz + momentum
+WIRE = WireConfig(grad_bytes=4)
+
+
+def cluster(**changes) -> ClusterSpec:
+    return ClusterSpec.from_dict({**TOY, **changes})
+
+
+def matrix(tp_size: int = 1, name: str = "w", order: int = 0, shape: tuple[int, int] = (M, N)) -> ParamSpec:
+    return ParamSpec(name=name, global_shape=shape, tp_dim=0 if tp_size > 1 else None, tp_size=tp_size, order=order)
+
+
+# ----------------------------------------------------------------------------------- hand-computed
+
+
+def test_one_bucket_zero1_over_two_dp_ranks():
+    """One matrix split over two DP shards: reduce-scatter and all-gather are one ring step;
+    both holders all-gather the matrix (one ring step) and compute it."""
+    r = simulate([matrix()], strategy="zero1", cluster=cluster(), dp_size=2, wire=WIRE)
+    rs = 10e-6 + 0.5 * NUMEL * 4 / 100e9
+    ag = 10e-6 + 0.5 * NUMEL * 2 / 100e9
+    gather = 10e-6 + 0.5 * NUMEL * 4 / 100e9
+    apply = NUMEL / 2 * 14 / 1e12
+    assert r.grad_reduce_seconds == pytest.approx(rs, rel=1e-12)
+    assert r.param_gather_seconds == pytest.approx(ag, rel=1e-12)
+    assert r.optimizer_step_seconds == pytest.approx(gather + COMPUTE + apply, rel=1e-12)
+    # No forward/backward to hide behind: both collectives are exposed.
+    assert r.iteration_seconds == pytest.approx(ag + rs + gather + COMPUTE + apply, rel=1e-12)
+    assert r.exposed_comm_seconds == pytest.approx(ag + rs + gather, rel=1e-12)
+
+
+def test_one_matrix_canzona_host_over_tp():
+    """TP 2, DP 1: the host gets the other TP shard (fp32, one all-to-all), computes, scatters
+    its slice back; each rank applies its half."""
+    r = simulate([matrix(tp_size=2)], strategy="canzona", cluster=cluster(), dp_size=1, tp_size=2, wire=WIRE)
+    a2a = 10e-6 + NUMEL / 2 * 4 / (100e9 * 0.5)
+    apply = NUMEL / 2 * 14 / 1e12
+    assert r.optimizer_step_seconds == pytest.approx(a2a + COMPUTE + a2a + apply, rel=1e-12)
+    assert r.step_compute_seconds == pytest.approx(COMPUTE + apply, rel=1e-12)
+    assert r.step_bytes_per_rank == NUMEL / 2 * 4
+    assert r.grad_reduce_seconds == 0.0 and r.param_gather_seconds == 0.0  # DP 1: nothing to reduce
+
+
+def test_inter_node_link_when_the_tp_group_spans_nodes():
+    r = simulate([matrix(tp_size=2)], strategy="canzona", cluster=cluster(gpus_per_node=1), dp_size=1, tp_size=2,
+                 wire=WIRE)
+    a2a = 20e-6 + NUMEL / 2 * 4 / (10e9 * 0.5)
+    assert r.optimizer_step_seconds == pytest.approx(2 * a2a + COMPUTE + NUMEL / 2 * 14 / 1e12, rel=1e-12)
+
+
+def layout(spec: ParamSpec, dp_size: int = 1):
+    """A whole-matrix DP layout standing in for Megatron's layer-wise one (needs no Megatron)."""
+    return plan_zero1([spec], dp_size=dp_size, cost_model=CostModel(), bucket_size=None)
+
+
+def test_duplicated_and_layer_sharded_tp_modes():
+    """Megatron's duplicated mode: a ring all-gather of the whole fp32 matrix over TP, then
+    both TP ranks compute it; layer_sharded: one home, a fused all-to-all each way."""
+    spec = matrix(tp_size=2)
+    apply = NUMEL / 2 * 14 / 1e12
+    dup = simulate([spec], strategy="megatron_layerwise", cluster=cluster(), dp_size=1, tp_size=2, wire=WIRE,
+                   plan=layout(spec))
+    ring = 10e-6 + 0.5 * NUMEL * 4 / 100e9
+    assert dup.optimizer_step_seconds == pytest.approx(ring + COMPUTE + apply, rel=1e-12)
+    homed = simulate([spec], strategy="layer_sharded", cluster=cluster(), dp_size=1, tp_size=2, wire=WIRE,
+                     plan=layout(spec))
+    a2a = 10e-6 + NUMEL / 2 * 4 / (100e9 * 0.5)
+    assert homed.optimizer_step_seconds == pytest.approx(2 * a2a + COMPUTE + apply, rel=1e-12)
+
+
+def test_sync_all_reduces_and_every_rank_computes():
+    r = simulate([matrix()], strategy="sync", cluster=cluster(), dp_size=2, wire=WIRE)
+    assert r.grad_reduce_seconds == pytest.approx(2 * (10e-6 + 0.5 * NUMEL * 4 / 100e9), rel=1e-12)
+    assert r.param_gather_seconds == 0.0
+    assert r.optimizer_step_seconds == pytest.approx(COMPUTE + NUMEL * 14 / 1e12, rel=1e-12)
+
+
+def test_adamw_is_memory_bound_on_each_shard():
+    r = simulate([matrix()], strategy="adamw", cluster=cluster(), dp_size=2, wire=WIRE)
+    assert r.optimizer_step_seconds == pytest.approx(NUMEL / 2 * 30 / 1e12, rel=1e-12)
+
+
+def test_calibration_replaces_the_formula():
+    calibration = Calibration(optimizer="muon", seconds={(M, N): 0.25})
+    r = simulate([matrix()], strategy="canzona", cluster=cluster(), dp_size=1, calibration=calibration, wire=WIRE)
+    assert r.optimizer_step_seconds == pytest.approx(0.25 + NUMEL * 14 / 1e12, rel=1e-12)
+
+
+def test_fewer_compute_slots_than_ranks_slow_compute_down():
+    base = simulate([matrix()], strategy="sync", cluster=cluster(), dp_size=2, wire=WIRE)
+    shared = simulate([matrix()], strategy="sync", cluster=cluster(compute_slots=1), dp_size=2, wire=WIRE)
+    assert shared.optimizer_step_seconds == pytest.approx(2 * base.optimizer_step_seconds, rel=1e-12)
+
+
+def test_forward_backward_microbatches_and_pipeline_bubble():
+    work = Workload(global_batch=8, micro_batch=2, seq_length=16, flops_per_token=1e9)
+    r = simulate([matrix()], strategy="adamw", cluster=cluster(), dp_size=2, pp_size=3, workload=work, wire=WIRE)
+    micro = 1e9 * 2 * 16 / (100e12 * 0.5)
+    assert r.details["microbatches"] == 2
+    assert r.forward_backward_seconds == pytest.approx(2 * micro, rel=1e-12)
+    assert r.bubble_seconds == pytest.approx(2 * micro, rel=1e-12)
+
+
+def test_reduction_hides_behind_a_long_backward():
+    work = Workload(global_batch=2, micro_batch=1, seq_length=4096, flops_per_token=1e12)
+    r = simulate([matrix()], strategy="zero1", cluster=cluster(), dp_size=2, workload=work, wire=WIRE)
+    # One bucket, ready when backward ends (its only matrix is the last gradient of none
+    # other): the reduce-scatter runs after backward, the all-gather before the forward.
+    assert r.grad_reduce_exposed_seconds == pytest.approx(r.grad_reduce_seconds, rel=1e-12)
+    two = [matrix(name="a", order=0), matrix(name="b", order=1)]
+    r2 = simulate(two, strategy="zero1", cluster=cluster(), dp_size=2, workload=work, wire=WIRE, bucket_size=NUMEL)
+    assert r2.grad_reduce_exposed_seconds < r2.grad_reduce_seconds  # the first bucket overlapped backward
+
+
+# ----------------------------------------------------------------------------------- properties
+
+shapes = st.tuples(st.sampled_from([64, 128, 192, 256]), st.sampled_from([64, 128, 320, 512]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(shapes, min_size=1, max_size=6), st.integers(1, 4), st.sampled_from([1, 2]),
+       st.sampled_from([None, 20000, 60000]))
+def test_overlap_never_lengthens_the_step(dims, dp_size, tp_size, bucket_size):
+    specs = [matrix(tp_size=tp_size, name=f"w{i}", order=i, shape=s) for i, s in enumerate(dims)]
+    plan = make_plan(specs, dp_size=dp_size, tp_size=tp_size, bucket_size=bucket_size, wire=WIRE)
+    kwargs = dict(strategy="canzona", cluster=cluster(gpus_per_node=2), dp_size=dp_size, tp_size=tp_size, plan=plan,
+                  wire=WIRE)
+    on, off = simulate(specs, overlap=True, **kwargs), simulate(specs, overlap=False, **kwargs)
+    assert on.optimizer_step_seconds <= off.optimizer_step_seconds * (1 + 1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(1e-4, 1e-2), st.integers(1, 10**6)), min_size=1, max_size=12),
+       st.integers(1, 6))
+def test_adding_a_rank_never_lengthens_a_balanced_step(items, dp_size):
+    """Whole matrices on homes from list scheduling (the planner's balanced_homes), each
+    costing its update and applying it: one more DP rank never makes the step longer."""
+    spec_cluster = cluster()
+
+    def step(ranks: int) -> float:
+        run = StepRun(range(ranks), {}, spec_cluster, WIRE)
+        apply = [run.elementwise_seconds(n, 14) for _, n in items]
+        homes = balanced_homes([s + a for (s, _), a in zip(items, apply)], ranks)
+        tasks = [SimTask(f"w{i}", ((h, n),), h, s) for i, ((s, n), h) in enumerate(zip(items, homes))]
+        run_host_groups(run, tasks, pipelined=True)
+        return run.end
+
+    assert step(dp_size + 1) <= step(dp_size) * (1 + 1e-12)
+
+
+# ----------------------------------------------------------------------------------- errors
+
+
+def write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def toml_of(data: dict) -> str:
+    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for table, fields in ((k, v) for k, v in data.items() if isinstance(v, dict)):
+        lines.append(f"[{table}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(("table", "field", "value", "message"), [
+    ("gpu", "bf16_tflops", "abc", "h100.toml: gpu.bf16_tflops must be a positive number, got 'abc'"),
+    ("gpu", "memory_gb_per_s", -1, "h100.toml: gpu.memory_gb_per_s must be a positive number, got -1"),
+    ("gpu", "matmul_efficiency", 1.5, "h100.toml: gpu.matmul_efficiency must be a fraction in (0, 1], got 1.5"),
+    ("gpu", "optimizer_dtype", "fp8", "h100.toml: gpu.optimizer_dtype must be one of ('bf16', 'fp32'), got 'fp8'"),
+    ("intra_node", "latency_us", "fast", "h100.toml: intra_node.latency_us must be a number >= 0, got 'fast'"),
+    ("training", "mfu", 0, "h100.toml: training.mfu must be a positive number, got 0"),
+])
+def test_bad_cluster_file_names_the_field(tmp_path, table, field, value, message):
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in TOY.items()}
+    data[table][field] = value
+    with pytest.raises(ValueError) as err:
+        load_cluster(write(tmp_path, "h100.toml", toml_of(data)))
+    assert str(err.value) == message
+
+
+def test_cluster_file_structure_errors(tmp_path):
+    data = {k: v for k, v in TOY.items() if k != "gpu"}
+    with pytest.raises(ValueError, match=r"^c\.toml: missing \[gpu\] table"):
+        load_cluster(write(tmp_path, "c.toml", toml_of(data)))
+    with pytest.raises(ValueError, match=r"^c\.toml: gpus_per_node must be a positive integer, got 0$"):
+        load_cluster(write(tmp_path, "c.toml", toml_of({**TOY, "gpus_per_node": 0})))
+    with pytest.raises(ValueError, match=r"^bad\.toml: not valid TOML: "):
+        load_cluster(write(tmp_path, "bad.toml", "gpu = [\n"))
+    with pytest.raises(ValueError, match=r"cannot read it"):
+        load_cluster(str(tmp_path / "missing.toml"))
+    one_node = ClusterSpec.from_dict({k: v for k, v in TOY.items() if k != "inter_node"} | {"gpus_per_node": 1})
+    with pytest.raises(ValueError, match=r"no \[inter_node\] link"):
+        simulate([matrix(tp_size=2)], strategy="canzona", cluster=one_node, dp_size=1, tp_size=2)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"optimizer": "muon", "timings": [{"m": 4, "n": 4, "seconds": "x"}]},
+     "muon.json: timings[0].seconds must be a positive number, got 'x'"),
+    ({"optimizer": "muon", "timings": [{"m": 4, "seconds": 1.0}]},
+     "muon.json: timings[0].n must be a positive integer, got None"),
+    ({"optimizer": "adam", "timings": [{"m": 4, "n": 4, "seconds": 1.0}]},
+     "muon.json: optimizer must be one of muon, shampoo, soap, got 'adam'"),
+    ({"optimizer": "muon", "timings": []},
+     "muon.json: timings must be a non-empty list of {m, n, seconds}, got []"),
+])
+def test_bad_calibration_file_names_the_field(tmp_path, data, message):
+    with pytest.raises(ValueError) as err:
+        load_calibration(write(tmp_path, "muon.json", json.dumps(data)))
+    assert str(err.value) == message and "\n" not in str(err.value)
+
+
+def test_calibration_file_round_trip(tmp_path):
+    calibration = Calibration(optimizer="soap", seconds={(8, 16): 0.5, (16, 16): 1.5})
+    assert load_calibration(write(tmp_path, "soap.json", calibration.to_json())) == calibration
+
+
+def test_bad_arguments_say_how_to_fix_them():
+    with pytest.raises(ValueError, match="unknown strategy 'fast'; choose one of"):
+        simulate([matrix()], strategy="fast", cluster=cluster(), dp_size=1)
+    with pytest.raises(ValueError, match="plan_megatron_layerwise"):
+        simulate([matrix()], strategy="megatron_layerwise", cluster=cluster(), dp_size=1)
+    with pytest.raises(ValueError, match=r"pass --global-batch 6"):
+        simulate([matrix()], strategy="adamw", cluster=cluster(), dp_size=3, workload=Workload(global_batch=4))
+
+
+def test_presets_load_and_round_trip():
+    for path in sorted((ROOT / "tools" / "clusters").glob("*.toml")):
+        spec = load_cluster(str(path))
+        assert spec.name == path.stem
+        assert ClusterSpec.from_dict(spec.to_dict(), source=path.name) == spec
+
+
+# ----------------------------------------------------------------------------------- CLI
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import simulate as cli  # tools/simulate.py
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_json_has_every_strategy_field(capsys, tmp_path):
+    png = tmp_path / "gantt.png"
+    code, out, _ = run_cli(["--model", "qwen3-tiny", "--gpus", "4", "--tp", "2", "--json", "--strategies", "canzona",
+                            "sync", "zero1", "adamw", "--plot", str(png), "--plot-strategies", "canzona", "sync"],
+                           capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert report["config"]["dp"] == 2 and report["config"]["seq_length"] == 64  # the CPU recipe's batch
+    assert set(report["strategies"]) == {"canzona", "sync", "zero1", "adamw"}
+    for record in report["strategies"].values():
+        for key in ("optimizer_step_seconds", "iteration_seconds", "exposed_comm_seconds", "step_ratio_to_canzona",
+                    "iteration_ratio_to_canzona"):
+            assert isinstance(record[key], float) and record[key] >= 0
+    assert report["strategies"]["canzona"]["step_ratio_to_canzona"] == 1.0
+    assert png.stat().st_size > 0
+
+
+def test_cli_errors_are_one_line(capsys, tmp_path):
+    bad = write(tmp_path, "h100.toml", toml_of({**TOY, "gpu": {**TOY["gpu"], "bf16_tflops": "abc"}}))
+    code, _, err = run_cli(["--model", "qwen3-tiny", "--gpus", "4", "--cluster", bad], capsys)
+    assert code == 2
+    assert err == "simulate.py: error: h100.toml: gpu.bf16_tflops must be a positive number, got 'abc'\n"
+    code, _, err = run_cli(["--model", "qwen3-tiny", "--gpus", "3", "--tp", "2"], capsys)
+    assert code == 2 and "pass a multiple of 2" in err and err.count("\n") == 1
+    code, _, err = run_cli(["--model", "qwen3-tiny", "--gpus", "4", "--cluster", "h900"], capsys)
+    assert code == 2 and "h100-ib400" in err and err.count("\n") == 1
+
+
+def test_layering_allows_the_simulator():
+    """The simulator is part of the pure planning layer (tests/unit/test_layering.py checks it)."""
+    assert (ROOT / "megatron" / "canzona" / "planning" / "sim" / "simulate.py").exists()
+    assert "torch" not in open(os.path.join(ROOT, "megatron", "canzona", "planning", "sim", "step.py")).read()

@@ -1,0 +1,371 @@
+#!/usr/bin/env python
+"""Project one training iteration on a cluster, for Canzona and every alternative, before launch.
+
+    python tools/simulate.py --model qwen3-32b --gpus 256 --tp 8
+    python tools/simulate.py --model qwen3-8b --gpus 128 --cluster h800-ib400 --optimizer soap --json
+    python tools/simulate.py --model qwen3-30b-a3b --gpus 256 --ep 8 --plot iteration.png
+    python tools/simulate.py --model qwen3-32b --gpus 256 --calibration calib/muon.json --cluster my.toml
+    python tools/simulate.py --cases          # the README's projection table (H100, 64-256 GPUs)
+
+The plans are the ones the runtime executes (``make_plan`` for Canzona, Megatron-Core's own
+layer-wise layout, stock ZeRO-1); megatron.canzona.planning.sim turns them into per-rank
+timelines on the cluster (a preset of tools/clusters/ or a TOML/JSON file, schema in the
+package docstring). Parallel sizes and batch default to the model's recipe
+(examples/qwen3/pretrain_<model>.sh); the global batch is raised to one micro-batch per DP
+rank where the recipe's is smaller. With PP > 1 every stage is simulated and the slowest one
+reported. Every number is a projection: the FLOP cost model at an assumed fraction of peak
+unless ``--calibration`` gives measured seconds per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron.canzona.planning import (  # noqa: E402
+    QWEN3_MODELS,
+    CostModel,
+    WireConfig,
+    get_qwen3_config,
+    qwen3_specs,
+    split_experts,
+)
+from megatron.canzona.planning.geometry import default_bucket_size  # noqa: E402
+from megatron.canzona.planning.grid import expert_dp_size  # noqa: E402
+from megatron.canzona.planning.sim import (  # noqa: E402
+    STRATEGIES,
+    ClusterSpec,
+    StrategyResult,
+    Workload,
+    load_calibration,
+    load_cluster,
+    simulate,
+)
+from megatron.canzona.planning.sim.simulate import NEEDS_LAYERWISE_PLAN  # noqa: E402
+
+CLUSTER_DIR = os.path.join(ROOT, "tools", "clusters")
+RECIPE_DIR = os.path.join(ROOT, "examples", "qwen3")
+DEFAULT_CLUSTER = "h100-ib400"
+DEFAULT_STRATEGIES = ("canzona", "megatron_layerwise", "layer_sharded", "sync", "zero1", "adamw")
+RECIPE_KEYS = {"TP": "tp", "PP": "pp", "EP": "ep", "ETP": "etp", "MICRO_BATCH": "micro_batch",
+               "GLOBAL_BATCH": "global_batch", "SEQ_LENGTH": "seq_length", "PP_FIRST_LAYERS": "first_stage_layers",
+               "PP_LAST_LAYERS": "last_stage_layers"}
+
+
+def recipe_defaults(model: str) -> dict[str, int]:
+    """Parallel sizes and batch of a model's recipe: common.sh's defaults, then the recipe's
+    ``VAR="${VAR:-N}"`` lines (the recipe wins)."""
+    pattern = re.compile(r'^\s*(\w+)="\$\{\w+:-(\d+)\}"', re.MULTILINE)
+    out: dict[str, Any] = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "micro_batch": 1, "global_batch": 128,
+                           "seq_length": 4096, "first_stage_layers": None, "last_stage_layers": None}
+    recipe = os.path.join(RECIPE_DIR, f"pretrain_{model.replace('-', '_')}.sh")
+    texts = []
+    with open(os.path.join(RECIPE_DIR, "common.sh")) as f:
+        common = f.read()
+    own = ""
+    if os.path.exists(recipe):
+        with open(recipe) as f:
+            own = f.read()
+    # The GPU recipes take qwen3_defaults(); the CPU ones (qwen3_cpu_main) their own block first.
+    texts.append(common[common.find("qwen3_defaults()"):common.find("# The whole command")])
+    if "qwen3_cpu_main" in own:
+        texts.append(common[common.find("qwen3_cpu_main()"):common.find("qwen3_recipe_main()")])
+    texts.append(own)
+    for text in texts:
+        for key, value in pattern.findall(text):
+            if key in RECIPE_KEYS:
+                out[RECIPE_KEYS[key]] = int(value)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-32b", help=f"one of: {', '.join(QWEN3_MODELS)}")
+    p.add_argument("--gpus", type=int, default=256, help="GPUs of the job: DP = GPUs / (TP x PP)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: the recipe's)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size (default: the recipe's)")
+    p.add_argument("--ep", type=int, help="expert-parallel size, MoE models (default: the recipe's)")
+    p.add_argument("--etp", type=int, help="expert tensor-parallel size (default 1, as the recipes)")
+    p.add_argument("--decoder-first-pipeline-num-layers", dest="first_stage_layers", type=int)
+    p.add_argument("--decoder-last-pipeline-num-layers", dest="last_stage_layers", type=int)
+    p.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon")
+    p.add_argument("--cluster", default=DEFAULT_CLUSTER,
+                   help=f"a TOML/JSON file or a preset of tools/clusters/ ({', '.join(presets())})")
+    p.add_argument("--calibration", metavar="FILE", help="measured seconds per shape (tools/bench_optim.py --calibration-dir)")
+    p.add_argument("--global-batch", type=int, help="sequences per iteration (default: the recipe's, at least DP x micro)")
+    p.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: the recipe's)")
+    p.add_argument("--seq-length", type=int, help="tokens per sequence (default: the recipe's)")
+    p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(DEFAULT_STRATEGIES))
+    p.add_argument("--alpha", type=float, default=0.5, help="Canzona planner balance knob")
+    p.add_argument("--bucket-size", type=int, help="DDP bucket elements (default Megatron's max(40M, 1M x DP))")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce gradients in bf16 (the recipes reduce in fp32: --accumulate-allreduce-grads-in-fp32)")
+    p.add_argument("--no-split-qkv", dest="split_qkv", action="store_false", help="one matrix per fused QKV")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="Canzona's micro-groups without pipelining (gather, compute, scatter in turn)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--cases", action="store_true",
+                   help="every model of the README's projection table at 64, 128 and 256 GPUs (recipe sizes)")
+    p.add_argument("--plot", metavar="FILE.png", help="Gantt of one iteration, two strategies side by side")
+    p.add_argument("--plot-strategies", nargs=2, default=("canzona", "megatron_layerwise"), choices=STRATEGIES)
+    return p.parse_args(argv)
+
+
+def presets() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(CLUSTER_DIR) if f.endswith(".toml")) if os.path.isdir(CLUSTER_DIR) else []
+
+
+def resolve_cluster(name: str) -> ClusterSpec:
+    if os.path.exists(name):
+        return load_cluster(name)
+    path = os.path.join(CLUSTER_DIR, f"{name}.toml")
+    if os.path.exists(path):
+        return load_cluster(path)
+    raise ValueError(f"--cluster {name!r} is neither a file nor a preset; choose one of {', '.join(presets())} "
+                     f"or pass a TOML/JSON file")
+
+
+def configure(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's sizes: the recipe's defaults under the flags given, checked."""
+    cfg = get_qwen3_config(args.model)
+    recipe = recipe_defaults(cfg.name)
+    sizes = {k: getattr(args, k) if getattr(args, k, None) is not None else recipe[k]
+             for k in ("tp", "pp", "ep", "etp", "micro_batch", "seq_length", "first_stage_layers", "last_stage_layers")}
+    if not cfg.is_moe:
+        sizes["ep"] = sizes["etp"] = 1
+    if args.pp is not None and args.pp != recipe["pp"] and args.first_stage_layers is None:
+        sizes["first_stage_layers"] = sizes["last_stage_layers"] = None  # the recipe's split is for its own PP
+    if args.gpus < 1 or args.gpus % (sizes["tp"] * sizes["pp"]):
+        raise ValueError(f"--gpus {args.gpus} is not a multiple of TP {sizes['tp']} x PP {sizes['pp']}; "
+                         f"pass a multiple of {sizes['tp'] * sizes['pp']}")
+    dp = args.gpus // (sizes["tp"] * sizes["pp"])
+    per_step = dp * sizes["micro_batch"]
+    note = None
+    global_batch = args.global_batch
+    if global_batch is None:
+        global_batch = recipe["global_batch"]
+        if global_batch % per_step:
+            global_batch = -(-global_batch // per_step) * per_step
+            note = (f"global batch raised from the recipe's {recipe['global_batch']} to {global_batch}: "
+                    f"DP {dp} x micro batch {sizes['micro_batch']} needs a multiple of {per_step}")
+    return {"model": cfg.name, "gpus": args.gpus, "dp": dp, **sizes, "global_batch": global_batch, "note": note,
+            "optimizer": args.optimizer, "split_qkv": args.split_qkv, "alpha": args.alpha,
+            "grad_reduce_in_fp32": not args.grad_reduce_in_bf16, "overlap": args.overlap,
+            "bucket_size": args.bucket_size or default_bucket_size(dp)}
+
+
+def stage_specs(args: argparse.Namespace, run: dict[str, Any], pp_rank: int) -> list:
+    return qwen3_specs(run["model"], tp_size=run["tp"], ep_size=run["ep"], expert_tp_size=run["etp"],
+                       pp_size=run["pp"], pp_rank=pp_rank, first_stage_layers=run["first_stage_layers"],
+                       last_stage_layers=run["last_stage_layers"], split_qkv=run["split_qkv"])
+
+
+def layerwise_plans(specs: list, run: dict[str, Any]) -> tuple[Any, Any]:
+    """Megatron-Core's own layer-wise layouts (dense, expert) of a stage, from the installed package."""
+    from canzona_patches.version import quiet_megatron_notices
+
+    quiet_megatron_notices()
+    from canzona_patches.layerwise_baseline import plan_megatron_layerwise
+
+    cm = CostModel(kind=run["optimizer"])
+    dense, experts = split_experts(specs)
+    edp = expert_dp_size(dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"], expert_tp_size=run["etp"])
+    plan = plan_megatron_layerwise(dense, dp_size=run["dp"], cost_model=cm, bucket_size=run["bucket_size"])
+    expert_plan = plan_megatron_layerwise(experts, dp_size=edp, cost_model=cm,
+                                          bucket_size=run["bucket_size"]) if experts else None
+    return plan, expert_plan
+
+
+def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calibration, strategies) -> dict[str, StrategyResult]:
+    cfg = get_qwen3_config(run["model"])
+    activity = cfg.moe_router_topk * run["ep"] / cfg.num_experts if cfg.is_moe else 1.0
+    workload = Workload(global_batch=run["global_batch"], micro_batch=run["micro_batch"], seq_length=run["seq_length"],
+                        expert_activity=activity)
+    wire = WireConfig(grad_bytes=4 if run["grad_reduce_in_fp32"] else 2)
+    layerwise = layerwise_plans(specs, run) if set(strategies) & set(NEEDS_LAYERWISE_PLAN) else (None, None)
+    out = {}
+    for name in strategies:
+        plan, expert_plan = layerwise if name in NEEDS_LAYERWISE_PLAN else (None, None)
+        out[name] = simulate(
+            specs, strategy=name, cluster=cluster, dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"],
+            expert_tp_size=run["etp"], pp_size=run["pp"], optimizer=run["optimizer"], calibration=calibration,
+            workload=workload, plan=plan, expert_plan=expert_plan, wire=wire, overlap=run["overlap"],
+            alpha=run["alpha"], bucket_size=run["bucket_size"],
+        )
+    return out
+
+
+def project(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, StrategyResult]]:
+    """The report and, per strategy, the result of its slowest pipeline stage."""
+    cluster = resolve_cluster(args.cluster)
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    if calibration is not None and calibration.optimizer != args.optimizer:
+        raise ValueError(f"{os.path.basename(args.calibration)} was measured for {calibration.optimizer!r}; "
+                         f"pass --optimizer {calibration.optimizer} or a {args.optimizer} calibration")
+    run = configure(args)
+    strategies = list(dict.fromkeys(["canzona", *args.strategies, *(args.plot_strategies if args.plot else ())]))
+    cache: dict[tuple, dict[str, StrategyResult]] = {}
+    best: dict[str, tuple[int, StrategyResult]] = {}
+    for pp_rank in range(run["pp"]):
+        specs = stage_specs(args, run, pp_rank)
+        key = tuple(specs)
+        if key not in cache:
+            cache[key] = simulate_stage(specs, run, cluster, calibration, strategies)
+        for name, result in cache[key].items():
+            if name not in best or result.iteration_seconds > best[name][1].iteration_seconds:
+                best[name] = (pp_rank, result)
+    results = {name: best[name][1] for name in strategies}
+    report = {"config": {**run, "cluster": cluster.name, "gpus_per_node": cluster.gpus_per_node,
+                         "cost": "calibration" if calibration else
+                         f"FLOP formula at {cluster.gpu.matmul_efficiency:.0%} of the {cluster.gpu.optimizer_dtype} peak",
+                         "machine": f"{platform.node()} python {platform.python_version()}"},
+              "cluster": cluster.to_dict(), "strategies": {}}
+    canzona = results["canzona"]
+    for name, r in results.items():
+        report["strategies"][name] = {
+            **r.to_dict(), "pipeline_stage": best[name][0],
+            "step_ratio_to_canzona": r.optimizer_step_seconds / canzona.optimizer_step_seconds,
+            "iteration_ratio_to_canzona": r.iteration_seconds / canzona.iteration_seconds,
+        }
+    return report, results
+
+
+def print_report(report: dict[str, Any]) -> None:
+    c = report["config"]
+    moe = f" EP {c['ep']} ETP {c['etp']}" if c["ep"] > 1 else ""
+    print(f" [simulate] {c['model']} on {c['gpus']} x {c['cluster']} ({c['gpus_per_node']} per node) | TP {c['tp']} "
+          f"PP {c['pp']} DP {c['dp']}{moe} | global batch {c['global_batch']}, micro batch {c['micro_batch']}, "
+          f"seq {c['seq_length']} | {c['optimizer']}: {c['cost']} | MFU {report['cluster']['training']['mfu']:.2f}")
+    if c["note"]:
+        print(f" [simulate] note: {c['note']}")
+    for name, s in report["strategies"].items():
+        print(f" {name:<19}| iteration (ms): {ms(s['iteration_seconds'])} | optimizer step (ms): "
+              f"{ms(s['optimizer_step_seconds'])} | exposed comm (ms): {ms(s['exposed_comm_seconds'])} | "
+              f"step / canzona: {s['step_ratio_to_canzona']:6.2f} | iteration / canzona: "
+              f"{s['iteration_ratio_to_canzona']:5.2f} |")
+
+
+def ms(seconds: float) -> str:
+    """Milliseconds, four significant digits (CPU toy runs are microseconds)."""
+    return f"{1e3 * seconds:>9.4g}"
+
+
+KIND_COLOURS = {"forward_backward": "tab:gray", "bubble": "lightgray", "grad_reduce": "tab:purple",
+                "param_gather": "tab:cyan", "gather": "tab:blue", "compute": "tab:orange", "scatter": "tab:green",
+                "apply": "tab:red", "adamw": "tab:brown"}
+
+
+def plot_ranks(result: StrategyResult, limit: int = 6) -> list[int]:
+    """The busiest rank of the step, then the lowest ranks, ``limit`` in all."""
+    busy: dict[int, float] = {}
+    for s in result.timeline:
+        if s.lane == "compute" and s.kind not in ("forward_backward", "bubble"):
+            busy[s.rank] = busy.get(s.rank, 0.0) + s.end - s.start
+    ranks = sorted({s.rank for s in result.timeline})
+    busiest = max(busy, key=busy.__getitem__) if busy else ranks[0]
+    return sorted(list(dict.fromkeys([busiest, *ranks]))[:limit])
+
+
+def plot(report: dict[str, Any], results: dict[str, StrategyResult], names: tuple[str, str], path: str) -> None:
+    """Per rank a compute and a comm lane: the whole iteration on top, the optimizer step below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(2, 2, figsize=(15, 7.5), squeeze=False)
+    for col, name in enumerate(names):
+        r = results[name]
+        ranks = plot_ranks(r)
+        step_start = r.iteration_seconds - r.optimizer_step_seconds
+        for row, (lo, hi) in enumerate(((0.0, r.iteration_seconds), (step_start, r.iteration_seconds))):
+            ax = axes[row][col]
+            for s in r.timeline:
+                if s.rank not in ranks or s.end < lo or s.start > hi:
+                    continue
+                y = 2 * ranks.index(s.rank) + (s.lane == "comm")
+                ax.barh(y, 1e3 * (s.end - s.start), left=1e3 * s.start, height=0.8, color=KIND_COLOURS.get(s.kind, "k"),
+                        edgecolor="black", linewidth=0.2)
+            ax.set_yticks(range(2 * len(ranks)), [f"rank {q} {lane}" for q in ranks for lane in ("compute", "comm")],
+                          fontsize=7)
+            ax.invert_yaxis()
+            ax.set_xlim(1e3 * lo, 1e3 * hi)
+            what = "iteration" if row == 0 else "optimizer step"
+            ax.set_title(f"{name}: {what} {1e3 * (hi - lo):.1f} ms", fontsize=9)
+            ax.set_xlabel("ms since the iteration started")
+    c = report["config"]
+    fig.legend(handles=[Patch(color=v, label=k) for k, v in KIND_COLOURS.items()], loc="lower center", ncol=9, fontsize=8)
+    fig.suptitle(f"Simulated {c['model']} on {c['gpus']} x {c['cluster']}, TP {c['tp']} PP {c['pp']} DP {c['dp']} "
+                 f"({c['optimizer']}, {c['cost']})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+CASES = ("qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b")
+CASE_GPUS = (64, 128, 256)
+CASE_STRATEGIES = ("canzona", "megatron_layerwise", "layer_sharded", "sync", "zero1", "adamw")
+
+
+def short_ms(seconds: float) -> str:
+    """Milliseconds with one decimal below a second, whole ones above."""
+    return f"{1e3 * seconds:.0f}" if seconds >= 1 else f"{1e3 * seconds:.1f}"
+
+
+def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The README's table: per model and GPU count, step and iteration of every strategy
+    (``a / b / ...`` in CASE_STRATEGIES order) and Canzona's speed-ups over Megatron's layer-wise."""
+    header = ("| model | GPUs | TP, EP, DP | global batch | optimizer step (ms): " + " / ".join(CASE_STRATEGIES)
+              + " | iteration (ms): " + " / ".join(CASE_STRATEGIES) + " | step speed-up | iteration speed-up |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    rows = []
+    for model in CASES:
+        for gpus in CASE_GPUS:
+            case = argparse.Namespace(**{**vars(args), "model": model, "gpus": gpus, "tp": None, "pp": None,
+                                         "ep": None, "global_batch": None, "strategies": list(CASE_STRATEGIES),
+                                         "plot": None})
+            report, _ = project(case)
+            c, s = report["config"], report["strategies"]
+            steps = " / ".join(short_ms(s[n]["optimizer_step_seconds"]) for n in CASE_STRATEGIES)
+            iters = " / ".join(f"{1e3 * s[n]['iteration_seconds']:.0f}" for n in CASE_STRATEGIES)
+            layerwise = s["megatron_layerwise"]
+            print(f"| {model} | {gpus} | {c['tp']}, {c['ep']}, {c['dp']} | {c['global_batch']} | {steps} | {iters} | "
+                  f"{layerwise['step_ratio_to_canzona']:.2f}× | {layerwise['iteration_ratio_to_canzona']:.2f}× |",
+                  flush=True)
+            rows.append(report)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.cases:
+            rows = run_cases(args)
+            if args.json:
+                print(json.dumps(rows))
+            return 0
+        report, results = project(args)
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"simulate.py: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    if args.plot:
+        plot(report, results, tuple(args.plot_strategies), args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
