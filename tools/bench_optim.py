@@ -6,19 +6,31 @@ batched (one call on a stack of same-shape matrices) against looped (one call ea
     python tools/bench_optim.py --device cuda --models qwen3-1.7b qwen3-8b --stack 8 --repeats 10
     python tools/bench_optim.py --models qwen3-tiny --shrink 1 --stack 16 --repeats 5  # small matrices
     python tools/bench_optim.py --optimizer muon --json bench.json --calibration-dir calib/
+    python tools/bench_optim.py --optimizer muon --tiny-gpt 384 --ns-dtype float32 --threads 1 \
+        --calibrate tools/calibrations/cpu-tiny-gpt-muon.json   # what tools/validate_simulate.py uses
 
 Shapes are the TP=1 matrices of each layer: fused QKV, attention output projection, fused
 gate/up (fc1) and fc2; ``--shrink k`` divides every dimension by k (keeps aspect ratios)
-so that CPU runs stay short. Shampoo and SOAP recompute their preconditioner every
-``f`` steps; their steady-state time is measured as ``plain + (refresh - plain) / f``
-from a plain step and a refresh step timed separately. FLOPs come from the project's
-cost model (megatron.canzona.planning.cost); on CUDA the bf16 matmul peak of the card is
-measured first and Muon's Newton-Schulz rate is reported as a fraction of it.
+so that CPU runs stay short. ``--tiny-gpt HIDDEN`` adds the Muon matrices of
+tools/bench_step.py's tiny GPT (Q, K, V split as it splits them; never shrunk). Shampoo
+and SOAP recompute their preconditioner every ``f`` steps; their steady-state time is
+measured as ``plain + (refresh - plain) / f`` from a plain step and a refresh step timed
+separately. FLOPs come from the project's cost model (megatron.canzona.planning.cost); on
+CUDA the bf16 matmul peak of the card is measured first and Muon's Newton-Schulz rate is
+reported as a fraction of it.
+
+``--calibrate FILE`` writes one calibration holding seconds per (optimizer, shape, dtype):
+the first optimizer measured is the file's top level, a planning.cost.Calibration JSON
+(``{"optimizer", "timings": [{"m", "n", "seconds"}]}``, what
+megatron.canzona.planning.sim.load_calibration and tools/simulate.py read); every one is
+under ``"optimizers"``, and ``"measured"`` says when, where and how. ``seconds`` is the
+batched time per matrix (as ``--calibration-dir``); ``looped_seconds`` the one-call-each.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -111,6 +123,34 @@ def qwen3_shapes(model: str, shrink: int) -> list[tuple[str, int, int]]:
     return [(name, max(1, m // shrink), max(1, n // shrink)) for name, m, n in shapes]
 
 
+def tiny_gpt_shapes(hidden: int) -> list[tuple[str, int, int]]:
+    """(name, rows, cols) of the Muon matrices of one layer of tools/bench_step.py's tiny GPT
+    at ``hidden``: Q, K, V split (as bench_step's runs split them), proj, fused gate/up fc1
+    and fc2, the SwiGLU size as bench_step derives it. Same shapes appear once."""
+    from tests.multirank.tiny_gpt import NUM_HEADS, NUM_QUERY_GROUPS
+    from tools.bench_step import parse_args as bench_step_args
+
+    ffn = bench_step_args(["--hidden", str(hidden)]).ffn_hidden
+    head_dim = hidden // NUM_HEADS
+    shapes = [
+        ("q", NUM_HEADS * head_dim, hidden),
+        ("kv", NUM_QUERY_GROUPS * head_dim, hidden),
+        ("proj", hidden, NUM_HEADS * head_dim),
+        ("fc1", 2 * ffn, hidden),
+        ("fc2", hidden, ffn),
+    ]
+    seen: dict[tuple[int, int], str] = {}
+    for name, m, n in shapes:
+        seen[(m, n)] = f"{seen[(m, n)]}/{name}" if (m, n) in seen else name
+    return [(name, m, n) for (m, n), name in seen.items()]
+
+
+def shape_sources(args: argparse.Namespace) -> list[tuple[str, list[tuple[str, int, int]]]]:
+    """(label, shapes) of every model measured: Qwen3 layers (shrunk), then tiny GPTs."""
+    out = [(model, qwen3_shapes(model, args.shrink)) for model in args.models]
+    return out + [(f"tiny-gpt-{h}", tiny_gpt_shapes(h)) for h in args.tiny_gpt]
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -189,6 +229,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
     p.add_argument("--models", "--shapes", dest="models", nargs="+", default=None,
                    help="Qwen3 models whose layer shapes to use (default: qwen3-1.7b qwen3-8b)")
+    p.add_argument("--tiny-gpt", nargs="+", type=int, default=[], metavar="HIDDEN",
+                   help="also tools/bench_step.py's tiny GPT matrices at these hidden sizes (only these when "
+                        "--models is not given)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="gradient dtype")
     p.add_argument("--ns-dtype", choices=("bfloat16", "float32"), default="bfloat16", help="Muon Newton-Schulz dtype")
@@ -201,11 +244,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout only)")
     p.add_argument("--calibration-dir", metavar="DIR",
                    help="write <optimizer>.json calibrations (batched seconds per matrix) for tools/plan.py")
+    p.add_argument("--calibrate", metavar="FILE",
+                   help="write one calibration file, seconds per (optimizer, shape, dtype), for tools/simulate.py")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda needs a CUDA build of torch and a visible GPU")
-    args.models = args.models or (["qwen3-1.7b", "qwen3-8b"] if cuda else ["qwen3-1.7b"])
+    if args.calibrate and not set(args.optimizer) - {"adamw"}:
+        p.error("--calibrate needs a matrix optimizer: add --optimizer muon (or shampoo, soap)")
+    if any(h < 4 or h % 4 for h in args.tiny_gpt):
+        p.error(f"--tiny-gpt {args.tiny_gpt}: every hidden size must be a positive multiple of the 4 heads")
+    if args.models is None:
+        args.models = [] if args.tiny_gpt else (["qwen3-1.7b", "qwen3-8b"] if cuda else ["qwen3-1.7b"])
     args.stack = args.stack or (8 if cuda else 4)
     args.repeats = args.repeats or (10 if cuda else 3)
     args.shrink = args.shrink or (1 if cuda else 8)
@@ -220,7 +270,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "git": git_revision(), "machine": machine(device),
-        "config": {k: v for k, v in vars(args).items() if k not in ("json", "calibration_dir")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "calibration_dir", "calibrate")},
         "optimizer_configs": {name: repr(kind.config) for name, kind in kinds.items() if name in args.optimizer},
         "rows": [],
     }
@@ -229,8 +279,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         report["bf16_matmul_peak_flops"] = measure_matmul_peak(device)
     gen = torch.Generator(device=device).manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    for model in args.models:
-        for shape_name, m, n in qwen3_shapes(model, args.shrink):
+    for model, shapes in shape_sources(args):
+        for shape_name, m, n in shapes:
             grads = torch.randn(args.stack, m, n, device=device, generator=gen).to(dtype)
             for name in args.optimizer:
                 print(f"{model} {shape_name} {m}x{n} {name} ...", file=sys.stderr, flush=True)
@@ -262,18 +312,19 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"# {report['command']}",
         f"git {report['git']}  " + "  ".join(f"{k}={v}" for k, v in report["machine"].items()),
-        f"models={cfg['models']} shrink={cfg['shrink']} stack={cfg['stack']} repeats={cfg['repeats']} "
+        f"models={cfg['models']} tiny_gpt={cfg['tiny_gpt']} shrink={cfg['shrink']} stack={cfg['stack']} "
+        f"repeats={cfg['repeats']} "
         f"grad dtype={cfg['dtype']} muon ns_dtype={cfg['ns_dtype']} "
         f"precondition_frequency={cfg['precondition_frequency']}",
     ]
     if peak:
         lines.append(f"bf16 matmul peak: {peak / 1e12:.1f} TFLOP/s")
-    header = (f"{'optimizer':<8} {'model':<11} {'matrix':<5} {'shape':>11} {'stack':>5} {'looped s':>10} "
+    header = (f"{'optimizer':<8} {'model':<13} {'matrix':<7} {'shape':>11} {'stack':>5} {'looped s':>10} "
               f"{'batched s':>10} {'speedup':>7} {'GFLOP/upd':>10} {'GFLOP/s':>9}")
     header += f" {'of peak':>7}" if peak else ""
     lines += [header, "-" * len(header)]
     for r in report["rows"]:
-        line = (f"{r['optimizer']:<8} {r['model']:<11} {r['matrix']:<5} {r['m']:>5}x{r['n']:<5} "
+        line = (f"{r['optimizer']:<8} {r['model']:<13} {r['matrix']:<7} {r['m']:>5}x{r['n']:<5} "
                 f"{r['stack']:>5} {r['looped_s']:>10.4g} {r['batched_s']:>10.4g} {r['speedup']:>6.2f}x "
                 f"{r['model_flops'] / 1e9:>10.3g} {r['achieved_flops_per_s'] / 1e9:>9.1f}")
         if "fraction_of_bf16_peak" in r:
@@ -295,6 +346,26 @@ def write_calibrations(report: dict[str, Any], directory: str) -> None:
             f.write(Calibration(optimizer=name, seconds=seconds).to_json())
 
 
+def calibration_document(report: dict[str, Any]) -> dict[str, Any]:
+    """One calibration of every matrix optimizer measured (module docstring): the first is
+    the top level, so that load_calibration reads it; all are under ``optimizers``."""
+    cfg = report["config"]
+    entries: dict[str, Any] = {}
+    for name in cfg["optimizer"]:
+        rows = {(r["m"], r["n"]): r for r in report["rows"] if r["optimizer"] == name}
+        if name == "adamw" or not rows:
+            continue
+        timings = [{"m": m, "n": n, "dtype": cfg["dtype"], "seconds": r["batched_s"], "looped_seconds": r["looped_s"],
+                    "stack": r["stack"]} for (m, n), r in sorted(rows.items())]
+        entries[name] = {"optimizer": name, "dtype": cfg["dtype"],
+                         "ns_dtype": cfg["ns_dtype"] if name == "muon" else None, "timings": timings}
+    measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "command": report["command"], "git": report["git"], "machine": report["machine"],
+                "repeats": cfg["repeats"], "warmup": cfg["warmup"],
+                "precondition_frequency": cfg["precondition_frequency"]}
+    return {**next(iter(entries.values())), "optimizers": entries, "measured": measured}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     report = run_benchmark(args)
@@ -309,6 +380,12 @@ def main(argv: list[str] | None = None) -> None:
                 f.write(text)
     if args.calibration_dir:
         write_calibrations(report, args.calibration_dir)
+    if args.calibrate:
+        os.makedirs(os.path.dirname(os.path.abspath(args.calibrate)), exist_ok=True)
+        with open(args.calibrate, "w") as f:
+            json.dump(calibration_document(report), f, indent=1)
+            f.write("\n")
+        print(f"wrote {args.calibrate}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,484 @@
+#!/usr/bin/env python
+"""Check the simulator where it can be measured: predicted against measured optimizer steps.
+
+    python tools/probe_gloo.py                  # this box as clusters -> tools/clusters/cpu-gloo-local{-2,}.toml
+    python tools/bench_optim.py --optimizer muon --tiny-gpt 384 --ns-dtype float32 --threads 1 \\
+        --calibrate tools/calibrations/cpu-tiny-gpt-muon.json
+    python tools/validate_simulate.py --json validate.json       # ~8 min on 2 cores, waits for quiet first
+    python tools/validate_simulate.py --reuse validate.json      # predictions again, same measurements
+    python tools/validate_simulate.py --gb300-only               # the published-figure check alone
+
+Part 1 runs tools/bench_step.py (a subprocess per case: DP 2, DP 4, TP 2, TP 2 x DP 2 on
+gloo) and predicts the same optimizer steps with megatron.canzona.planning.sim from the
+probe's cluster files and the calibration (seconds per Muon update of each shape). What is
+compared is what bench_step times, ``optimizer.step()`` without ``overlap_param_gather``:
+the simulator's ``optimizer_step_seconds + param_gather_seconds``. bench_step's variants are
+the simulator's strategies ``canzona``; ``sync`` at TP 1 (Moonlight's synchronous compute),
+``canzona_tp_sync`` at TP > 1 (``--canzona-tp-mode sync``); ``megatron_layerwise``. It prints
+predicted / measured per case and strategy, whether each lies within ±25% (``--tolerance``),
+and whether the predicted ranking of the strategies is the measured one in every case.
+
+A diagnostic column separates the compute term from the rest: bench_step at DP 1 (one
+process, no communication) beside a second copy of itself (both cores busy, as in every
+case) gives each variant's compute speed inside a real step over the calibration's; the
+prediction redone at that speed leaves communication, overlap and core over-subscription
+as what remains of the error (``--no-in-situ`` skips those two runs).
+
+Part 2 checks the simulator against the one published measurement of Megatron-LM's
+proposed layer-sharded Muon (NVIDIA/Megatron-LM issue #6676: optimizer step 632 -> 157 ms on
+32 GB300, TP 2 x GTP 8 per weight, EP 8 x expert GTP 2, "production matrix shapes", model
+not named) with the gb300-nvl72 preset: ``megatron_layerwise`` (duplicated) against
+``layer_sharded``. GTP shards every weight further inside the TP group, so the 16-rank
+TP x GTP domain is modelled as TP 16 (DP 2) and expert GTP as expert TP 2 (expert DP 2).
+
+A benchmark, not a test: the machine is shared, so it waits (``--max-load``) until the
+1-minute load average is low before every case, measures how many cores other processes
+kept busy while the case ran (``/proc/stat`` less bench_step's own CPU time), re-runs a
+case they disturbed (``--max-foreign``, ``--retries``) and reports both numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron.canzona.planning import (  # noqa: E402
+    Calibration,
+    CostModel,
+    Qwen3Config,
+    WireConfig,
+    qwen3_specs,
+    split_experts,
+)
+from megatron.canzona.planning.grid import expert_dp_size  # noqa: E402
+from megatron.canzona.planning.sim import (  # noqa: E402
+    ClusterSpec,
+    StrategyResult,
+    load_calibration,
+    load_cluster,
+    simulate,
+)
+from megatron.canzona.planning.specs import ParamSpec  # noqa: E402
+from tools.probe_gloo import wait_for_quiet  # noqa: E402
+
+CLUSTER_DIR = os.path.join(ROOT, "tools", "clusters")
+DEFAULT_CLUSTERS = tuple(os.path.join(CLUSTER_DIR, f) for f in ("cpu-gloo-local-2.toml", "cpu-gloo-local.toml"))
+"""tools/probe_gloo.py's files: 2 and 4 processes (a case takes the smallest that holds it)."""
+DEFAULT_CALIBRATION = os.path.join(ROOT, "tools", "calibrations", "cpu-tiny-gpt-muon.json")
+CASES = ((2, 1), (4, 1), (1, 2), (2, 2))
+"""(DP, TP) of the measured cases."""
+VARIANTS = ("canzona", "sync", "megatron")
+"""bench_step's variants, in its order."""
+WIRE = WireConfig(param_bytes=4, grad_bytes=4)
+"""bench_step's tiny GPT: fp32 parameters, gradients reduced in fp32."""
+PUBLISHED = {"megatron_layerwise": 0.632, "layer_sharded": 0.157}
+"""Megatron-LM issue #6676: optimizer step seconds, duplicated and layer-sharded Muon, 32 GB300."""
+TIE = 0.01
+"""Predicted steps closer than this are a tie: the simulator does not rank them."""
+GB300_MODELS = ("qwen3-235b-a22b", "qwen3-30b-a3b")
+"""Models tried for #6676 (which names none); the first is the assumption (README: why)."""
+
+
+def strategy_of(variant: str, tp_size: int) -> str:
+    """The simulator's strategy for one of bench_step's variants."""
+    if variant == "sync":
+        return "sync" if tp_size == 1 else "canzona_tp_sync"
+    return {"canzona": "canzona", "megatron": "megatron_layerwise"}[variant]
+
+
+def tiny_gpt_specs(layers: int, hidden: int, ffn_hidden: int, tp_size: int) -> list[ParamSpec]:
+    """What one rank of bench_step's tiny GPT holds (tests/multirank/tiny_gpt.py): Qwen3's
+    structure, 4 heads, 2 query groups, untied embeddings of its 128-token vocabulary, which
+    Megatron's GPTModel takes unpadded; fp32 parameters; QKV split as its runs split it."""
+    from tests.multirank.tiny_gpt import NUM_HEADS, NUM_QUERY_GROUPS, SEQ_LEN, VOCAB
+
+    cfg = Qwen3Config(name="bench-step-tiny-gpt", num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn_hidden,
+                      num_attention_heads=NUM_HEADS, num_query_groups=NUM_QUERY_GROUPS,
+                      kv_channels=hidden // NUM_HEADS, vocab_size=VOCAB, seq_length=SEQ_LEN)
+    specs = qwen3_specs(cfg, tp_size=tp_size, split_qkv=True, dtype="float32")
+    vocab_rows = ("embedding.word_embeddings.weight", "output_layer.weight")
+    return [dataclasses.replace(s, global_shape=(VOCAB, hidden)) if s.name in vocab_rows else s for s in specs]
+
+
+def layerwise_plans(specs: list[ParamSpec], dp_size: int, tp_size: int, ep_size: int = 1, expert_tp_size: int = 1):
+    """Megatron-Core's own layer-wise layouts (dense, expert), as tools/simulate.py builds them."""
+    from canzona_patches.version import quiet_megatron_notices
+
+    quiet_megatron_notices()
+    from canzona_patches.layerwise_baseline import plan_megatron_layerwise
+
+    cost = CostModel(kind="muon")
+    dense, experts = split_experts(specs)
+    plan = plan_megatron_layerwise(dense, dp_size=dp_size, cost_model=cost)
+    if not experts:
+        return plan, None
+    edp = expert_dp_size(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size)
+    return plan, plan_megatron_layerwise(experts, dp_size=edp, cost_model=cost)
+
+
+def timed_seconds(result: StrategyResult) -> float:
+    """What bench_step times: the step and the (not overlapped) parameter all-gather."""
+    return result.optimizer_step_seconds + result.param_gather_seconds
+
+
+def at_speed(calibration: Calibration, cluster: ClusterSpec, factor: float) -> tuple[Calibration, ClusterSpec]:
+    """The calibration and cluster with every compute term ``factor`` times slower."""
+    seconds = {shape: t * factor for shape, t in calibration.seconds.items()}
+    gpu = dataclasses.replace(cluster.gpu, memory_gb_per_s=cluster.gpu.memory_gb_per_s / factor)
+    return Calibration(optimizer=calibration.optimizer, seconds=seconds), dataclasses.replace(cluster, gpu=gpu)
+
+
+def predict_case(specs: list[ParamSpec], dp_size: int, tp_size: int, cluster: ClusterSpec, calibration: Calibration,
+                 alpha: float, factors: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
+    """Per variant: the predicted timed seconds and the terms they are made of; with the FLOP
+    formula instead of the calibration; and with compute at ``factors`` (the in-situ speed)."""
+    plans = layerwise_plans(specs, dp_size, tp_size)
+    out = {}
+    for variant in VARIANTS:
+        strategy = strategy_of(variant, tp_size)
+        kw = dict(strategy=strategy, dp_size=dp_size, tp_size=tp_size, optimizer="muon", wire=WIRE, alpha=alpha,
+                  plan=plans[0] if strategy == "megatron_layerwise" else None)
+        r = simulate(specs, cluster=cluster, calibration=calibration, **kw)
+        row: dict[str, Any] = {
+            "strategy": strategy, "seconds": timed_seconds(r), "step_compute_seconds": r.step_compute_seconds,
+            "step_comm_exposed_seconds": r.step_comm_exposed_seconds, "param_gather_seconds": r.param_gather_seconds,
+            "optimizer_step_seconds": r.optimizer_step_seconds, "compute_slowdown": r.details.get("compute_slowdown"),
+            "formula_seconds": timed_seconds(simulate(specs, cluster=cluster, calibration=None, **kw)),
+        }
+        if factors:
+            cal, fast = at_speed(calibration, cluster, factors[variant])
+            row["in_situ_seconds"] = timed_seconds(simulate(specs, cluster=fast, calibration=cal, **kw))
+        out[variant] = row
+    return out
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy since boot (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process's finished descendants (bench_step and its ranks)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def bench_step_once(dp_size: int, tp_size: int, args: argparse.Namespace, copies: int = 1) -> list[dict[str, Any]]:
+    """tools/bench_step.py as ``copies`` concurrent subprocesses; their JSON reports, with the
+    load before and the cores other processes kept busy meanwhile (all busy CPU time less
+    bench_step's own)."""
+    loads = wait_for_quiet(args.max_load, args.max_wait)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"step{k}.json") for k in range(copies)]
+        cmds = [[sys.executable, os.path.join(ROOT, "tools", "bench_step.py"), "--dp", str(dp_size), "--tp",
+                 str(tp_size), "--layers", str(args.layers), "--hidden", str(args.hidden), "--steps", str(args.steps),
+                 "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--json", path] for path in paths]
+        print(f"[validate] {copies} x {' '.join(cmds[0][1:-2])} (1-min load {loads[-1]:.2f})", file=sys.stderr,
+              flush=True)
+        busy, own, start = busy_cpu_seconds(), children_cpu_seconds(), time.monotonic()
+        procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                 for cmd in cmds]
+        errors = [proc.communicate()[1] for proc in procs]
+        wall = time.monotonic() - start
+        foreign = max(0.0, (busy_cpu_seconds() - busy) - (children_cpu_seconds() - own)) / wall
+        for proc, err in zip(procs, errors):
+            if proc.returncode:
+                raise RuntimeError(f"bench_step failed ({proc.returncode}):\n{err[-3000:]}")
+        reports = []
+        for path in paths:
+            with open(path) as f:
+                reports.append(json.load(f))
+    for report in reports:
+        report.update(load_average_1min_before=loads[-1], load_average_1min_waited=loads[:-1], foreign_cores=foreign)
+    return reports
+
+
+def run_bench_step(dp_size: int, tp_size: int, args: argparse.Namespace, copies: int = 1) -> list[dict[str, Any]]:
+    """bench_step for one case, run again (``--retries``) while other processes used more than
+    ``--max-foreign`` cores during it; the cleanest run, with every attempt's medians."""
+    runs = []
+    for _ in range(1 + args.retries):
+        runs.append(bench_step_once(dp_size, tp_size, args, copies))
+        print(f"[validate] other processes used {runs[-1][0]['foreign_cores']:.2f} cores meanwhile", file=sys.stderr,
+              flush=True)
+        if runs[-1][0]["foreign_cores"] <= args.max_foreign:
+            break
+    best = min(runs, key=lambda r: r[0]["foreign_cores"])
+    attempts = [{"foreign_cores": r[0]["foreign_cores"], "median_step_ms": [c["median_step_ms"] for c in r]}
+                for r in runs]
+    for report in best:
+        report["attempts"] = attempts
+    return best
+
+
+def in_situ(args: argparse.Namespace, clusters: list[ClusterSpec], calibration: Calibration,
+            reused: dict | None) -> dict[str, Any]:
+    """How much slower each variant computes inside bench_step than the calibration says: its
+    DP 1 step (one process, no communication) alone, and beside a second copy (both cores
+    busy, as in every validated case), over the simulator's DP 1 prediction."""
+    if reused:
+        solo, pair = reused["solo"], reused["pair"]
+    else:
+        solo, pair = run_bench_step(1, 1, args)[0], run_bench_step(1, 1, args, copies=2)
+    specs = tiny_gpt_specs(args.layers, args.hidden, args.ffn_hidden, 1)
+    predicted = predict_case(specs, 1, 1, pick_cluster(clusters, 1), calibration, args.alpha)
+    factors = {}
+    for v in VARIANTS:
+        base = 1e3 * predicted[v]["seconds"]
+        factors[v] = {"solo": solo["median_step_ms"][v] / base,
+                      "pair": statistics.mean(r["median_step_ms"][v] for r in pair) / base}
+    print("in-situ compute speed, bench_step at DP 1 over the prediction (alone; beside a second copy): "
+          + ", ".join(f"{v} {f['solo']:.2f}; {f['pair']:.2f}" for v, f in factors.items()), flush=True)
+    return {"solo": solo, "pair": pair, "factors": factors}
+
+
+def ranking(times: dict[str, float]) -> str:
+    """Fastest first, ``<`` between strategies, ``≈`` within :data:`TIE` of each other."""
+    names = sorted(times, key=times.__getitem__)
+    out = names[0]
+    for a, b in zip(names, names[1:]):
+        out += f" {'≈' if times[b] / times[a] - 1 < TIE else '<'} {b}"
+    return out
+
+
+def pair_verdicts(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, str]:
+    """Per pair of strategies: ``right``, ``wrong`` or ``tie`` (predicted within TIE: unranked)."""
+    out = {}
+    for a, b in itertools.combinations(predicted, 2):
+        gap = predicted[b] / predicted[a] - 1
+        right = (gap > 0) == (measured[b] > measured[a])
+        out[f"{a}/{b}"] = "tie" if abs(gap) < TIE else "right" if right else "wrong"
+    return out
+
+
+def pick_cluster(clusters: list[ClusterSpec], world: int) -> ClusterSpec:
+    """The probe measured with the fewest processes that still holds ``world`` ranks."""
+    fits = [c for c in clusters if c.gpus_per_node >= world]
+    if not fits:
+        raise ValueError(f"no --clusters file holds {world} ranks on one node; run tools/probe_gloo.py --ranks {world}")
+    return min(fits, key=lambda c: c.gpus_per_node)
+
+
+def validate(args: argparse.Namespace, clusters: list[ClusterSpec], calibration: Calibration,
+             factors: dict[str, float] | None, reused: dict | None) -> list[dict[str, Any]]:
+    """Every case: measured (or reused) and predicted, ratios and verdicts."""
+    rows = []
+    for dp_size, tp_size in args.cases:
+        old = (reused or {}).get(f"{dp_size}x{tp_size}")
+        measured = old["bench_step"] if old else run_bench_step(dp_size, tp_size, args)[0]
+        specs = tiny_gpt_specs(args.layers, args.hidden, args.ffn_hidden, tp_size)
+        cluster = pick_cluster(clusters, dp_size * tp_size)
+        predicted = predict_case(specs, dp_size, tp_size, cluster, calibration, args.alpha, factors)
+        row: dict[str, Any] = {"dp_size": dp_size, "tp_size": tp_size, "cluster": cluster.name, "variants": {},
+                               "bench_step": measured}
+        for variant in VARIANTS:
+            m = measured["median_step_ms"][variant] / 1e3
+            p = predicted[variant]
+            row["variants"][variant] = {**p, "measured_seconds": m, "ratio": p["seconds"] / m,
+                                        "formula_ratio": p["formula_seconds"] / m,
+                                        "in_situ_ratio": p.get("in_situ_seconds", math.nan) / m,
+                                        "within": abs(p["seconds"] / m - 1) <= args.tolerance}
+        pred = {v: row["variants"][v]["seconds"] for v in VARIANTS}
+        meas = {v: row["variants"][v]["measured_seconds"] for v in VARIANTS}
+        pairs = pair_verdicts(pred, meas)
+        row.update(predicted_ranking=ranking(pred), measured_ranking=ranking(meas), pairs=pairs,
+                   ranking_right=all(v == "right" for v in pairs.values()), measured_gap=_closest_gap(meas))
+        if factors:
+            situ = {v: row["variants"][v]["in_situ_seconds"] for v in VARIANTS}
+            row.update(in_situ_ranking=ranking(situ),
+                       in_situ_ranking_right=all(v == "right" for v in pair_verdicts(situ, meas).values()))
+        rows.append(row)
+        print_case(row)
+    return rows
+
+
+def _closest_gap(times: dict[str, float]) -> float:
+    """Relative gap between the two closest measured strategies (a near tie ranks by noise)."""
+    ordered = sorted(times.values())
+    return min(b / a - 1 for a, b in zip(ordered, ordered[1:]))
+
+
+def print_case(row: dict[str, Any]) -> None:
+    case = f"DP {row['dp_size']} x TP {row['tp_size']}"
+    for variant, v in row["variants"].items():
+        print(f"| {case} | {variant} ({v['strategy']}) | {1e3 * v['seconds']:.0f} | "
+              f"{1e3 * v['measured_seconds']:.0f} | {v['ratio']:.2f} | {'yes' if v['within'] else 'NO'} | "
+              f"{v['in_situ_ratio']:.2f} | "
+              f"{1e3 * v['step_compute_seconds']:.0f} | {1e3 * v['step_comm_exposed_seconds']:.1f} | "
+              f"{1e3 * v['param_gather_seconds']:.1f} |", flush=True)
+    wrong = [pair for pair, v in row["pairs"].items() if v != "right"]
+    verdict = "right" if row["ranking_right"] else "NOT right: " + ", ".join(f"{p} {row['pairs'][p]}" for p in wrong)
+    bench = row["bench_step"]
+    print(f"| {case} | ranking | {row['predicted_ranking']} | {row['measured_ranking']} | | {verdict} | "
+          f"{row.get('in_situ_ranking', '')} | {row['cluster']} | load "
+          f"{bench.get('load_average_1min_before', math.nan):.2f} before | others used "
+          f"{bench.get('foreign_cores', math.nan):.2f} cores |", flush=True)
+
+
+TABLE_HEADER = ("| case | variant (strategy) | predicted (ms) | measured (ms) | predicted / measured | within ±25% | "
+                "in-situ compute: predicted / measured | of which compute (ms) | exposed step comm (ms) | "
+                "param all-gather (ms) |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def gtp_specs(model: str, domain: int, ep_size: int, expert_tp_size: int) -> list[ParamSpec]:
+    """A Qwen3 model's specs with every dense weight sharded over the TP x GTP ``domain``
+    (GTP cuts weights, not heads, so the head-count check of qwen3_specs does not apply)."""
+    specs = qwen3_specs(model, tp_size=1, ep_size=ep_size, expert_tp_size=expert_tp_size, split_qkv=True)
+    return [s if s.is_expert else dataclasses.replace(s, tp_size=domain) for s in specs]
+
+
+def gb300_check(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Predicted duplicated and layer-sharded steps of #6676's layout on the GB300 preset."""
+    cluster = load_cluster(os.path.join(CLUSTER_DIR, "gb300-nvl72.toml"))
+    domain, dp_size, ep_size, etp = 16, 2, 8, 2  # TP 2 x GTP 8; 32 GPUs; EP 8 x expert GTP 2
+    rows = []
+    for model in args.gb300_models:
+        specs = gtp_specs(model, domain, ep_size, etp)
+        plan, expert_plan = layerwise_plans(specs, dp_size, domain, ep_size, etp)
+        row: dict[str, Any] = {"model": model, "dp_size": dp_size, "tp_size": domain, "ep_size": ep_size,
+                               "expert_tp_size": etp, "strategies": {}}
+        for strategy, published in PUBLISHED.items():
+            r = simulate(specs, strategy=strategy, cluster=cluster, dp_size=dp_size, tp_size=domain, ep_size=ep_size,
+                         expert_tp_size=etp, optimizer="muon", plan=plan, expert_plan=expert_plan)
+            row["strategies"][strategy] = {
+                "predicted_seconds": r.optimizer_step_seconds, "published_seconds": published,
+                "ratio": r.optimizer_step_seconds / published, "step_compute_seconds": r.step_compute_seconds,
+                "step_comm_exposed_seconds": r.step_comm_exposed_seconds}
+        s = row["strategies"]
+        row["predicted_speedup"] = (s["megatron_layerwise"]["predicted_seconds"]
+                                    / s["layer_sharded"]["predicted_seconds"])
+        row["published_speedup"] = PUBLISHED["megatron_layerwise"] / PUBLISHED["layer_sharded"]
+        rows.append(row)
+    return rows
+
+
+def print_gb300(rows: list[dict[str, Any]]) -> None:
+    print("\nMegatron-LM #6676 on gb300-nvl72 (32 GPUs: TP x GTP 16, DP 2, EP 8, expert TP 2; FLOP model, "
+          "no calibration)")
+    print("| model | strategy | predicted step (ms) | published (ms) | predicted / published | of which compute (ms) "
+          "| exposed comm (ms) |\n|---|---|---|---|---|---|---|")
+    for row in rows:
+        for name, s in row["strategies"].items():
+            print(f"| {row['model']} | {name} | {1e3 * s['predicted_seconds']:.0f} | "
+                  f"{1e3 * s['published_seconds']:.0f} | {s['ratio']:.2f} | {1e3 * s['step_compute_seconds']:.0f} | "
+                  f"{1e3 * s['step_comm_exposed_seconds']:.0f} |")
+        print(f"| {row['model']} | speed-up | {row['predicted_speedup']:.2f}x | {row['published_speedup']:.2f}x | "
+              f"{row['predicted_speedup'] / row['published_speedup']:.2f} | | |")
+
+
+def summary(rows: list[dict[str, Any]], tolerance: float) -> dict[str, Any]:
+    variants = [v for r in rows for v in r["variants"].values()]
+    ratios = [v["ratio"] for v in variants]
+    out = {"within_tolerance": all(v["within"] for v in variants), "within_count": sum(v["within"] for v in variants),
+           "count": len(variants), "ranking_right_everywhere": all(r["ranking_right"] for r in rows),
+           "ranking_right_count": sum(r["ranking_right"] for r in rows), "ratio_min": min(ratios),
+           "ratio_max": max(ratios), "tolerance": tolerance}
+    situ = [v["in_situ_ratio"] for v in variants if not math.isnan(v["in_situ_ratio"])]
+    if situ:
+        out.update(in_situ_within_count=sum(abs(x - 1) <= tolerance for x in situ), in_situ_ratio_min=min(situ),
+                   in_situ_ratio_max=max(situ),
+                   in_situ_ranking_right_count=sum(r["in_situ_ranking_right"] for r in rows))
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clusters", nargs="+", default=list(DEFAULT_CLUSTERS),
+                   help="the probe's cluster files (tools/probe_gloo.py); each case takes the smallest holding it")
+    p.add_argument("--calibration", default=DEFAULT_CALIBRATION,
+                   help="Muon seconds per shape (tools/bench_optim.py --calibrate)")
+    p.add_argument("--cases", nargs="+", default=[f"{d}x{t}" for d, t in CASES], metavar="DPxTP",
+                   help="cases to measure, DP x TP (default: 2x1 4x1 1x2 2x2)")
+    p.add_argument("--layers", type=int, default=4, help="bench_step --layers")
+    p.add_argument("--hidden", type=int, default=384, help="bench_step --hidden")
+    p.add_argument("--steps", type=int, default=5, help="bench_step --steps")
+    p.add_argument("--rounds", type=int, default=3, help="bench_step --rounds")
+    p.add_argument("--warmup", type=int, default=1, help="bench_step --warmup")
+    p.add_argument("--alpha", type=float, default=0.5, help="Canzona planner balance knob (bench_step's default)")
+    p.add_argument("--tolerance", type=float, default=0.25, help="target |predicted / measured - 1|")
+    p.add_argument("--max-load", type=float, default=1.0, help="wait until the 1-minute load average is below this")
+    p.add_argument("--max-wait", type=float, default=900.0, help="seconds to wait for it at most, per case")
+    p.add_argument("--max-foreign", type=float, default=0.15,
+                   help="re-measure a case when other processes kept more cores than this busy during it")
+    p.add_argument("--retries", type=int, default=2, help="re-measurements per case at most (the cleanest is kept)")
+    p.add_argument("--no-in-situ", dest="in_situ", action="store_false",
+                   help="skip the DP 1 runs that measure each variant's compute speed inside bench_step")
+    p.add_argument("--reuse", metavar="FILE", help="take the measurements from an earlier --json instead of running")
+    p.add_argument("--gb300-only", action="store_true", help="only the Megatron-LM #6676 check (no measurements)")
+    p.add_argument("--gb300-models", nargs="+", default=list(GB300_MODELS), help="models for the #6676 check")
+    p.add_argument("--json", metavar="FILE", help="also write everything as JSON")
+    args = p.parse_args(argv)
+    try:
+        args.cases = [tuple(int(x) for x in case.lower().split("x")) for case in args.cases]
+    except ValueError:
+        p.error(f"--cases {args.cases}: write each case as DPxTP, e.g. 2x1 or 2x2")
+    if any(len(c) != 2 or min(c) < 1 for c in args.cases):
+        p.error(f"--cases {args.cases}: write each case as DPxTP with positive sizes, e.g. 2x1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from tools.bench_step import git_revision, machine
+    from tools.bench_step import parse_args as bench_step_args
+
+    args.ffn_hidden = bench_step_args(["--hidden", str(args.hidden)]).ffn_hidden
+    report: dict[str, Any] = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                              "git_revision": git_revision(), "machine": machine(),
+                              "started": time.strftime("%F %T %z")}
+    if not args.gb300_only:
+        clusters, calibration = [load_cluster(c) for c in args.clusters], load_calibration(args.calibration)
+        reused = None
+        if args.reuse:
+            with open(args.reuse) as f:
+                old = json.load(f)
+            reused = {f"{r['dp_size']}x{r['tp_size']}": r for r in old["cases"]}
+            reused["in_situ"] = old.get("in_situ")
+        report["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "gb300_models")}
+        report["clusters"] = [c.to_dict() for c in clusters]
+        factors = None
+        if args.in_situ:
+            report["in_situ"] = in_situ(args, clusters, calibration, (reused or {}).get("in_situ"))
+            factors = {v: f["pair"] for v, f in report["in_situ"]["factors"].items()}
+        print(f"bench_step's optimizer step, predicted (clusters {', '.join(c.name for c in clusters)}, calibration "
+              f"{os.path.basename(args.calibration)}) against measured; {args.layers} layers, hidden {args.hidden}")
+        print(TABLE_HEADER)
+        report["cases"] = validate(args, clusters, calibration, factors, reused)
+        report["summary"] = s = summary(report["cases"], args.tolerance)
+        print(f"within ±{100 * args.tolerance:.0f}%: {s['within_count']}/{s['count']} (ratios {s['ratio_min']:.2f} to "
+              f"{s['ratio_max']:.2f}); ranking right in {s['ranking_right_count']}/{len(report['cases'])} cases "
+              f"(a predicted tie, within {100 * TIE:.0f}%, counts as not right)")
+        if "in_situ_within_count" in s:
+            print(f"with in-situ compute speed: within ±{100 * args.tolerance:.0f}%: {s['in_situ_within_count']}/"
+                  f"{s['count']} (ratios {s['in_situ_ratio_min']:.2f} to {s['in_situ_ratio_max']:.2f}); ranking right "
+                  f"in {s['in_situ_ranking_right_count']}/{len(report['cases'])} cases")
+    report["gb300"] = gb300_check(args)
+    print_gb300(report["gb300"])
+    report["finished"] = time.strftime("%F %T %z")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
