@@ -241,7 +241,7 @@ def cluster_toml(report: dict, name: str) -> str:
         f"{f['all_to_all']['bytes_per_s'] / 1e9:.3f} GB/s / link",
         "# Also measured, not in the schema (one ring efficiency, one latency): reduce-scatter "
         f"{f['reduce_scatter']['bytes_per_s'] / 1e9:.3f} GB/s bus,",
-        f"# {f['reduce_scatter']['latency_s'] * 1e6:.0f} us/step (gloo reduces the whole buffer); all-reduce "
+        f"# {f['reduce_scatter']['latency_s'] * 1e6:.0f} us/step (slower than gloo's all-reduce); all-reduce "
         f"{f['all_reduce']['bytes_per_s'] / 1e9:.3f} GB/s bus; all-to-all intercept "
         f"{f['all_to_all']['intercept_s'] * 1e6:.0f} us;",
         f"# ping-pong one way {f['ping_pong']['latency_s'] * 1e6:.0f} us + S / "

@@ -5,7 +5,7 @@
     python tools/bench_optim.py --optimizer muon --tiny-gpt 384 --ns-dtype float32 --threads 1 \\
         --calibrate tools/calibrations/cpu-tiny-gpt-muon.json
     python tools/validate_simulate.py --json validate.json       # ~8 min on 2 cores, waits for quiet first
-    python tools/validate_simulate.py --reuse validate.json      # predictions again, same measurements
+    python tools/validate_simulate.py --reuse a.json b.json c.json  # predictions again; median of the runs
     python tools/validate_simulate.py --gb300-only               # the published-figure check alone
 
 Part 1 runs tools/bench_step.py (a subprocess per case: DP 2, DP 4, TP 2, TP 2 x DP 2 on
@@ -229,24 +229,23 @@ def run_bench_step(dp_size: int, tp_size: int, args: argparse.Namespace, copies:
 
 
 def in_situ(args: argparse.Namespace, clusters: list[ClusterSpec], calibration: Calibration,
-            reused: dict | None) -> dict[str, Any]:
+            reused: list[dict] | None) -> dict[str, Any]:
     """How much slower each variant computes inside bench_step than the calibration says: its
     DP 1 step (one process, no communication) alone, and beside a second copy (both cores
-    busy, as in every validated case), over the simulator's DP 1 prediction."""
-    if reused:
-        solo, pair = reused["solo"], reused["pair"]
-    else:
-        solo, pair = run_bench_step(1, 1, args)[0], run_bench_step(1, 1, args, copies=2)
+    busy, as in every validated case), over the simulator's DP 1 prediction (the median over
+    reused runs)."""
+    runs = reused or [{"solo": run_bench_step(1, 1, args)[0], "pair": run_bench_step(1, 1, args, copies=2)}]
     specs = tiny_gpt_specs(args.layers, args.hidden, args.ffn_hidden, 1)
     predicted = predict_case(specs, 1, 1, pick_cluster(clusters, 1), calibration, args.alpha)
     factors = {}
     for v in VARIANTS:
         base = 1e3 * predicted[v]["seconds"]
-        factors[v] = {"solo": solo["median_step_ms"][v] / base,
-                      "pair": statistics.mean(r["median_step_ms"][v] for r in pair) / base}
+        factors[v] = {"solo": statistics.median(r["solo"]["median_step_ms"][v] / base for r in runs),
+                      "pair": statistics.median(statistics.mean(c["median_step_ms"][v] for c in r["pair"]) / base
+                                                for r in runs)}
     print("in-situ compute speed, bench_step at DP 1 over the prediction (alone; beside a second copy): "
           + ", ".join(f"{v} {f['solo']:.2f}; {f['pair']:.2f}" for v, f in factors.items()), flush=True)
-    return {"solo": solo, "pair": pair, "factors": factors}
+    return {"runs": [{"solo": r["solo"], "pair": r["pair"]} for r in runs], "factors": factors}
 
 
 def ranking(times: dict[str, float]) -> str:
@@ -281,22 +280,25 @@ def validate(args: argparse.Namespace, clusters: list[ClusterSpec], calibration:
     """Every case: measured (or reused) and predicted, ratios and verdicts."""
     rows = []
     for dp_size, tp_size in args.cases:
-        old = (reused or {}).get(f"{dp_size}x{tp_size}")
-        measured = old["bench_step"] if old else run_bench_step(dp_size, tp_size, args)[0]
+        runs = (reused or {}).get(f"{dp_size}x{tp_size}") or [run_bench_step(dp_size, tp_size, args)[0]]
         specs = tiny_gpt_specs(args.layers, args.hidden, args.ffn_hidden, tp_size)
         cluster = pick_cluster(clusters, dp_size * tp_size)
         predicted = predict_case(specs, dp_size, tp_size, cluster, calibration, args.alpha, factors)
         row: dict[str, Any] = {"dp_size": dp_size, "tp_size": tp_size, "cluster": cluster.name, "variants": {},
-                               "bench_step": measured}
+                               "bench_steps": runs}
         for variant in VARIANTS:
-            m = measured["median_step_ms"][variant] / 1e3
+            each = [r["median_step_ms"][variant] / 1e3 for r in runs]
+            m = statistics.median(each)
             p = predicted[variant]
-            row["variants"][variant] = {**p, "measured_seconds": m, "ratio": p["seconds"] / m,
+            row["variants"][variant] = {**p, "measured_seconds": m, "measured_runs": each,
+                                        "run_spread": (max(each) - min(each)) / m, "ratio": p["seconds"] / m,
                                         "formula_ratio": p["formula_seconds"] / m,
                                         "in_situ_ratio": p.get("in_situ_seconds", math.nan) / m,
                                         "within": abs(p["seconds"] / m - 1) <= args.tolerance}
         pred = {v: row["variants"][v]["seconds"] for v in VARIANTS}
         meas = {v: row["variants"][v]["measured_seconds"] for v in VARIANTS}
+        for v in VARIANTS:  # speed-ups cancel the machine's drift between runs, absolute times do not
+            row["variants"][v]["to_sync_ratio"] = (pred[v] / pred["sync"]) / (meas[v] / meas["sync"])
         pairs = pair_verdicts(pred, meas)
         row.update(predicted_ranking=ranking(pred), measured_ranking=ranking(meas), pairs=pairs,
                    ranking_right=all(v == "right" for v in pairs.values()), measured_gap=_closest_gap(meas))
@@ -318,23 +320,25 @@ def _closest_gap(times: dict[str, float]) -> float:
 def print_case(row: dict[str, Any]) -> None:
     case = f"DP {row['dp_size']} x TP {row['tp_size']}"
     for variant, v in row["variants"].items():
+        runs = "/".join(f"{1e3 * t:.0f}" for t in v["measured_runs"])
+        to_sync = "" if variant == "sync" else f"{v['to_sync_ratio']:.2f}"
         print(f"| {case} | {variant} ({v['strategy']}) | {1e3 * v['seconds']:.0f} | "
-              f"{1e3 * v['measured_seconds']:.0f} | {v['ratio']:.2f} | {'yes' if v['within'] else 'NO'} | "
-              f"{v['in_situ_ratio']:.2f} | "
-              f"{1e3 * v['step_compute_seconds']:.0f} | {1e3 * v['step_comm_exposed_seconds']:.1f} | "
-              f"{1e3 * v['param_gather_seconds']:.1f} |", flush=True)
+              f"{1e3 * v['measured_seconds']:.0f} ({runs}) | {v['ratio']:.2f} | {'yes' if v['within'] else 'NO'} | "
+              f"{v['in_situ_ratio']:.2f} | {to_sync} | {1e3 * v['step_compute_seconds']:.0f} | "
+              f"{1e3 * v['step_comm_exposed_seconds']:.1f} | {1e3 * v['param_gather_seconds']:.1f} |", flush=True)
     wrong = [pair for pair, v in row["pairs"].items() if v != "right"]
     verdict = "right" if row["ranking_right"] else "NOT right: " + ", ".join(f"{p} {row['pairs'][p]}" for p in wrong)
-    bench = row["bench_step"]
-    print(f"| {case} | ranking | {row['predicted_ranking']} | {row['measured_ranking']} | | {verdict} | "
-          f"{row.get('in_situ_ranking', '')} | {row['cluster']} | load "
-          f"{bench.get('load_average_1min_before', math.nan):.2f} before | others used "
-          f"{bench.get('foreign_cores', math.nan):.2f} cores |", flush=True)
+    loads = ", ".join(f"{r.get('load_average_1min_before', math.nan):.2f}" for r in row["bench_steps"])
+    foreign = ", ".join(f"{r.get('foreign_cores', math.nan):.2f}" for r in row["bench_steps"])
+    print(f"| {case} | ranking | {row['predicted_ranking']} | {row['measured_ranking']} | {verdict} | | "
+          f"{row.get('in_situ_ranking', '')} | | {row['cluster']} | load before: {loads} | others' cores: "
+          f"{foreign} |", flush=True)
 
 
-TABLE_HEADER = ("| case | variant (strategy) | predicted (ms) | measured (ms) | predicted / measured | within ±25% | "
-                "in-situ compute: predicted / measured | of which compute (ms) | exposed step comm (ms) | "
-                "param all-gather (ms) |\n|---|---|---|---|---|---|---|---|---|---|")
+TABLE_HEADER = ("| case | variant (strategy) | predicted (ms) | measured (ms): median (runs) | predicted / measured | "
+                "within ±25% | in-situ compute: predicted / measured | step / sync: predicted / measured | "
+                "of which compute (ms) | exposed step comm (ms) | param all-gather (ms) |\n"
+                + "|---" * 11 + "|")
 
 
 def gtp_specs(model: str, domain: int, ep_size: int, expert_tp_size: int) -> list[ParamSpec]:
@@ -395,6 +399,10 @@ def summary(rows: list[dict[str, Any]], tolerance: float) -> dict[str, Any]:
         out.update(in_situ_within_count=sum(abs(x - 1) <= tolerance for x in situ), in_situ_ratio_min=min(situ),
                    in_situ_ratio_max=max(situ),
                    in_situ_ranking_right_count=sum(r["in_situ_ranking_right"] for r in rows))
+    to_sync = [v["to_sync_ratio"] for v in variants if v["strategy"] not in ("sync", "canzona_tp_sync")]
+    out.update(to_sync_within_count=sum(abs(x - 1) <= tolerance for x in to_sync), to_sync_count=len(to_sync),
+               to_sync_ratio_min=min(to_sync), to_sync_ratio_max=max(to_sync),
+               run_spread_max=max(v["run_spread"] for v in variants))
     return out
 
 
@@ -421,7 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retries", type=int, default=2, help="re-measurements per case at most (the cleanest is kept)")
     p.add_argument("--no-in-situ", dest="in_situ", action="store_false",
                    help="skip the DP 1 runs that measure each variant's compute speed inside bench_step")
-    p.add_argument("--reuse", metavar="FILE", help="take the measurements from an earlier --json instead of running")
+    p.add_argument("--reuse", metavar="FILE", nargs="+",
+                   help="take the measurements from earlier --json files instead of running (several: their median)")
     p.add_argument("--gb300-only", action="store_true", help="only the Megatron-LM #6676 check (no measurements)")
     p.add_argument("--gb300-models", nargs="+", default=list(GB300_MODELS), help="models for the #6676 check")
     p.add_argument("--json", metavar="FILE", help="also write everything as JSON")
@@ -448,15 +457,19 @@ def main(argv: list[str] | None = None) -> int:
         clusters, calibration = [load_cluster(c) for c in args.clusters], load_calibration(args.calibration)
         reused = None
         if args.reuse:
-            with open(args.reuse) as f:
-                old = json.load(f)
-            reused = {f"{r['dp_size']}x{r['tp_size']}": r for r in old["cases"]}
-            reused["in_situ"] = old.get("in_situ")
+            reused = {"in_situ": []}
+            for path in args.reuse:
+                with open(path) as f:
+                    old = json.load(f)
+                for r in old["cases"]:
+                    reused.setdefault(f"{r['dp_size']}x{r['tp_size']}", []).extend(
+                        r.get("bench_steps") or [r["bench_step"]])
+                reused["in_situ"] += (old.get("in_situ") or {}).get("runs") or []
         report["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "gb300_models")}
         report["clusters"] = [c.to_dict() for c in clusters]
         factors = None
         if args.in_situ:
-            report["in_situ"] = in_situ(args, clusters, calibration, (reused or {}).get("in_situ"))
+            report["in_situ"] = in_situ(args, clusters, calibration, (reused or {}).get("in_situ") or None)
             factors = {v: f["pair"] for v, f in report["in_situ"]["factors"].items()}
         print(f"bench_step's optimizer step, predicted (clusters {', '.join(c.name for c in clusters)}, calibration "
               f"{os.path.basename(args.calibration)}) against measured; {args.layers} layers, hidden {args.hidden}")
@@ -470,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"with in-situ compute speed: within ±{100 * args.tolerance:.0f}%: {s['in_situ_within_count']}/"
                   f"{s['count']} (ratios {s['in_situ_ratio_min']:.2f} to {s['in_situ_ratio_max']:.2f}); ranking right "
                   f"in {s['in_situ_ranking_right_count']}/{len(report['cases'])} cases")
+        print(f"step / sync step (drift between runs cancels): within ±{100 * args.tolerance:.0f}%: "
+              f"{s['to_sync_within_count']}/{s['to_sync_count']} (ratios {s['to_sync_ratio_min']:.2f} to "
+              f"{s['to_sync_ratio_max']:.2f}); the measured runs spread by up to {100 * s['run_spread_max']:.0f}%")
     report["gb300"] = gb300_check(args)
     print_gb300(report["gb300"])
     report["finished"] = time.strftime("%F %T %z")
