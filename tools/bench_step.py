@@ -29,8 +29,10 @@ matrices split across DP shards). ``--gantt FILE.png`` draws one async step per 
 Prints the median step time of each variant, its ratios to ``sync`` and to ``megatron``,
 the ideal ``canzona / sync`` (1/DP for a dense model at TP 1), the matrices each rank
 computes per step, and a JSON object with the configuration, git revision and machine
-(``--json FILE`` to also write it). Ratios from one run only: the machine is shared and
-absolute times drift between runs.
+(``--json FILE`` to also write it), which also keeps every timed step of every round
+(``round_step_ms``: the variants take turns round by round, so the k-th rounds of two
+variants ran minutes apart at most, and their difference survives the machine's drift).
+Ratios from one run only: the machine is shared and absolute times drift between runs.
 
 ``--moe`` replaces every layer's MLP by ``--num-experts`` SwiGLU experts (top ``--moe-topk``,
 all-to-all dispatch, auxiliary load-balancing loss) over ``--ep`` expert-parallel ranks,
@@ -291,13 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=args.dp * args.tp, timeout_s=args.timeout), runs)
     names = list(variants(args))
-    results: dict[str, list[float]] = {name: [] for name in names}
+    rounds: dict[str, list[list[float]]] = {name: [] for name in names}
     last: dict[str, list[dict]] = {}
     for i in range(len(runs)):
         name = names[i % len(names)]
         last[name] = [rank[i] for rank in per_rank]
-        results[name] += step_times(last[name], args.warmup)
-    report = summarize(args, results, last)
+        rounds[name].append(step_times(last[name], args.warmup))
+    report = summarize(args, rounds, last)
     report["wall_seconds"] = time.perf_counter() - start
     print_table(report, names)
     if args.gantt:
@@ -310,10 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def summarize(args: argparse.Namespace, results: dict[str, list[float]], last: dict[str, list[dict]]) -> dict:
-    """The JSON report: configuration, medians and ratios, matrices and bytes per rank."""
+def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], last: dict[str, list[dict]]) -> dict:
+    """The JSON report: configuration, medians and ratios, matrices and bytes per rank.
+    ``rounds[variant][k]`` are the timed steps of round k (variants interleave round by round)."""
     world = args.dp * args.tp
-    medians = {name: statistics.median(times) for name, times in results.items()}
+    medians = {name: statistics.median(t for r in times for t in r) for name, times in rounds.items()}
     plan = CanzonaPlan.from_json(last["canzona"][0]["plan"])
     report = {
         "dp_size": args.dp,
@@ -323,6 +326,7 @@ def summarize(args: argparse.Namespace, results: dict[str, list[float]], last: d
                 "moe_ffn_hidden": args.moe_ffn_hidden, "topk": args.moe_topk} if args.moe else None,
         "timed_steps_per_variant": args.rounds * args.steps,
         "median_step_ms": {name: 1e3 * m for name, m in medians.items()},
+        "round_step_ms": {name: [[1e3 * t for t in r] for r in times] for name, times in rounds.items()},
         "ratio_to_sync": {name: m / medians["sync"] for name, m in medians.items()},
         "ratio_to_megatron": {name: m / medians["megatron"] for name, m in medians.items()},
         "ideal_ratio_to_sync": ideal_ratio(plan, args),

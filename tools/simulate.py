@@ -206,10 +206,7 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
 def project(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, StrategyResult]]:
     """The report and, per strategy, the result of its slowest pipeline stage."""
     cluster = resolve_cluster(args.cluster)
-    calibration = load_calibration(args.calibration) if args.calibration else None
-    if calibration is not None and calibration.optimizer != args.optimizer:
-        raise ValueError(f"{os.path.basename(args.calibration)} was measured for {calibration.optimizer!r}; "
-                         f"pass --optimizer {calibration.optimizer} or a {args.optimizer} calibration")
+    calibration = load_calibration(args.calibration, args.optimizer) if args.calibration else None
     run = configure(args)
     strategies = list(dict.fromkeys(["canzona", *args.strategies, *(args.plot_strategies if args.plot else ())]))
     cache: dict[tuple, dict[str, StrategyResult]] = {}

@@ -247,6 +247,20 @@ def test_calibration_file_round_trip(tmp_path):
     assert load_calibration(write(tmp_path, "soap.json", calibration.to_json())) == calibration
 
 
+def test_calibrate_file_picks_the_optimizer(tmp_path):
+    """``bench_optim --calibrate`` keeps every optimizer under ``optimizers``; the first is the top level."""
+    muon = {"optimizer": "muon", "timings": [{"m": 8, "n": 16, "seconds": 0.25}]}
+    soap = {"optimizer": "soap", "timings": [{"m": 8, "n": 16, "seconds": 2.0}]}
+    path = write(tmp_path, "calib.json", json.dumps({**muon, "optimizers": {"muon": muon, "soap": soap}}))
+    assert load_calibration(path).seconds == {(8, 16): 0.25}
+    assert load_calibration(path, "muon").seconds == {(8, 16): 0.25}
+    assert load_calibration(path, "soap") == Calibration(optimizer="soap", seconds={(8, 16): 2.0})
+    with pytest.raises(ValueError) as err:
+        load_calibration(path, "shampoo")
+    assert str(err.value) == ("calib.json: optimizers has no 'shampoo' calibration (it has muon, soap); measure it "
+                              "with tools/bench_optim.py --optimizer shampoo --calibrate FILE")
+
+
 def test_bad_arguments_say_how_to_fix_them():
     with pytest.raises(ValueError, match="unknown strategy 'fast'; choose one of"):
         simulate([matrix()], strategy="fast", cluster=cluster(), dp_size=1)

@@ -231,12 +231,21 @@ def load_cluster(path: str) -> ClusterSpec:
     return ClusterSpec.from_dict(_read_mapping(path), source=os.path.basename(path))
 
 
-def load_calibration(path: str) -> Calibration:
-    """Read a calibration (``tools/bench_optim.py --calibration-dir`` output) with errors naming the field:
-    ``{"optimizer": "muon", "timings": [{"m": 4096, "n": 4096, "seconds": 0.0123}, ...]}``."""
+def load_calibration(path: str, optimizer: str | None = None) -> Calibration:
+    """Read a calibration (``tools/bench_optim.py --calibration-dir`` or ``--calibrate`` output) with
+    errors naming the field: ``{"optimizer": "muon", "timings": [{"m": 4096, "n": 4096, "seconds":
+    0.0123}, ...]}``. A ``--calibrate`` file holds every optimizer it measured under ``optimizers``:
+    ``optimizer`` picks one (``None``: the top level, the first measured)."""
     name = os.path.basename(path)
     data = _read_mapping(path)
-    return calibration_from_dict(data, source=name)
+    if optimizer is None or data.get("optimizer") == optimizer:
+        return calibration_from_dict(data, source=name)
+    entries = data.get("optimizers")
+    if not isinstance(entries, Mapping) or optimizer not in entries:
+        have = sorted(entries) if isinstance(entries, Mapping) else [data.get("optimizer")]
+        raise ValueError(f"{name}: optimizers has no {optimizer!r} calibration (it has {', '.join(map(str, have))}); "
+                         f"measure it with tools/bench_optim.py --optimizer {optimizer} --calibrate FILE")
+    return calibration_from_dict(entries[optimizer], source=f"{name}: optimizers.{optimizer}")
 
 
 def calibration_from_dict(data: Any, source: str = "calibration") -> Calibration:
