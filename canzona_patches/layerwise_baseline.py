@@ -14,8 +14,9 @@ from collections.abc import Sequence
 import torch
 
 from canzona_patches.version import require_pinned_megatron
-from megatron.canzona.planning import CostModel, DPPlan, ParamSpec, matrix_specs
+from megatron.canzona.planning import CostModel, DPPlan, ParamSpec, matrix_specs, split_experts
 from megatron.canzona.planning.geometry import default_bucket_size
+from megatron.canzona.planning.grid import expert_dp_size
 from megatron.canzona.planning.partition import check_inputs, elementwise_buffer
 from megatron.canzona.planning.plan import Bucket, BufferPlan, Placement
 
@@ -67,3 +68,17 @@ def plan_megatron_layerwise(
         elementwise=elementwise_buffer(specs, dp_size, bucket_size),
         loads=tuple(loads),
     )
+
+
+def plan_megatron_layerwise_stage(
+    specs: Sequence[ParamSpec], *, dp_size: int, tp_size: int, cost_model: CostModel, ep_size: int = 1,
+    expert_tp_size: int = 1, bucket_size: int | None = None,
+) -> tuple[DPPlan, DPPlan | None]:
+    """Megatron's layer-wise layouts of a stage: its dense buffers over DP and, with experts,
+    its expert buffers over expert-DP (``None`` without experts)."""
+    dense, experts = split_experts(specs)
+    plan = plan_megatron_layerwise(dense, dp_size=dp_size, cost_model=cost_model, bucket_size=bucket_size)
+    if not experts:
+        return plan, None
+    edp = expert_dp_size(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size)
+    return plan, plan_megatron_layerwise(experts, dp_size=edp, cost_model=cost_model, bucket_size=bucket_size)

@@ -75,6 +75,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron.canzona.planning import CanzonaPlan  # noqa: E402
+from megatron.canzona.planning.grid import expert_dp_size as grid_expert_dp_size  # noqa: E402
 from megatron.canzona.runtime import LaunchConfig, launch  # noqa: E402
 from tests.multirank.tiny_gpt import TinyRun, train_tiny_gpts  # noqa: E402
 
@@ -203,7 +204,8 @@ def matrices_per_rank(last: dict[str, list[dict]], args: argparse.Namespace) -> 
 
 def expert_dp_size(args: argparse.Namespace) -> int:
     """Ranks holding the same experts: expert TP is 1 under EP, else the TP size (tiny_gpt)."""
-    return args.dp * args.tp // (args.ep * (1 if args.ep > 1 else args.tp))
+    return grid_expert_dp_size(dp_size=args.dp, tp_size=args.tp, ep_size=args.ep,
+                               expert_tp_size=1 if args.ep > 1 else args.tp)
 
 
 def ideal_ratio(plan: CanzonaPlan, args: argparse.Namespace) -> float:

@@ -36,10 +36,8 @@ from megatron.canzona.planning import (  # noqa: E402
     WireConfig,
     get_qwen3_config,
     qwen3_specs,
-    split_experts,
 )
 from megatron.canzona.planning.geometry import default_bucket_size  # noqa: E402
-from megatron.canzona.planning.grid import expert_dp_size  # noqa: E402
 from megatron.canzona.planning.sim import (  # noqa: E402
     STRATEGIES,
     ClusterSpec,
@@ -173,15 +171,11 @@ def layerwise_plans(specs: list, run: dict[str, Any]) -> tuple[Any, Any]:
     from canzona_patches.version import quiet_megatron_notices
 
     quiet_megatron_notices()
-    from canzona_patches.layerwise_baseline import plan_megatron_layerwise
+    from canzona_patches.layerwise_baseline import plan_megatron_layerwise_stage
 
-    cm = CostModel(kind=run["optimizer"])
-    dense, experts = split_experts(specs)
-    edp = expert_dp_size(dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"], expert_tp_size=run["etp"])
-    plan = plan_megatron_layerwise(dense, dp_size=run["dp"], cost_model=cm, bucket_size=run["bucket_size"])
-    expert_plan = plan_megatron_layerwise(experts, dp_size=edp, cost_model=cm,
-                                          bucket_size=run["bucket_size"]) if experts else None
-    return plan, expert_plan
+    return plan_megatron_layerwise_stage(specs, dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"],
+                                         expert_tp_size=run["etp"], cost_model=CostModel(kind=run["optimizer"]),
+                                         bucket_size=run["bucket_size"])
 
 
 def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calibration, strategies) -> dict[str, StrategyResult]:

@@ -62,9 +62,7 @@ from megatron.canzona.planning import (  # noqa: E402
     Qwen3Config,
     WireConfig,
     qwen3_specs,
-    split_experts,
 )
-from megatron.canzona.planning.grid import expert_dp_size  # noqa: E402
 from megatron.canzona.planning.sim import (  # noqa: E402
     ClusterSpec,
     StrategyResult,
@@ -122,15 +120,10 @@ def layerwise_plans(specs: list[ParamSpec], dp_size: int, tp_size: int, ep_size:
     from canzona_patches.version import quiet_megatron_notices
 
     quiet_megatron_notices()
-    from canzona_patches.layerwise_baseline import plan_megatron_layerwise
+    from canzona_patches.layerwise_baseline import plan_megatron_layerwise_stage
 
-    cost = CostModel(kind="muon")
-    dense, experts = split_experts(specs)
-    plan = plan_megatron_layerwise(dense, dp_size=dp_size, cost_model=cost)
-    if not experts:
-        return plan, None
-    edp = expert_dp_size(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size)
-    return plan, plan_megatron_layerwise(experts, dp_size=edp, cost_model=cost)
+    return plan_megatron_layerwise_stage(specs, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size,
+                                         expert_tp_size=expert_tp_size, cost_model=CostModel(kind="muon"))
 
 
 def timed_seconds(result: StrategyResult) -> float:

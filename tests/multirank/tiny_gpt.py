@@ -138,7 +138,8 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
         # Megatron only forgets its groups; c10d keeps them, with their gloo threads and
         # sockets, and a launch running many TinyRuns slowed down run by run without this.
         for group in _process_groups() - before:
-            dist.destroy_process_group(group)
+            if group in _process_groups():  # destroying a group may take groups split from it along
+                dist.destroy_process_group(group)
         gc.collect()  # the model and optimizer hold the groups in cycles; their threads end with them
 
 
