@@ -11,11 +11,13 @@ setup(
     packages=[
         "megatron.canzona",
         "megatron.canzona.planning",
+        "megatron.canzona.planning.sim",
         "megatron.canzona.optim",
         "megatron.canzona.data",
         "megatron.canzona.runtime",
         "canzona_patches",
     ],
+    package_data={"megatron.canzona.planning.sim": ["clusters/*.toml"]},
     install_requires=["torch", "megatron-core==0.19.2", "numpy"],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],

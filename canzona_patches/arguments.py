@@ -89,6 +89,15 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--canzona-cost", choices=COST_MODELS, default="flops",
                        help="What is balanced across ranks: the optimizer's FLOPs per matrix or "
                        "its element count.")
+    group.add_argument("--canzona-layout", choices=("whole", "lean", "auto"), default="auto",
+                       help="DP layout of the matrix buffers: whole = every matrix whole in one DP rank's "
+                       "shard, shards of variable size (no DP traffic in the optimizer step); lean = "
+                       "Megatron's equal shards, matrices across a shard boundary gathered to a host in "
+                       "the step; auto = the one projected faster on --canzona-cluster (default).")
+    group.add_argument("--canzona-cluster", type=str, default=None,
+                       help="Cluster the auto layout is projected on: a preset (h100-ib400, h800-ib400, "
+                       "gb300-nvl72, ...) or a TOML/JSON file (tools/simulate.py's schema). Default: "
+                       "h100-ib400 on CUDA, this machine's gloo probe on CPU.")
     group.add_argument("--canzona-split-qkv", action="store_true", dest="canzona_split_qkv",
                        default=True,
                        help="Treat Q, K and V of the fused QKV weight as separate matrices "
@@ -183,6 +192,11 @@ def _check_parallelism(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(
             "--canzona shards one optimizer instance over the whole data-parallel group: drop "
             f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances}")
+    if getattr(args, "ddp_reduce_scatter_with_fp32_accumulation", False) and args.canzona_layout != "lean":
+        raise CanzonaArgumentError(
+            "--ddp-reduce-scatter-with-fp32-accumulation replaces the reduce-scatter that runs the whole layout's "
+            "variable-size shards: drop it (gradients reduce in fp32 unless --grad-reduce-in-bf16) or pass "
+            "--canzona-layout lean")
     if not getattr(args, "use_gloo_process_groups", True):  # --disable-gloo-process-groups
         raise CanzonaArgumentError(
             "--canzona needs Megatron's gloo process groups (its distributed optimizer builds on them): "
@@ -334,6 +348,8 @@ def canzona_config_from_args(args: argparse.Namespace):
         split_gate_up=args.canzona_split_gate_up,
         tp_mode=args.canzona_tp_mode,
         tp_group_budget=args.canzona_tp_group_budget,
+        layout=args.canzona_layout,
+        cluster=args.canzona_cluster,
     )
 
 

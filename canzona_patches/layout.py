@@ -14,20 +14,26 @@ Hooks (megatron-core 0.19.2):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from canzona_patches import registry
 from canzona_patches.version import require_pinned_megatron
-from megatron.canzona.planning import CanzonaPlan, CostModel, DPPlan, ParamSpec, WireConfig, make_plan
+from megatron.canzona.planning import LAYOUTS, CanzonaPlan, CostModel, DPPlan, ParamSpec, WireConfig, make_plan
 from megatron.canzona.planning.geometry import default_bucket_size
 from megatron.canzona.planning.plan import BufferPlan
+from megatron.canzona.planning.sim import Workload, load_cluster
+from megatron.canzona.planning.sim.choose import faster_layout, layout_line, project_layouts
 
 require_pinned_megatron()
 
 from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers  # noqa: E402
 from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParamLayout  # noqa: E402
+
+from canzona_patches.uneven import ShardedParamLayout  # noqa: E402
 
 BUFFER_ROUTING_ATTR = "is_managed_by_layer_wise_optimizer"
 """Parameter attribute ``group_params_for_buffers`` reads to put a parameter in its own buffer."""
@@ -142,15 +148,25 @@ def wire_config(named_params: NamedParams, ddp_config: Any) -> WireConfig:
     return WireConfig(param_bytes=param_bytes, grad_bytes=4 if ddp_config.grad_reduce_in_fp32 else param_bytes)
 
 
+DEFAULT_CLUSTERS = {True: "h100-ib400", False: "cpu-gloo-local"}
+"""The cluster ``--canzona-layout auto`` projects on without ``--canzona-cluster``: on CUDA
+the H100 preset, on CPU this machine's gloo probe (``tools/probe_gloo.py``)."""
+
+
 def build_canzona_plan(
     model_chunks: Sequence[torch.nn.Module], ddp_config: Any, cfg: Any, *, dp_size: int, tp_size: int,
-    ep_size: int = 1, expert_tp_size: int = 1,
-) -> tuple[CanzonaPlan, list[ParamSpec]]:
-    """The plan of this pipeline stage (every model chunk together), and the specs it was
-    made from. ``cfg`` is a ``megatron.canzona.runtime.config.CanzonaConfig``; parameters are
-    tagged for buffer routing (:func:`tag_params_for_buffers`) as a side effect. With expert
-    parallelism (``ep_size`` > 1) the expert buffers are planned over the expert-data-parallel
-    group (``plan.experts``), balanced together with the dense work of the same ranks."""
+    ep_size: int = 1, expert_tp_size: int = 1, workload: Workload | None = None,
+) -> tuple[CanzonaPlan, list[ParamSpec], str | None]:
+    """The plan of this pipeline stage (every model chunk together), the specs it was made
+    from, and, for ``cfg.layout == "auto"``, the log line of the choice. ``cfg`` is a
+    ``megatron.canzona.runtime.config.CanzonaConfig``; parameters are tagged for buffer
+    routing (:func:`tag_params_for_buffers`) as a side effect. With expert parallelism
+    (``ep_size`` > 1) the expert buffers are planned over the expert-data-parallel group
+    (``plan.experts``), balanced together with the dense work of the same ranks.
+
+    ``auto`` plans every layout and keeps the one whose iteration (``workload``: the run's
+    batch; without it the step and its exposed bucket collectives) is projected shorter on
+    ``cfg.cluster`` (:data:`DEFAULT_CLUSTERS`)."""
     if not ddp_config.use_distributed_optimizer:
         raise ValueError("--canzona needs the distributed optimizer: pass --use-distributed-optimizer")
     specs: list[ParamSpec] = []
@@ -168,12 +184,23 @@ def build_canzona_plan(
         tag_params_for_buffers(named, chunk_specs)
         specs += chunk_specs
         named_all += named
-    plan = make_plan(
-        specs, dp_size=dp_size, tp_size=tp_size, cost_model=CostModel(kind=cfg.cost_kind), alpha=cfg.alpha,
-        bucket_size=plan_bucket_size(ddp_config, dp_size), tp_budget=cfg.tp_group_budget,
-        wire=wire_config(named_all, ddp_config), ep_size=ep_size, expert_tp_size=expert_tp_size,
-    )
-    return plan, specs
+    wire = wire_config(named_all, ddp_config)
+    plans = {
+        layout: make_plan(
+            specs, dp_size=dp_size, tp_size=tp_size, cost_model=CostModel(kind=cfg.cost_kind), alpha=cfg.alpha,
+            bucket_size=plan_bucket_size(ddp_config, dp_size), tp_budget=cfg.tp_group_budget, wire=wire,
+            ep_size=ep_size, expert_tp_size=expert_tp_size, layout=layout,
+        )
+        for layout in (LAYOUTS if cfg.layout == "auto" else (cfg.layout,))
+    }
+    if len(plans) == 1:
+        return next(iter(plans.values())), specs, None
+    cluster = load_cluster(cfg.cluster or DEFAULT_CLUSTERS[torch.cuda.is_available()])
+    if cfg.cluster is None and not torch.cuda.is_available():  # every process of a CPU run is on this machine
+        cluster = dataclasses.replace(cluster, gpus_per_node=max(cluster.gpus_per_node, dp_size * tp_size))
+    results = project_layouts(specs, plans, cluster=cluster, optimizer=cfg.optimizer, wire=wire, workload=workload)
+    choice = faster_layout(results)
+    return plans[choice], specs, layout_line(choice, results, cluster, iteration=workload is not None)
 
 
 def full_param_layouts(plan: CanzonaPlan, model_chunks: Sequence[torch.nn.Module], ddp_config: Any) -> list[FullParamLayout]:
@@ -182,6 +209,8 @@ def full_param_layouts(plan: CanzonaPlan, model_chunks: Sequence[torch.nn.Module
     if len(plan.layouts) != len(model_chunks):
         raise ValueError(f"the plan has {len(plan.layouts)} chunk layouts for {len(model_chunks)} model chunks")
     experts = plan.experts.layouts if plan.experts is not None else [None] * len(model_chunks)
+    if any(not b.uniform for p in (plan, plan.experts) if p is not None for dp in p.layouts for b in dp.matrix.buckets):
+        registry.install_group(registry.UNEVEN)  # DDP's buckets run the planned, unequal shards
     return [
         to_full_param_layout(layout, [(n, p) for n, p in chunk.named_parameters() if p.requires_grad],
                              grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32, experts=expert_layout)
@@ -230,10 +259,14 @@ def _per_buffer(buffer: BufferPlan, params, indices, name_of, dp_size: int) -> P
     missing = [name_of[p] for p in params if name_of[p] not in where]
     if missing or len(params) != len(where):
         raise ValueError(f"plan and model disagree on parameters (missing from plan: {missing[:3]}); re-plan for this model")
-    return PerBufferParamLayout(
+    fields = dict(
         param_index_map={p: (where[name_of[p]].start, where[name_of[p]].end, where[name_of[p]].bucket) for p in params},
         bucket_indices=[(b.start, b.end) for b in buffer.buckets],
         per_bucket_numel_unpadded=[b.numel_unpadded for b in buffer.buckets],
         param_indices=list(indices),
         num_optimizer_shards=dp_size,
     )
+    if all(b.uniform for b in buffer.buckets):
+        return PerBufferParamLayout(**fields)
+    bounds = [tuple(x - b.start for x in b.shard_bounds) for b in buffer.buckets]
+    return ShardedParamLayout(**fields, shard_bounds=bounds)

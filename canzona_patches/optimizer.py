@@ -35,9 +35,11 @@ from canzona_patches.layout import (
     stacked_expert_blocks,
     wire_config,
 )
+from canzona_patches.uneven import SHARD_BOUNDS_ATTR
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, QKVLayout
 from megatron.canzona.planning import CanzonaPlan, CostModel, summarize_canzona
+from megatron.canzona.planning.sim import Workload
 from megatron.canzona.runtime.config import CanzonaConfig
 from megatron.canzona.runtime.host_groups import HostGroupEngine
 from megatron.canzona.runtime.optimizer import CanzonaOptimizer
@@ -49,7 +51,7 @@ from megatron.core.optimizer import (  # noqa: E402
     _get_param_groups_and_buffers,
     get_standard_config_overrides,
 )
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range  # noqa: E402
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler  # noqa: E402
 from megatron.core.optimizer.optimizer import ChainedOptimizer  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
@@ -65,8 +67,8 @@ def plan_and_layouts(
     model_chunks: list[torch.nn.Module], ddp_config: Any, cfg: CanzonaConfig, *, dp_size: int, tp_size: int,
     ep_size: int = 1,
 ) -> tuple[CanzonaPlan, list[Any]]:
-    """The run's plan (:func:`canzona_patches.layout.build_canzona_plan`), logged once, and
-    the ``FullParamLayout`` per (unwrapped) chunk that DDP must be built with."""
+    """The run's plan (:func:`canzona_patches.layout.build_canzona_plan`), logged once per
+    pipeline stage, and the ``FullParamLayout`` per (unwrapped) chunk that DDP must be built with."""
     plan, layouts, _ = _plan_layouts_summary(model_chunks, ddp_config, cfg, dp_size=dp_size, tp_size=tp_size,
                                              ep_size=ep_size)
     return plan, layouts
@@ -74,26 +76,41 @@ def plan_and_layouts(
 
 def _plan_layouts_summary(
     model_chunks: list[torch.nn.Module], ddp_config: Any, cfg: CanzonaConfig, *, dp_size: int, tp_size: int,
-    ep_size: int = 1, summarize_here: bool = False,
+    ep_size: int = 1, summarize_here: bool = False, workload: Any = None,
 ) -> tuple[CanzonaPlan, list[Any], dict | None]:
     """:func:`plan_and_layouts` and the plan's summary (:func:`summarize_canzona`), computed on
-    global rank 0, which logs it, and where ``summarize_here`` asks for it (else ``None``)."""
-    plan, specs = build_canzona_plan(model_chunks, ddp_config, cfg, dp_size=dp_size, tp_size=tp_size,
-                                     ep_size=ep_size)
+    the first rank of each pipeline stage (DP and TP rank 0), which logs it, and where
+    ``summarize_here`` asks for it (else ``None``)."""
+    plan, specs, choice = build_canzona_plan(model_chunks, ddp_config, cfg, dp_size=dp_size, tp_size=tp_size,
+                                             ep_size=ep_size, workload=workload)
     named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
-    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    first, stage = _stage_first_rank()
     summary = None
     if first or summarize_here:
         summary = summarize_canzona(plan, specs, CostModel(kind=cfg.cost_kind), wire_config(named, ddp_config))
     if first:
-        _log_plan(plan, summary)
+        if choice is not None:
+            print(choice if stage is None else choice.replace("[canzona]", f"[canzona] stage {stage}:"), flush=True)
+        _log_plan(plan, summary, stage)
     return plan, full_param_layouts(plan, model_chunks, ddp_config), summary
 
 
-def _log_plan(plan: CanzonaPlan, s: dict) -> None:
-    """One line: balance, padding, buckets, split matrices, bytes per rank."""
+def _stage_first_rank() -> tuple[bool, int | None]:
+    """Whether this rank logs its pipeline stage's plan (DP and TP rank 0 of the stage), and
+    the stage's index when there are several."""
+    if not torch.distributed.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        return (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0), None
+    first = (parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+             and parallel_state.get_tensor_model_parallel_rank() == 0)
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    return first, (parallel_state.get_pipeline_model_parallel_rank() if stages > 1 else None)
+
+
+def _log_plan(plan: CanzonaPlan, s: dict, stage: int | None = None) -> None:
+    """One line: layout, balance, padding, buckets, split matrices, bytes per rank."""
+    prefix = "[canzona] plan:" if stage is None else f"[canzona] stage {stage} plan:"
     print(
-        f"[canzona] plan: {len(plan.hosts)} matrices over DP {plan.dp_size} x TP {plan.tp_size}, "
+        f"{prefix} {plan.layout} layout, {len(plan.hosts)} matrices over DP {plan.dp_size} x TP {plan.tp_size}, "
         f"{s['num_buckets']} bucket(s), {s['split_params']} split across DP shards, "
         f"{plan.num_groups} micro-group(s), alpha {plan.layouts[0].alpha}, cost {plan.layouts[0].cost_kind} | "
         f"DP x TP makespan / lower bound {s['makespan_over_lower_bound']:.3f} | padding {100 * s['padding_overhead']:.1f}% | "
@@ -117,7 +134,20 @@ def _log_plan(plan: CanzonaPlan, s: dict) -> None:
 
 class CanzonaDistributedOptimizer(DistributedOptimizer):
     """Megatron's DistributedOptimizer owning every bucket, the matrix buffer included, and
-    skipping steps with inf/NaN gradients when no loss scaler checks for them."""
+    skipping steps with inf/NaN gradients when no loss scaler checks for them. A bucket of the
+    whole layout (tagged by :mod:`canzona_patches.uneven`) gives each rank its planned shard."""
+
+    @classmethod
+    def _build_model_gbuf_range(cls, param_and_grad_buffer: Any, bucket_index: int) -> dict:
+        """This rank's parameter ranges in a bucket: its planned shard where the bucket has one."""
+        bucket = param_and_grad_buffer.buckets[bucket_index]
+        bounds = getattr(bucket, SHARD_BOUNDS_ATTR, None)
+        if bounds is None:
+            return super()._build_model_gbuf_range(param_and_grad_buffer, bucket_index)
+        rank = param_and_grad_buffer.data_parallel_group.rank()
+        shard = Range(bucket.offset + bounds[rank], bucket.offset + bounds[rank + 1])
+        return {"param_map": cls._build_model_gbuf_param_range_map(param_and_grad_buffer.param_index_map, shard,
+                                                                  bucket.offset)}
 
     def start_param_sync_for_bucket_group_subset(self) -> None:
         """All-gather every bucket group. Upstream skips groups tagged for the layer-wise
@@ -361,8 +391,10 @@ def canzona_plan_and_layouts(
     dp_size, tp_size, ep_size = _parallel_sizes()
     if args.num_experts:
         check_expert_sizes(tp_size, ep_size, parallel_state.get_expert_tensor_parallel_world_size())
+    workload = Workload(global_batch=args.global_batch_size, micro_batch=args.micro_batch_size,
+                        seq_length=args.seq_length)
     return _plan_layouts_summary(model_chunks, ddp_config, canzona_config_from_args(args), dp_size=dp_size,
-                                 tp_size=tp_size, ep_size=ep_size, summarize_here=summarize_here)
+                                 tp_size=tp_size, ep_size=ep_size, summarize_here=summarize_here, workload=workload)
 
 
 def get_canzona_optimizer(optimizer_config: Any, model_chunks: list, args: Any, plan: CanzonaPlan):

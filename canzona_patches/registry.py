@@ -43,6 +43,7 @@ CPU_SYNC_SAVE = "cpu-sync-save"  # the same, for synchronous saves
 ARGUMENTS = "arguments"  # pretrain_gpt.py, before it parses the command line
 PRETRAIN = "pretrain"  # pretrain_gpt.py's loop and checkpoints
 CANZONA = "canzona"  # --canzona: its layout, optimizer and checkpoint metadata
+UNEVEN = "uneven"  # layout.full_param_layouts, for a plan with variable-size DP shards (the whole layout)
 BASELINE = "baseline"  # upstream fixes only Megatron's own optimizers need
 SCOPED = "scoped"  # swapped in for one call (:func:`swapped`), never installed
 
@@ -207,6 +208,8 @@ _TRAINING = "megatron.training.training"
 _CHECKPOINTING = "megatron.training.checkpointing"
 _RANDOM = "megatron.core.tensor_parallel.random"
 _DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
+_BUFFER = "megatron.core.distributed.param_and_grad_buffer"
+_UNEVEN_SHARDS = "`--canzona` (a plan with variable-size DP shards: `layout.full_param_layouts`)"
 
 PATCHES: tuple[Patch, ...] = (
     # --- Megatron-Core on CPU
@@ -318,6 +321,26 @@ PATCHES: tuple[Patch, ...] = (
     Patch(targets=(f"{_TRAINING}:get_megatron_optimizer",), make="canzona_patches.training:canzona_optimizer",
           condition="`--canzona`", when=_canzona, group=CANZONA,
           reason="builds the Canzona optimizer on the plan the model was wrapped with"),
+    # --- the whole layout's variable-size DP shards (canzona_patches/uneven.py)
+    Patch(targets=(f"{_BUFFER}:_ParamAndGradBuffer.__init__",), make="canzona_patches.uneven:tagging_buckets",
+          condition=_UNEVEN_SHARDS, when=_canzona, group=UNEVEN,
+          reason="buckets are cut into equal DP shards; a layout carrying planned shard bounds tags each bucket's "
+                 "views with its shard sizes"),
+    Patch(targets=(f"{_BUFFER}:shard_buffer",), make="canzona_patches.uneven:uneven_shard_buffer",
+          condition=_UNEVEN_SHARDS, when=_canzona, group=UNEVEN,
+          reason="a rank's view of a bucket is its 1/DP slice; a tagged bucket's is its planned shard"),
+    Patch(targets=(f"{_BUFFER}:dist_reduce_scatter_func",), make="canzona_patches.uneven:uneven_reduce_scatter",
+          condition=_UNEVEN_SHARDS, when=_canzona, group=UNEVEN,
+          reason="`reduce_scatter_tensor` needs equal shards; a tagged bucket runs torch's list-form "
+                 "`reduce_scatter` (grouped `ncclReduce` on NCCL)"),
+    Patch(targets=(f"{_BUFFER}:dist_all_gather_func",), make="canzona_patches.uneven:uneven_all_gather",
+          condition=_UNEVEN_SHARDS, when=_canzona, group=UNEVEN,
+          reason="`all_gather_into_tensor` needs equal shards; a tagged bucket runs the list-form `all_gather` "
+                 "(grouped `ncclBroadcast`), on gloo one broadcast per shard"),
+    Patch(targets=(f"{_BUFFER}:_coalescing_manager",), make="canzona_patches.uneven:joining_uneven_works",
+          condition=_UNEVEN_SHARDS, when=_canzona, group=UNEVEN,
+          reason="torch's manager waits only for the `*_tensor` collectives it batched; the list-form ones' works "
+                 "join its handle, so the bucket's finish waits for them"),
     # --- upstream fixes only the baselines need
     Patch(targets=("megatron.core.optimizer.layer_wise_optimizer:LayerWiseDistributedOptimizer.__init__",),
           make="canzona_patches.megatron_fixes:keeping_config",

@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon", help="matrix optimizer")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="planner balance knob")
     p.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket (default: Megatron's)")
+    p.add_argument("--layout", "--canzona-layout", dest="layout", choices=("whole", "lean", "auto"), default="auto",
+                   help="DP layout of the matrix buffers (pretrain_gpt.py's --canzona-layout)")
+    p.add_argument("--cluster", "--canzona-cluster", dest="cluster", default="h100-ib400",
+                   help="cluster the auto layout is projected on (a preset or a TOML/JSON file)")
     p.add_argument("--params-dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="parameter dtype")
     p.add_argument("--grad-reduce-in-fp32", action="store_true", help="fp32 gradient buffers")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -162,8 +166,8 @@ def build_rank(args: argparse.Namespace):
     )
     canzona = canzona_config(args)
     # The plan is made from the live model's parameters, as pretrain_gpt.py makes it.
-    plan, specs = build_canzona_plan([model], ddp_config, canzona, dp_size=args.dp, tp_size=args.tp, ep_size=args.ep,
-                                     expert_tp_size=expert_tp_size(args))
+    plan, specs, _ = build_canzona_plan([model], ddp_config, canzona, dp_size=args.dp, tp_size=args.tp,
+                                        ep_size=args.ep, expert_tp_size=expert_tp_size(args))
     (layout,) = full_param_layouts(plan, [model], ddp_config)
     ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
     optimizer_config = OptimizerConfig(
@@ -278,7 +282,8 @@ def canzona_config(args: argparse.Namespace):
     from megatron.canzona.runtime.config import CanzonaConfig
 
     matrix = {"muon": MuonConfig(), "shampoo": ShampooConfig(), "soap": SOAPConfig()}[args.optimizer]
-    return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, alpha=args.alpha)
+    return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, alpha=args.alpha, layout=args.layout,
+                         cluster=args.cluster)
 
 
 def measure(ddp_model, optimizer) -> dict:

@@ -2,7 +2,7 @@
 """Measure this machine as a simulator cluster: gloo collectives between local processes,
 one core's fp32 matmul rate and memory bandwidth; write the cluster file.
 
-    python tools/probe_gloo.py                  # 2 and 4 ranks -> tools/clusters/cpu-gloo-local{-2,}.toml
+    python tools/probe_gloo.py                  # 2 and 4 ranks -> megatron/canzona/planning/sim/clusters/cpu-gloo-local{-2,}.toml
     python tools/probe_gloo.py --ranks 8 --out /tmp/cpu8.toml --json probe.json
 
 Ranks are started with megatron.canzona.runtime.launch (one torch thread each, as
@@ -49,9 +49,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron.canzona.planning.sim import ClusterSpec  # noqa: E402
+from megatron.canzona.planning.sim.cluster import preset_path  # noqa: E402
 from megatron.canzona.runtime import LaunchConfig, launch  # noqa: E402
 
-DEFAULT_OUT = os.path.join(ROOT, "tools", "clusters", "cpu-gloo-local.toml")
+DEFAULT_OUT = preset_path("cpu-gloo-local")
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB per rank
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "ping_pong")
 LARGE_BYTES = 1 << 20

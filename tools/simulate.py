@@ -9,7 +9,7 @@
 
 The plans are the ones the runtime executes (``make_plan`` for Canzona, Megatron-Core's own
 layer-wise layout, stock ZeRO-1); megatron.canzona.planning.sim turns them into per-rank
-timelines on the cluster (a preset of tools/clusters/ or a TOML/JSON file, schema in the
+timelines on the cluster (a preset ($N/) or a TOML/JSON file, schema in the
 package docstring). Parallel sizes and batch default to the model's recipe
 (examples/qwen3/pretrain_<model>.sh); the global batch is raised to one micro-batch per DP
 rank where the recipe's is smaller. With PP > 1 every stage is simulated and the slowest one
@@ -47,9 +47,9 @@ from megatron.canzona.planning.sim import (  # noqa: E402
     load_cluster,
     simulate,
 )
+from megatron.canzona.planning.sim.cluster import presets  # noqa: E402
 from megatron.canzona.planning.sim.simulate import NEEDS_LAYERWISE_PLAN  # noqa: E402
 
-CLUSTER_DIR = os.path.join(ROOT, "tools", "clusters")
 RECIPE_DIR = os.path.join(ROOT, "examples", "qwen3")
 DEFAULT_CLUSTER = "h100-ib400"
 DEFAULT_STRATEGIES = ("canzona", "megatron_layerwise", "layer_sharded", "sync", "zero1", "adamw")
@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decoder-last-pipeline-num-layers", dest="last_stage_layers", type=int)
     p.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon")
     p.add_argument("--cluster", default=DEFAULT_CLUSTER,
-                   help=f"a TOML/JSON file or a preset of tools/clusters/ ({', '.join(presets())})")
+                   help=f"a TOML/JSON file or a preset of megatron/canzona/planning/sim/clusters/ ({', '.join(presets())})")
     p.add_argument("--calibration", metavar="FILE", help="measured seconds per shape (tools/bench_optim.py --calibration-dir)")
     p.add_argument("--global-batch", type=int, help="sequences per iteration (default: the recipe's, at least DP x micro)")
     p.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: the recipe's)")
@@ -117,18 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def presets() -> list[str]:
-    return sorted(f[:-5] for f in os.listdir(CLUSTER_DIR) if f.endswith(".toml")) if os.path.isdir(CLUSTER_DIR) else []
-
-
 def resolve_cluster(name: str) -> ClusterSpec:
-    if os.path.exists(name):
-        return load_cluster(name)
-    path = os.path.join(CLUSTER_DIR, f"{name}.toml")
-    if os.path.exists(path):
-        return load_cluster(path)
-    raise ValueError(f"--cluster {name!r} is neither a file nor a preset; choose one of {', '.join(presets())} "
-                     f"or pass a TOML/JSON file")
+    return load_cluster(name)
 
 
 def configure(args: argparse.Namespace) -> dict[str, Any]:

@@ -70,10 +70,11 @@ from megatron.canzona.planning.sim import (  # noqa: E402
     load_cluster,
     simulate,
 )
+from megatron.canzona.planning.sim.cluster import PRESET_DIR  # noqa: E402
 from megatron.canzona.planning.specs import ParamSpec  # noqa: E402
 from tools.probe_gloo import wait_for_quiet  # noqa: E402
 
-CLUSTER_DIR = os.path.join(ROOT, "tools", "clusters")
+CLUSTER_DIR = PRESET_DIR
 DEFAULT_CLUSTERS = tuple(os.path.join(CLUSTER_DIR, f) for f in ("cpu-gloo-local-2.toml", "cpu-gloo-local.toml"))
 """tools/probe_gloo.py's files: 2 and 4 processes (a case takes the smallest that holds it)."""
 DEFAULT_CALIBRATION = os.path.join(ROOT, "tools", "calibrations", "cpu-tiny-gpt-muon.json")

@@ -54,10 +54,17 @@ SPLITS = {  # exercise both fused layouts: Q/K/V and gate/up
 }
 
 
+BUCKET = 10_000
+"""Elements per DDP bucket (with overlapped gradient reduction, which Megatron needs to honour
+it): six buckets, fc1 (16384 elements) larger than one, so the whole layout's shards are of
+unequal sizes and some are empty (checked below)."""
+
+
 def _run(optimizer: str) -> TinyRun:
     if optimizer in BASELINES:  # the math of Canzona's muon run, computed another way
         return TinyRun(lr=LR, num_steps=STEPS, optimizer=optimizer, weight_decay=0.1, **SPLITS["muon"])
-    return TinyRun(lr=LR, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1, **SPLITS[optimizer])
+    return TinyRun(lr=LR, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1,
+                   bucket_size=BUCKET, overlap_grad_reduce=True, canzona_layout="whole", **SPLITS[optimizer])
 
 
 def _launch(world_size: int, runs: list[TinyRun]) -> list[list[dict]]:
@@ -109,6 +116,11 @@ def test_every_matrix_is_updated_exactly_once(results, optimizer: str, dp: int) 
     assert all(result["whole_params_owned"] for result in per_rank) == (not split), split
     if dp > 1:
         assert sum(bool(result["updated"]) for result in per_rank) > 1, "work should be spread over ranks"
+        # The whole layout: nothing split, shards of unequal sizes, some empty (uneven collectives ran).
+        assert plan.layout == "whole" and not split
+        sizes = [b - a for layout in plan.layouts for bucket in layout.matrix.buckets
+                 for a, b in zip(bucket.shard_bounds, bucket.shard_bounds[1:])]
+        assert len(set(sizes)) > 2 and 0 in sizes, sizes
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -44,7 +44,7 @@ def _run(optimizer: str, tp_size: int = 1, *, split: bool = True) -> TinyRun:
     return TinyRun(
         tp_size=tp_size, lr=LR, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1,
         global_batch=GLOBAL_BATCH, bucket_size=BUCKET if split else None, alpha=1.0 if split else 0.5,
-        **SPLITS[optimizer],
+        canzona_layout="lean", **SPLITS[optimizer],
     )
 
 

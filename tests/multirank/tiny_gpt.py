@@ -76,6 +76,8 @@ class TinyRun:
     """Canzona: optimize gate and up of fc1 as separate matrices."""
     alpha: float = 0.5
     """Canzona planner balance knob."""
+    canzona_layout: str = "whole"
+    """Canzona's DP layout of the matrix buffers: ``whole``, ``lean`` or ``auto`` (--canzona-layout)."""
     num_layers: int = NUM_LAYERS
     """Transformer layers (benchmarks grow the model; tests keep the default)."""
     hidden: int = HIDDEN
@@ -100,6 +102,9 @@ class TinyRun:
     """Experts per token."""
     clip_grad: float = 0.0
     """Megatron's global-norm gradient clipping (0: none; the norm is then not computed)."""
+    return_state: bool = False
+    """Return this rank's optimizer state (``state``: every tensor of the Canzona inner
+    optimizer by path), for bitwise comparisons of runs on the same layout."""
 
 
 def train_tiny_gpts(runs: list[TinyRun]) -> list[dict[str, Any]]:
@@ -132,6 +137,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "tp_stats": _tp_stats(optimizer),
             "plan": None if plan is None else plan.to_json(),
             "host_syncs": syncs,
+            "state": _optimizer_state(optimizer) if run.return_state else None,
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -287,7 +293,7 @@ def canzona_config(run: TinyRun):
     name = run.optimizer if run.optimizer in matrix else "muon"  # sync_muon: Muon's math
     return CanzonaConfig(
         optimizer=name, matrix=matrix[name], alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
-        tp_mode=run.tp_mode,
+        tp_mode=run.tp_mode, layout=run.canzona_layout,
     )
 
 
@@ -303,6 +309,29 @@ def _updated(optimizer) -> list[str]:
     """Global names (experts by global index) of the matrices this rank computed last step."""
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     return [name for part in parts for name in getattr(getattr(part, "optimizer", None), "last_step_updates", [])]
+
+
+def _optimizer_state(optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of the Canzona inner optimizer's state (matrix and AdamW), by path."""
+    inner = _inner(optimizer)
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            out[path] = value.detach().clone()
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{path}/{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{path}/{i}", v)
+        elif hasattr(value, "__dict__"):
+            walk(path, vars(value))
+
+    walk("matrix", inner.matrix_state)
+    flat = [p for group in inner.param_groups for p in group["params"]]
+    walk("elementwise", [inner.state[p] for p in flat if p in inner.state])
+    return out
 
 
 def _inner(optimizer):

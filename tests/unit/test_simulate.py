@@ -271,7 +271,7 @@ def test_bad_arguments_say_how_to_fix_them():
 
 
 def test_presets_load_and_round_trip():
-    for path in sorted((ROOT / "tools" / "clusters").glob("*.toml")):
+    for path in sorted((ROOT / "megatron" / "canzona" / "planning" / "sim" / "clusters").glob("*.toml")):
         spec = load_cluster(str(path))
         assert spec.name == path.stem
         assert ClusterSpec.from_dict(spec.to_dict(), source=path.name) == spec

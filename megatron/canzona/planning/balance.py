@@ -43,6 +43,13 @@ from .lean import balanced_homes, lean_buffer, shard_ladder
 from .partition import DEFAULT_ALPHA, check_inputs, check_tp_size, elementwise_buffer
 from .plan import BufferPlan, CanzonaPlan, DPPlan, Host
 from .specs import ParamSpec, matrix_specs
+from .whole import whole_buffer, whole_owners
+
+LAYOUTS: tuple[str, ...] = ("whole", "lean")
+"""DP layouts of the matrix buffers: ``whole`` (:mod:`~megatron.canzona.planning.whole`:
+variable-size shards cut at parameter boundaries, nothing split, uneven collectives) and
+``lean`` (:mod:`~megatron.canzona.planning.lean`: Megatron's equal shards, matrices split
+where that saves padding, their pieces gathered to a host in the step)."""
 
 
 MAX_PADDING = 0.05
@@ -115,13 +122,16 @@ def plan_canzona(
     wire: WireConfig | None = None,
     budget: float | None = None,
     base_loads: Sequence[Sequence[float]] | None = None,
+    layout: str = "lean",
 ) -> CanzonaPlan:
-    """The Canzona plan of the parameters ``specs`` (one pipeline stage, any model chunks).
+    """The Canzona plan of the parameters ``specs`` (one pipeline stage, any model chunks),
+    its matrix buffers laid out ``layout`` (:data:`LAYOUTS`).
 
     ``base_loads[dp_rank][tp_rank]``: compute each GPU already has (its expert work); homes
     and hosts fill around it. The plan's loads and budget count this plan's work only."""
     check_inputs(dp_size, alpha, bucket_size)
     check_tp_size(tp_size)
+    check_layout(layout)
     base = _flat_base(base_loads, dp_size, tp_size)
     bucket_size = default_bucket_size(dp_size) if bucket_size is None else bucket_size
     chunks = sorted({s.chunk for s in specs})
@@ -131,12 +141,36 @@ def plan_canzona(
     stage = _Stage.of(mats, cost_model, dp_size=dp_size, tp_size=tp_size, alpha=alpha, wire=wire or WireConfig(),
                       base=base)
     ranges = [lean_bucket_ranges([s.numel for s in chunk], bucket_size) for chunk in mats]
-    _, buffers, items, hosts, loads = _best_fill(stage, ranges)
+    if layout == "whole":
+        buffers = _whole_fill(stage, ranges)
+        _, items, hosts, loads = stage.hosts(buffers)
+    else:
+        _, buffers, items, hosts, loads = _best_fill(stage, ranges)
     loads = [load - b for load, b in zip(loads, stage.base)]  # this plan's own work
-    return _assemble(
+    plan = _assemble(
         specs, mats, buffers, items, hosts, loads, dp_size=dp_size, tp_size=tp_size, cost_model=cost_model,
         alpha=alpha, bucket_size=bucket_size, budget=budget,
     )
+    return dataclasses.replace(plan, layout=layout)
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown Canzona layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+
+
+def _whole_fill(stage: _Stage, ranges: list[list[tuple[int, int]]]) -> list[BufferPlan]:
+    """Every chunk's buffer in the whole layout, owners chosen over the whole stage."""
+    flat = [s for chunk in stage.mats for s in chunk]
+    owners = whole_owners(
+        [c for chunk in stage.costs for c in chunk], [s.numel for s in flat], [s.tp_sharded for s in flat],
+        dp_size=stage.dp_size, tp_size=stage.tp_size, alpha=stage.alpha, bound=stage.bound, base=stage.base,
+    )
+    buffers, k = [], 0
+    for chunk, chunk_costs, chunk_ranges in zip(stage.mats, stage.costs, ranges):
+        buffers.append(whole_buffer(chunk, chunk_costs, chunk_ranges, owners[k:k + len(chunk)], stage.dp_size))
+        k += len(chunk)
+    return buffers
 
 
 def _best_fill(stage: _Stage, ranges: list[list[tuple[int, int]]]) -> tuple:

@@ -163,6 +163,10 @@ class CanzonaPlan:
     ``tp_size``); ``None`` without expert-parallel parameters."""
     ep_size: int = 1
     """Expert-parallel size the plan was made for."""
+    layout: str = "lean"
+    """DP layout of the matrix buffers: ``whole`` (variable-size shards, every matrix whole
+    in one DP rank's shard, uneven collectives) or ``lean`` (equal shards, a matrix may lie
+    across shards); :data:`~megatron.canzona.planning.balance.LAYOUTS`."""
 
     @property
     def dp(self) -> DPPlan:

@@ -25,8 +25,9 @@ def make_plan(
     ep_size: int = 1,
     expert_tp_size: int = 1,
     joint_balance: bool = True,
+    layout: str = "lean",
 ) -> CanzonaPlan:
-    """Lean DP layouts and one host (DP rank, TP rank) per matrix, in pipelined micro-groups.
+    """DP layouts (``layout``: ``whole`` or ``lean``, :data:`~megatron.canzona.planning.balance.LAYOUTS`) and one host (DP rank, TP rank) per matrix, in pipelined micro-groups.
 
     Each matrix's update is computed once, by its host; ``tp_budget`` caps one host's cost per
     micro-group (default: about four groups on the busiest host, two at least wherever a host
@@ -40,5 +41,5 @@ def make_plan(
     return plan_with_experts(
         specs, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
         cost_model=cost_model or CostModel(), alpha=alpha, bucket_size=bucket_size, wire=wire, budget=tp_budget,
-        joint_balance=joint_balance,
+        joint_balance=joint_balance, layout=layout,
     )

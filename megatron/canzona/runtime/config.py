@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron.canzona.optim import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
-from megatron.canzona.planning import DEFAULT_ALPHA
+from megatron.canzona.planning import DEFAULT_ALPHA, LAYOUTS
 
 MATRIX_OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap")
 MatrixConfig = MuonConfig | ShampooConfig | SOAPConfig
@@ -35,6 +35,13 @@ class CanzonaConfig:
     gathers and computes it (synchronous compute)."""
     tp_group_budget: float | None = None
     """Most cost one host takes in one micro-group (default: the planner's)."""
+    layout: Literal["whole", "lean", "auto"] = "auto"
+    """DP layout of the matrix buffers: ``whole`` (variable-size shards, every matrix whole on
+    one DP rank, no DP traffic in the step), ``lean`` (Megatron's equal shards, split matrices
+    gathered to a host in the step) or ``auto`` (the one projected faster on ``cluster``)."""
+    cluster: str | None = None
+    """Cluster ``auto`` projects on: a preset name or a TOML/JSON file (default: ``h100-ib400``
+    on CUDA, the local gloo probe on CPU)."""
 
     def __post_init__(self) -> None:
         expected = {"muon": MuonConfig, "shampoo": ShampooConfig, "soap": SOAPConfig}.get(self.optimizer)
@@ -46,6 +53,8 @@ class CanzonaConfig:
             raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
         if self.cost not in ("flops", "numel"):
             raise ValueError(f"cost must be 'flops' or 'numel', got {self.cost!r}")
+        if self.layout not in (*LAYOUTS, "auto"):
+            raise ValueError(f"layout must be one of {', '.join((*LAYOUTS, 'auto'))}, got {self.layout!r}")
         if self.tp_mode not in ("async", "sync"):
             raise ValueError(f"tp_mode must be 'async' or 'sync', got {self.tp_mode!r}")
 

@@ -5,7 +5,7 @@ Interface (stable; new fields only get defaults, old names keep working)
 
     from megatron.canzona.planning.sim import ClusterSpec, Workload, load_cluster, load_calibration, simulate
 
-    cluster = load_cluster("tools/clusters/h100-ib400.toml")      # or ClusterSpec.from_dict({...})
+    cluster = load_cluster("h100-ib400")  # a preset (clusters/), a TOML/JSON file, or ClusterSpec.from_dict({...})
     result = simulate(
         specs,                      # list[ParamSpec] of one pipeline stage (qwen3_specs(...) or any model)
         strategy="canzona",         # see STRATEGIES below
@@ -80,11 +80,11 @@ the memory bandwidth, or the calibrated seconds; applying an update 14 bytes per
 AdamW 30 bytes per element.
 """
 
-from .cluster import ClusterSpec, CollectiveSpec, GPUSpec, LinkSpec, load_calibration, load_cluster
+from .cluster import ClusterSpec, CollectiveSpec, GPUSpec, LinkSpec, load_calibration, load_cluster, presets
 from .result import Segment, StrategyResult
 from .simulate import STRATEGIES, Workload, simulate
 
 __all__ = [
     "STRATEGIES", "ClusterSpec", "CollectiveSpec", "GPUSpec", "LinkSpec", "Segment", "StrategyResult", "Workload",
-    "load_calibration", "load_cluster", "simulate",
+    "load_calibration", "load_cluster", "presets", "simulate",
 ]

@@ -226,8 +226,26 @@ def _read_mapping(path: str) -> Any:
         raise ValueError(f"{name}: not valid {kind}: {str(exc).splitlines()[0]}") from None
 
 
+PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clusters")
+"""The cluster presets shipped with the package (``<name>.toml``)."""
+
+
+def presets() -> list[str]:
+    """Names of the shipped cluster presets."""
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".toml")) if os.path.isdir(PRESET_DIR) else []
+
+
+def preset_path(name: str) -> str:
+    return os.path.join(PRESET_DIR, f"{name}.toml")
+
+
 def load_cluster(path: str) -> ClusterSpec:
-    """Read a cluster file (TOML or JSON)."""
+    """Read a cluster file (TOML or JSON), or a preset by name (:func:`presets`)."""
+    if not os.path.exists(path) and os.path.exists(preset_path(path)):
+        path = preset_path(path)
+    elif not os.path.exists(path) and os.sep not in path and not path.endswith((".toml", ".json")):
+        raise ValueError(f"cluster {path!r} is neither a file nor a preset; choose one of {', '.join(presets())} "
+                         "or pass a TOML/JSON file")
     return ClusterSpec.from_dict(_read_mapping(path), source=os.path.basename(path))
 
 
