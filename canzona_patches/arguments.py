@@ -180,6 +180,22 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
             "--canzona partitions the distributed optimizer: add --use-distributed-optimizer")
     _check_parallelism(args)
     _check_ranges(args)
+    _check_cluster(args)
+
+
+def _check_cluster(args: argparse.Namespace) -> None:
+    """The cluster ``--canzona-layout auto`` projects on must load, before any rank builds."""
+    if args.canzona_cluster is None:
+        return
+    if args.canzona_layout != "auto":
+        raise CanzonaArgumentError(
+            f"--canzona-cluster only serves --canzona-layout auto (the layout is {args.canzona_layout}): drop one")
+    from megatron.canzona.planning.sim import load_cluster
+
+    try:
+        load_cluster(args.canzona_cluster)
+    except ValueError as exc:
+        raise CanzonaArgumentError(f"--canzona-cluster: {exc}") from None
 
 
 def _check_parallelism(args: argparse.Namespace) -> None:

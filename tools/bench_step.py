@@ -10,9 +10,11 @@ Every variant trains the same Qwen3-like GPT (QK-norm, SwiGLU, GQA) with Megatro
 DDP on gloo, one process and one torch thread per DP rank, and times ``optimizer.step()``
 (after a barrier) on every rank; a step's time is the slowest rank's. Variants:
 
-* ``canzona`` -- ``--optimizer muon --canzona``: the Canzona plan's layout, each matrix's
-  Muon run once by its host (gathered first when ``--bucket-size`` splits it across DP
-  shards), then the stock parameter all-gather;
+* ``canzona`` -- ``--optimizer muon --canzona --canzona-layout whole``: every matrix whole in
+  one DP rank's shard (variable-size shards, uneven bucket collectives), its Muon run once by
+  its host, then the parameter all-gather;
+* ``canzona_lean`` -- the same with ``--canzona-layout lean``: equal shards, a matrix across a
+  shard boundary (``--bucket-size`` below its size) gathered to its host first;
 * ``sync`` -- synchronous compute: gradients all-reduced, every rank runs Muon on every
   matrix (the same math, no distributed optimizer);
 * ``megatron`` -- Megatron-Core's own ``LayerWiseDistributedOptimizer`` Muon configured to
@@ -79,8 +81,13 @@ from megatron.canzona.planning.grid import expert_dp_size as grid_expert_dp_size
 from megatron.canzona.runtime import LaunchConfig, launch  # noqa: E402
 from tests.multirank.tiny_gpt import TinyRun, train_tiny_gpts  # noqa: E402
 
-DP_VARIANTS = {"canzona": ("muon", "async"), "sync": ("sync_muon", "async"), "megatron": ("megatron_muon", "async")}
-TP_VARIANTS = {"canzona": ("muon", "async"), "sync": ("muon", "sync"), "megatron": ("megatron_muon", "async")}
+DP_VARIANTS = {"canzona": ("muon", "async", "whole"), "canzona_lean": ("muon", "async", "lean"),
+               "sync": ("sync_muon", "async", "whole"), "megatron": ("megatron_muon", "async", "whole")}
+TP_VARIANTS = {"canzona": ("muon", "async", "whole"), "canzona_lean": ("muon", "async", "lean"),
+               "sync": ("muon", "sync", "whole"), "megatron": ("megatron_muon", "async", "whole")}
+"""Variant -> (TinyRun optimizer, Canzona TP mode, Canzona DP layout). ``canzona`` is the whole
+layout (every matrix whole in one DP rank's shard), ``canzona_lean`` the lean one (equal shards;
+with ``--bucket-size`` below a matrix's size its pieces are gathered to a host in the step)."""
 STAGE_COLOURS = {"gather": "tab:blue", "compute": "tab:orange", "scatter": "tab:green", "apply": "tab:red"}
 
 
@@ -148,7 +155,7 @@ def runs_for(args: argparse.Namespace) -> list[TinyRun]:
     global_batch = 2 * args.dp  # one micro-batch of 2 sequences per rank: the step dominates
     return [
         TinyRun(
-            optimizer=optimizer, tp_mode=tp_mode, tp_size=args.tp,
+            optimizer=optimizer, tp_mode=tp_mode, tp_size=args.tp, canzona_layout=layout,
             layout="canzona" if optimizer == "muon" else "megatron",
             num_steps=args.warmup + args.steps, global_batch=global_batch, micro_batch=2,
             lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
@@ -157,7 +164,7 @@ def runs_for(args: argparse.Namespace) -> list[TinyRun]:
                     moe_topk=args.moe_topk) if args.moe else {}),
         )
         for _ in range(args.rounds)
-        for optimizer, tp_mode in variants(args).values()
+        for optimizer, tp_mode, layout in variants(args).values()
     ]
 
 
@@ -342,7 +349,7 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
     if args.moe:  # tiny_gpt reports the bytes of one Canzona optimizer, not of a dense + expert chain
         report["host_group_bytes_per_rank_step"] = None
         return report
-    host_names = ("canzona", "sync") if args.tp > 1 else ("canzona",)
+    host_names = ("canzona", "canzona_lean", "sync") if args.tp > 1 else ("canzona", "canzona_lean")
     report["host_group_bytes_per_rank_step"] = {
         name: sum(r["tp_stats"]["bytes_sent"] for r in last[name]) / world for name in host_names
     }

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.canzona.planning import (  # noqa: E402
     DEFAULT_ALPHA,
     EXPERT_LAYOUTS,
+    LAYOUTS,
     QWEN3_MODELS,
     Calibration,
     CanzonaPlan,
@@ -48,7 +49,9 @@ from megatron.canzona.planning import (  # noqa: E402
 )
 from megatron.canzona.planning.geometry import default_bucket_size  # noqa: E402
 
-STRATEGIES = ("canzona", "eq1", "megatron_layerwise", "zero1")
+STRATEGIES = ("canzona", "canzona_other", "eq1", "megatron_layerwise", "zero1")
+"""``canzona`` is the ``--layout`` plan; ``canzona_other`` (with ``--compare``) stands for the
+other Canzona layout and is reported as ``canzona_lean`` or ``canzona_whole``."""
 CASES = (
     ("qwen3-1.7b", 1, (8, 32, 64, 128, 256)),
     ("qwen3-8b", 2, (16, 64, 128, 256)),
@@ -84,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cost", choices=("flops", "numel"), default="flops", help="balance optimizer FLOPs or element counts")
     p.add_argument("--calibration", metavar="FILE", help="JSON of measured seconds per shape (replaces the FLOP formulas)")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="0 favours equal chunk sizes, 1 equal compute")
+    p.add_argument("--layout", "--canzona-layout", dest="layout", choices=LAYOUTS, default="whole",
+                   help="Canzona's DP layout (--compare also plans the other one): whole = variable-size shards, "
+                   "every matrix whole; lean = equal shards, matrices split across them gathered in the step")
     p.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket (default: Megatron's max(40M, 1M*dp))")
     p.add_argument("--tp-group-budget", type=float, default=None, help="largest per-slot cost of one TP micro-group")
     p.add_argument("--params-dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (bytes all-gathered)")
@@ -128,13 +134,17 @@ def strategy_records(specs, args, cm: CostModel, wire: WireConfig, strategies) -
         import canzona_patches.layerwise_baseline  # noqa: F401  (loads Megatron-Core before the clock starts)
     expert_dp = expert_dp_size(dp_size=args.dp, tp_size=args.tp, ep_size=args.ep, expert_tp_size=args.etp)
     bucket_size = default_bucket_size(args.dp) if args.bucket_size is None else args.bucket_size
+    other = next(layout for layout in LAYOUTS if layout != args.layout)
     for name in strategies:
         start = time.perf_counter()
-        if name == "canzona":
-            plan = make_plan(specs, dp_size=args.dp, tp_size=args.tp, cost_model=cm, alpha=args.alpha,
+        if name in ("canzona", "canzona_other"):
+            layout = args.layout if name == "canzona" else other
+            made = make_plan(specs, dp_size=args.dp, tp_size=args.tp, cost_model=cm, alpha=args.alpha,
                              bucket_size=args.bucket_size, tp_budget=args.tp_group_budget, wire=wire, ep_size=args.ep,
-                             expert_tp_size=args.etp, joint_balance=args.joint_balance)
-            record = summarize_canzona(plan, specs, cm, wire)
+                             expert_tp_size=args.etp, joint_balance=args.joint_balance, layout=layout)
+            record = {**summarize_canzona(made, specs, cm, wire), **shard_balance(made)}
+            plan = made if name == "canzona" else plan
+            name = name if name == "canzona" else f"canzona_{other}"
         else:
             record = buffer_record(name, dense, args.dp, args.tp, bucket_size, cm, wire)
             if experts:
@@ -144,6 +154,18 @@ def strategy_records(specs, args, cm: CostModel, wire: WireConfig, strategies) -
         records[name] = {**record, "plan_seconds": time.perf_counter() - start}
     assert plan is not None
     return records, plan
+
+
+def shard_balance(plan: CanzonaPlan) -> dict:
+    """How evenly the dense matrix buffers' shards spread over DP ranks: the largest rank's
+    elements (its main parameters and optimizer state) over the mean."""
+    held = [0] * plan.dp_size
+    for layout in plan.layouts:
+        for bucket in layout.matrix.buckets:
+            for rank, (a, b) in enumerate(zip(bucket.shard_bounds, bucket.shard_bounds[1:])):
+                held[rank] += b - a
+    mean = sum(held) / len(held)
+    return {"layout": plan.layout, "largest_shard_over_mean": max(held) / mean if mean else 1.0}
 
 
 def buffer_record(name: str, specs, dp: int, tp: int, bucket_size: int, cm: CostModel, wire: WireConfig) -> dict:
@@ -326,9 +348,9 @@ def plot(rep: dict, path: str) -> None:
 
 
 CASE_HEADER = (
-    "| model | TP | DP | canzona makespan/LB | layer-wise makespan/LB | canzona padding | layer-wise padding "
-    "| split | buckets (canzona / zero1) | largest bucket / bucket size | bytes/rank vs zero1 "
-    "| vs stock RS+AG | plan s |"
+    "| model | TP | DP | canzona makespan/LB | lean makespan/LB | layer-wise makespan/LB | canzona padding "
+    "| lean padding | layer-wise padding | split (canzona / lean) | largest shard / mean | buckets (canzona / zero1) "
+    "| largest bucket / bucket size | bytes/rank vs zero1 | vs stock RS+AG | plan s |"
 )
 
 
@@ -342,9 +364,12 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
             rep = report(case)
             s = rep["strategies"]
             cz, lw, z1 = s["canzona"], s["megatron_layerwise"], s["zero1"]
-            print(f"| {model} | {tp} | {dp} | {cz['makespan_over_lower_bound']:.3f} | {lw['makespan_over_lower_bound']:.3f} | "
-                  f"{cz['padding_overhead'] * 100:.1f}% | {lw['padding_overhead'] * 100:.1f}% | {cz['split_params']} | "
-                  f"{cz['num_buckets']} / {z1['num_buckets']} | "
+            other = next(v for k, v in s.items() if k.startswith("canzona_"))
+            print(f"| {model} | {tp} | {dp} | {cz['makespan_over_lower_bound']:.3f} | "
+                  f"{other['makespan_over_lower_bound']:.3f} | {lw['makespan_over_lower_bound']:.3f} | "
+                  f"{cz['padding_overhead'] * 100:.1f}% | {other['padding_overhead'] * 100:.1f}% | "
+                  f"{lw['padding_overhead'] * 100:.1f}% | {cz['split_params']} / {other['split_params']} | "
+                  f"{cz['largest_shard_over_mean']:.2f} | {cz['num_buckets']} / {z1['num_buckets']} | "
                   f"{cz['largest_bucket_elements'] / rep['config']['bucket_size']:.2f} | "
                   f"{cz['comm_bytes_per_rank'] / z1['comm_bytes_per_rank']:.3f} | "
                   f"{cz['comm_bytes_per_rank'] / z1['collective_bytes_per_rank']:.3f} | {cz['plan_seconds']:.2f} |", flush=True)

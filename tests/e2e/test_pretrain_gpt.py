@@ -109,8 +109,10 @@ def test_canzona_dp2_trains(demo_data: DemoData, tmp_path: Path, run: str) -> No
     metrics = check_training(result, tmp_path / "metrics.jsonl", dp_size=2, tp_size=1)
     assert metrics[-1]["canzona"] and metrics[-1]["optimizer"] == CANZONA_RUNS[run][1]
     assert "number of skipped iterations:   0" in result.stdout
-    # The plan is logged once, with its balance, before training starts.
-    assert "[canzona] plan:" in result.stdout, result.stdout[-4000:]
+    # The layout auto chose and the plan are logged once, with their projection and balance.
+    assert re.search(r"\[canzona\] layout auto -> (whole|lean) \(projected on cpu-gloo-local\): whole step [0-9.]+ ms, "
+                     r"iteration [0-9.]+ ms \| lean step", result.stdout), result.stdout[-4000:]
+    assert result.stdout.count("[canzona] plan:") == 1, result.stdout[-4000:]
 
 
 def test_canzona_tp2_dp2_trains(demo_data: DemoData, tmp_path: Path) -> None:
@@ -152,14 +154,17 @@ def check_tensorboard(directory: Path, metrics: list[dict]) -> None:
 
 
 def test_canzona_buckets_smaller_than_a_matrix_split_it_across_shards(demo_data: DemoData, tmp_path: Path) -> None:
-    """Buckets of 1,000 elements are smaller than every matrix of qwen3-tiny: each matrix lies
-    across both DP shards and one host rank computes it (α = 1: balance first)."""
+    """The lean layout: buckets of 1,000 elements are smaller than every matrix of qwen3-tiny,
+    so each matrix lies across both DP shards and one host rank computes it (α = 1: balance
+    first)."""
     args = pretrain_args(demo_data, tmp_path, "--optimizer", "muon", "--canzona", "--use-distributed-optimizer",
-                         "--overlap-grad-reduce", "--ddp-bucket-size", "1000", "--canzona-alpha", "1.0")
+                         "--overlap-grad-reduce", "--ddp-bucket-size", "1000", "--canzona-alpha", "1.0",
+                         "--canzona-layout", "lean")
     result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
     check_training(result, tmp_path / "metrics.jsonl", dp_size=2, tp_size=1)
     assert "number of skipped iterations:   0" in result.stdout
-    plan = re.search(r"\[canzona\] plan: (\d+) matrices .*?, (\d+) bucket\(s\), (\d+) split across DP shards", result.stdout)
+    plan = re.search(r"\[canzona\] plan: lean layout, (\d+) matrices .*?, (\d+) bucket\(s\), (\d+) split across DP shards",
+                     result.stdout)
     assert plan is not None, result.stdout[-4000:]
     matrices, buckets, split = map(int, plan.groups())
     assert buckets == matrices and split == matrices
@@ -174,8 +179,9 @@ def test_canzona_with_virtual_pipeline_stages(demo_data: DemoData, tmp_path: Pat
                          "--save", str(tmp_path / "ckpt"), "--save-interval", str(NUM_ITERS))
     result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
     check_training(result, tmp_path / "metrics.jsonl", dp_size=1, tp_size=1)
-    plans = re.findall(r"\[canzona\] plan: (\d+) matrices over DP 1 x TP 1, (\d+) bucket\(s\)", result.stdout)
-    assert plans == [("8", "2")], result.stdout[-4000:]  # global rank 0's stage: 2 chunks of 1 layer
+    plans = re.findall(r"\[canzona\] stage (\d) plan: \w+ layout, (\d+) matrices over DP 1 x TP 1, (\d+) bucket\(s\)",
+                       result.stdout)
+    assert sorted(plans) == [("0", "8", "2"), ("1", "8", "2")], result.stdout[-4000:]  # each stage: 2 chunks of 1 layer
     assert (tmp_path / "ckpt" / f"iter_{NUM_ITERS:07d}").is_dir()
 
 
@@ -199,6 +205,18 @@ BAD_INPUTS = {
                              "--num-distributed-optimizer-instances", "2"], "drop --num-distributed-optimizer-instances"),
     "no_gloo": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer", "--disable-gloo-process-groups"],
                 "drop --disable-gloo-process-groups"),
+    "unknown_layout": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer", "--canzona-layout", "wide"],
+                       "argument --canzona-layout: invalid choice: 'wide'"),
+    "cluster_missing_a_field": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer", "--canzona-cluster",
+                                 "tests/e2e/cluster_without_gpu.toml"],
+                                "--canzona-cluster: cluster_without_gpu.toml: missing [gpu] table"),
+    "unknown_cluster": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer", "--canzona-cluster",
+                         "h200-ib"], "is neither a file nor a preset; choose one of"),
+    "cluster_without_auto": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer", "--canzona-layout",
+                              "whole", "--canzona-cluster", "h100-ib400"], "only serves --canzona-layout auto"),
+    "fp32_accumulating_reduce_scatter": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer",
+                                          "--ddp-reduce-scatter-with-fp32-accumulation"],
+                                         "--ddp-reduce-scatter-with-fp32-accumulation replaces the reduce-scatter"),
 }
 
 

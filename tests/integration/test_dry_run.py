@@ -65,11 +65,13 @@ def test_a_full_size_rank_is_what_the_plan_predicts(case):
         assert rows["optimizer state: momentum"]["measured"] > 0
 
 
-MOE_CASE = ("--model", "qwen3-30b-a3b", "--ep", "8", "--dp", "32", "--rank", "27")
+MOE_CASE = ("--model", "qwen3-30b-a3b", "--ep", "8", "--dp", "32", "--rank", "27", "--layout", "lean")
 """Qwen3-30B-A3B at EP 8 x expert DP 4 (32 GPUs): rank 27 is EP rank 3, expert DP rank 3,
-holding 16 local experts in each of 48 layers (3.6 G expert elements). Expert DP 4, not 2,
-because at 2 every expert lies whole in its host's shard and the expert host-group step has
-nothing to gather; the build costs the same (about 9 s of CPU)."""
+holding 16 local experts in each of 48 layers (3.6 G expert elements). The lean layout at
+expert DP 4, because in the whole layout (or the lean one at expert DP 2) every expert lies
+whole in its host's shard and the expert host-group step has nothing to gather: its buffers,
+which this case checks against the prediction, would all be empty. The build costs about
+9 s of CPU."""
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)

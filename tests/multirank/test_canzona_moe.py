@@ -169,3 +169,19 @@ def test_resume_across_expert_parallel_sizes(results, layout: str) -> None:
                                    rtol=LOSS_RTOL["muon"], atol=0)
     _assert_params_close(_union(resumed_ranks), straight, "muon", f"resumed at {layout}")
 
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_expert_buffers_take_the_whole_layout(results, layout: str) -> None:
+    """Over expert DP, as the dense buffers over DP: every expert matrix whole in its owner's
+    shard, shards cut at parameter boundaries (so the expert step moves nothing over expert DP)."""
+    from megatron.canzona.planning import CanzonaPlan
+
+    plan = CanzonaPlan.from_json(results[("muon", layout)][0]["plan"])
+    assert plan.layout == "whole" and plan.experts is not None and plan.experts.layout == "whole"
+    for buffer in (dp.matrix for dp in plan.experts.layouts):
+        assert buffer.placements and all(p.host is not None for p in buffer.placements)
+        for p in buffer.placements:
+            bounds = buffer.buckets[p.bucket].shard_bounds
+            assert bounds[p.host] <= p.start and p.end <= bounds[p.host + 1], p.name

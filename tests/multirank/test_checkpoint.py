@@ -122,7 +122,7 @@ def results(tmp_path_factory) -> dict:
 
     tp2 = _run("muon", tp_size=2, split_gate_up=True)  # Q/K/V and the strided gate/up shards of fc1
     tp2_sync = replace(tp2, tp_mode="sync")  # --canzona-tp-mode sync: every TP rank computes every matrix
-    split = _run("shampoo", bucket_size=SPLIT_BUCKET, alpha=1.0)  # fc1 lies across DP shards
+    split = _run("shampoo", bucket_size=SPLIT_BUCKET, alpha=1.0, canzona_layout="lean")  # fc1 lies across DP shards
     collect(2, [job(("straight", o), _run(o)) for o in OPTIMIZERS] + [
         job(("straight", "split"), split),
         job(("saved", "split"), split, save_dir=str(root / "split"), save_after=(HALF,))] + [
@@ -149,6 +149,11 @@ def results(tmp_path_factory) -> dict:
             job(("resumed", "split", "tp2_dp2"), replace(split, tp_size=2), load_dir=str(root / "split"))],
     }
     tp_jobs[2].append(job(("resumed", "split", "dp2"), split, load_dir=str(root / "split")))
+    # Between the layouts: the lean checkpoint (fc1 split) resumed whole, a whole one resumed lean.
+    tp_jobs[2].append(job(("resumed", "split", "whole_dp2"), replace(split, canzona_layout="whole"),
+                          load_dir=str(root / "split")))
+    tp_jobs[2].append(job(("resumed", "shampoo", "lean_dp2"), replace(split, canzona_layout="lean"),
+                          load_dir=str(root / "shampoo")))
     for dp in (2, 1, 4):
         resumes = [job(("resumed", o, dp), _run(o), load_dir=str(root / o)) for o in OPTIMIZERS]
         collect(dp, resumes + tp_jobs.get(dp, []) + (_error_jobs(root) if dp == 1 else []))
@@ -239,6 +244,22 @@ def test_a_layout_with_split_matrices_resumes_at_other_dp_and_tp_sizes(results, 
         for name, expected in straight["params"].items():
             torch.testing.assert_close(result["params"][name], expected, rtol=0, atol=atol,
                                        msg=lambda m: f"split layout DP 2 -> {layout}, rank {rank}, {name}: {m}")
+
+
+@multirank
+@pytest.mark.parametrize(("source", "layout"), [("split", "whole_dp2"), ("shampoo", "lean_dp2")])
+def test_checkpoints_reshard_between_the_whole_and_lean_layouts(results, source, layout):
+    """The lean checkpoint (fc1 across DP shards, its state whole on its host) resumed in the
+    whole layout, and the whole one resumed lean with small buckets: the state is keyed by
+    name, so either reads the other within the resharding bounds."""
+    (straight, *_), resumed = results[("straight", source)], results[("resumed", source, layout)]
+    assert bool(resumed[0]["split_matrices"]) == (layout == "lean_dp2")
+    assert bool(straight["split_matrices"]) == (source == "split")
+    for rank, result in enumerate(resumed):
+        assert result["losses"] == pytest.approx(straight["losses"][HALF:], rel=1e-4)
+        for name, expected in straight["params"].items():
+            torch.testing.assert_close(result["params"][name], expected, rtol=0, atol=RESHARD_ATOL["shampoo"],
+                                       msg=lambda m: f"{source} -> {layout}, rank {rank}, {name}: {m}")
 
 
 @multirank

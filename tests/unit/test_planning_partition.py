@@ -196,13 +196,18 @@ def test_model_chunks_are_planned_together():
     compute balanced over the stage as a whole (loads carry across chunks)."""
     layers = [s for s in qwen3_specs("qwen3-1.7b") if s.family == "matrix" and ".layers.0." in s.name]
     specs = [dataclasses.replace(s, chunk=c) for c in range(3) for s in layers]
-    plan = make_plan(specs, dp_size=4, alpha=1.0)
+    plan = make_plan(specs, dp_size=4, alpha=1.0, layout="whole")
     assert len(plan.layouts) == 3
     assert sorted((h.chunk, h.name) for h in plan.hosts) == sorted((s.chunk, s.name) for s in specs)
     for chunk, layout in enumerate(plan.layouts):
         assert sorted(p.name for p in layout.matrix.placements) == sorted(s.name for s in layers)
     summary = summarize_canzona(plan, specs, COST, WireConfig())
     # One chunk alone has 4 matrices of unequal cost for 4 ranks; together they balance.
-    assert summary["makespan_over_lower_bound"] <= 1.10
+    assert summary["makespan_over_lower_bound"] <= 1.10  # measured 1.048
+    # The lean layout may not pad to keep them whole (5% at most): it splits 4 of them and
+    # balances to 1.143 (it reached 1.0 by padding before).
+    lean = make_plan(specs, dp_size=4, alpha=1.0, layout="lean")
+    lean_summary = summarize_canzona(lean, specs, COST, WireConfig())
+    assert lean_summary["padding_overhead"] <= 0.05 and lean_summary["makespan_over_lower_bound"] <= 1.15
     with pytest.raises(ValueError, match="numbered 0, 1"):
         make_plan([dataclasses.replace(s, chunk=2) for s in layers], dp_size=4)

@@ -308,6 +308,21 @@ def test_cli_json_has_every_strategy_field(capsys, tmp_path):
     assert png.stat().st_size > 0
 
 
+def test_cli_reports_both_layouts_against_the_physical_limit(capsys):
+    """No strategy's step beats the limit (work spread perfectly, no communication); the whole
+    layout moves nothing over DP in the step, so it is never slower there than the lean one."""
+    code, out, _ = run_cli(["--model", "qwen3-1.7b", "--gpus", "64", "--json", "--strategies", "canzona",
+                            "canzona_lean", "megatron_layerwise"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    limit = report["physical_limit_seconds"]
+    assert limit > 0
+    steps = {name: r["optimizer_step_seconds"] for name, r in report["strategies"].items()}
+    assert all(step >= limit * (1 - 1e-9) for step in steps.values()), (limit, steps)
+    assert steps["canzona"] <= steps["canzona_lean"]
+    assert report["strategies"]["canzona"]["step_over_limit"] == pytest.approx(steps["canzona"] / limit)
+
+
 def test_cli_errors_are_one_line(capsys, tmp_path):
     bad = write(tmp_path, "h100.toml", toml_of({**TOY, "gpu": {**TOY["gpu"], "bf16_tflops": "abc"}}))
     code, _, err = run_cli(["--model", "qwen3-tiny", "--gpus", "4", "--cluster", bad], capsys)

@@ -53,11 +53,10 @@ where that saves padding, their pieces gathered to a host in the step)."""
 
 
 MAX_PADDING = 0.05
-"""Padding, as a fraction of the matrix buffers' parameter elements, above which a fill is
-taken only to lower the busiest GPU's compute, never for bytes alone. Padding costs memory
-on every GPU (the parameter and gradient buffers), which the byte objective does not see: at
-expert DP 2 a bucket of 2 + 3 expert matrices (Qwen3-235B-A22B) pads 14% to stay whole, to
-save 0.3% of the bytes a rank sends."""
+"""Padding, as a fraction of the matrix buffers' parameter elements, above which a lean fill
+is never taken. Padding costs memory on every GPU (the parameter and gradient buffers), which
+the byte objective does not see: at expert DP 2 a bucket of 2 + 3 expert matrices
+(Qwen3-235B-A22B) pads 14% to stay whole, to save 0.3% of the bytes a rank sends."""
 
 
 @dataclass(frozen=True)
@@ -175,9 +174,11 @@ def _whole_fill(stage: _Stage, ranges: list[list[tuple[int, int]]]) -> list[Buff
 
 def _best_fill(stage: _Stage, ranges: list[list[tuple[int, int]]]) -> tuple:
     """``(score, buffers, items, hosts, loads)`` of the best-scored fill of every width level,
-    free and pinned to homes. A fill padding more than :data:`MAX_PADDING` wins only if it
-    also lowers the busiest GPU's compute: padding buys balance, not the few bytes it saves
-    over splitting a matrix."""
+    free and pinned to homes, among those padding at most :data:`MAX_PADDING` (the tightest
+    width always qualifies but for alignment). Padding is never bought, not even for balance:
+    it costs every GPU memory and bucket bytes for good, and a layout that keeps every matrix
+    whole without padding is the whole layout's (a 3-layer model with one matrix per bucket
+    at DP 4 padded 300% here to keep each whole)."""
     mats, dp_size = stage.mats, stage.dp_size
     ladders = [[shard_ladder([s.numel for s in chunk[a:b]], dp_size) for a, b in r] for chunk, r in zip(mats, ranges)]
     homes = iter(balanced_homes(stage.row_costs(), dp_size, stage.dp_base()))
@@ -197,11 +198,7 @@ def _best_fill(stage: _Stage, ranges: list[list[tuple[int, int]]]) -> tuple:
         score, items, hosts, loads = stage.hosts(buffers)
         if padded not in best or score < best[padded][0]:
             best[padded] = (score, buffers, items, hosts, loads)
-    if False not in best:
-        return best[True]
-    if True in best and best[True][0] < best[False][0] and max(best[True][4]) < max(best[False][4]) * (1 - 1e-9):
-        return best[True]  # the better plan, and its padding bought balance
-    return best[False]
+    return best[False] if False in best else best[True]
 
 
 def plan_hosts(

@@ -30,8 +30,12 @@ durations of the bucket collectives, hidden or not): ``tools/bench_step.py`` tim
 
 Strategies (:data:`STRATEGIES`):
 
-* ``canzona`` -- the Canzona plan; one host per matrix; micro-groups pipelined as
-  ``HostGroupEngine._run_async`` (gather k+1 | compute k | scatter k | apply k-1);
+* ``canzona`` -- the Canzona plan (``plan``, else the whole layout: variable-size DP
+  shards, every matrix whole on one DP rank, uneven bucket collectives); one host per
+  matrix; micro-groups pipelined as ``HostGroupEngine._run_async`` (gather k+1 | compute k |
+  scatter k | apply k-1);
+* ``canzona_lean`` -- the same with the lean layout (Megatron's equal shards; a matrix across
+  a shard boundary is gathered to its host in the step);
 * ``canzona_tp_sync`` -- the same layout, ``--canzona-tp-mode sync`` (the recipes'
   ``VARIANT=sync``, bench_step's ``sync`` at TP > 1): every holder gathers and computes;
 * ``sync`` -- synchronous compute (Moonlight): gradients all-reduced over DP, every DP rank

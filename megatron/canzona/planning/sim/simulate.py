@@ -34,7 +34,7 @@ from .result import Segment, StrategyResult
 from .step import MOMENTUM_BYTES_PER_ELEMENT, SimTask, StepRun, run_adamw, run_host_groups, run_per_matrix
 
 STRATEGIES: tuple[str, ...] = (
-    "canzona", "canzona_tp_sync", "sync", "megatron_layerwise", "layer_sharded", "zero1", "adamw",
+    "canzona", "canzona_lean", "canzona_tp_sync", "sync", "megatron_layerwise", "layer_sharded", "zero1", "adamw",
 )
 """Strategies :func:`simulate` knows (package docstring). To add one, write a builder that
 returns a :class:`~.layouts.Work` and register it in :data:`BUILDERS`."""
@@ -122,12 +122,13 @@ class _Context:
         return default_bucket_size(dp_size) if self.bucket_size is None else self.bucket_size
 
 
-def _canzona(ctx: _Context, synchronous: bool = False) -> Work:
+def _canzona(ctx: _Context, synchronous: bool = False, layout: str = "whole") -> Work:
     g = ctx.grid
     plan = ctx.plan
     if plan is None:
         plan = make_plan(ctx.specs, dp_size=g.dp_size, tp_size=g.tp_size, cost_model=ctx.cost_model, alpha=ctx.alpha,
-                         bucket_size=ctx.bucket_size, wire=ctx.wire, ep_size=g.ep_size, expert_tp_size=g.expert_tp_size)
+                         bucket_size=ctx.bucket_size, wire=ctx.wire, ep_size=g.ep_size, expert_tp_size=g.expert_tp_size,
+                         layout=layout)
     if not isinstance(plan, CanzonaPlan):
         raise TypeError(f"canzona needs a CanzonaPlan (make_plan(...)), got {type(plan).__name__}")
     mode = "blocking" if synchronous or not ctx.overlap else "pipelined"
@@ -247,6 +248,7 @@ def _adamw_work(ctx: _Context) -> Work:
 
 BUILDERS: dict[str, Callable[[_Context], Work]] = {
     "canzona": _canzona,
+    "canzona_lean": lambda ctx: _canzona(ctx, layout="lean"),
     "canzona_tp_sync": lambda ctx: _canzona(ctx, synchronous=True),
     "sync": _sync_work,
     "megatron_layerwise": lambda ctx: _layerwise_work(ctx, sharded=False),

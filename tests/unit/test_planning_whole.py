@@ -1,0 +1,145 @@
+"""The whole layout: every matrix whole in its owner's shard, shards cut at parameter
+boundaries, no padding, balance at the planner's cases up to DP 256; no layout pads."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.canzona.planning import (
+    LAYOUTS,
+    CostModel,
+    ParamSpec,
+    WireConfig,
+    make_plan,
+    qwen3_specs,
+    summarize_canzona,
+)
+from megatron.canzona.planning.geometry import PARAM_ALIGNMENT, bucket_end_divisor
+from megatron.canzona.planning.sim import ClusterSpec, StrategyResult
+from megatron.canzona.planning.sim.choose import faster_layout, layout_line, project_layouts
+
+COST = CostModel(kind="muon")
+PLANNER_CASES = [
+    ("qwen3-1.7b", 1, dp) for dp in (8, 32, 64, 128, 256)
+] + [("qwen3-8b", 2, dp) for dp in (16, 64, 128, 256)] + [
+    ("qwen3-14b", 4, dp) for dp in (8, 32, 64, 128)
+] + [("qwen3-32b", 8, dp) for dp in (8, 16, 32, 64, 128, 256)]
+
+
+def small_model(tp_size: int = 1, *, layers: int = 3, hidden: int = 96, ffn: int = 256) -> list[ParamSpec]:
+    """A user's first model: 3 layers, hidden 96, 4 heads in 2 query groups."""
+    head = hidden // 4
+    shapes = []
+    for layer in range(layers):
+        shapes += [(f"decoder.layers.{layer}.self_attention.linear_qkv.weight", (hidden + 2 * 2 * head, hidden), 0),
+                   (f"decoder.layers.{layer}.self_attention.linear_proj.weight", (hidden, hidden), 1),
+                   (f"decoder.layers.{layer}.mlp.linear_fc1.weight", (2 * ffn, hidden), 0),
+                   (f"decoder.layers.{layer}.mlp.linear_fc2.weight", (hidden, ffn), 1)]
+    return [ParamSpec(name=name, global_shape=shape, tp_dim=dim if tp_size > 1 else None, tp_size=tp_size,
+                      dtype="float32", family="matrix", order=len(shapes) - 1 - i)
+            for i, (name, shape, dim) in enumerate(shapes)]
+
+
+def _check_whole(plan, specs) -> None:
+    numel = {s.name: s.numel for s in specs}
+    for layout in plan.layouts:
+        buffer = layout.matrix
+        for bucket in buffer.buckets:
+            bounds = bucket.shard_bounds
+            assert bounds[0] == bucket.start and bounds[-1] == bucket.end and list(bounds) == sorted(bounds)
+            assert (bucket.end - bucket.start) % bucket_end_divisor(plan.dp_size) == 0  # Megatron's bucket rule
+        for p in buffer.placements:
+            bounds = buffer.buckets[p.bucket].shard_bounds
+            assert p.host is not None and p.end - p.start == numel[p.name]
+            assert bounds[p.host] <= p.start and p.end <= bounds[p.host + 1], p.name
+            assert p.start % PARAM_ALIGNMENT == 0
+    hosts = {(h.chunk, h.name): h for h in plan.hosts}
+    for chunk, layout in enumerate(plan.layouts):
+        for p in layout.matrix.placements:  # the host computes what its DP rank holds: no DP traffic
+            assert hosts[(chunk, p.name)].dp_rank == p.host
+
+
+@pytest.mark.parametrize(("model", "tp", "dp"), PLANNER_CASES)
+def test_whole_meets_the_planner_targets(model: str, tp: int, dp: int) -> None:
+    """Padding 0 and compute makespan / lower bound <= 1.10 (the bound from whole matrices)."""
+    specs = qwen3_specs(model, tp_size=tp)
+    plan = make_plan(specs, dp_size=dp, tp_size=tp, cost_model=COST, layout="whole")
+    _check_whole(plan, specs)
+    record = summarize_canzona(plan, specs, COST, WireConfig())
+    assert record["split_params"] == 0
+    assert record["padding_overhead"] < 1e-3  # alignment only
+    assert record["makespan_over_lower_bound"] <= 1.10
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("dp", [2, 3, 4, 8])
+@pytest.mark.parametrize("bucket_size", [2_000, 5_000, 10_000, 20_000])
+def test_no_layout_pads_a_small_model(tp: int, dp: int, bucket_size: int) -> None:
+    """Small buckets (one matrix or less each) used to pad the lean layout by 140-300%."""
+    specs = small_model(tp)
+    for layout in LAYOUTS:
+        plan = make_plan(specs, dp_size=dp, tp_size=tp, cost_model=COST, bucket_size=bucket_size, layout=layout)
+        padding = summarize_canzona(plan, specs, COST, WireConfig())["padding_overhead"]
+        assert padding <= 0.05, (layout, padding)
+        if layout == "whole":
+            _check_whole(plan, specs)
+
+
+def test_whole_shards_are_uneven_and_can_be_empty() -> None:
+    plan = make_plan(small_model(), dp_size=4, cost_model=COST, bucket_size=10_000, layout="whole")
+    sizes = [b - a for bucket in plan.dp.matrix.buckets for a, b in zip(bucket.shard_bounds, bucket.shard_bounds[1:])]
+    assert 0 in sizes and len(set(sizes)) > 2
+    assert not all(bucket.uniform for bucket in plan.dp.matrix.buckets)
+
+
+def test_alpha_trades_compute_for_equal_shards() -> None:
+    """α = 0 evens the elements each DP rank holds; α = 1 the compute."""
+    specs = qwen3_specs("qwen3-8b", tp_size=2)
+
+    def held(plan) -> list[int]:
+        out = [0] * plan.dp_size
+        for bucket in plan.dp.matrix.buckets:
+            for rank, (a, b) in enumerate(zip(bucket.shard_bounds, bucket.shard_bounds[1:])):
+                out[rank] += b - a
+        return out
+
+    memory = make_plan(specs, dp_size=16, tp_size=2, cost_model=COST, alpha=0.0, layout="whole")
+    compute = make_plan(specs, dp_size=16, tp_size=2, cost_model=COST, alpha=1.0, layout="whole")
+    spread = [max(held(p)) / min(held(p)) for p in (memory, compute)]
+    assert spread[0] <= spread[1]
+    assert max(compute.combined_loads()) <= max(memory.combined_loads())
+
+
+def test_unknown_layout_is_one_line() -> None:
+    with pytest.raises(ValueError, match=r"unknown Canzona layout 'wide'; choose one of whole, lean"):
+        make_plan(small_model(), dp_size=2, cost_model=COST, layout="wide")
+
+
+def _result(step: float, iteration: float) -> StrategyResult:
+    return StrategyResult(strategy="canzona", optimizer_step_seconds=step, iteration_seconds=iteration,
+                          exposed_comm_seconds=0.0)
+
+
+def test_auto_never_picks_the_slower_layout() -> None:
+    assert faster_layout({"whole": _result(1.0, 10.0), "lean": _result(2.0, 11.0)}) == "whole"
+    assert faster_layout({"whole": _result(3.0, 12.0), "lean": _result(2.0, 11.0)}) == "lean"
+    assert faster_layout({"whole": _result(1.0, 10.0), "lean": _result(1.0, 10.0)}) == "whole"  # tie: first
+    assert faster_layout({"whole": _result(2.0, 10.0), "lean": _result(1.0, 10.0)}) == "lean"  # then the step
+
+
+def test_projection_of_both_layouts_at_scale() -> None:
+    """Qwen3-8B on 256 H100s (TP 2 x DP 128): the lean layout splits every matrix and its hosts
+    pull them over the inter-node links in the step; the whole layout moves nothing there."""
+    from megatron.canzona.planning.sim import load_cluster
+
+    specs = qwen3_specs("qwen3-8b", tp_size=2)
+    plans = {layout: make_plan(specs, dp_size=128, tp_size=2, cost_model=COST, layout=layout) for layout in LAYOUTS}
+    cluster = load_cluster("h100-ib400")
+    results = project_layouts(specs, plans, cluster=cluster, optimizer="muon", wire=WireConfig(grad_bytes=4))
+    assert results["whole"].optimizer_step_seconds < results["lean"].optimizer_step_seconds
+    choice = faster_layout(results)
+    assert choice == "whole"
+    line = layout_line(choice, results, cluster, iteration=False)
+    assert line.startswith("[canzona] layout auto -> whole (projected on h100-ib400): whole step ")
+    assert "| lean step" in line and "\n" not in line
+    assert isinstance(cluster, ClusterSpec)
