@@ -79,7 +79,9 @@ def shard_sizes(tensor: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def tag_buckets(buffer: Any, shard_bounds: list[tuple[int, ...]]) -> None:
-    """Give each bucket of a built ``_ParamAndGradBuffer`` its planned shards."""
+    """Give each bucket of a built ``_ParamAndGradBuffer`` its planned shards. A bucket whose
+    shards happen to be equal keeps the stock collectives (the list forms would flatten it
+    into a temporary of the bucket's size on NCCL every step)."""
     assert len(shard_bounds) == len(buffer.buckets), (len(shard_bounds), len(buffer.buckets))
     for bucket, bounds in zip(buffer.buckets, shard_bounds):
         sizes = tuple(b - a for a, b in zip(bounds, bounds[1:]))
@@ -87,6 +89,8 @@ def tag_buckets(buffer: Any, shard_bounds: list[tuple[int, ...]]) -> None:
             raise ValueError(f"bucket {bucket.bucket_id}: shard bounds {bounds[:3]}... do not cut its "
                              f"{bucket.grad_data.numel()} elements; re-plan for this model")
         setattr(bucket, SHARD_BOUNDS_ATTR, tuple(bounds))
+        if len(set(sizes)) == 1:
+            continue
         for data in (bucket.grad_data, bucket.param_data):
             if data is not None:
                 setattr(data, SHARD_SIZES_ATTR, sizes)

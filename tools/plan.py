@@ -48,8 +48,9 @@ from megatron.canzona.planning import (  # noqa: E402
     with_experts,
 )
 from megatron.canzona.planning.geometry import default_bucket_size  # noqa: E402
+from megatron.canzona.planning.megatron_main import plan_megatron_main  # noqa: E402
 
-STRATEGIES = ("canzona", "canzona_other", "eq1", "megatron_layerwise", "zero1")
+STRATEGIES = ("canzona", "canzona_other", "eq1", "megatron_layerwise", "megatron_main", "zero1")
 """``canzona`` is the ``--layout`` plan; ``canzona_other`` (with ``--compare``) stands for the
 other Canzona layout and is reported as ``canzona_lean`` or ``canzona_whole``."""
 CASES = (
@@ -178,6 +179,9 @@ def buffer_record(name: str, specs, dp: int, tp: int, bucket_size: int, cm: Cost
 
         layerwise = plan_megatron_layerwise(specs, dp_size=dp, cost_model=cm, bucket_size=bucket_size)
         return summarize_sync(layerwise, specs, cm, wire, tp)
+    if name == "megatron_main":  # Megatron-LM main's layer-wise layout, modelled (planning/megatron_main.py)
+        return summarize_sync(plan_megatron_main(specs, dp_size=dp, cost_model=cm, bucket_size=bucket_size),
+                              specs, cm, wire, tp)
     zero1 = plan_zero1(specs, dp_size=dp, cost_model=cm, bucket_size=bucket_size)
     return summarize_sync(zero1, specs, cm, wire, tp)
 

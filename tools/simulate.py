@@ -54,8 +54,9 @@ from megatron.canzona.planning.specs import elementwise_specs, matrix_specs  # n
 
 RECIPE_DIR = os.path.join(ROOT, "examples", "qwen3")
 DEFAULT_CLUSTER = "h100-ib400"
-DEFAULT_STRATEGIES = ("canzona", "canzona_lean", "megatron_layerwise", "layer_sharded", "sync", "zero1", "adamw")
-PEERS = ("megatron_layerwise", "layer_sharded")
+DEFAULT_STRATEGIES = ("canzona", "canzona_lean", "megatron_layerwise", "layer_sharded", "megatron_main", "sync",
+                      "zero1", "adamw")
+PEERS = ("megatron_layerwise", "layer_sharded", "megatron_main")
 """The layouts Megatron users pick today, which Canzona's step is held against."""
 RECIPE_KEYS = {"TP": "tp", "PP": "pp", "EP": "ep", "ETP": "etp", "MICRO_BATCH": "micro_batch",
                "GLOBAL_BATCH": "global_batch", "SEQ_LENGTH": "seq_length", "PP_FIRST_LAYERS": "first_stage_layers",
@@ -323,7 +324,8 @@ def plot(report: dict[str, Any], results: dict[str, StrategyResult], names: tupl
 
 CASES = ("qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b")
 CASE_GPUS = (64, 128, 256)
-CASE_STRATEGIES = ("canzona", "canzona_lean", "megatron_layerwise", "layer_sharded", "sync", "zero1", "adamw")
+CASE_STRATEGIES = ("canzona", "canzona_lean", "megatron_layerwise", "layer_sharded", "megatron_main", "sync", "zero1",
+                   "adamw")
 
 
 def short_ms(seconds: float) -> str:

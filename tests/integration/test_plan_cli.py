@@ -20,7 +20,7 @@ def test_json_has_every_strategy_and_what_a_user_pays():
     out = plan("--model", "qwen3-32b", "--tp", "8", "--dp", "32", "--compare", "--json")
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
-    assert set(rep["strategies"]) == {"canzona", "canzona_lean", "eq1", "megatron_layerwise", "zero1"}
+    assert set(rep["strategies"]) == {"canzona", "canzona_lean", "eq1", "megatron_layerwise", "megatron_main", "zero1"}
     fields = {"makespan_over_lower_bound", "padding_overhead", "split_params", "loads", "num_buckets",
               "largest_bucket_elements", "comm_bytes_per_rank"}
     for s in rep["strategies"].values():
@@ -67,7 +67,7 @@ def test_moe_json_has_expert_buffers_beside_the_dense_ones_for_every_strategy():
     pipe = rep["pipeline"]
     assert pipe["num_stages"] == 2 and pipe["layers_per_stage"] == [1, 1]
     assert pipe["label"] == f"stage {pipe['stage']} of 2" and len(pipe["stage_peak_loads"]) == 2
-    assert set(rep["strategies"]) == {"canzona", "canzona_lean", "eq1", "megatron_layerwise", "zero1"}
+    assert set(rep["strategies"]) == {"canzona", "canzona_lean", "eq1", "megatron_layerwise", "megatron_main", "zero1"}
     for s in rep["strategies"].values():
         assert EXPERT_FIELDS <= set(s["experts"])
         assert len(s["experts"]["gpu_loads"]) == 2 and len(s["gpu_loads"]) == 4 and len(s["combined_gpu_loads"]) == 4

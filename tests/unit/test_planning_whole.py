@@ -143,3 +143,23 @@ def test_projection_of_both_layouts_at_scale() -> None:
     assert line.startswith("[canzona] layout auto -> whole (projected on h100-ib400): whole step ")
     assert "| lean step" in line and "\n" not in line
     assert isinstance(cluster, ClusterSpec)
+
+
+def test_megatron_main_model_keeps_matrices_whole_in_equal_shards() -> None:
+    """The peer's layout as modelled: equal shards, whole matrices, and the padding floor
+    closing a bucket only once it holds 0.9 x DP x its largest matrix."""
+    from megatron.canzona.planning.megatron_main import PADDING_FLOOR, main_bucket_ranges, plan_megatron_main
+
+    assert main_bucket_ranges([10, 10, 100, 10, 10], dp_size=2, bucket_size=20) == [(0, 2), (2, 5)]
+    assert main_bucket_ranges([10] * 5, dp_size=2, bucket_size=1000) == [(0, 5)]
+    specs = qwen3_specs("qwen3-1.7b")
+    plan = plan_megatron_main(specs, dp_size=8, cost_model=COST)
+    buffer = plan.matrix
+    assert plan.strategy == "megatron_main" and all(bucket.uniform for bucket in buffer.buckets)
+    for p in buffer.placements:
+        bounds = buffer.buckets[p.bucket].shard_bounds
+        assert bounds[p.host] <= p.start and p.end <= bounds[p.host + 1]
+    record = summarize_canzona(make_plan(specs, dp_size=8, cost_model=COST, layout="whole"), specs, COST, WireConfig())
+    padding = buffer.numel / buffer.param_numel - 1
+    assert 0 < padding <= 1 / PADDING_FLOOR - 1 + 0.01  # many matrices per bucket: the floor holds
+    assert record["padding_overhead"] < padding

@@ -44,6 +44,9 @@ Strategies (:data:`STRATEGIES`):
   one blocking TP all-gather per matrix, then every TP rank computes it;
 * ``layer_sharded`` -- the same layout, one home TP rank per matrix, one blocking fused
   all-to-all each way, no overlap (Megatron-LM's proposed ``--muon-tp-mode layer_sharded``);
+* ``megatron_main`` -- Megatron-LM main's layer-wise layout (after 0.19.2; modelled in
+  :mod:`~megatron.canzona.planning.megatron_main`): buckets padded to equal shards, padding
+  floor 0.9, Newton-Schulz cost balanced across buckets, ``muon_tp_mode duplicated``;
 * ``zero1`` -- stock ZeRO-1 equal chunks; a matrix cut by a DP shard boundary or by TP is
   gathered and computed by every rank holding a piece;
 * ``adamw`` -- AdamW on every parameter with the stock distributed optimizer.

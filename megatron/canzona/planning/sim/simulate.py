@@ -10,6 +10,7 @@ from ..comm import WireConfig
 from ..cost import Calibration, CostModel
 from ..experts import split_experts
 from ..geometry import default_bucket_size
+from ..megatron_main import plan_megatron_main
 from ..partition import DEFAULT_ALPHA, plan_zero1
 from ..plan import BufferPlan, CanzonaPlan, DPPlan
 from ..planner import make_plan
@@ -34,7 +35,8 @@ from .result import Segment, StrategyResult
 from .step import MOMENTUM_BYTES_PER_ELEMENT, SimTask, StepRun, run_adamw, run_host_groups, run_per_matrix
 
 STRATEGIES: tuple[str, ...] = (
-    "canzona", "canzona_lean", "canzona_tp_sync", "sync", "megatron_layerwise", "layer_sharded", "zero1", "adamw",
+    "canzona", "canzona_lean", "canzona_tp_sync", "sync", "megatron_layerwise", "layer_sharded", "megatron_main",
+    "zero1", "adamw",
 )
 """Strategies :func:`simulate` knows (package docstring). To add one, write a builder that
 returns a :class:`~.layouts.Work` and register it in :data:`BUILDERS`."""
@@ -208,6 +210,16 @@ def _layerwise_work(ctx: _Context, sharded: bool) -> Work:
     return _dp_layout_work(ctx, ctx.plan, ctx.expert_plan, "per_matrix", _costed(buffer_tasks, ctx.seconds))
 
 
+def _megatron_main_work(ctx: _Context) -> Work:
+    """Megatron-LM main's layer-wise layout (:mod:`..megatron_main`), ``muon_tp_mode duplicated``."""
+    g = ctx.grid
+    dense = plan_megatron_main(ctx.dense, dp_size=g.dp_size, cost_model=ctx.cost_model,
+                               bucket_size=ctx.buckets_for(g.dp_size))
+    experts = (plan_megatron_main(ctx.experts, dp_size=g.expert_dp_size, cost_model=ctx.cost_model,
+                                  bucket_size=ctx.buckets_for(g.dp_size)) if ctx.experts else None)
+    return _dp_layout_work(ctx, dense, experts, "per_matrix", _costed(buffer_tasks, ctx.seconds))
+
+
 def _sync_work(ctx: _Context) -> Work:
     """Moonlight's synchronous compute: gradients all-reduced over DP (stock buckets), every
     DP rank holds every local tensor whole (a DP-1 layout) and computes every matrix, every
@@ -253,6 +265,7 @@ BUILDERS: dict[str, Callable[[_Context], Work]] = {
     "sync": _sync_work,
     "megatron_layerwise": lambda ctx: _layerwise_work(ctx, sharded=False),
     "layer_sharded": lambda ctx: _layerwise_work(ctx, sharded=True),
+    "megatron_main": _megatron_main_work,
     "zero1": _zero1_work,
     "adamw": _adamw_work,
 }
