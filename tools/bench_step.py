@@ -360,14 +360,14 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
 
 def print_table(report: dict, names: list[str]) -> None:
     matrices = report["matrices_per_rank_step"]
-    print(f"{'variant':<10} {'median step (ms)':>17} {'/ sync':>8} {'/ megatron':>11} {'matrices/rank':>14} "
+    print(f"{'variant':<12} {'median step (ms)':>17} {'/ sync':>8} {'/ megatron':>11} {'matrices/rank':>14} "
           f"{'host-group bytes/rank':>22}")
     for name in names:
         sent = (report["host_group_bytes_per_rank_step"] or {}).get(name)
         counts = matrices.get(name)
         counts = (f"{matrices['megatron_mean']:.2f} mean" if counts is None
                   else f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}")
-        print(f"{name:<10} {report['median_step_ms'][name]:>17.2f} {report['ratio_to_sync'][name]:>8.3f} "
+        print(f"{name:<12} {report['median_step_ms'][name]:>17.2f} {report['ratio_to_sync'][name]:>8.3f} "
               f"{report['ratio_to_megatron'][name]:>11.3f} {counts:>14} {'' if sent is None else f'{sent:,.0f}':>22}")
     print(f"ideal canzona / sync = {report['ideal_ratio_to_sync']:.3f} (the plan's cost spread evenly, compute "
           f"only); canzona is {report['canzona_speedup_over_megatron']:.2f}x faster than Megatron's layer-wise Muon")

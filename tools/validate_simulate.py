@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Check the simulator where it can be measured: predicted against measured optimizer steps.
 
-    python tools/probe_gloo.py                  # this box as clusters -> tools/clusters/cpu-gloo-local{-2,}.toml
+    python tools/probe_gloo.py                  # this box as clusters -> megatron/canzona/planning/sim/clusters/cpu-gloo-local{-2,}.toml
     python tools/bench_optim.py --optimizer muon --tiny-gpt 384 --ns-dtype float32 --threads 1 \\
         --calibrate tools/calibrations/cpu-tiny-gpt-muon.json
     python tools/validate_simulate.py --json validate.json       # ~8 min on 2 cores, waits for quiet first
