@@ -29,7 +29,8 @@ from canzona_patches.layout import BUFFER_ROUTING_ATTR
 from canzona_patches.names import global_param_names
 from megatron.canzona.optim.split import FusedLayout
 from megatron.canzona.planning import CanzonaPlan
-from megatron.canzona.runtime.host_groups import Coord, MatrixTask
+from megatron.canzona.planning.schedule import Coord, plan_schedule
+from megatron.canzona.runtime.host_groups import MatrixTask
 from megatron.canzona.runtime.optimizer import PieceRef
 
 
@@ -52,45 +53,35 @@ class Binding:
     """Per task: the model parameter (for checkpoint names)."""
 
 
-def task_key(name: str, chunk: int, num_chunks: int, column: int | None = None) -> str:
-    """Unique task name: the parameter name, with its chunk when there are several, and the
-    TP rank for one TP rank's copy of a matrix that is not TP-sharded."""
-    key = name if num_chunks == 1 else f"chunk{chunk}.{name}"
-    return key if column is None else f"{key}@tp{column}"
-
-
 def bind_plan(
     plan: CanzonaPlan, optimizer: Any, model_chunks: list, *, full_layout: Any, coord: Coord,
 ) -> Binding:
     """Tasks, pieces and layouts of ``plan`` on this rank (``coord`` = (DP rank, TP rank))
     of a DistributedOptimizer built over DDP chunks laid out by the plan's layouts.
-    ``full_layout(name, module)`` gives a matrix's fused layout at full (TP-global) size."""
-    tp_size = plan.tp_size
+    ``full_layout(name, module)`` gives a matrix's fused layout at full (TP-global) size.
+    The tasks are the plan's schedule (:func:`~megatron.canzona.planning.schedule.plan_schedule`);
+    this only attaches each one's local tensor and checks the model agrees with the plan."""
     modules = [chunk.module for chunk in model_chunks]
+    if len(modules) != len(plan.layouts):
+        raise RuntimeError(f"the plan has {len(plan.layouts)} model chunks, the model {len(modules)}; re-plan")
     global_names = global_param_names(model_chunks)
     params = {(c, n): p for c, m in enumerate(modules) for n, p in m.named_parameters()}
     tasks, layouts, names, task_params = [], {}, {}, {}
     keys_of: dict[tuple[int, str], list[str]] = {}
-    for h in plan.hosts:
-        param = params.get((h.chunk, h.name))
+    for task in plan_schedule(plan).tasks:
+        param = params.get((task.chunk, task.name))
         if param is None:
-            raise RuntimeError(f"the plan names {h.name} (chunk {h.chunk}), which the model does not have; re-plan")
-        buffer = plan.layouts[h.chunk].matrix
-        pieces = buffer.pieces(buffer.placement(h.name))
-        sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
-        module = modules[h.chunk]
-        columns: list[int | None] = [None] if sharded else list(range(tp_size))
-        for column in columns:
-            key = task_key(h.name, h.chunk, len(modules), None if sharded or tp_size == 1 else column)
-            host = (h.dp_rank, h.tp_rank if sharded else (column or 0))
-            tasks.append(MatrixTask(
-                key=key, local_shape=tuple(param.shape), tp_dim=param.partition_dim if sharded else None,
-                pieces=pieces, host=host, group=h.group, stride=_stride(h.name, module) if sharded else 1,
-                column=0 if sharded else (column or 0),
-            ))
-            layouts[key] = full_layout(h.name, module)
-            names[key], task_params[key] = global_names[param], param
-            keys_of.setdefault((h.chunk, h.name), []).append(key)
+            raise RuntimeError(f"the plan names {task.name} (chunk {task.chunk}), which the model does not have; re-plan")
+        if task.tp_sharded != (bool(getattr(param, "tensor_model_parallel", False)) and plan.tp_size > 1):
+            raise RuntimeError(f"the plan treats {task.name} as {'' if task.tp_sharded else 'not '}TP-sharded, the "
+                               f"model does not; re-plan with this model's tensor-parallel layout")
+        module = modules[task.chunk]
+        tasks.append(MatrixTask(task=task, local_shape=tuple(param.shape),
+                                tp_dim=param.partition_dim if task.tp_sharded else None,
+                                stride=_stride(task.name, module) if task.tp_sharded else 1))
+        layouts[task.key] = full_layout(task.name, module)
+        names[task.key], task_params[task.key] = global_names[param], param
+        keys_of.setdefault((task.chunk, task.name), []).append(task.key)
     where = {p: (c, n) for (c, n), p in params.items()}
     refs: dict[torch.Tensor, PieceRef] = {}
     for model_param, shard, _, param_range in shard_entries(optimizer):

@@ -28,6 +28,7 @@ from megatron.canzona.optim import (
     split_pieces,
 )
 from megatron.canzona.runtime import LaunchConfig, launch
+from megatron.canzona.planning.schedule import Task
 from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, MatrixTask
 
 pytestmark = pytest.mark.multirank
@@ -92,6 +93,13 @@ def _pieces(numel: int, cuts, dp: int) -> tuple[tuple[int, int, int], ...]:
     return tuple((d, bounds[d], bounds[d + 1]) for d in range(dp) if bounds[d] < bounds[d + 1])
 
 
+def _task(key: str, *, local_shape: tuple, tp_dim: int | None, pieces: tuple, host: tuple, group: int,
+          stride: int = 1, column: int = 0) -> MatrixTask:
+    """A schedule task with its local shape, as the binding makes them."""
+    task = Task(key=key, name=key, pieces=pieces, tp_sharded=tp_dim is not None, column=column, host=host, group=group)
+    return MatrixTask(task=task, local_shape=local_shape, tp_dim=tp_dim, stride=stride)
+
+
 def _tasks(specs: dict, dp: int, tp: int) -> list[MatrixTask]:
     tasks = []
     for name, s in specs.items():
@@ -99,12 +107,12 @@ def _tasks(specs: dict, dp: int, tp: int) -> list[MatrixTask]:
         pieces = _pieces(local.numel(), s["cuts"], dp)
         stride = 2 if s["fused"] in ("gate_up", "gate_up_split") else 1
         if s["tp_dim"] is not None:
-            tasks.append(MatrixTask(key=name, local_shape=tuple(local), tp_dim=s["tp_dim"], pieces=pieces,
-                                    host=s["host"], group=s["group"], stride=stride))
+            tasks.append(_task(name, local_shape=tuple(local), tp_dim=s["tp_dim"], pieces=pieces,
+                               host=s["host"], group=s["group"], stride=stride))
             continue
         for column in range(tp):  # one task per TP rank's copy
-            tasks.append(MatrixTask(key=f"{name}@tp{column}", local_shape=tuple(local), tp_dim=None, pieces=pieces,
-                                    host=(s["host"][0], column), group=s["group"], column=column))
+            tasks.append(_task(f"{name}@tp{column}", local_shape=tuple(local), tp_dim=None, pieces=pieces,
+                               host=(s["host"][0], column), group=s["group"], column=column))
     return tasks
 
 
@@ -241,13 +249,18 @@ def test_engine_equals_single_device_muon(dp: int, tp: int) -> None:
 
 def test_engine_rejects_a_bad_schedule() -> None:
     with pytest.raises(ValueError, match="tp_dim"):
-        MatrixTask(key="w", local_shape=(4, 4), tp_dim=2, pieces=((0, 0, 16),), host=(0, 0), group=0)
+        _task("w", local_shape=(4, 4), tp_dim=2, pieces=((0, 0, 16),), host=(0, 0), group=0)
+    with pytest.raises(ValueError, match="disagrees with the schedule"):
+        MatrixTask(task=Task(key="w", name="w", pieces=((0, 0, 12),), tp_sharded=False, host=(0, 0)),
+                   local_shape=(3, 4), tp_dim=0)
     with pytest.raises(ValueError, match="stride"):
-        MatrixTask(key="w", local_shape=(3, 4), tp_dim=0, pieces=((0, 0, 12),), host=(0, 0), group=0, stride=2)
+        _task("w", local_shape=(3, 4), tp_dim=0, pieces=((0, 0, 12),), host=(0, 0), group=0, stride=2)
     with pytest.raises(ValueError, match="cover"):
-        MatrixTask(key="w", local_shape=(3, 4), tp_dim=0, pieces=((0, 0, 5), (1, 6, 12)), host=(0, 0), group=0)
+        _task("w", local_shape=(3, 4), tp_dim=0, pieces=((0, 0, 5), (1, 6, 12)), host=(0, 0), group=0)
+    with pytest.raises(ValueError, match="cover"):
+        _task("w", local_shape=(3, 4), tp_dim=0, pieces=((0, 0, 5), (1, 5, 10)), host=(0, 0), group=0)
     with pytest.raises(ValueError, match="not in the group"):
-        task = MatrixTask(key="w", local_shape=(3, 4), tp_dim=None, pieces=((1, 0, 12),), host=(1, 0), group=0)
+        task = _task("w", local_shape=(3, 4), tp_dim=None, pieces=((1, 0, 12),), host=(1, 0), group=0)
         HostGroupEngine([task], group=None, rank_of={(0, 0): 0}, coord=(0, 0), tp_size=1)
 
 

@@ -10,12 +10,12 @@ from megatron.canzona.planning import (
     GROUPS_PER_HOST,
     WireConfig,
     make_plan,
-    plan_tasks,
+    plan_schedule,
     qwen3_specs,
     schedule_groups,
     traffic,
 )
-from megatron.canzona.planning.comm import Task
+from megatron.canzona.planning.schedule import Task
 
 costs_lists = st.lists(st.floats(0.0, 1000.0, allow_nan=False), min_size=0, max_size=60)
 
@@ -77,11 +77,12 @@ def test_traffic_counts_each_piece_once_each_way():
     """A 3-piece matrix hosted by one of its holders: the two others send their pieces and get
     them back; the stock collectives add (dp - 1) / dp of the buffer at both dtypes."""
     wire = WireConfig(param_bytes=2, grad_bytes=4)
-    task = Task(holders=((0, 0, 100), (1, 0, 50), (2, 0, 30)), host=(1, 0))
+    pieces = ((0, 0, 100), (1, 100, 150), (2, 150, 180))
+    task = Task(key="w", name="w", pieces=pieces, tp_sharded=False, host=(1, 0))
     per_rank = traffic([], [task], dp_size=3, tp_size=1, wire=wire)
     assert [r.host_gather for r in per_rank] == [400.0, 0.0, 120.0]
     assert [r.host_scatter for r in per_rank] == [0.0, 520.0, 0.0]
-    sync = traffic([], [Task(task.holders, None)], dp_size=3, tp_size=1, wire=wire)
+    sync = traffic([], [Task(key="w", name="w", pieces=pieces, tp_sharded=False, host=None)], dp_size=3, tp_size=1, wire=wire)
     assert [r.sync_gather for r in sync] == [800.0, 400.0, 240.0]
 
 
@@ -91,7 +92,7 @@ def test_plan_traffic_is_what_the_planner_balanced():
     specs = qwen3_specs("qwen3-1.7b")
     plan = make_plan(specs, dp_size=32)
     wire = WireConfig()
-    per_rank = traffic([plan.dp.matrix], plan_tasks(plan, specs), dp_size=32, tp_size=1, wire=wire)
+    per_rank = traffic([plan.dp.matrix], plan_schedule(plan).tasks, dp_size=32, tp_size=1, wire=wire)
     moved = sum(
         (hi - lo) for h in plan.hosts for d, lo, hi in plan.dp.matrix.pieces(plan.dp.matrix.placement(h.name))
         if d != h.dp_rank

@@ -4,7 +4,7 @@ Imports neither ``torch.distributed`` nor Megatron-Core nor ``canzona_patches``.
 """
 
 from .balance import LAYOUTS, plan_canzona, plan_hosts
-from .comm import RankTraffic, Task, WireConfig, plan_tasks, sync_tasks, traffic
+from .comm import RankTraffic, WireConfig, traffic
 from .cost import COST_KINDS, Calibration, CostModel, muon_flops, shampoo_flops, soap_flops
 from .experts import plan_with_experts, split_experts
 from .grid import dense_to_expert, expert_coordinates, expert_dp_size
@@ -26,6 +26,7 @@ from .plan import Bucket, BufferPlan, CanzonaPlan, DPPlan, Host, Placement
 from .planner import make_plan
 from .qwen3 import QWEN3_MODELS, Qwen3Config, get_qwen3_config, qwen3_specs
 from .qwen3_moe import EXPERT_LAYOUTS
+from .schedule import Schedule, Task, buffer_schedule, plan_schedule
 from .specs import FUSED_LAYOUTS, ParamSpec, elementwise_specs, matrix_specs
 
 __all__ = [
@@ -34,7 +35,7 @@ __all__ = [
     "RankTraffic", "Task", "WireConfig", "check_inputs", "combined_lower_bound", "dense_to_expert",
     "elementwise_specs", "expert_coordinates", "expert_dp_size", "get_qwen3_config", "lower_bound", "make_plan",
     "makespan_over_lower_bound", "matrix_specs", "muon_flops", "padding_overhead", "plan_canzona", "plan_eq1",
-    "plan_hosts", "plan_tasks", "plan_with_experts", "plan_zero1", "qwen3_specs", "schedule_groups", "shampoo_flops",
+    "plan_hosts", "plan_schedule", "plan_with_experts", "plan_zero1", "qwen3_specs", "schedule_groups", "shampoo_flops",
     "soap_flops", "split_experts", "split_params", "stage_layer_counts", "suggest_uneven_split", "summarize_canzona",
-    "summarize_plan", "summarize_sync", "sync_tasks", "traffic", "with_experts",
+    "summarize_plan", "summarize_sync", "buffer_schedule", "Schedule", "traffic", "with_experts",
 ]

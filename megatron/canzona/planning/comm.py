@@ -19,11 +19,11 @@ host groups and one per ring step of a bucket collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from .plan import BufferPlan, CanzonaPlan, Placement
-from .specs import ParamSpec
+from .plan import BufferPlan
+from .schedule import Task
 
 FP32_BYTES = 4
 
@@ -75,56 +75,6 @@ class RankTraffic:
         }
 
 
-Holder = tuple[int, int, int]
-"""``(dp_rank, tp_rank, numel)``: a rank holding part of a matrix."""
-
-
-@dataclass(frozen=True)
-class Task:
-    """One matrix update as the network sees it: who holds pieces, who computes."""
-
-    holders: tuple[Holder, ...]
-    host: tuple[int, int] | None
-    """``(dp_rank, tp_rank)``; ``None`` for synchronous compute by every holder."""
-    numel: int = field(default=0)
-
-
-def holders_of(
-    buffer: BufferPlan, placement: Placement, *, tp_sharded: bool, tp_size: int, tp_column: int = 0
-) -> tuple[Holder, ...]:
-    """Every rank holding a piece of ``placement``'s matrix: its DP shards, on each TP rank
-    if the matrix is TP-sharded, else on TP rank ``tp_column`` only."""
-    columns = range(tp_size) if tp_sharded else (tp_column,)
-    return tuple((d, t, hi - lo) for d, lo, hi in buffer.pieces(placement) for t in columns)
-
-
-def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec]) -> list[Task]:
-    """The host-group tasks of a Canzona plan (a matrix every TP rank holds whole is one task
-    per TP rank)."""
-    sharded = {(s.chunk, s.name): s.tp_sharded for s in specs}
-    tasks = []
-    for h in plan.hosts:
-        buffer = plan.layouts[h.chunk].matrix
-        placement = buffer.placement(h.name)
-        for column in range(plan.tp_size) if h.tp_rank is None else (h.tp_rank,):
-            holders = holders_of(buffer, placement, tp_sharded=sharded[(h.chunk, h.name)], tp_size=plan.tp_size,
-                                 tp_column=column)
-            tasks.append(Task(holders, (h.dp_rank, column), placement.end - placement.start))
-    return tasks
-
-
-def sync_tasks(buffers: Sequence[BufferPlan], specs: Sequence[ParamSpec], tp_size: int) -> list[Task]:
-    """Synchronous compute of every matrix of ``buffers`` (one per chunk) by all its holders."""
-    sharded = {(s.chunk, s.name): s.tp_sharded for s in specs}
-    tasks = []
-    for chunk, buffer in enumerate(buffers):
-        for p in buffer.placements:
-            is_sharded = sharded[(chunk, p.name)]
-            for column in (0,) if is_sharded else range(tp_size):
-                tasks.append(Task(holders_of(buffer, p, tp_sharded=is_sharded, tp_size=tp_size, tp_column=column), None))
-    return tasks
-
-
 def rank_index(dp_rank: int, tp_rank: int, tp_size: int) -> int:
     return dp_rank * tp_size + tp_rank
 
@@ -132,7 +82,8 @@ def rank_index(dp_rank: int, tp_rank: int, tp_size: int) -> int:
 def traffic(
     buffers: Iterable[BufferPlan], tasks: Iterable[Task], *, dp_size: int, tp_size: int, wire: WireConfig
 ) -> list[RankTraffic]:
-    """Bytes sent per rank (index ``dp_rank * tp_size + tp_rank``) in one step."""
+    """Bytes sent per rank (index ``dp_rank * tp_size + tp_rank``) in one step, for the
+    buckets of ``buffers`` and the schedule's ``tasks`` (:mod:`.schedule`)."""
     out = [RankTraffic() for _ in range(dp_size * tp_size)]
     rs, ag, messages = collective_bytes(buffers, dp_size, wire)
     for rank in out:
@@ -151,18 +102,19 @@ def collective_bytes(buffers: Iterable[BufferPlan], dp_size: int, wire: WireConf
 
 
 def add_task_traffic(out: list[RankTraffic], task: Task, tp_size: int, wire: WireConfig) -> None:
+    holders = [(coord, hi - lo) for coord, lo, hi in task.holders(tp_size)]
     if task.host is None:  # every holder gathers every other holder's piece
-        for d, t, n in task.holders:
-            peers = len(task.holders) - 1
-            rank = out[rank_index(d, t, tp_size)]
+        for coord, n in holders:
+            peers = len(holders) - 1
+            rank = out[rank_index(*coord, tp_size)]
             rank.sync_gather += peers * n * wire.main_grad_bytes
             rank.messages += peers
         return
     host = out[rank_index(*task.host, tp_size)]
-    for d, t, n in task.holders:
-        if (d, t) == task.host:
+    for coord, n in holders:
+        if coord == task.host:
             continue
-        holder = out[rank_index(d, t, tp_size)]
+        holder = out[rank_index(*coord, tp_size)]
         holder.host_gather += n * wire.main_grad_bytes
         holder.messages += 1
         host.host_scatter += n * wire.update_bytes

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .comm import holders_of
 from .grid import expert_coordinates
 from .plan import BufferPlan, CanzonaPlan
+from .schedule import plan_schedule
 from .specs import ParamSpec
 
 FIELD_KINDS: dict[str, str] = {
@@ -119,7 +119,7 @@ def rank_memory(
                     kinds[kind] += numel
     for _, buffer in buffers[len(plan.layouts):]:
         kinds["adam_moments"] += 2 * _shard_numel(buffer, dp_rank)
-    largest, step = _temporaries(plan, specs, dp_rank, tp_rank)
+    largest, step = _temporaries(plan, dp_rank, tp_rank)
     return RankMemory(
         param_buffer_elements=sum(buffer.numel for _, buffer in buffers),
         bucket_elements=tuple(b.numel for _, buffer in buffers for b in buffer.buckets),
@@ -127,22 +127,17 @@ def rank_memory(
         state_elements=kinds,
         largest_temporary_elements=largest,
         step_temporary_elements=step,
-        compute_batch_elements=_largest_batch(plan, specs, dp_rank, tp_rank),
+        compute_batch_elements=_largest_batch(plan, dp_rank, tp_rank),
         experts=experts,
     )
 
 
-def _largest_batch(plan: CanzonaPlan, specs: Sequence[ParamSpec], dp_rank: int, tp_rank: int) -> int:
+def _largest_batch(plan: CanzonaPlan, dp_rank: int, tp_rank: int) -> int:
     """Full-matrix elements of the largest micro-group this rank computes."""
-    sharded = {(s.chunk, s.name): s.tp_sharded for s in specs}
     groups: dict[int, int] = {}
-    for h in plan.hosts:
-        is_sharded = sharded[(h.chunk, h.name)]
-        if h.dp_rank != dp_rank or (is_sharded and h.tp_rank != tp_rank):
-            continue
-        placement = plan.layouts[h.chunk].matrix.placement(h.name)
-        full = (placement.end - placement.start) * (plan.tp_size if is_sharded else 1)
-        groups[h.group] = groups.get(h.group, 0) + full
+    for task in plan_schedule(plan).tasks:
+        if task.host == (dp_rank, tp_rank):
+            groups[task.group] = groups.get(task.group, 0) + task.full_numel(plan.tp_size)
     return max(groups.values(), default=0)
 
 
@@ -155,27 +150,22 @@ def _shard_numel(buffer: BufferPlan, dp_rank: int) -> int:
     return total
 
 
-def _temporaries(plan: CanzonaPlan, specs: Sequence[ParamSpec], dp_rank: int, tp_rank: int) -> tuple[int, int]:
+def _temporaries(plan: CanzonaPlan, dp_rank: int, tp_rank: int) -> tuple[int, int]:
     """(largest single temporary, most alive at once) of the host-group step, in elements."""
-    sharded = {(s.chunk, s.name): s.tp_sharded for s in specs}
     me = (dp_rank, tp_rank)
     groups: dict[int, dict[str, int]] = {}
     largest = 0
-    for h in plan.hosts:
-        buffer = plan.layouts[h.chunk].matrix
-        placement = buffer.placement(h.name)
-        is_sharded = sharded[(h.chunk, h.name)]
-        host = (h.dp_rank, h.tp_rank if is_sharded else tp_rank)
-        holders = holders_of(buffer, placement, tp_sharded=is_sharded, tp_size=plan.tp_size, tp_column=tp_rank)
-        g = groups.setdefault(h.group, {"send": 0, "recv": 0, "full": 0})
-        for d, t, numel in holders:
-            if (d, t) == me and host != me:
-                g["send"] += numel
-            if host == me and (d, t) != me:
-                g["recv"] += numel
-        local = not is_sharded and placement.host == h.dp_rank
-        if host == me and not local:
-            full = (placement.end - placement.start) * (plan.tp_size if is_sharded else 1)
+    for task in plan_schedule(plan).tasks:
+        if task.column != tp_rank and not task.tp_sharded:
+            continue  # another TP rank's copy
+        g = groups.setdefault(task.group, {"send": 0, "recv": 0, "full": 0})
+        for coord, lo, hi in task.holders(plan.tp_size):
+            if coord == me and task.host != me:
+                g["send"] += hi - lo
+            if task.host == me and coord != me:
+                g["recv"] += hi - lo
+        if task.host == me and not task.is_local():
+            full = task.full_numel(plan.tp_size)
             g["full"] += 2 * full  # the gathered gradient and the direction
             largest = max(largest, full)
     order = sorted(groups)

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .comm import RankTraffic, Task, WireConfig, plan_tasks, sync_tasks, traffic
+from .comm import RankTraffic, WireConfig, traffic
 from .cost import CostModel
 from .grid import dense_to_expert
 from .plan import BufferPlan, CanzonaPlan, DPPlan
+from .schedule import Task, buffer_schedule, plan_schedule
 from .specs import ParamSpec, matrix_specs
 
 
@@ -73,7 +74,7 @@ def summarize_plan(plan: CanzonaPlan, specs: Sequence[ParamSpec], cost_model: Co
     rank_loads = [load for row in plan.rank_loads() for load in row]
     dp_loads = [sum(row) for row in plan.rank_loads()]
     return _summary([dp.matrix for dp in plan.layouts], _elementwise(plan.layouts), dp_loads, rank_loads,
-                    plan_tasks(plan, specs), specs, cost_model, wire, plan.dp_size, plan.tp_size)
+                    plan_schedule(plan).tasks, specs, cost_model, wire, plan.dp_size, plan.tp_size)
 
 
 def with_experts(
@@ -109,7 +110,7 @@ def summarize_sync(plan: DPPlan, specs: Sequence[ParamSpec], cost_model: CostMod
     """The record of a layout whose matrices are computed by every rank holding a piece
     (stock ZeRO-1; Megatron's layer-wise optimizer in ``muon_tp_mode duplicated``)."""
     rank_loads = [load for load in plan.loads for _ in range(tp_size)]
-    tasks = sync_tasks([plan.matrix], specs, tp_size)
+    tasks = buffer_schedule([plan.matrix], specs, tp_size).tasks
     return _summary([plan.matrix], _elementwise([plan]), list(plan.loads), rank_loads, tasks, specs, cost_model,
                     wire, plan.dp_size, tp_size)
 
@@ -120,7 +121,7 @@ def _elementwise(layouts: Sequence[DPPlan]) -> list[BufferPlan]:
 
 def _summary(
     matrix: list[BufferPlan], elementwise: list[BufferPlan], dp_loads: list[float], rank_loads: list[float],
-    tasks: list[Task], specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig, dp_size: int, tp_size: int,
+    tasks: Sequence[Task], specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig, dp_size: int, tp_size: int,
 ) -> dict:
     bound = lower_bound(specs, cost_model, dp_size)
     costs = [cost_model.cost(s) * (1 if s.tp_sharded else tp_size) for s in matrix_specs(specs)]

@@ -43,12 +43,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.canzona.optim.common import apply_update, state_dtype_for
+from megatron.canzona.planning.schedule import Coord, Task
 from megatron.canzona.runtime.state_io import Placement, _local_view, flat_range_boxes, to_global_boxes
 
 Mode = Literal["async", "sync"]
 MODES: tuple[str, ...] = ("async", "sync")
-Coord = tuple[int, int]
-"""``(dp_rank, tp_rank)`` of a rank in the engine's DP × TP group."""
 
 HostCompute = Callable[[Sequence[str], Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 """``(keys, full_grads) -> full_directions`` for the matrices one rank computes in one call
@@ -57,45 +56,52 @@ HostCompute = Callable[[Sequence[str], Sequence[torch.Tensor]], Sequence[torch.T
 
 @dataclass(frozen=True, kw_only=True)
 class MatrixTask:
-    """Static facts of one matrix update; every rank of the group holds the same list."""
+    """A task of the schedule (:class:`~megatron.canzona.planning.schedule.Task`) with the
+    shape of its local tensor: what the engine needs to cut and reassemble it. Every rank of
+    the group holds the same list."""
 
-    key: str
-    """Unique name of the task (the parameter's name, made unique across model chunks and,
-    for a matrix every TP rank holds whole, across TP ranks)."""
+    task: Task
+    """Who holds which pieces, who computes, in which micro-group (the plan's schedule)."""
     local_shape: tuple[int, int]
     """Shape of one TP rank's tensor (the whole matrix when not TP-sharded)."""
     tp_dim: int | None
-    """Dimension split across TP ranks (0 column-parallel, 1 row-parallel); ``None`` when
-    each TP rank holds the matrix whole: this task is then TP rank ``column``'s copy."""
-    pieces: tuple[tuple[int, int, int], ...]
-    """``(dp_rank, lo, hi)``: elements ``[lo, hi)`` of the flattened local tensor sit in
-    ``dp_rank``'s shard; together they cover it once, in order."""
-    host: Coord
-    """The rank that computes the update."""
-    group: int
-    """Micro-group; groups run in increasing order."""
+    """Dimension split across TP ranks (0 column-parallel, 1 row-parallel); ``None`` exactly
+    when the task is not TP-sharded (it is then TP rank ``column``'s copy)."""
     stride: int = 1
     """Blocks per TP shard along ``tp_dim``: block j of a shard is its TP rank's piece of
     global block j (2 for Megatron's fused SwiGLU fc1, ``[gate_r; up_r]``)."""
-    column: int = 0
-    """The TP rank whose copy this is, for a matrix that is not TP-sharded."""
 
     def __post_init__(self) -> None:
+        key = self.task.key
         if len(self.local_shape) != 2 or min(self.local_shape) < 1:
-            raise ValueError(f"{self.key}: local_shape must be a positive 2-D shape, got {self.local_shape}")
+            raise ValueError(f"{key}: local_shape must be a positive 2-D shape, got {self.local_shape}")
         if self.tp_dim not in (0, 1, None):
-            raise ValueError(f"{self.key}: tp_dim must be 0, 1 or None, got {self.tp_dim}")
+            raise ValueError(f"{key}: tp_dim must be 0, 1 or None, got {self.tp_dim}")
+        if (self.tp_dim is not None) != self.task.tp_sharded:
+            raise ValueError(f"{key}: tp_dim {self.tp_dim} disagrees with the schedule (TP-sharded: "
+                             f"{self.task.tp_sharded}); re-plan with the model's tensor-parallel layout")
         if self.tp_dim is not None and (self.stride < 1 or self.local_shape[self.tp_dim] % self.stride):
-            raise ValueError(f"{self.key}: stride {self.stride} must divide dim {self.tp_dim} of {self.local_shape}")
-        cursor = 0
-        for _, lo, hi in self.pieces:
-            if lo != cursor or hi <= lo:
-                raise ValueError(f"{self.key}: pieces must cover the local tensor in order, got {self.pieces}")
-            cursor = hi
-        if cursor != self.numel:
-            raise ValueError(f"{self.key}: pieces cover {cursor} of {self.numel} elements")
-        if self.tp_dim is None and self.host[1] != self.column:
-            raise ValueError(f"{self.key}: the host of TP rank {self.column}'s copy must be on TP rank {self.column}")
+            raise ValueError(f"{key}: stride {self.stride} must divide dim {self.tp_dim} of {self.local_shape}")
+        if self.task.numel != self.numel:
+            raise ValueError(f"{key}: pieces cover {self.task.numel} of {self.numel} elements")
+        if self.task.host is None:
+            raise ValueError(f"{key}: the engine needs a host per task (its mode decides who computes)")
+
+    @property
+    def key(self) -> str:
+        return self.task.key
+
+    @property
+    def pieces(self) -> tuple[tuple[int, int, int], ...]:
+        return self.task.pieces
+
+    @property
+    def host(self) -> Coord:
+        return self.task.host  # type: ignore[return-value]
+
+    @property
+    def group(self) -> int:
+        return self.task.group
 
     @property
     def numel(self) -> int:
@@ -103,8 +109,7 @@ class MatrixTask:
 
     def holders(self, tp_size: int) -> list[tuple[Coord, int, int]]:
         """``((dp_rank, tp_rank), lo, hi)`` of every piece, in a fixed order."""
-        columns = range(tp_size) if self.tp_dim is not None else (self.column,)
-        return [((d, t), lo, hi) for d, lo, hi in self.pieces for t in columns]
+        return self.task.holders(tp_size)
 
     def full_shape(self, tp_size: int) -> tuple[int, int]:
         """Shape of the whole matrix the host reassembles."""
@@ -114,9 +119,9 @@ class MatrixTask:
         shape[self.tp_dim] *= tp_size
         return (shape[0], shape[1])
 
-    def is_local(self, tp_size: int) -> bool:
+    def is_local(self) -> bool:
         """Whether the host holds the whole matrix itself (nothing to move)."""
-        return self.tp_dim is None and len(self.pieces) == 1 and self.pieces[0][0] == self.host[0]
+        return self.task.is_local()
 
 
 @dataclass(kw_only=True)
@@ -317,7 +322,7 @@ class HostGroupEngine:
                     outgoing[self.rank_of[computer]].append((task, holder, lo, hi))
                 else:
                     incoming[self.rank_of[holder]].append((task, holder, lo, hi))
-            if self.computes(task) and not task.is_local(self.tp_size):  # every piece goes in and out of the full matrix
+            if self.computes(task) and not task.is_local():  # every piece goes in and out of the full matrix
                 for holder, lo, hi in holders:
                     self._copies[(task.key, holder, lo)] = _copy_plan(task, holder[1], lo, hi, self.tp_size)
         exchange = _Exchange(index, tuple(tasks), self._batches(tasks), moves=moves)
@@ -360,7 +365,7 @@ class HostGroupEngine:
         largest = 0
         for exchange in self.exchanges:
             full = [task.full_shape(self.tp_size) for batch in exchange.computed for task in batch
-                    if not task.is_local(self.tp_size)]
+                    if not task.is_local()]
             full_numel = [rows * cols for rows, cols in full]
             send, recv = sum(exchange.send_splits), sum(exchange.recv_splits)
             largest = max([largest, send, recv, *full_numel])
@@ -455,7 +460,7 @@ class HostGroupEngine:
         full: dict[str, torch.Tensor] = {}
         for batch in exchange.computed:
             for task in batch:
-                if task.is_local(self.tp_size):  # the host's own piece is the whole matrix
+                if task.is_local():  # the host's own piece is the whole matrix
                     full[task.key] = self._pieces[(task.key, 0)].grad.view(task.local_shape)
                     continue
                 full[task.key] = torch.empty(task.full_shape(self.tp_size), dtype=self._update_dtype, device=self._device)
@@ -464,7 +469,7 @@ class HostGroupEngine:
             self._copies[(seg.task.key, seg.holder, seg.lo)].into_full(source, full[seg.task.key])
         for batch in exchange.computed:
             for task in batch:
-                if task.is_local(self.tp_size):
+                if task.is_local():
                     continue
                 for lo, _ in self.holds(task):
                     self._copies[(task.key, self.coord, lo)].into_full(self._pieces[(task.key, lo)].grad, full[task.key])
@@ -514,7 +519,7 @@ class HostGroupEngine:
         for task in (t for batch in exchange.computed for t in batch):
             direction = directions[task.key]
             key = task.key
-            if task.is_local(self.tp_size):
+            if task.is_local():
                 self._apply_piece(key, 0, direction.reshape(-1))
                 continue
             for lo, hi in self.holds(task):

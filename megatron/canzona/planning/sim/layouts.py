@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..comm import holders_of
 from ..plan import BufferPlan, CanzonaPlan
+from ..schedule import Schedule, buffer_schedule, plan_schedule
 from ..specs import ParamSpec
 from .step import SimTask
 
@@ -88,35 +88,27 @@ def _spec_map(specs: Sequence[ParamSpec]) -> dict[tuple[int, str], ParamSpec]:
     return {(s.chunk, s.name): s for s in specs}
 
 
+def sim_tasks(schedule: Schedule, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf) -> list[SimTask]:
+    """The schedule's tasks (:mod:`..schedule`) on the stage's ranks, each with its update's
+    seconds: what the simulator runs."""
+    by_key = _spec_map(specs)
+    return [SimTask(t.name, tuple((rank(*coord), hi - lo) for coord, lo, hi in t.holders(schedule.tp_size)),
+                    None if t.host is None else rank(*t.host), seconds(by_key[(t.chunk, t.name)]), t.group)
+            for t in schedule.tasks]
+
+
 def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
                *, synchronous: bool = False) -> list[SimTask]:
     """A task per host of ``plan`` (per TP rank for a matrix every TP rank holds), in its
     micro-group; ``synchronous``: computed by every holder (``--canzona-tp-mode sync``)."""
-    by_key = _spec_map(specs)
-    tasks = []
-    for h in plan.hosts:
-        spec = by_key[(h.chunk, h.name)]
-        buffer = plan.layouts[h.chunk].matrix
-        placement = buffer.placement(h.name)
-        for column in range(plan.tp_size) if h.tp_rank is None else (h.tp_rank,):
-            holders = holders_of(buffer, placement, tp_sharded=spec.tp_sharded, tp_size=plan.tp_size, tp_column=column)
-            host = None if synchronous else rank(h.dp_rank, column)
-            tasks.append(SimTask(h.name, tuple((rank(d, t), n) for d, t, n in holders), host, seconds(spec), h.group))
-    return tasks
+    return sim_tasks(plan_schedule(plan, synchronous=synchronous), specs, seconds, rank)
 
 
 def buffer_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
-                 tp_size: int, *, chunk: int = 0) -> list[SimTask]:
+                 tp_size: int) -> list[SimTask]:
     """Synchronous tasks of a DP layout: every rank holding a piece computes the matrix
     (a matrix every TP rank holds whole: each TP rank its own copy)."""
-    by_key = _spec_map(specs)
-    tasks = []
-    for p in buffer.placements:
-        spec = by_key[(chunk, p.name)]
-        for column in (0,) if spec.tp_sharded else range(tp_size):
-            holders = holders_of(buffer, p, tp_sharded=spec.tp_sharded, tp_size=tp_size, tp_column=column)
-            tasks.append(SimTask(p.name, tuple((rank(d, t), n) for d, t, n in holders), None, seconds(spec)))
-    return tasks
+    return sim_tasks(buffer_schedule([buffer], specs, tp_size), specs, seconds, rank)
 
 
 def home_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
