@@ -106,7 +106,8 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
                        help="Treat the fused QKV weight as one matrix.")
     group.add_argument("--canzona-split-gate-up", action="store_true",
                        help="Treat gate and up halves of the fused SwiGLU fc1 weight as separate "
-                       "matrices.")
+                       "matrices, each its own task with its own host (under TP, two TP ranks of "
+                       "the owner compute them side by side).")
     group.add_argument("--canzona-no-stagger-refresh", action="store_false", dest="canzona_stagger_refresh",
                        help="Refresh every Shampoo/SOAP preconditioner in the same steps (1, 1+f, ...) "
                        "instead of from an offset per matrix, taken from its name.")

@@ -41,8 +41,9 @@ class Binding:
     tasks: tuple[MatrixTask, ...]
     """Every matrix of the plan, as host-group tasks (a matrix every TP rank holds whole is
     one task per TP rank)."""
-    pieces: dict[torch.Tensor, PieceRef]
-    """This rank's flat matrix shard parameters and the task range each one is."""
+    pieces: dict[torch.Tensor, tuple[PieceRef, ...]]
+    """This rank's flat matrix shard parameters and the task ranges they hold (one, or one
+    per part of a parameter hosted in parts)."""
     layouts: dict[str, FusedLayout | None]
     """Per task: how its host splits the full matrix into separately optimized pieces."""
     names: dict[str, str]
@@ -51,6 +52,9 @@ class Binding:
     from, so they do not change with the PP or EP layout)."""
     params: dict[str, torch.nn.Parameter]
     """Per task: the model parameter (for checkpoint names)."""
+    parts: dict[str, tuple[int, int]]
+    """Per task of a parameter hosted in parts: ``(its part, how many parts)``; its state is
+    that piece of the parameter's matrix state (as when one host splits the fused matrix)."""
 
 
 def bind_plan(
@@ -66,8 +70,9 @@ def bind_plan(
         raise RuntimeError(f"the plan has {len(plan.layouts)} model chunks, the model {len(modules)}; re-plan")
     global_names = global_param_names(model_chunks)
     params = {(c, n): p for c, m in enumerate(modules) for n, p in m.named_parameters()}
-    tasks, layouts, names, task_params = [], {}, {}, {}
-    keys_of: dict[tuple[int, str], list[str]] = {}
+    tasks, layouts, names, task_params, parts = [], {}, {}, {}, {}
+    keys_of: dict[tuple[int, str], list[tuple[int | None, tuple[int, int] | None, str]]] = {}
+    counts: dict[tuple[int, str], int] = {}
     for task in plan_schedule(plan).tasks:
         param = params.get((task.chunk, task.name))
         if param is None:
@@ -76,23 +81,49 @@ def bind_plan(
             raise RuntimeError(f"the plan treats {task.name} as {'' if task.tp_sharded else 'not '}TP-sharded, the "
                                f"model does not; re-plan with this model's tensor-parallel layout")
         module = modules[task.chunk]
-        tasks.append(MatrixTask(task=task, local_shape=tuple(param.shape),
+        shape = tuple(param.shape)
+        if task.span is not None:  # a part hosted apart: a block of whole rows of every TP shard
+            rows, cols = shape
+            lo, hi = task.span
+            if lo % cols or hi % cols:
+                raise RuntimeError(f"{task.name}: part [{lo}, {hi}) does not cut whole rows of {shape}; re-plan")
+            shape = ((hi - lo) // cols, cols)
+            counts[(task.chunk, task.name)] = max(counts.get((task.chunk, task.name), 0), task.part + 1)
+        tasks.append(MatrixTask(task=task, local_shape=shape,
                                 tp_dim=param.partition_dim if task.tp_sharded else None,
-                                stride=_stride(task.name, module) if task.tp_sharded else 1))
-        layouts[task.key] = full_layout(task.name, module)
+                                stride=_stride(task.name, module) if task.tp_sharded and task.span is None else 1))
+        layouts[task.key] = None if task.span is not None else full_layout(task.name, module)
         names[task.key], task_params[task.key] = global_names[param], param
-        keys_of.setdefault((task.chunk, task.name), []).append(task.key)
+        keys_of.setdefault((task.chunk, task.name), []).append(
+            (None if task.tp_sharded else task.column, task.span, task.key))
+    for task in tasks:
+        if task.task.span is not None:
+            parts[task.key] = (task.task.part, counts[(task.task.chunk, task.task.name)])
     where = {p: (c, n) for (c, n), p in params.items()}
-    refs: dict[torch.Tensor, PieceRef] = {}
+    refs: dict[torch.Tensor, tuple[PieceRef, ...]] = {}
     for model_param, shard, _, param_range in shard_entries(optimizer):
         if not getattr(model_param, BUFFER_ROUTING_ATTR, False):
             continue
         keys = keys_of.get(where[model_param])
         if keys is None:
             raise RuntimeError(f"{where[model_param][1]} is a matrix the Canzona plan does not schedule; re-plan")
-        key = keys[0] if len(keys) == 1 else keys[coord[1]]
-        refs[shard] = PieceRef(key=key, lo=param_range.start, hi=param_range.end)
-    return Binding(tasks=tuple(tasks), pieces=refs, layouts=layouts, names=names, params=task_params)
+        refs[shard] = _refs(keys, coord[1], param_range.start, param_range.end, model_param.numel())
+    return Binding(tasks=tuple(tasks), pieces=refs, layouts=layouts, names=names, params=task_params, parts=parts)
+
+
+def _refs(keys: list[tuple[int | None, tuple[int, int] | None, str]], tp_rank: int, start: int, end: int,
+          numel: int) -> tuple[PieceRef, ...]:
+    """What elements ``[start, end)`` of a parameter's local tensor (one flat shard parameter)
+    are: a range of each task of this TP rank that they overlap, with its offset in the shard."""
+    out = []
+    for column, span, key in keys:
+        if column is not None and column != tp_rank:
+            continue  # another TP rank's copy
+        lo, hi = span or (0, numel)
+        a, b = max(start, lo), min(end, hi)
+        if a < b:
+            out.append(PieceRef(key=key, lo=a - lo, hi=b - lo, offset=a - start))
+    return tuple(out)
 
 
 def shard_entries(optimizer: Any) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, dict, Any]]:

@@ -177,6 +177,8 @@ def optimizer_name(inner: Any) -> str:
 def pieces_signature(inner: Any) -> list[str]:
     """Which fused matrices are optimized as separate pieces (the matrix state's structure)."""
     kinds = {type(layout) for layout in inner._layouts.values() if layout is not None}
+    if getattr(inner, "_parts", None):  # gate and up hosted apart: the same pieces as one host splitting fc1
+        kinds.add(GateUpLayout)
     return sorted(name for name, cls in (("qkv", QKVLayout), ("gate_up", GateUpLayout)) if cls in kinds)
 
 
@@ -230,7 +232,9 @@ def _part_chunks(optimizer: Any) -> list[StateChunk]:
     for task in inner.computed_tasks():
         writer = engine.writes(task) and task.column == 0
         name = names[binding.params[task.key]]
-        chunks.extend(matrix_chunks(STATE_PREFIX, name, inner.matrix_state[task.key], main=writer))
+        part, parts = binding.parts.get(task.key, (0, None))  # a part's state is that piece of the matrix's
+        chunks.extend(matrix_chunks(STATE_PREFIX, name, inner.matrix_state[task.key], main=writer, first_piece=part,
+                                    pieces=parts))
     return chunks
 
 

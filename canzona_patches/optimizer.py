@@ -368,7 +368,7 @@ def _canzona_dist_optimizer(
                         full_layout=lambda name, module: _fused_layout(name, module, cfg))
     engine = HostGroupEngine(binding.tasks, group=host_group, rank_of=rank_of, coord=coord, tp_size=plan.tp_size,
                              mode=cfg.tp_mode)
-    inner.bind(binding.pieces, engine, binding.layouts, binding.names)
+    inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts)
     optimizer.canzona_binding = binding
     return optimizer
 

@@ -20,6 +20,7 @@ unless ``--calibration`` gives measured seconds per shape.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -112,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce gradients in bf16 (the recipes reduce in fp32: --accumulate-allreduce-grads-in-fp32)")
     p.add_argument("--no-split-qkv", dest="split_qkv", action="store_false", help="one matrix per fused QKV")
+    p.add_argument("--split-gate-up", action="store_true",
+                   help="Canzona hosts gate and up of every SwiGLU fc1 apart (--canzona-split-gate-up); the "
+                   "other strategies keep the fused fc1, as Megatron's optimizers do")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="Canzona's micro-groups without pipelining (gather, compute, scatter in turn)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -150,7 +154,8 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             note = (f"global batch raised from the recipe's {recipe['global_batch']} to {global_batch}: "
                     f"DP {dp} x micro batch {sizes['micro_batch']} needs a multiple of {per_step}")
     return {"model": cfg.name, "gpus": args.gpus, "dp": dp, **sizes, "global_batch": global_batch, "note": note,
-            "optimizer": args.optimizer, "split_qkv": args.split_qkv, "alpha": args.alpha,
+            "optimizer": args.optimizer, "split_qkv": args.split_qkv,
+            "split_gate_up": getattr(args, "split_gate_up", False), "alpha": args.alpha,
             "grad_reduce_in_fp32": not args.grad_reduce_in_bf16, "overlap": args.overlap,
             "bucket_size": args.bucket_size or default_bucket_size(dp)}
 
@@ -158,7 +163,13 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
 def stage_specs(args: argparse.Namespace, run: dict[str, Any], pp_rank: int) -> list:
     return qwen3_specs(run["model"], tp_size=run["tp"], ep_size=run["ep"], expert_tp_size=run["etp"],
                        pp_size=run["pp"], pp_rank=pp_rank, first_stage_layers=run["first_stage_layers"],
-                       last_stage_layers=run["last_stage_layers"], split_qkv=run["split_qkv"])
+                       last_stage_layers=run["last_stage_layers"], split_qkv=run["split_qkv"],
+                       split_gate_up=run.get("split_gate_up", False))
+
+
+def fused_gate_up(specs: list) -> list:
+    """``specs`` with every gated fc1 one matrix again (what the strategies other than Canzona's run)."""
+    return [dataclasses.replace(s, blocks=()) if s.fused == "gate_up" else s for s in specs]
 
 
 def layerwise_plans(specs: list, run: dict[str, Any]) -> tuple[Any, Any]:
@@ -179,12 +190,13 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
     workload = Workload(global_batch=run["global_batch"], micro_batch=run["micro_batch"], seq_length=run["seq_length"],
                         expert_activity=activity)
     wire = WireConfig(grad_bytes=4 if run["grad_reduce_in_fp32"] else 2)
-    layerwise = layerwise_plans(specs, run) if set(strategies) & set(NEEDS_LAYERWISE_PLAN) else (None, None)
+    fused = fused_gate_up(specs)
+    layerwise = layerwise_plans(fused, run) if set(strategies) & set(NEEDS_LAYERWISE_PLAN) else (None, None)
     out = {}
     for name in strategies:
         plan, expert_plan = layerwise if name in NEEDS_LAYERWISE_PLAN else (None, None)
         out[name] = simulate(
-            specs, strategy=name, cluster=cluster, dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"],
+            specs if name.startswith("canzona") else fused, strategy=name, cluster=cluster, dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"],
             expert_tp_size=run["etp"], pp_size=run["pp"], optimizer=run["optimizer"], calibration=calibration,
             workload=workload, plan=plan, expert_plan=expert_plan, wire=wire, overlap=run["overlap"],
             alpha=run["alpha"], bucket_size=run["bucket_size"],
@@ -194,7 +206,7 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
 
 def physical_limit(specs: list, run: dict[str, Any], cluster: ClusterSpec, calibration) -> float:
     """No layout's optimizer step on this stage beats L = max(matrix work / GPUs, largest
-    matrix) + a GPU's share of applying the updates and of AdamW: the work spread perfectly,
+    matrix, or part hosted apart) + a GPU's share of applying the updates and of AdamW: the work spread perfectly,
     with no communication at all. Expert matrices count per EP rank, over expert DP x expert TP."""
     seconds = seconds_per_update(CostModel(kind=run["optimizer"], calibration=calibration), cluster)
     gpus = run["dp"] * run["tp"]
@@ -204,7 +216,7 @@ def physical_limit(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
         copies = 1 if spec.tp_sharded else (run["etp"] if spec.is_expert else run["tp"])
         t = seconds(spec)
         work += t * copies / (expert_gpus * run["etp"] if spec.is_expert else gpus)
-        largest = max(largest, t)
+        largest = max(largest, *(seconds(spec, k) for k in range(len(spec.parts))))
         applied += spec.numel / (expert_gpus if spec.is_expert else run["dp"])
     for spec in elementwise_specs(specs):
         adamw += spec.numel / (expert_gpus if spec.is_expert else run["dp"])

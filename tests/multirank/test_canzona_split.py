@@ -18,7 +18,7 @@ from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.runtime import LaunchConfig, launch
 
 from .test_canzona_dp import PARAM_ATOL, SPLITS
-from .tiny_gpt import TinyRun, train_tiny_gpts
+from .tiny_gpt import TinyRun, planned_tasks, train_tiny_gpts
 
 pytestmark = [
     pytest.mark.multirank,
@@ -96,9 +96,10 @@ def test_each_split_matrix_is_computed_once_by_its_host(results, optimizer: str,
     tp, _ = LAYOUTS[case]
     matrices = [n for n in per_rank[0]["params"] if _is_matrix(n)]
     computed = [name for result in per_rank for name in result["updated"]]
-    assert sorted(computed) == sorted(matrices)
-    plan = CanzonaPlan.from_json(per_rank[0]["plan"])
+    tasks = planned_tasks(CanzonaPlan.from_json(per_rank[0]["plan"]))
+    assert sorted({n.split("#")[0] for n in tasks}) == sorted(matrices)
+    assert sorted(computed) == sorted(tasks)
     for rank, result in enumerate(per_rank):  # Megatron's rank order: TP fastest, then DP
         where = (rank // tp, rank % tp)
-        assert set(result["updated"]) == {n for n in matrices if plan.compute_rank(n) == where}
+        assert set(result["updated"]) == {n for n, at in tasks.items() if at == where}
     assert sum(bool(result["updated"]) for result in per_rank) > 1, "work should be spread over ranks"

@@ -25,7 +25,7 @@ from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.runtime import LaunchConfig, launch
 
 from . import tiny_gpt
-from .tiny_gpt import TinyRun
+from .tiny_gpt import TinyRun, planned_tasks
 
 pytestmark = [
     pytest.mark.multirank,
@@ -173,11 +173,12 @@ def test_each_matrix_is_computed_once_by_its_planned_rank(results, optimizer: st
     per_rank = results[(optimizer, split, world_size, "async")]
     matrices = [n for n in per_rank[0]["params"] if _is_matrix(n)]
     computed = [name for result in per_rank for name in result["updated"]]
-    assert sorted(computed) == sorted(matrices)
-    plan = CanzonaPlan.from_json(per_rank[0]["plan"])
+    tasks = planned_tasks(CanzonaPlan.from_json(per_rank[0]["plan"]))
+    assert sorted({n.split("#")[0] for n in tasks}) == sorted(matrices)
+    assert sorted(computed) == sorted(tasks)  # gate and up hosted apart with --canzona-split-gate-up
     for result in per_rank:  # Megatron's rank order: TP fastest, then DP
         where = (result["rank"] // TP, result["rank"] % TP)
-        assert set(result["updated"]) == {n for n in matrices if plan.compute_rank(n) == where}
+        assert set(result["updated"]) == {n for n, at in tasks.items() if at == where}
         assert result["updated"], f"rank {result['rank']} computes nothing; the plan should spread the work"
 
 
@@ -187,4 +188,6 @@ def test_sync_mode_computes_every_matrix_on_every_tp_rank(results) -> None:
         per_rank = results[(*SYNC_AT_DP2, world_size, "sync")]
         matrices = [n for n in per_rank[0]["params"] if _is_matrix(n)]
         computed = [name for result in per_rank for name in result["updated"]]
-        assert sorted(computed) == sorted(matrices * TP)
+        tasks = planned_tasks(CanzonaPlan.from_json(per_rank[0]["plan"]))
+        assert sorted({n.split("#")[0] for n in tasks}) == sorted(matrices)
+        assert sorted(computed) == sorted(list(tasks) * TP)

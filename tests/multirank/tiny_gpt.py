@@ -305,6 +305,13 @@ def _tp_stats(optimizer) -> dict[str, Any] | None:
     return dataclasses.asdict(stats) if stats is not None else None
 
 
+def planned_tasks(plan) -> dict[str, tuple[int, int]]:
+    """Every task of a single-chunk Canzona plan as the optimizer reports it (``name#part<k>``
+    for a part hosted apart, ``--canzona-split-gate-up``) -> the (DP rank, TP rank) computing
+    it (TP rank 0 for a matrix every TP rank holds whole)."""
+    return {h.name if h.span is None else f"{h.name}#part{h.part}": (h.dp_rank, h.tp_rank or 0) for h in plan.hosts}
+
+
 def _updated(optimizer) -> list[str]:
     """Global names (experts by global index) of the matrices this rank computed last step."""
     parts = getattr(optimizer, "chained_optimizers", [optimizer])

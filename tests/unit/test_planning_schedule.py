@@ -78,3 +78,26 @@ def test_a_task_rejects_pieces_that_do_not_cover_it_and_a_copy_hosted_elsewhere(
         Task(key="w", name="w", pieces=((0, 0, 4), (1, 5, 8)), tp_sharded=True, host=(0, 0))
     with pytest.raises(ValueError, match="TP rank 1's copy"):
         Task(key="w@tp1", name="w", pieces=((0, 0, 4),), tp_sharded=False, column=1, host=(0, 0))
+
+
+def test_gate_and_up_are_two_tasks_with_two_hosts():
+    """``--canzona-split-gate-up``: a gated fc1 is two parts, each a contiguous half of every
+    TP shard ([gate_r; up_r]); the whole layout keeps both on the owner's DP rank and puts
+    them on two TP ranks; the largest task is half the fused matrix."""
+    specs = [s for s in qwen3_specs("qwen3-8b", tp_size=4, split_gate_up=True) if ".layers.0." in s.name
+             or ".layers.1." in s.name]
+    fused = [s for s in qwen3_specs("qwen3-8b", tp_size=4) if ".layers.0." in s.name or ".layers.1." in s.name]
+    plan = make_plan(specs, dp_size=2, tp_size=4, layout="whole")
+    fc1 = [s for s in specs if s.name.endswith("linear_fc1.weight")]
+    assert len(fc1) == 2 and all(len(s.parts) == 2 for s in fc1)
+    for spec in fc1:
+        hosts = [h for h in plan.hosts if h.name == spec.name]
+        assert [h.span for h in sorted(hosts, key=lambda h: h.part)] == [(0, spec.numel // 2), (spec.numel // 2, spec.numel)]
+        assert len({h.dp_rank for h in hosts}) == 1 and len({h.tp_rank for h in hosts}) == 2
+    tasks = [t for t in plan_schedule(plan).tasks if t.name.endswith("linear_fc1.weight")]
+    assert len(tasks) == 4 and all(t.numel == t.span[1] - t.span[0] and "#part" in t.key for t in tasks)
+    largest = max(h.cost for h in plan.hosts)
+    fused_plan = make_plan(fused, dp_size=2, tp_size=4, layout="whole")
+    assert largest < 0.6 * max(h.cost for h in fused_plan.hosts)
+    # Two (f, h) updates cost a little more than one (2f, h): the Gram terms are per matrix.
+    assert 1.0 <= sum(h.cost for h in plan.hosts) / sum(h.cost for h in fused_plan.hosts) <= 1.05

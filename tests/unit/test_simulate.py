@@ -323,6 +323,24 @@ def test_cli_reports_both_layouts_against_the_physical_limit(capsys):
     assert report["strategies"]["canzona"]["step_over_limit"] == pytest.approx(steps["canzona"] / limit)
 
 
+def test_cli_split_gate_up_hosts_gate_and_up_apart_for_canzona_only(capsys):
+    """``--split-gate-up``: Canzona's largest task halves, so its limit and step fall at TP 2;
+    Megatron's layer-wise optimizer keeps the fused fc1 and its step is unchanged."""
+    argv = ["--model", "qwen3-1.7b", "--gpus", "64", "--tp", "2", "--json", "--strategies", "canzona",
+            "megatron_layerwise"]
+    reports = []
+    for extra in ([], ["--split-gate-up"]):
+        code, out, _ = run_cli(argv + extra, capsys)
+        assert code == 0
+        reports.append(json.loads(out))
+    fused, split = reports
+    assert split["config"]["split_gate_up"] and not fused["config"]["split_gate_up"]
+    assert split["physical_limit_seconds"] < fused["physical_limit_seconds"]
+    step = lambda r, name: r["strategies"][name]["optimizer_step_seconds"]  # noqa: E731
+    assert step(split, "canzona") < step(fused, "canzona")
+    assert step(split, "megatron_layerwise") == step(fused, "megatron_layerwise")
+
+
 def test_cli_errors_are_one_line(capsys, tmp_path):
     bad = write(tmp_path, "h100.toml", toml_of({**TOY, "gpu": {**TOY["gpu"], "bf16_tflops": "abc"}}))
     code, _, err = run_cli(["--model", "qwen3-tiny", "--gpus", "4", "--cluster", bad], capsys)

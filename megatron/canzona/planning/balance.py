@@ -42,6 +42,7 @@ from .hosts import HostItem, assign_hosts, default_budget, schedule_groups
 from .lean import balanced_homes, lean_buffer, shard_ladder
 from .partition import DEFAULT_ALPHA, check_inputs, check_tp_size, elementwise_buffer
 from .plan import BufferPlan, CanzonaPlan, DPPlan, Host
+from .schedule import within
 from .specs import ParamSpec, matrix_specs
 from .whole import whole_buffer, whole_owners
 
@@ -66,6 +67,8 @@ class _Stage:
 
     mats: list[list[ParamSpec]]
     costs: list[list[float]]
+    parts: list[list[list[float]]]
+    """Per matrix, the cost of each part hosted apart (one part for most: its whole cost)."""
     dp_size: int
     tp_size: int
     alpha: float
@@ -81,11 +84,14 @@ class _Stage:
     def of(cls, mats: list[list[ParamSpec]], cost_model: CostModel, *, dp_size: int, tp_size: int, alpha: float,
            wire: WireConfig, base: tuple[float, ...] = ()) -> _Stage:
         costs = [[cost_model.cost(s) for s in chunk] for chunk in mats]
+        parts = [[cost_model.part_costs(s) for s in chunk] for chunk in mats]
         flat = [(s, c) for chunk, chunk_costs in zip(mats, costs) for s, c in zip(chunk, chunk_costs)]
         work = sum(c * (1 if s.tp_sharded else tp_size) for s, c in flat)
-        bound = max(work / (dp_size * tp_size), max((c for _, c in flat), default=0.0)) or 1.0
+        largest = max((c for chunk in parts for part_costs in chunk for c in part_costs), default=0.0)
+        bound = max(work / (dp_size * tp_size), largest) or 1.0
         byte_scale = sum(s.numel for s, _ in flat) * (wire.grad_bytes + wire.param_bytes) + 1.0
-        return cls(mats, costs, dp_size, tp_size, alpha, wire, bound, byte_scale, base or (0.0,) * (dp_size * tp_size))
+        return cls(mats, costs, parts, dp_size, tp_size, alpha, wire, bound, byte_scale,
+                   base or (0.0,) * (dp_size * tp_size))
 
     def dp_base(self) -> list[float]:
         """Base compute per DP rank, its TP ranks summed."""
@@ -98,7 +104,7 @@ class _Stage:
 
     def hosts(self, buffers: list[BufferPlan]) -> tuple[float, list[HostItem], list[tuple[int, int | None]], list[float]]:
         """Hosts for the layouts ``buffers`` and the plan's score (lower is better)."""
-        items = _host_items(buffers, self.mats)
+        items = _host_items(buffers, self.mats, self.parts)
         rs, ag, messages = collective_bytes(buffers, self.dp_size, self.wire)
         hosts, ranks = assign_hosts(
             items, dp_size=self.dp_size, tp_size=self.tp_size, alpha=self.alpha, wire=self.wire, base_bytes=rs + ag,
@@ -164,6 +170,7 @@ def _whole_fill(stage: _Stage, ranges: list[list[tuple[int, int]]]) -> list[Buff
     owners = whole_owners(
         [c for chunk in stage.costs for c in chunk], [s.numel for s in flat], [s.tp_sharded for s in flat],
         dp_size=stage.dp_size, tp_size=stage.tp_size, alpha=stage.alpha, bound=stage.bound, base=stage.base,
+        parts=[p for chunk in stage.parts for p in chunk],
     )
     buffers, k = [], 0
     for chunk, chunk_costs, chunk_ranges in zip(stage.mats, stage.costs, ranges):
@@ -227,16 +234,22 @@ def _flat_base(base_loads: Sequence[Sequence[float]] | None, dp_size: int, tp_si
     return flat
 
 
-def _host_items(buffers: list[BufferPlan], mats: list[list[ParamSpec]]) -> list[HostItem]:
-    """Every matrix of every chunk, in chunk then buffer order."""
+def _host_items(buffers: list[BufferPlan], mats: list[list[ParamSpec]],
+                parts: list[list[list[float]]]) -> list[HostItem]:
+    """Every matrix of every chunk (every part of one hosted in parts), in chunk then buffer order."""
     items = []
-    for buffer, chunk in zip(buffers, mats):
-        sharded = {s.name: s.tp_sharded for s in chunk}
+    for chunk, (buffer, specs, part_costs) in enumerate(zip(buffers, mats, parts)):
+        by_name = {s.name: (s, c) for s, c in zip(specs, part_costs)}
         for p in buffer.placements:
-            items.append(HostItem(
-                cost=p.cost, dp_rank=p.host, tp_sharded=sharded[p.name],
-                pieces=tuple((d, hi - lo) for d, lo, hi in buffer.pieces(p)),
-            ))
+            spec, costs = by_name[p.name]
+            pieces = buffer.pieces(p)
+            for k, ((lo, hi, _), cost) in enumerate(zip(spec.parts, costs)):
+                span = None if len(costs) == 1 else (lo, hi)
+                items.append(HostItem(
+                    cost=cost if span else p.cost, dp_rank=p.host, tp_sharded=spec.tp_sharded,
+                    pieces=tuple((d, end - start) for d, start, end in within(pieces, lo, hi)),
+                    chunk=chunk, name=p.name, part=k, span=span,
+                ))
     return items
 
 
@@ -245,7 +258,6 @@ def _assemble(
     hosts: list[tuple[int, int | None]], loads: list[float], *, dp_size: int, tp_size: int,
     cost_model: CostModel, alpha: float, bucket_size: int, budget: float | None,
 ) -> CanzonaPlan:
-    names = [(chunk, p.name) for chunk, buffer in enumerate(buffers) for p in buffer.placements]
     costs = [item.cost for item in items]
     # A matrix every TP rank computes is grouped with TP rank 0's work of its DP rank.
     host_rank = [d * tp_size + (t or 0) for d, t in hosts]
@@ -254,10 +266,11 @@ def _assemble(
     local = [item.dp_rank is not None and not item.tp_sharded for item in items]
     groups = schedule_groups(costs, host_rank, budget=budget, at_least_two=not user_budget, local=local)
     entries = [
-        Host(name=name, chunk=chunk, dp_rank=d, tp_rank=t, group=g, cost=c)
-        for (chunk, name), (d, t), g, c in zip(names, hosts, groups, costs)
+        Host(name=item.name, chunk=item.chunk, dp_rank=d, tp_rank=t, group=g, cost=item.cost, part=item.part,
+             span=item.span)
+        for item, (d, t), g in zip(items, hosts, groups)
     ]
-    entries.sort(key=lambda h: (h.group, -h.cost, h.chunk, h.name))
+    entries.sort(key=lambda h: (h.group, -h.cost, h.chunk, h.name, h.part))
     layouts = []
     for chunk, buffer in enumerate(buffers):
         chunk_loads = [0.0] * dp_size

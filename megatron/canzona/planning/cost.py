@@ -160,3 +160,10 @@ class CostModel:
             flops = ADAMW_FLOPS_PER_ELEMENT * spec.global_numel
             return flops * self._seconds_per_flop() if self.calibration else flops
         return sum(self.matrix_cost(m, n) for m, n in spec.matrices)
+
+    def part_costs(self, spec: ParamSpec) -> list[float]:
+        """Cost of each part of ``spec`` hosted apart (:attr:`ParamSpec.parts`); they add up to
+        :meth:`cost`."""
+        if len(spec.parts) == 1:
+            return [self.cost(spec)]
+        return [sum(self.matrix_cost(m, n) for m, n in spec.part_matrices(k)) for k in range(len(spec.parts))]

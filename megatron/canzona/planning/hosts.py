@@ -50,6 +50,14 @@ class HostItem:
     """Whether each TP rank holds a slice (else every TP rank holds it and computes it)."""
     pieces: tuple[tuple[int, int], ...]
     """``(dp_rank, numel)`` per DP shard holding part of it (one entry when whole)."""
+    chunk: int = 0
+    """Model chunk of its parameter."""
+    name: str = ""
+    """Its parameter's name."""
+    part: int = 0
+    """Which part of the parameter (:attr:`~megatron.canzona.planning.specs.ParamSpec.parts`)."""
+    span: tuple[int, int] | None = None
+    """Elements of the local tensor the part covers; ``None``: the whole parameter."""
 
 
 class _Ranks:

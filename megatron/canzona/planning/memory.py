@@ -114,7 +114,7 @@ def rank_memory(
     kinds = dict.fromkeys(STATE_KINDS, 0)
     for h in plan.hosts:
         if h.dp_rank == dp_rank and h.tp_rank in (tp_rank, None):
-            for rows, cols in by_name[(h.chunk, h.name)].matrices:
+            for rows, cols in by_name[(h.chunk, h.name)].part_matrices(h.part):
                 for kind, numel in state.numel(rows, cols).items():
                     kinds[kind] += numel
     for _, buffer in buffers[len(plan.layouts):]:

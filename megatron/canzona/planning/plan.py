@@ -135,6 +135,11 @@ class Host:
     """Micro-group; groups run in increasing order, each one gather, compute, scatter."""
     cost: float
     """Cost of the update in the plan's cost unit."""
+    part: int = 0
+    """Which part of a parameter hosted in parts (gate and up with ``--canzona-split-gate-up``)."""
+    span: tuple[int, int] | None = None
+    """Elements ``[lo, hi)`` of the flattened local tensor this part covers; ``None``: the
+    whole parameter."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +160,8 @@ class CanzonaPlan:
     tp_size: int
     """Tensor-parallel group size."""
     hosts: tuple[Host, ...]
-    """One entry per matrix of every chunk, by micro-group then cost (largest first)."""
+    """One entry per matrix (per part of one hosted in parts) of every chunk, by micro-group
+    then cost (largest first)."""
     budget: float
     """Largest cost one host takes in one micro-group (a single larger matrix goes alone)."""
     experts: CanzonaPlan | None = None
@@ -183,9 +189,9 @@ class CanzonaPlan:
     def num_groups(self) -> int:
         return 1 + max((h.group for h in self.hosts), default=-1)
 
-    def host(self, name: str, chunk: int = 0) -> Host:
+    def host(self, name: str, chunk: int = 0, part: int = 0) -> Host:
         for h in self.hosts:
-            if h.name == name and h.chunk == chunk:
+            if h.name == name and h.chunk == chunk and h.part == part:
                 return h
         raise KeyError(f"no matrix {name} in chunk {chunk} of this plan")
 

@@ -48,6 +48,11 @@ class Task:
     bucket: int = 0
     """Bucket of the chunk's matrix buffer holding the parameter: the task may start once
     that bucket's gradients are reduced."""
+    part: int = 0
+    """Which part of its parameter, for one hosted in parts (gate and up)."""
+    span: tuple[int, int] | None = None
+    """Elements ``[lo, hi)`` of the parameter's flattened local tensor this task covers
+    (``pieces`` count from ``lo``); ``None``: the whole parameter."""
     cost: float = 0.0
     """Cost of the update in the plan's cost unit."""
 
@@ -101,10 +106,12 @@ class Schedule:
                 or (t.host is None and any(h == coord for h, _, _ in t.holders(self.tp_size)))]
 
 
-def task_key(name: str, chunk: int, num_chunks: int, column: int | None = None) -> str:
-    """Unique task name: the parameter name, with its chunk when there are several, and the
-    TP rank for one TP rank's copy of a matrix that is not TP-sharded (TP > 1)."""
+def task_key(name: str, chunk: int, num_chunks: int, column: int | None = None, part: int | None = None) -> str:
+    """Unique task name: the parameter name, with its chunk when there are several, its part
+    when it is hosted in parts, and the TP rank for one TP rank's copy of a matrix that is
+    not TP-sharded (TP > 1)."""
     key = name if num_chunks == 1 else f"chunk{chunk}.{name}"
+    key = key if part is None else f"{key}#part{part}"
     return key if column is None else f"{key}@tp{column}"
 
 
@@ -122,12 +129,26 @@ def plan_schedule(plan: CanzonaPlan, *, synchronous: bool = False) -> Schedule:
         buffer = plan.layouts[h.chunk].matrix
         placement = buffer.placement(h.name)
         sharded = h.tp_rank is not None and plan.tp_size > 1
+        pieces = buffer.pieces(placement)
+        if h.span is not None:
+            pieces = within(pieces, *h.span)
         for column in _columns(sharded, plan.tp_size):
             host = None if synchronous else (h.dp_rank, h.tp_rank if sharded else (column or 0))
-            tasks.append(Task(key=task_key(h.name, h.chunk, chunks, column), name=h.name, chunk=h.chunk,
-                              pieces=buffer.pieces(placement), tp_sharded=sharded, column=column or 0, host=host,
-                              group=h.group, bucket=placement.bucket, cost=h.cost))
+            key = task_key(h.name, h.chunk, chunks, column, None if h.span is None else h.part)
+            tasks.append(Task(key=key, name=h.name, chunk=h.chunk, pieces=pieces, tp_sharded=sharded,
+                              column=column or 0, host=host, group=h.group, bucket=placement.bucket, cost=h.cost,
+                              part=h.part, span=h.span))
     return Schedule(tuple(tasks), plan.tp_size, plan.dp_size)
+
+
+def within(pieces: Sequence[tuple[int, int, int]], lo: int, hi: int) -> tuple[tuple[int, int, int], ...]:
+    """``(dp_rank, start, end)`` of the pieces' overlap with ``[lo, hi)``, counted from ``lo``."""
+    out = []
+    for d, a, b in pieces:
+        start, end = max(a, lo), min(b, hi)
+        if start < end:
+            out.append((d, start - lo, end - lo))
+    return tuple(out)
 
 
 def buffer_schedule(buffers: Sequence[BufferPlan], specs: Sequence[ParamSpec], tp_size: int) -> Schedule:

@@ -76,6 +76,22 @@ class ParamSpec:
         return self.tp_dim is not None and self.tp_size > 1
 
     @property
+    def parts(self) -> tuple[tuple[int, int, tuple[int, int]], ...]:
+        """The parts hosted apart, ``(lo, hi, (m, n))``: elements ``[lo, hi)`` of the flattened
+        local tensor and the global shape of the matrix they rebuild. A gated fc1 split into
+        gate and up (``blocks`` set, ``--canzona-split-gate-up``) has two: each TP shard is
+        ``[gate_r; up_r]``, so each half is one contiguous range of every TP rank's tensor and
+        the TP ranks' halves stack into the global gate (up). Every other parameter is one part."""
+        if self.fused == "gate_up" and len(self.blocks) == 2:
+            half = self.numel // 2
+            return ((0, half, self.blocks[0]), (half, self.numel, self.blocks[1]))
+        return ((0, self.numel, self.global_shape if len(self.global_shape) == 2 else (self.global_numel, 1)),)
+
+    def part_matrices(self, part: int) -> tuple[tuple[int, int], ...]:
+        """The matrices the optimizer computes for part ``part`` (:attr:`parts`)."""
+        return self.matrices if len(self.parts) == 1 else (self.parts[part][2],)
+
+    @property
     def numel(self) -> int:
         """Elements of the local shard: what occupies the data-parallel buffer."""
         return math.prod(self.local_shape)

@@ -33,11 +33,13 @@ from .specs import ParamSpec
 
 def whole_owners(
     costs: Sequence[float], numels: Sequence[int], tp_sharded: Sequence[bool], *, dp_size: int, tp_size: int,
-    alpha: float, bound: float, base: Sequence[float] | None = None,
+    alpha: float, bound: float, base: Sequence[float] | None = None, parts: Sequence[Sequence[float]] | None = None,
 ) -> list[int]:
     """The owning DP rank of each matrix (module docstring). ``costs``: one update's compute;
     ``bound``: the compute lower bound per GPU; ``base``: compute each GPU (index
-    ``dp_rank * tp_size + tp_rank``) already has (its expert work)."""
+    ``dp_rank * tp_size + tp_rank``) already has (its expert work); ``parts``: per matrix, the
+    costs of its parts hosted apart (each TP-sharded part goes to its own least-loaded TP
+    rank of the owner; default: one part)."""
     load = [0.0] * (dp_size * tp_size) if base is None else [float(x) for x in base]
     held = [0.0] * dp_size
     mean = max(1.0, sum(numels) / dp_size)
@@ -45,19 +47,34 @@ def whole_owners(
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], -numels[i], i)):
         best: tuple[float, float, int] | None = None
+        split = [costs[i]] if parts is None else list(parts[i])
         for d in range(dp_size):
             row = load[d * tp_size:(d + 1) * tp_size]
-            after = (min(row) if tp_sharded[i] else max(row)) + costs[i]
+            after = _take(row, split)[1] if tp_sharded[i] else max(row) + costs[i]
             key = (alpha * after / bound + (1 - alpha) * (held[d] + numels[i]) / mean, after, d)
             if best is None or key < best:
                 best = key
         d = best[2]  # type: ignore[index]
         row = range(d * tp_size, (d + 1) * tp_size)
-        for g in ([min(row, key=lambda g: (load[g], g))] if tp_sharded[i] else row):
-            load[g] += costs[i]
+        if tp_sharded[i]:
+            load[d * tp_size:(d + 1) * tp_size] = _take(load[d * tp_size:(d + 1) * tp_size], split)[0]
+        else:
+            for g in row:
+                load[g] += costs[i]
         held[d] += numels[i]
         owners[i] = d
     return owners
+
+
+def _take(row: Sequence[float], parts: Sequence[float]) -> tuple[list[float], float]:
+    """Loads of one DP rank's TP ranks after each part (largest first) goes to the least
+    loaded, and the largest load of a TP rank that took one."""
+    row, after = list(row), 0.0
+    for cost in sorted(parts, reverse=True):
+        g = min(range(len(row)), key=lambda g: (row[g], g))
+        row[g] += cost
+        after = max(after, row[g])
+    return row, after
 
 
 def whole_buffer(

@@ -104,6 +104,11 @@ class MatrixTask:
         return self.task.group
 
     @property
+    def column(self) -> int:
+        """The TP rank whose copy this is, for a matrix that is not TP-sharded."""
+        return self.task.column
+
+    @property
     def numel(self) -> int:
         return self.local_shape[0] * self.local_shape[1]
 

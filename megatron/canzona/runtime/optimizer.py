@@ -30,11 +30,13 @@ from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, Ma
 
 @dataclass(frozen=True)
 class PieceRef:
-    """What a flat matrix shard parameter is: elements ``[lo, hi)`` of a task's local tensor."""
+    """What (part of) a flat matrix shard parameter is: elements ``[lo, hi)`` of a task's
+    local tensor, starting at ``offset`` in the shard."""
 
     key: str
     lo: int
     hi: int
+    offset: int = 0
 
 
 class CanzonaOptimizer(MatrixOptimizer):
@@ -63,16 +65,19 @@ class CanzonaOptimizer(MatrixOptimizer):
         self.last_step_updates: list[str] = []
 
     def bind(
-        self, pieces: Mapping[torch.Tensor, PieceRef], engine: HostGroupEngine,
+        self, pieces: Mapping[torch.Tensor, Sequence[PieceRef]], engine: HostGroupEngine,
         layouts: Mapping[str, FusedLayout | None], names: Mapping[str, str] | None = None,
+        parts: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         """Declare every matrix piece of the param groups and the engine that runs them.
 
-        ``layouts`` gives, per task key, how the host splits the full matrix into separately
-        optimized pieces (Q/K/V, gate/up) or ``None``; ``names`` the parameter name reported
-        for each task key (default: the key)."""
-        refs = {id(p): ref for p, ref in pieces.items()}
-        declared = {(ref.key, ref.lo) for ref in refs.values()}
+        ``pieces``: per flat shard parameter, the task ranges it holds (one, or one per part
+        of a parameter hosted in parts). ``layouts`` gives, per task key, how the host splits
+        the full matrix into separately optimized pieces (Q/K/V, gate/up) or ``None``;
+        ``names`` the parameter name reported for each task key (default: the key);
+        ``parts`` the ``(part, parts)`` of each task hosted in parts."""
+        refs = {id(p): tuple(r) for p, r in pieces.items()}
+        declared = {(ref.key, ref.lo) for rs in refs.values() for ref in rs}
         for group in self.param_groups:
             for p in group["params"]:
                 if group["matrix"] and id(p) not in refs:
@@ -87,6 +92,7 @@ class CanzonaOptimizer(MatrixOptimizer):
             raise ValueError(f"no fused layout given for {missing[:3]}")
         self._refs, self.engine, self._layouts = refs, engine, dict(layouts)
         self._names = dict(names or {})
+        self._parts = dict(parts or {})
         self._tasks = {t.key: t for t in engine.tasks}
 
     # State ---------------------------------------------------------------------------------
@@ -125,6 +131,11 @@ class CanzonaOptimizer(MatrixOptimizer):
         shape = self._tasks[key].full_shape(self._engine().tp_size)
         return [p.shape for p in split_pieces(torch.empty(shape, device="meta"), self._layouts[key])]
 
+    def report_name(self, key: str) -> str:
+        """The parameter name of task ``key``, with ``#part<k>`` for a part hosted apart."""
+        name = self._names.get(key, key)
+        return name if key not in self._parts else f"{name}#part{self._parts[key][0]}"
+
     def _owner_name(self, owner: Any) -> str:
         return self._names.get(owner, owner)
 
@@ -143,7 +154,7 @@ class CanzonaOptimizer(MatrixOptimizer):
     def _update(self) -> None:
         """Every matrix through the host groups, then AdamW where the elementwise ones are."""
         self.last_stats = self._engine().step(self._local_pieces(), self._host_compute)
-        self.last_step_updates = [self._names.get(key, key) for key in self.last_stats.computed]
+        self.last_step_updates = [self.report_name(key) for key in self.last_stats.computed]
         for group in self.param_groups:
             self._step_elementwise(group)
 
@@ -153,12 +164,17 @@ class CanzonaOptimizer(MatrixOptimizer):
             if not group["matrix"]:
                 continue
             for p in group["params"]:
-                ref = self._refs[id(p)]
+                refs = self._refs[id(p)]
                 if p.grad is None:
-                    raise RuntimeError(f"a piece of {ref.key} has no gradient; every rank must step every piece it holds")
-                pieces[(ref.key, ref.lo)] = LocalPiece(
-                    param=p, grad=p.grad, lr=group["lr"], weight_decay=group["weight_decay"]
-                )
+                    raise RuntimeError(f"a piece of {refs[0].key} has no gradient; every rank must step every piece it holds")
+                whole = len(refs) == 1 and refs[0].offset == 0 and refs[0].hi - refs[0].lo == p.numel()
+                for ref in refs:
+                    size = ref.hi - ref.lo
+                    pieces[(ref.key, ref.lo)] = LocalPiece(
+                        param=p if whole else p.narrow(0, ref.offset, size),
+                        grad=p.grad if whole else p.grad.narrow(0, ref.offset, size),
+                        lr=group["lr"], weight_decay=group["weight_decay"],
+                    )
         return pieces
 
     def _host_compute(self, keys: Sequence[str], full_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -219,25 +219,32 @@ def elementwise_chunks(prefix: str, name: str, state: dict, placement: Placement
     return chunks
 
 
-def matrix_chunks(prefix: str, name: str, state: dict, *, main: bool) -> list[StateChunk]:
-    """Chunks of one matrix's state (``{"pieces": [piece state, ...]}``), all whole."""
-    pieces = state.get("pieces")
-    if not pieces:
+def matrix_chunks(prefix: str, name: str, state: dict, *, main: bool, first_piece: int = 0,
+                  pieces: int | None = None) -> list[StateChunk]:
+    """Chunks of one matrix's state (``{"pieces": [piece state, ...]}``), all whole. A part
+    of a matrix hosted apart holds pieces ``first_piece, ...`` of the matrix's ``pieces``
+    (its state tensors are named as if one host held them all)."""
+    states = state.get("pieces")
+    if not states:
         raise ValueError(f"{name}: matrix state has no pieces; create it (init_state) before saving or loading")
+    total = len(states) if pieces is None else pieces
+    if first_piece < 0 or first_piece + len(states) > total:
+        raise ValueError(f"{name}: pieces {first_piece}..{first_piece + len(states) - 1} outside the matrix's {total}")
     chunks = []
-    for index, piece in enumerate(pieces):
+    for index, piece in enumerate(states, start=first_piece):
         for field, value in sorted(piece.items()):
             if isinstance(value, torch.Tensor):
                 chunks.append(StateChunk(
                     key=f"{prefix}{name}.piece{index}.{field}", data=value, global_shape=tuple(value.shape),
                     global_offset=(0,) * value.dim(), main=main, restore=_copy_into(value),
                 ))
-    chunks.append(_step_chunk(f"{prefix}{name}.step", pieces, main=main))
+    chunks.append(_step_chunk(f"{prefix}{name}.step", states, main=main, offset=first_piece, total=total))
     return chunks
 
 
-def _step_chunk(key: str, states: list[dict], *, main: bool) -> StateChunk:
-    """The step counters of ``states`` as one int64 tensor (restored as Python ints)."""
+def _step_chunk(key: str, states: list[dict], *, main: bool, offset: int = 0, total: int | None = None) -> StateChunk:
+    """The step counters of ``states`` as one int64 tensor (restored as Python ints): elements
+    ``offset, ...`` of a global tensor of ``total`` counters."""
     steps = torch.tensor([int(s.get("step", 0)) for s in states], dtype=torch.int64)
 
     def restore(values: torch.Tensor) -> None:
@@ -248,5 +255,6 @@ def _step_chunk(key: str, states: list[dict], *, main: bool) -> StateChunk:
             state["step"] = step
 
     return StateChunk(
-        key=key, data=steps, global_shape=tuple(steps.shape), global_offset=(0,), main=main, restore=restore,
+        key=key, data=steps, global_shape=(len(states) if total is None else total,), global_offset=(offset,),
+        main=main, restore=restore,
     )

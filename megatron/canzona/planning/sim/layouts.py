@@ -15,8 +15,9 @@ from ..schedule import Schedule, buffer_schedule, plan_schedule
 from ..specs import ParamSpec
 from .step import SimTask
 
-Seconds = Callable[[ParamSpec], float]
-"""Seconds of one whole update of a parameter's matrices on one rank."""
+Seconds = Callable[..., float]
+"""``(spec, part=None) -> seconds`` of one whole update of a parameter's matrices (of one of
+its parts hosted apart) on one rank."""
 RankOf = Callable[[int, int], int]
 """Stage rank of a ``(dp_rank, tp_rank)`` of a plan's grid."""
 TaskBuilder = Callable[[BufferPlan, list[ParamSpec], RankOf, int], list[SimTask]]
@@ -92,9 +93,13 @@ def sim_tasks(schedule: Schedule, specs: Sequence[ParamSpec], seconds: Seconds, 
     """The schedule's tasks (:mod:`..schedule`) on the stage's ranks, each with its update's
     seconds: what the simulator runs."""
     by_key = _spec_map(specs)
-    return [SimTask(t.name, tuple((rank(*coord), hi - lo) for coord, lo, hi in t.holders(schedule.tp_size)),
-                    None if t.host is None else rank(*t.host), seconds(by_key[(t.chunk, t.name)]), t.group)
-            for t in schedule.tasks]
+    out = []
+    for t in schedule.tasks:
+        spec = by_key[(t.chunk, t.name)]
+        out.append(SimTask(t.name, tuple((rank(*coord), hi - lo) for coord, lo, hi in t.holders(schedule.tp_size)),
+                           None if t.host is None else rank(*t.host),
+                           seconds(spec) if t.span is None else seconds(spec, t.part), t.group))
+    return out
 
 
 def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,

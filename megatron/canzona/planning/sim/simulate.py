@@ -273,12 +273,19 @@ BUILDERS: dict[str, Callable[[_Context], Work]] = {
 
 
 def seconds_per_update(cost_model: CostModel, cluster: ClusterSpec) -> Seconds:
-    """Seconds of one parameter's whole update on one rank: the calibration's, or its FLOPs
-    at the cluster's optimizer throughput plus its momentum at the memory bandwidth."""
-    if cost_model.calibration is not None:
-        return cost_model.cost
+    """Seconds of one parameter's whole update (of one of its parts hosted apart) on one rank:
+    the calibration's, or its FLOPs at the cluster's optimizer throughput plus its momentum at
+    the memory bandwidth."""
     rate, memory = cluster.gpu.optimizer_flops_per_s, cluster.gpu.memory_bytes_per_s
-    return lambda spec: cost_model.cost(spec) / rate + MOMENTUM_BYTES_PER_ELEMENT * spec.global_numel / memory
+
+    def seconds(spec: ParamSpec, part: int | None = None) -> float:
+        if part is None or len(spec.parts) == 1:
+            cost, numel = cost_model.cost(spec), spec.global_numel
+        else:
+            cost, numel = cost_model.part_costs(spec)[part], spec.global_numel // len(spec.parts)
+        return cost if cost_model.calibration is not None else cost / rate + MOMENTUM_BYTES_PER_ELEMENT * numel / memory
+
+    return seconds
 
 
 def _check(strategy: str, dp_size: int, tp_size: int, ep_size: int, expert_tp_size: int, pp_size: int) -> Grid:
