@@ -5,6 +5,7 @@
     python tools/bench_step.py --dp 4 --layers 4 --hidden 512 --steps 8 --rounds 4 --json step.json
     python tools/bench_step.py --tp 2 --dp 1 --gantt step_tp2.png    # tensor parallelism
     python tools/bench_step.py --moe --dp 4 --ep 2 --layers 2 --hidden 256   # mixture of experts
+    python tools/bench_step.py --iteration --bucket-size 1000000   # exposed optimizer time per iteration
 
 Every variant trains the same Qwen3-like GPT (QK-norm, SwiGLU, GQA) with Megatron-Core's
 DDP on gloo, one process and one torch thread per DP rank, and times ``optimizer.step()``
@@ -27,6 +28,12 @@ duplicated``, Megatron's exact-math TP mode: every TP rank all-gathers and compu
 per step and rank on the TP group are measured for Canzona's two modes and computed from the
 shapes for Megatron's all-gathers (at TP 1, Canzona's host-group bytes: non-zero only for
 matrices split across DP shards). ``--gantt FILE.png`` draws one async step per rank.
+
+``--iteration`` times whole iterations instead (``zero_grad`` -> forward/backward with
+``--overlap-grad-reduce`` -> step -> the next forward, ``--overlap-param-gather`` for the
+distributed optimizers): per iteration, the exposed optimizer time from the end of backward
+(the embedding's gradient) to the next forward's first transformer layer, which holds the
+gradient reduce-scatter's tail, clipping, the step and any parameter all-gather not hidden.
 
 Prints the median step time of each variant, its ratios to ``sync`` and to ``megatron``,
 the ideal ``canzona / sync`` (1/DP for a dense model at TP 1), the matrices each rank
@@ -112,11 +119,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--moe-ffn-hidden", type=int, default=None,
                         help="with --moe: each expert's SwiGLU size (default: hidden / 2)")
     parser.add_argument("--moe-topk", type=int, default=2, help="with --moe: experts per token")
+    parser.add_argument("--iteration", action="store_true",
+                        help="time the exposed optimizer time of whole iterations instead: from the end of "
+                        "backward to the next forward's first transformer layer, with --overlap-grad-reduce and "
+                        "(distributed optimizers) --overlap-param-gather")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a hung launch fails")
     parser.add_argument("--json", metavar="FILE", help="also write the JSON result here")
     args = parser.parse_args(argv)
     if args.dp < 1 or args.tp < 1:
         parser.error(f"--dp {args.dp} and --tp {args.tp} must be at least 1")
+    if args.iteration and (args.gantt or args.moe):
+        parser.error("--iteration times the dense model without --gantt; drop --moe/--gantt")
     if args.gantt and (args.tp == 1 or args.moe):
         parser.error("--gantt draws the dense TP pipeline: add --tp 2, without --moe")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
@@ -157,7 +170,9 @@ def runs_for(args: argparse.Namespace) -> list[TinyRun]:
         TinyRun(
             optimizer=optimizer, tp_mode=tp_mode, tp_size=args.tp, canzona_layout=layout,
             layout="canzona" if optimizer == "muon" else "megatron",
-            num_steps=args.warmup + args.steps, global_batch=global_batch, micro_batch=2,
+            num_steps=args.warmup + args.steps + (1 if args.iteration else 0), global_batch=global_batch,
+            micro_batch=2, overlap_grad_reduce=args.iteration, time_iteration=args.iteration,
+            overlap_param_gather=args.iteration and optimizer not in ("sync_muon", "megatron_muon"),
             lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
             ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha,
             **(dict(num_experts=args.num_experts, ep_size=args.ep, moe_ffn_hidden=args.moe_ffn_hidden,
@@ -171,6 +186,29 @@ def runs_for(args: argparse.Namespace) -> list[TinyRun]:
 def step_times(per_rank: list[dict], warmup: int) -> list[float]:
     """Per timed step, the slowest rank's ``optimizer.step()`` seconds."""
     return [max(steps) for steps in zip(*(r["step_seconds"] for r in per_rank))][warmup:]
+
+
+def exposed_times(per_rank: list[dict], warmup: int) -> list[float]:
+    """Per timed iteration, the slowest rank's exposed optimizer seconds: from the end of its
+    backward (its last micro-batch's) to its next forward's first transformer layer. One
+    micro-batch per rank and iteration here, so mark k belongs to iteration k."""
+    per_rank_exposed = []
+    for r in per_rank:
+        marks = r["iteration_marks"]
+        ends, starts = marks["backward_end"], marks["forward_start"]
+        if len(starts) != len(ends):
+            raise RuntimeError(f"{len(starts)} forward marks against {len(ends)} backward marks; one micro-batch "
+                               "per rank and iteration is what --iteration times")
+        per_rank_exposed.append([start - end for end, start in zip(ends, starts[1:])])
+    return [max(times) for times in zip(*per_rank_exposed)][warmup:]
+
+
+def forward_backward_times(per_rank: list[dict], warmup: int) -> list[float]:
+    """Per timed iteration, the slowest rank's forward and backward: from its first
+    transformer layer's forward to the end of its backward."""
+    per_rank_times = [[end - start for start, end in zip(r["iteration_marks"]["forward_start"],
+                                                          r["iteration_marks"]["backward_end"])] for r in per_rank]
+    return [max(times) for times in zip(*per_rank_times)][warmup:]
 
 
 def megatron_duplicated_bytes(params: dict, args: argparse.Namespace) -> float:
@@ -294,6 +332,9 @@ def draw_gantt(per_rank: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The ranks inherit it: Megatron's and torch's notices (deprecations, CPU fallbacks) say
+    # nothing about the timings printed below.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning")
     runs = runs_for(args)
     moe = (f"; {args.num_experts} experts (ffn {args.moe_ffn_hidden}, top {args.moe_topk}) over EP {args.ep}"
            if args.moe else f", ffn {args.ffn_hidden}")
@@ -307,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(len(runs)):
         name = names[i % len(names)]
         last[name] = [rank[i] for rank in per_rank]
-        rounds[name].append(step_times(last[name], args.warmup))
+        rounds[name].append((exposed_times if args.iteration else step_times)(last[name], args.warmup))
     report = summarize(args, rounds, last)
     report["wall_seconds"] = time.perf_counter() - start
     print_table(report, names)
@@ -333,6 +374,8 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
         "model": {"layers": args.layers, "hidden": args.hidden, "ffn_hidden": None if args.moe else args.ffn_hidden},
         "moe": {"num_experts": args.num_experts, "ep_size": args.ep, "expert_dp_size": expert_dp_size(args),
                 "moe_ffn_hidden": args.moe_ffn_hidden, "topk": args.moe_topk} if args.moe else None,
+        "measured": ("exposed optimizer time per iteration: end of backward to the next forward's first layer, "
+                     "overlapped grad reduce and param gather" if args.iteration else "optimizer.step() after a barrier"),
         "timed_steps_per_variant": args.rounds * args.steps,
         "median_step_ms": {name: 1e3 * m for name, m in medians.items()},
         "round_step_ms": {name: [[1e3 * t for t in r] for r in times] for name, times in rounds.items()},
@@ -345,6 +388,9 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
         "machine": machine(),
     }
     plans = [plan] if plan.experts is None else [plan, plan.experts]
+    if args.iteration:  # what the simulator needs to place the overlapped collectives (validate_simulate.py)
+        report["median_forward_backward_ms"] = {
+            name: 1e3 * statistics.median(forward_backward_times(last[name], args.warmup)) for name in last}
     report["split_matrices"] = sum(p.host is None for part in plans for p in part.dp.matrix.placements)
     if args.moe:  # tiny_gpt reports the bytes of one Canzona optimizer, not of a dense + expert chain
         report["host_group_bytes_per_rank_step"] = None
@@ -360,7 +406,8 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
 
 def print_table(report: dict, names: list[str]) -> None:
     matrices = report["matrices_per_rank_step"]
-    print(f"{'variant':<12} {'median step (ms)':>17} {'/ sync':>8} {'/ megatron':>11} {'matrices/rank':>14} "
+    column = "exposed (ms)" if report["measured"].startswith("exposed") else "median step (ms)"
+    print(f"{'variant':<12} {column:>17} {'/ sync':>8} {'/ megatron':>11} {'matrices/rank':>14} "
           f"{'host-group bytes/rank':>22}")
     for name in names:
         sent = (report["host_group_bytes_per_rank_step"] or {}).get(name)

@@ -7,6 +7,7 @@
     python tools/validate_simulate.py --json validate.json       # ~8 min on 2 cores, waits for quiet first
     python tools/validate_simulate.py --reuse a.json b.json c.json  # predictions again; median of the runs
     python tools/validate_simulate.py --gb300-only               # the published-figure check alone
+    python tools/validate_simulate.py --iteration --cases 2x1 2x2 --no-in-situ   # exposed optimizer time per iteration
 
 Part 1 runs tools/bench_step.py (a subprocess per case: DP 2, DP 4, TP 2, TP 2 x DP 2 on
 gloo) and predicts the same optimizer steps with megatron.canzona.planning.sim from the
@@ -66,6 +67,7 @@ from megatron.canzona.planning import (  # noqa: E402
 from megatron.canzona.planning.sim import (  # noqa: E402
     ClusterSpec,
     StrategyResult,
+    Workload,
     load_calibration,
     load_cluster,
     simulate,
@@ -116,7 +118,8 @@ def tiny_gpt_specs(layers: int, hidden: int, ffn_hidden: int, tp_size: int) -> l
     return [dataclasses.replace(s, global_shape=(VOCAB, hidden)) if s.name in vocab_rows else s for s in specs]
 
 
-def layerwise_plans(specs: list[ParamSpec], dp_size: int, tp_size: int, ep_size: int = 1, expert_tp_size: int = 1):
+def layerwise_plans(specs: list[ParamSpec], dp_size: int, tp_size: int, ep_size: int = 1, expert_tp_size: int = 1,
+                    bucket_size: int | None = None):
     """Megatron-Core's own layer-wise layouts (dense, expert), as tools/simulate.py builds them."""
     from canzona_patches.version import quiet_megatron_notices
 
@@ -124,12 +127,30 @@ def layerwise_plans(specs: list[ParamSpec], dp_size: int, tp_size: int, ep_size:
     from canzona_patches.layerwise_baseline import plan_megatron_layerwise_stage
 
     return plan_megatron_layerwise_stage(specs, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size,
-                                         expert_tp_size=expert_tp_size, cost_model=CostModel(kind="muon"))
+                                         expert_tp_size=expert_tp_size, cost_model=CostModel(kind="muon"),
+                                         bucket_size=bucket_size)
 
 
-def timed_seconds(result: StrategyResult) -> float:
-    """What bench_step times: the step and the (not overlapped) parameter all-gather."""
-    return result.optimizer_step_seconds + result.param_gather_seconds
+def timed_seconds(result: StrategyResult, variant: str = "canzona", iteration: bool = False) -> float:
+    """What bench_step times: the step and the (not overlapped) parameter all-gather; with
+    ``iteration`` (``bench_step --iteration``) the exposed optimizer time from the end of
+    backward to the next forward, whose parameter all-gather overlaps that forward for the
+    distributed optimizers (Canzona's) and runs inside Megatron's layer-wise step."""
+    if not iteration:
+        return result.optimizer_step_seconds + result.param_gather_seconds
+    if variant == "megatron":
+        return result.grad_reduce_exposed_seconds + result.optimizer_step_seconds + result.param_gather_seconds
+    return result.exposed_optimizer_seconds
+
+
+def iteration_workload(dp_size: int, forward_backward_s: float, cluster: ClusterSpec) -> Workload:
+    """bench_step's iteration (one micro-batch of 2 sequences per DP rank) with the measured
+    forward and backward: the simulator is checked on what the optimizer adds, not on MFU."""
+    from tests.multirank.tiny_gpt import SEQ_LEN
+
+    tokens = 2 * SEQ_LEN
+    per_token = forward_backward_s * cluster.gpu.bf16_tflops * 1e12 * cluster.mfu / tokens
+    return Workload(global_batch=2 * dp_size, micro_batch=2, seq_length=SEQ_LEN, flops_per_token=per_token)
 
 
 def at_speed(calibration: Calibration, cluster: ClusterSpec, factor: float) -> tuple[Calibration, ClusterSpec]:
@@ -140,25 +161,33 @@ def at_speed(calibration: Calibration, cluster: ClusterSpec, factor: float) -> t
 
 
 def predict_case(specs: list[ParamSpec], dp_size: int, tp_size: int, cluster: ClusterSpec, calibration: Calibration,
-                 alpha: float, factors: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
+                 alpha: float, factors: dict[str, float] | None = None, *, bucket_size: int | None = None,
+                 forward_backward: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
     """Per variant: the predicted timed seconds and the terms they are made of; with the FLOP
-    formula instead of the calibration; and with compute at ``factors`` (the in-situ speed)."""
-    plans = layerwise_plans(specs, dp_size, tp_size)
+    formula instead of the calibration; and with compute at ``factors`` (the in-situ speed).
+    ``forward_backward`` (seconds per variant, measured): predict ``bench_step --iteration``'s
+    exposed optimizer time, the collectives overlapping a backward that long."""
+    plans = layerwise_plans(specs, dp_size, tp_size, bucket_size=bucket_size)
+    iteration = forward_backward is not None
     out = {}
     for variant in VARIANTS:
         strategy = strategy_of(variant, tp_size)
         kw = dict(strategy=strategy, dp_size=dp_size, tp_size=tp_size, optimizer="muon", wire=WIRE, alpha=alpha,
-                  plan=plans[0] if strategy == "megatron_layerwise" else None)
+                  plan=plans[0] if strategy == "megatron_layerwise" else None, bucket_size=bucket_size,
+                  workload=iteration_workload(dp_size, forward_backward[variant], cluster) if iteration else None)
         r = simulate(specs, cluster=cluster, calibration=calibration, **kw)
         row: dict[str, Any] = {
-            "strategy": strategy, "seconds": timed_seconds(r), "step_compute_seconds": r.step_compute_seconds,
+            "strategy": strategy, "seconds": timed_seconds(r, variant, iteration),
+            "step_compute_seconds": r.step_compute_seconds,
             "step_comm_exposed_seconds": r.step_comm_exposed_seconds, "param_gather_seconds": r.param_gather_seconds,
             "optimizer_step_seconds": r.optimizer_step_seconds, "compute_slowdown": r.details.get("compute_slowdown"),
-            "formula_seconds": timed_seconds(simulate(specs, cluster=cluster, calibration=None, **kw)),
+            "grad_reduce_exposed_seconds": r.grad_reduce_exposed_seconds,
+            "formula_seconds": timed_seconds(simulate(specs, cluster=cluster, calibration=None, **kw), variant, iteration),
         }
         if factors:
             cal, fast = at_speed(calibration, cluster, factors[variant])
-            row["in_situ_seconds"] = timed_seconds(simulate(specs, cluster=fast, calibration=cal, **kw))
+            row["in_situ_seconds"] = timed_seconds(simulate(specs, cluster=fast, calibration=cal, **kw), variant,
+                                                   iteration)
         out[variant] = row
     return out
 
@@ -186,7 +215,8 @@ def bench_step_once(dp_size: int, tp_size: int, args: argparse.Namespace, copies
         paths = [os.path.join(tmp, f"step{k}.json") for k in range(copies)]
         cmds = [[sys.executable, os.path.join(ROOT, "tools", "bench_step.py"), "--dp", str(dp_size), "--tp",
                  str(tp_size), "--layers", str(args.layers), "--hidden", str(args.hidden), "--steps", str(args.steps),
-                 "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--json", path] for path in paths]
+                 "--rounds", str(args.rounds), "--warmup", str(args.warmup), *bench_step_extra(args), "--json", path]
+                for path in paths]
         print(f"[validate] {copies} x {' '.join(cmds[0][1:-2])} (1-min load {loads[-1]:.2f})", file=sys.stderr,
               flush=True)
         busy, own, start = busy_cpu_seconds(), children_cpu_seconds(), time.monotonic()
@@ -205,6 +235,12 @@ def bench_step_once(dp_size: int, tp_size: int, args: argparse.Namespace, copies
     for report in reports:
         report.update(load_average_1min_before=loads[-1], load_average_1min_waited=loads[:-1], foreign_cores=foreign)
     return reports
+
+
+def bench_step_extra(args: argparse.Namespace) -> list[str]:
+    """bench_step's flags for ``--iteration`` and ``--bucket-size``."""
+    out = ["--iteration"] if args.iteration else []
+    return out + (["--bucket-size", str(args.bucket_size)] if args.bucket_size else [])
 
 
 def run_bench_step(dp_size: int, tp_size: int, args: argparse.Namespace, copies: int = 1) -> list[dict[str, Any]]:
@@ -321,7 +357,10 @@ def validate(args: argparse.Namespace, clusters: list[ClusterSpec], calibration:
         runs = (reused or {}).get(f"{dp_size}x{tp_size}") or [run_bench_step(dp_size, tp_size, args)[0]]
         specs = tiny_gpt_specs(args.layers, args.hidden, args.ffn_hidden, tp_size)
         cluster = pick_cluster(clusters, dp_size * tp_size)
-        predicted = predict_case(specs, dp_size, tp_size, cluster, calibration, args.alpha, factors)
+        forward_backward = ({v: statistics.median(r["median_forward_backward_ms"][v] for r in runs) / 1e3
+                             for v in VARIANTS} if args.iteration else None)
+        predicted = predict_case(specs, dp_size, tp_size, cluster, calibration, args.alpha, factors,
+                                 bucket_size=args.bucket_size, forward_backward=forward_backward)
         row: dict[str, Any] = {"dp_size": dp_size, "tp_size": tp_size, "cluster": cluster.name, "variants": {},
                                "bench_steps": runs}
         rounds = {v: round_medians(runs, v) for v in VARIANTS}
@@ -487,8 +526,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="take the measurements from earlier --json files instead of running (several: their median)")
     p.add_argument("--gb300-only", action="store_true", help="only the Megatron-LM #6676 check (no measurements)")
     p.add_argument("--gb300-models", nargs="+", default=list(GB300_MODELS), help="models for the #6676 check")
+    p.add_argument("--iteration", action="store_true",
+                   help="validate bench_step --iteration: the exposed optimizer time per iteration (end of backward "
+                   "to the next forward), grad reduce and param gather overlapped; no in-situ runs")
+    p.add_argument("--bucket-size", type=int, default=None,
+                   help="bench_step --bucket-size (default: Megatron's; 1000000 with --iteration, so buckets overlap)")
     p.add_argument("--json", metavar="FILE", help="also write everything as JSON")
     args = p.parse_args(argv)
+    if args.iteration:
+        args.in_situ = False  # its DP 1 factors are for the step alone
+        args.bucket_size = args.bucket_size or 1_000_000
     try:
         args.cases = [tuple(int(x) for x in case.lower().split("x")) for case in args.cases]
     except ValueError:
@@ -525,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.in_situ:
             report["in_situ"] = in_situ(args, clusters, calibration, (reused or {}).get("in_situ") or None)
             factors = {v: f["pair"] for v, f in report["in_situ"]["factors"].items()}
-        print(f"bench_step's optimizer step, predicted (clusters {', '.join(c.name for c in clusters)}, calibration "
+        measured = "exposed optimizer time per iteration" if args.iteration else "optimizer step"
+        print(f"bench_step's {measured}, predicted (clusters {', '.join(c.name for c in clusters)}, calibration "
               f"{os.path.basename(args.calibration)}) against measured; {args.layers} layers, hidden {args.hidden}")
         print(TABLE_HEADER)
         report["cases"] = validate(args, clusters, calibration, factors, reused)

@@ -68,9 +68,10 @@ def _run(optimizer: str, tp_size: int = 1, **overrides) -> TinyRun:
 
 def _overlap_pair() -> list[TinyRun]:
     """Muon over 5 steps, clipped (the norm is ~1 here) and with a NaN at step 2, with the
-    bucket collectives overlapped and blocking."""
-    run = _run("muon", num_steps=5, clip_grad=0.05, nan_grad_at_step=2, return_state=True)
-    return [run, replace(run, overlap_grad_reduce=False)]
+    bucket collectives overlapped (reduce-scatters with backward, all-gathers with the next
+    forward) and blocking."""
+    run = _run("muon", num_steps=5, clip_grad=0.05, nan_grad_at_step=2, return_state=True, overlap_param_gather=True)
+    return [run, replace(run, overlap_grad_reduce=False, overlap_param_gather=False)]
 
 
 def _launch(world_size: int, runs: list[TinyRun]) -> list[list[dict]]:

@@ -58,6 +58,13 @@ class TinyRun:
     """Sequences per micro-batch; each DP rank accumulates global/(dp*micro) of them."""
     overlap_grad_reduce: bool = False
     """Megatron DDP's overlap of bucket reduce-scatters with backward."""
+    overlap_param_gather: bool = False
+    """Megatron DDP's overlap of bucket parameter all-gathers with the next forward
+    (distributed optimizers only: Canzona's and Megatron's Adam)."""
+    time_iteration: bool = False
+    """Record, per iteration, when backward ends (the embedding's gradient) and when the next
+    forward reaches the first transformer layer (``iteration_marks``); no barrier before the
+    step and no loss all-reduce, so nothing but the optimizer's own work lies between them."""
     bucket_size: int | None = None
     """DDP bucket size in elements; None keeps Megatron's default (one bucket here)."""
     layout: str = "megatron"
@@ -126,6 +133,8 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
         losses, grad_norms, step_seconds, applied = map(list, zip(
             *(_train_step(run, ddp_model, optimizer, step, syncs) for step in range(run.num_steps))
         ))
+        if run.overlap_param_gather:  # the last step's all-gather waits for a next forward: force it, as
+            ddp_model.disable_forward_pre_hook()  # Megatron does before evaluation and checkpoints
         return {
             "params": _full_params(model),
             "losses": list(losses),
@@ -138,6 +147,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "plan": None if plan is None else plan.to_json(),
             "host_syncs": syncs,
             "state": _optimizer_state(optimizer) if run.return_state else None,
+            "iteration_marks": {k: list(v) for k, v in ITERATION_MARKS.items()} if run.time_iteration else None,
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -186,6 +196,7 @@ def _build(run: TinyRun):
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=run.optimizer != "sync_muon",
         overlap_grad_reduce=run.overlap_grad_reduce,
+        overlap_param_gather=run.overlap_param_gather,
         grad_reduce_in_fp32=True,
         bucket_size=run.bucket_size,
     )
@@ -195,7 +206,24 @@ def _build(run: TinyRun):
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp_model.no_sync
     optimizer = _optimizer(run, ddp_model, OptimizerConfig, get_megatron_optimizer, plan)
+    if run.time_iteration:
+        _mark_iterations(model)
     return model, ddp_model, optimizer, plan
+
+
+ITERATION_MARKS: dict[str, list[float]] = {"backward_end": [], "forward_start": []}
+"""This process's ``time.perf_counter()`` marks of :attr:`TinyRun.time_iteration` runs."""
+
+
+def _mark_iterations(model: torch.nn.Module) -> None:
+    """Marks at the end of backward (the embedding's gradient is the last one computed) and at
+    the first transformer layer's forward (after any parameter all-gather it waits for)."""
+    for marks in ITERATION_MARKS.values():
+        marks.clear()
+    embedding = model.embedding.word_embeddings.weight
+    embedding.register_hook(lambda grad: ITERATION_MARKS["backward_end"].append(time.perf_counter()))
+    model.decoder.layers[0].register_forward_pre_hook(
+        lambda module, args: ITERATION_MARKS["forward_start"].append(time.perf_counter()))
 
 
 def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer, plan):
@@ -393,9 +421,13 @@ def _moe_config(run: TinyRun) -> dict[str, Any]:
 
 
 def _gpt_model(config):
+    import logging
+
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    # Its deprecation notice (one per model built) says nothing about these runs.
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
     return GPTModel(
         config,
         get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=True,
@@ -490,7 +522,8 @@ def _train_step(run: TinyRun, ddp_model, optimizer, step: int, syncs: list | Non
     if step == run.nan_grad_at_step and dist.get_rank() == 0:
         for buffer in ddp_model.buffers:
             buffer.grad_data.fill_(float("nan"))
-    dist.barrier()
+    if not run.time_iteration:
+        dist.barrier()
     start = time.perf_counter()
     if run.count_syncs:
         from .host_syncs import count_host_syncs
@@ -503,6 +536,8 @@ def _train_step(run: TinyRun, ddp_model, optimizer, step: int, syncs: list | Non
         update_ok, grad_norm, _ = optimizer.step()
     seconds = time.perf_counter() - start
     local_mean = torch.stack([out["loss"] for out in outputs]).mean()
+    if run.time_iteration:  # this rank's loss only: no collective between step and next forward
+        return float(local_mean), float("nan") if grad_norm is None else float(grad_norm), seconds, bool(update_ok)
     dist.all_reduce(local_mean, group=parallel_state.get_data_parallel_group())
     loss = float(local_mean) / parallel_state.get_data_parallel_world_size()
     return loss, float("nan") if grad_norm is None else float(grad_norm), seconds, bool(update_ok)

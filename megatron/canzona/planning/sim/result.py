@@ -58,8 +58,16 @@ class StrategyResult:
     timeline: tuple[Segment, ...] = ()
     """Per-rank spans of one iteration, for a Gantt chart."""
 
+    @property
+    def exposed_optimizer_seconds(self) -> float:
+        """What the iteration spends between the end of backward and the first forward layer
+        (``tools/bench_step.py --iteration``): the gradient reduction's exposed tail, the
+        step, and the part of the parameter all-gather the next forward waits for."""
+        return self.grad_reduce_exposed_seconds + self.optimizer_step_seconds + self.param_gather_exposed_seconds
+
     def to_dict(self, with_timeline: bool = False) -> dict[str, Any]:
         out = {k: v for k, v in vars(self).items() if k != "timeline"}
+        out["exposed_optimizer_seconds"] = self.exposed_optimizer_seconds
         if with_timeline:
             out["timeline"] = [vars(s) for s in self.timeline]
         return out

@@ -1,0 +1,49 @@
+"""tools/bench_step.py --iteration: the exposed optimizer time read off the iteration marks."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from tools import bench_step
+    finally:
+        sys.path.remove(str(ROOT))
+    return bench_step
+
+
+def _rank(forward_start: list[float], backward_end: list[float]) -> dict:
+    return {"iteration_marks": {"forward_start": forward_start, "backward_end": backward_end}}
+
+
+def test_exposed_time_runs_from_backward_end_to_the_next_forward_on_the_slowest_rank(bench):
+    fast = _rank([0.0, 1.5, 3.0, 4.5], [1.0, 2.5, 4.0, 5.5])  # 0.5 s exposed per iteration
+    slow = _rank([0.0, 1.7, 3.1, 4.9], [1.0, 2.5, 4.0, 5.5])  # 0.7, 0.6, 0.9
+    assert bench.exposed_times([fast, slow], warmup=0) == pytest.approx([0.7, 0.6, 0.9])
+    assert bench.exposed_times([fast, slow], warmup=1) == pytest.approx([0.6, 0.9])
+    assert bench.forward_backward_times([fast, slow], warmup=0) == pytest.approx([1.0, 1.0, 1.0, 1.0])
+    assert bench.forward_backward_times([slow], warmup=0) == pytest.approx([1.0, 0.8, 0.9, 0.6])
+
+
+def test_marks_of_several_micro_batches_are_refused(bench):
+    with pytest.raises(RuntimeError, match="one micro-batch"):
+        bench.exposed_times([_rank([0.0, 0.3, 1.5], [1.0, 2.5])], warmup=0)
+
+
+def test_iteration_flag_checks(bench):
+    args = bench.parse_args(["--iteration", "--bucket-size", "1000000"])
+    runs = bench.runs_for(args)
+    assert all(r.time_iteration and r.overlap_grad_reduce for r in runs)
+    assert {r.optimizer: r.overlap_param_gather for r in runs} == {
+        "muon": True, "sync_muon": False, "megatron_muon": False}
+    assert all(r.num_steps == args.warmup + args.steps + 1 for r in runs)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--iteration", "--moe"])
