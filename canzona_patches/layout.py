@@ -15,6 +15,7 @@ Hooks (megatron-core 0.19.2):
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,6 +154,28 @@ DEFAULT_CLUSTERS = {True: "h100-ib400", False: "cpu-gloo-local"}
 the H100 preset, on CPU this machine's gloo probe (``tools/probe_gloo.py``)."""
 
 
+def local_world_size() -> int | None:
+    """Processes on this node, as the launcher says (``LOCAL_WORLD_SIZE``: torchrun, our
+    launcher and the SLURM scripts set it); ``None`` when unknown."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def node_note(tp_size: int, ep_size: int = 1, expert_tp_size: int = 1) -> str | None:
+    """A warning when a tensor-parallel group spans nodes: a matrix's host is a TP rank of its
+    DP owner, so its gathers stay on NVLink only while every TP group lies in one node
+    (Megatron orders ranks TP fastest, so TP size dividing the node size is enough)."""
+    node = local_world_size()
+    if node is None:
+        return None
+    for name, size in (("--tensor-model-parallel-size", tp_size), ("--expert-tensor-parallel-size", expert_tp_size)):
+        if size > 1 and node % size:
+            return (f"[canzona] warning: {name} {size} does not divide the {node} processes of a node "
+                    f"(LOCAL_WORLD_SIZE): host-group gathers cross the inter-node network; choose a TP size "
+                    f"that divides the GPUs per node")
+    return None
+
+
 def build_canzona_plan(
     model_chunks: Sequence[torch.nn.Module], ddp_config: Any, cfg: Any, *, dp_size: int, tp_size: int,
     ep_size: int = 1, expert_tp_size: int = 1, workload: Workload | None = None,
@@ -196,8 +219,10 @@ def build_canzona_plan(
     if len(plans) == 1:
         return next(iter(plans.values())), specs, None
     cluster = load_cluster(cfg.cluster or DEFAULT_CLUSTERS[torch.cuda.is_available()])
-    if cfg.cluster is None and not torch.cuda.is_available():  # every process of a CPU run is on this machine
-        cluster = dataclasses.replace(cluster, gpus_per_node=max(cluster.gpus_per_node, dp_size * tp_size))
+    if cfg.cluster is None:  # the preset's node size is a guess; the launcher's is the run's
+        node = local_world_size() or (None if torch.cuda.is_available() else dp_size * tp_size)
+        if node is not None:
+            cluster = dataclasses.replace(cluster, gpus_per_node=node)
     results = project_layouts(specs, plans, cluster=cluster, optimizer=cfg.optimizer, wire=wire, workload=workload)
     choice = faster_layout(results)
     return plans[choice], specs, layout_line(choice, results, cluster, iteration=workload is not None)

@@ -32,6 +32,7 @@ from canzona_patches.layout import (
     build_canzona_plan,
     full_param_layouts,
     is_expert_param,
+    node_note,
     stacked_expert_blocks,
     wire_config,
 )
@@ -92,6 +93,9 @@ def _plan_layouts_summary(
         if choice is not None:
             print(choice if stage is None else choice.replace("[canzona]", f"[canzona] stage {stage}:"), flush=True)
         _log_plan(plan, summary, stage)
+        note = node_note(tp_size, ep_size, plan.experts.tp_size if plan.experts is not None else 1)
+        if note is not None:
+            print(note, flush=True)
     return plan, full_param_layouts(plan, model_chunks, ddp_config), summary
 
 
