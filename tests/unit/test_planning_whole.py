@@ -146,12 +146,18 @@ def test_projection_of_both_layouts_at_scale() -> None:
 
 
 def test_megatron_main_model_keeps_matrices_whole_in_equal_shards() -> None:
-    """The peer's layout as modelled: equal shards, whole matrices, and the padding floor
-    closing a bucket only once it holds 0.9 x DP x its largest matrix."""
+    """The peer's layout as modelled: equal shards, whole matrices, the padding floor closing a
+    bucket only once it holds 0.9 x DP x its largest matrix, and a bucket past its floor
+    still taking a parameter that fits in its shards' padding."""
     from megatron.canzona.planning.megatron_main import PADDING_FLOOR, main_bucket_ranges, plan_megatron_main
 
-    assert main_bucket_ranges([10, 10, 100, 10, 10], dp_size=2, bucket_size=20) == [(0, 2), (2, 5)]
+    m = 1_000_000
+    assert main_bucket_ranges([m, m, 10 * m, m, m], dp_size=2, bucket_size=2 * m) == [(0, 2), (2, 5)]
     assert main_bucket_ranges([10] * 5, dp_size=2, bucket_size=1000) == [(0, 5)]
+    # Past the floor (7.2M) after 7.5M: the next 0.5M fills shard 1 up to shard 0's 4M, one more does not.
+    small = 499_968  # a multiple of the 64-element alignment
+    assert main_bucket_ranges([4 * m, 3 * m, small, small], dp_size=2, bucket_size=1) == [(0, 4)]
+    assert main_bucket_ranges([4 * m, 3 * m, small, small, small], dp_size=2, bucket_size=1) == [(0, 4), (4, 5)]
     specs = qwen3_specs("qwen3-1.7b")
     plan = plan_megatron_main(specs, dp_size=8, cost_model=COST)
     buffer = plan.matrix
@@ -162,4 +168,7 @@ def test_megatron_main_model_keeps_matrices_whole_in_equal_shards() -> None:
     record = summarize_canzona(make_plan(specs, dp_size=8, cost_model=COST, layout="whole"), specs, COST, WireConfig())
     padding = buffer.numel / buffer.param_numel - 1
     assert 0 < padding <= 1 / PADDING_FLOOR - 1 + 0.01  # many matrices per bucket: the floor holds
+    for bucket in buffer.buckets:  # no shard beyond 1.3 x the bucket's mean while another had room
+        width = bucket.shard_bounds[1] - bucket.shard_bounds[0]
+        assert width <= 1.3 * bucket.numel_unpadded / 8 + max(p.end - p.start for p in buffer.placements)
     assert record["padding_overhead"] < padding

@@ -1,20 +1,21 @@
 """Megatron-LM main's layer-wise (Muon) layout, after 0.19.2, modelled for comparison.
 
 It is the layout Megatron users pick today but is not on the package registry, so it is
-restated here from how its source behaves (not imported, not copied):
+restated here from how its source behaves (read at NVIDIA/Megatron-LM d98e8a6; not
+imported, not copied):
 
-* buckets are contiguous runs of parameters in backprop order; a bucket closes once its
-  elements reach max(bucket size, 0.9 · DP · its largest parameter), so a bucket dominated
-  by one large matrix takes more parameters until its padding is under about 11%;
-* inside a bucket, parameters go largest cost first onto the least-loaded DP shard, the cost
-  being Newton-Schulz's max(m, n) · min(m, n)² and the loads carried across buckets (the
-  stored version of its source read here balances element counts bucket by bucket; the
-  cost-balanced, carried form is what its later change describes, and it is the stronger
-  peer, so the comparison uses it);
+* buckets are contiguous runs of parameters in backprop order. Once a bucket holds at least
+  max(bucket size, 0.9 · DP · its largest parameter) elements, it closes before the next
+  parameter unless that one still fits in the padding of the shards it has (estimated by
+  dealing element counts, in backprop order, to the emptiest shard);
+* inside a bucket, parameters go largest Newton-Schulz cost first (max(m, n) · min(m, n)²
+  of the local matrix) onto the DP shard with the least cost so far, the costs carried
+  across buckets, among the shards that stay within 1.3 × the bucket's mean shard size
+  (:data:`NUMEL_SLACK`; when none does, onto the emptiest shard);
 * every shard of a bucket is padded to the largest one (64-element parameter alignment, the
   shard size rounded to Megatron's shard divisor), so the stock equal-shard reduce-scatter
   and all-gather run, the latter overlapped with the next forward;
-* under TP every TP rank computes each matrix (``muon_tp_mode duplicated``).
+* under TP every TP rank computes each matrix (``muon_tp_mode duplicated``, its default).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from .specs import ParamSpec, matrix_specs
 
 PADDING_FLOOR = 0.9
 """A bucket holds at least this fraction of DP times its largest parameter."""
+NUMEL_SLACK = 0.3
+"""A shard takes a parameter only while it stays within (1 + this) × the bucket's mean shard."""
 
 
 def newton_schulz_cost(spec: ParamSpec) -> float:
@@ -38,13 +41,21 @@ def newton_schulz_cost(spec: ParamSpec) -> float:
 
 
 def main_bucket_ranges(numels: Sequence[int], dp_size: int, bucket_size: int) -> list[tuple[int, int]]:
-    """Index ranges [i, j) of parameters (backprop order) per bucket, by the padding floor."""
-    ranges, first, total, largest = [], 0, 0, 0
+    """Index ranges [i, j) of parameters (backprop order) per bucket: a bucket past its floor
+    closes unless the next parameter fits in its current shard padding."""
+    divisor = shard_divisor(dp_size)
+    ranges: list[tuple[int, int]] = []
+    first, total, largest = 0, 0, 0
+    fill = [0] * dp_size
     for i, numel in enumerate(numels):
+        if i > first and total >= max(bucket_size, int(dp_size * largest * PADDING_FLOOR)):
+            width = round_up(max(fill), divisor)
+            if align_param_start(min(fill)) + numel > width:  # it would grow the bucket: close it
+                ranges.append((first, i))
+                first, total, largest, fill = i, 0, 0, [0] * dp_size
+        emptiest = min(range(dp_size), key=lambda r: (fill[r], r))
+        fill[emptiest] = align_param_start(fill[emptiest]) + numel
         total, largest = total + numel, max(largest, numel)
-        if total >= max(bucket_size, int(dp_size * largest * PADDING_FLOOR)):
-            ranges.append((first, i + 1))
-            first, total, largest = i + 1, 0, 0
     if first < len(numels):
         ranges.append((first, len(numels)))
     return ranges
@@ -68,8 +79,11 @@ def plan_megatron_main(
         members = sorted(range(first, last), key=lambda i: (-newton_schulz_cost(mats[i]), i))
         shards: list[list[int]] = [[] for _ in range(dp_size)]
         fill = [0] * dp_size
+        cap = sum(mats[i].numel for i in members) / dp_size * (1 + NUMEL_SLACK)
         for i in members:
-            rank = min(range(dp_size), key=lambda r: (balance[r], r))
+            fits = [r for r in range(dp_size) if align_param_start(fill[r]) + mats[i].numel <= cap]
+            rank = (min(fits, key=lambda r: (balance[r], r)) if fits
+                    else min(range(dp_size), key=lambda r: (fill[r], r)))
             shards[rank].append(i)
             balance[rank] += newton_schulz_cost(mats[i])
             fill[rank] = align_param_start(fill[rank]) + mats[i].numel
