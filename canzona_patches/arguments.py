@@ -115,6 +115,9 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
                        help="How matrices that cross ranks are updated: async = one host rank per matrix "
                        "with pipelined micro-grouped all-to-alls; sync = every rank holding a piece "
                        "gathers and computes it (synchronous-compute baseline).")
+    group.add_argument("--canzona-no-early-gather", action="store_false", dest="canzona_early_gather",
+                       help="Issue the host-group gathers in the optimizer step instead of as each bucket's "
+                       "gradients finish reducing (the default: they overlap the rest of backward).")
     group.add_argument("--canzona-tp-group-budget", type=float, default=None,
                        help="Most cost one host takes in one micro-group (default: about a quarter of "
                        "the busiest host's work, two groups at least on a host with two matrices).")
@@ -365,6 +368,7 @@ def canzona_config_from_args(args: argparse.Namespace):
         split_gate_up=args.canzona_split_gate_up,
         tp_mode=args.canzona_tp_mode,
         tp_group_budget=args.canzona_tp_group_budget,
+        early_gather=args.canzona_early_gather,
         layout=args.canzona_layout,
         cluster=args.canzona_cluster,
     )

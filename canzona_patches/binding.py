@@ -52,6 +52,10 @@ class Binding:
     from, so they do not change with the PP or EP layout)."""
     params: dict[str, torch.nn.Parameter]
     """Per task: the model parameter (for checkpoint names)."""
+    shard_params: dict[torch.Tensor, torch.nn.Parameter]
+    """Per flat shard parameter: its model parameter (whose ``main_grad`` holds the gradient)."""
+    shard_starts: dict[torch.Tensor, int]
+    """Per flat shard parameter: where its elements start in the model parameter's local tensor."""
     parts: dict[str, tuple[int, int]]
     """Per task of a parameter hosted in parts: ``(its part, how many parts)``; its state is
     that piece of the parameter's matrix state (as when one host splits the fused matrix)."""
@@ -101,14 +105,17 @@ def bind_plan(
             parts[task.key] = (task.task.part, counts[(task.task.chunk, task.task.name)])
     where = {p: (c, n) for (c, n), p in params.items()}
     refs: dict[torch.Tensor, tuple[PieceRef, ...]] = {}
+    shard_params, shard_starts = {}, {}
     for model_param, shard, _, param_range in shard_entries(optimizer):
         if not getattr(model_param, BUFFER_ROUTING_ATTR, False):
             continue
+        shard_params[shard], shard_starts[shard] = model_param, param_range.start
         keys = keys_of.get(where[model_param])
         if keys is None:
             raise RuntimeError(f"{where[model_param][1]} is a matrix the Canzona plan does not schedule; re-plan")
         refs[shard] = _refs(keys, coord[1], param_range.start, param_range.end, model_param.numel())
-    return Binding(tasks=tuple(tasks), pieces=refs, layouts=layouts, names=names, params=task_params, parts=parts)
+    return Binding(tasks=tuple(tasks), pieces=refs, layouts=layouts, names=names, params=task_params, parts=parts,
+                   shard_params=shard_params, shard_starts=shard_starts)
 
 
 def _refs(keys: list[tuple[int | None, tuple[int, int] | None, str]], tp_rank: int, start: int, end: int,

@@ -27,6 +27,7 @@ import torch
 from canzona_patches.arguments import CanzonaArgumentError, canzona_config_from_args, check_expert_sizes
 from canzona_patches.binding import bind_plan, group_coordinates
 from canzona_patches.checkpoint import common_state, load_optimizer_state_dict, optimizer_sharded_state_dict
+from canzona_patches.early_gather import attach as attach_early_gathers
 from canzona_patches.layout import (
     BUFFER_ROUTING_ATTR,
     build_canzona_plan,
@@ -161,6 +162,10 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
                 if bucket_group.buckets:
                     chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
 
+    early_gathers: Any = None
+    """:class:`canzona_patches.early_gather.EarlyGathers`: host-group gathers issued as buckets reduce."""
+    _clip_factor: float | None = None
+
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         found_inf = super().prepare_grads()
@@ -168,7 +173,34 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
             found_inf = self._nonfinite_grads()
             if found_inf:
                 logger.warning("Canzona: skipping the optimizer step, a gradient holds inf or NaN")
+        if found_inf and self.early_gathers is not None:
+            self.early_gathers.drop()  # the staged gradients go before any state is touched
+        self._clip_factor = None
         return found_inf
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Megatron's norm and clip; the factor it applied (its own expression on the same
+        floats) is kept for the hosts, which apply it to gradients gathered before the step."""
+        grad_norm = super().clip_grad_norm(clip_grad)
+        factor = clip_grad / (grad_norm + 1.0e-6)
+        self._clip_factor = factor if self.get_parameters() and factor < 1.0 else None
+        return grad_norm
+
+    def step_with_ready_grads(self) -> bool:
+        """The step, its hosts scaling what was gathered early as the holders' gradients were:
+        the loss scale's inverse, then the clip factor (Megatron's order)."""
+        scale: list[Any] = []
+        if self.grad_scaler is not None:
+            scale.append(self.grad_scaler.inv_scale)
+        if self._clip_factor is not None:
+            scale.append(self._clip_factor)
+        self.optimizer.gather_scale = tuple(scale)
+        try:
+            return super().step_with_ready_grads()
+        finally:
+            self.optimizer.gather_scale = ()
+            if self.early_gathers is not None:
+                self.early_gathers.stepped()
 
     # Checkpoints (canzona_patches/checkpoint.py): name-keyed global tensors, any DP/TP layout.
     def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
@@ -329,6 +361,8 @@ def build_canzona_optimizer(
     )
     dense.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
     if not experts:
+        if cfg.early_gather:  # (chained with experts, one joint norm clips both: their gathers wait for the step)
+            dense.early_gathers = attach_early_gathers(dense, model_chunks)
         return dense
     check_expert_sizes(plan.tp_size, plan.ep_size, parallel_state.get_expert_tensor_parallel_world_size())
     edp_group = pgs["intra_expt_dp_group"]

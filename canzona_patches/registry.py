@@ -44,6 +44,7 @@ ARGUMENTS = "arguments"  # pretrain_gpt.py, before it parses the command line
 PRETRAIN = "pretrain"  # pretrain_gpt.py's loop and checkpoints
 CANZONA = "canzona"  # --canzona: its layout, optimizer and checkpoint metadata
 UNEVEN = "uneven"  # layout.full_param_layouts, for a plan with variable-size DP shards (the whole layout)
+EARLY_GATHER = "early-gather"  # early_gather.attach, when an async Canzona optimizer has gathers to issue
 BASELINE = "baseline"  # upstream fixes only Megatron's own optimizers need
 SCOPED = "scoped"  # swapped in for one call (:func:`swapped`), never installed
 
@@ -341,6 +342,13 @@ PATCHES: tuple[Patch, ...] = (
           condition=_UNEVEN_SHARDS, when=_canzona, group=UNEVEN,
           reason="torch's manager waits only for the `*_tensor` collectives it batched; the list-form ones' works "
                  "join its handle, so the bucket's finish waits for them"),
+    # --- host-group gathers issued as buckets reduce (canzona_patches/early_gather.py)
+    Patch(targets=(f"{_BUFFER}:_ParamAndGradBucketGroup.finish_grad_sync",),
+          make="canzona_patches.early_gather:announcing_reduced_grads",
+          condition="`--canzona` with `--canzona-tp-mode async` (the default) and matrices that move to their hosts",
+          when=_canzona, group=EARLY_GATHER,
+          reason="nothing follows a bucket group's reduction; its listeners are told, so the optimizer issues "
+                 "the host-group gathers of the matrices it completes before the step"),
     # --- upstream fixes only the baselines need
     Patch(targets=("megatron.core.optimizer.layer_wise_optimizer:LayerWiseDistributedOptimizer.__init__",),
           make="canzona_patches.megatron_fixes:keeping_config",

@@ -74,6 +74,13 @@ def _overlap_pair() -> list[TinyRun]:
     return [run, replace(run, overlap_grad_reduce=False, overlap_param_gather=False)]
 
 
+def _early_pair() -> list[TinyRun]:
+    """At TP 2 x DP 2 (gathers to TP hosts): Muon over 5 steps, clipped and with a NaN at step
+    2, the host-group gathers issued as buckets reduce and in the step."""
+    run = _run("muon", tp_size=2, num_steps=5, clip_grad=0.05, nan_grad_at_step=2, return_state=True)
+    return [run, replace(run, early_gather=False)]
+
+
 def _launch(world_size: int, runs: list[TinyRun]) -> list[list[dict]]:
     per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=world_size, timeout_s=LAUNCH_TIMEOUT_S), runs)
     return [[rank[i] for rank in per_rank] for i in range(len(runs))]
@@ -91,6 +98,9 @@ def results() -> dict[tuple[str, str], list[dict]]:
         if world_size == 3:
             runs += _overlap_pair()
             names += [("overlap_on", "dp3"), ("overlap_off", "dp3")]
+        if world_size == 4:
+            runs += _early_pair()
+            names += [("early_on", "tp2dp2"), ("early_off", "tp2dp2")]
         for name, per_rank in zip(names, _launch(world_size, runs)):
             out[name] = per_rank
     return out
@@ -134,14 +144,28 @@ def test_shards_are_uneven_whole_and_some_empty(results, case: str) -> None:
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_overlapped_collectives_are_bitwise_the_blocking_ones(results) -> None:
     for on, off in zip(results[("overlap_on", "dp3")], results[("overlap_off", "dp3")]):
-        assert on["skipped_steps"] == off["skipped_steps"] == [2]
-        assert _same(on["losses"], off["losses"]) and _same(on["grad_norms"], off["grad_norms"])
-        assert all(norm > 0.05 for norm in on["grad_norms"] if norm == norm), "the clip must act"
-        for name, expected in off["params"].items():
-            assert torch.equal(on["params"][name], expected), name
-        assert on["state"].keys() == off["state"].keys() and on["state"]
-        for path, expected in off["state"].items():
-            assert torch.equal(on["state"][path], expected), path
+        _assert_bitwise_with_skip_and_clip(on, off)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_gathers_issued_as_buckets_reduce_are_bitwise_the_steps_own(results) -> None:
+    """The hosts scale what was gathered before the step (clip factor) as the holders did,
+    and a skipped step drops it: parameters and state equal the run gathering in the step."""
+    for on, off in zip(results[("early_on", "tp2dp2")], results[("early_off", "tp2dp2")]):
+        assert on["early_gathers"] and on["early_gathers"] > 0 and off["early_gathers"] is None
+        _assert_bitwise_with_skip_and_clip(on, off)
+
+
+def _assert_bitwise_with_skip_and_clip(on: dict, off: dict) -> None:
+    """Two runs of one rank, the NaN step skipped and the clip acting in both, bit for bit."""
+    assert on["skipped_steps"] == off["skipped_steps"] == [2]
+    assert _same(on["losses"], off["losses"]) and _same(on["grad_norms"], off["grad_norms"])
+    assert all(norm > 0.05 for norm in on["grad_norms"] if norm == norm), "the clip must act"
+    for name, expected in off["params"].items():
+        assert torch.equal(on["params"][name], expected), name
+    assert on["state"].keys() == off["state"].keys() and on["state"]
+    for path, expected in off["state"].items():
+        assert torch.equal(on["state"][path], expected), path
 
 
 def _same(a: list[float], b: list[float]) -> bool:

@@ -150,21 +150,35 @@ def _single_device(params: dict, grads: list[dict], layouts: dict) -> dict[str, 
     return reference
 
 
+UNSCALE, CLIP = 2.0**-7, 0.3
+"""What turns the staged run's raw gradients into its main gradients: a loss scale's inverse,
+then a clip factor (``(raw * UNSCALE) * CLIP``, Megatron's order)."""
+
+
 def engine_body(dp: int, tp: int, device: str = "cpu") -> dict[str, dict]:
     """Rank body: rank r is (DP rank r // tp, TP rank r % tp) of one DP x TP grid."""
     rank = dist.get_rank()
     if device == "cuda":
         torch.cuda.set_device(rank)
-    return {mode: _train(dp, tp, mode, torch.device(device)) for mode in ("async", "sync")}
+    out = {mode: _train(dp, tp, mode, torch.device(device)) for mode in ("async", "sync")}
+    out["staged"] = _train(dp, tp, "async", torch.device(device), staged=True)
+    return out
 
 
-def _train(dp: int, tp: int, mode: str, device: torch.device) -> dict:
-    """Two engine steps on this rank's pieces, checked against the full-matrix reference."""
+def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = False) -> dict:
+    """Two engine steps on this rank's pieces, checked against the full-matrix reference.
+    ``staged``: every gather is issued before the step from raw (bf16, unscaled, unclipped)
+    pieces, the host scaling what it receives; step 0's staged gathers are dropped first (a
+    skipped step) and issued again."""
     rank = dist.get_rank()
     coord = (rank // tp, rank % tp)
     specs = _matrices(dp, tp)
     layouts = {n: _layout(s, tp) for n, s in specs.items()}
     params, grads = _full_tensors(specs, seed=100, device=device)
+    raw_grads = None
+    if staged:  # raw gradients as a bf16 buffer holds them; the main ones are scaled fp32 copies
+        raw_grads = [{n: g.to(torch.bfloat16) for n, g in step.items()} for step in grads]
+        grads = [{n: (g.float() * UNSCALE) * CLIP for n, g in step.items()} for step in raw_grads]
     tasks = _tasks(specs, dp, tp)
     engine = HostGroupEngine(tasks, group=None, rank_of={(d, t): d * tp + t for d in range(dp) for t in range(tp)},
                              coord=coord, tp_size=tp, mode=mode)
@@ -182,7 +196,21 @@ def _train(dp: int, tp: int, mode: str, device: torch.device) -> dict:
             )
             for (key, lo), (name, flat, hi) in mine.items()
         }
-        stats.append(engine.step(pieces, host_math))
+        if not staged:
+            stats.append(engine.step(pieces, host_math))
+            side_streams.add(id(engine._side))
+            continue
+        raw = {(key, lo): _megatron_shard(raw_grads[step][name], specs[name], coord[1], tp).reshape(-1)[lo:hi].clone()
+               for (key, lo), (name, _, hi) in mine.items()}
+        rounds = 2 if step == 0 else 1
+        for attempt in range(rounds):  # step 0: issue, drop (a skipped step), issue again
+            for index in reversed(range(len(engine.exchanges))):  # any order, the same on every rank
+                engine.prestart(index, raw)
+            if attempt + 1 < rounds:
+                engine.drop_staged()
+        assert engine.staged
+        stats.append(engine.step(pieces, host_math, scale=(UNSCALE, CLIP)))
+        assert not engine.staged
         side_streams.add(id(engine._side))
 
     reference = _single_device(params, grads, layouts)
@@ -228,6 +256,9 @@ def test_engine_equals_single_device_muon(dp: int, tp: int) -> None:
     for rank, (a, s) in enumerate(zip(async_ranks, sync_ranks)):
         coord = (rank // tp, rank % tp)
         assert a["mismatched"] == [] and s["mismatched"] == [], f"rank {rank}"
+        staged = per_rank[rank]["staged"]  # gathered before the step, scaled by the host: bitwise the same
+        assert staged["mismatched"] == [], f"rank {rank} staged"
+        assert staged["bytes_sent"] == [_expected_bytes(dp, tp, coord, "async")] * STEPS
         for name in a["params"]:  # async and sync: bit-identical
             assert torch.equal(a["params"][name], s["params"][name]), f"rank {rank} {name}"
         assert a["side_streams"] == s["side_streams"] == 1, "one side stream per engine, made once"

@@ -109,6 +109,8 @@ class TinyRun:
     """Experts per token."""
     clip_grad: float = 0.0
     """Megatron's global-norm gradient clipping (0: none; the norm is then not computed)."""
+    early_gather: bool = True
+    """Canzona (async): issue host-group gathers as buckets reduce (``--canzona-no-early-gather``: False)."""
     return_state: bool = False
     """Return this rank's optimizer state (``state``: every tensor of the Canzona inner
     optimizer by path), for bitwise comparisons of runs on the same layout."""
@@ -148,6 +150,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "host_syncs": syncs,
             "state": _optimizer_state(optimizer) if run.return_state else None,
             "iteration_marks": {k: list(v) for k, v in ITERATION_MARKS.items()} if run.time_iteration else None,
+            "early_gathers": getattr(getattr(optimizer, "early_gathers", None), "issued", None),
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -321,7 +324,7 @@ def canzona_config(run: TinyRun):
     name = run.optimizer if run.optimizer in matrix else "muon"  # sync_muon: Muon's math
     return CanzonaConfig(
         optimizer=name, matrix=matrix[name], alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
-        tp_mode=run.tp_mode, layout=run.canzona_layout,
+        tp_mode=run.tp_mode, layout=run.canzona_layout, early_gather=run.early_gather,
     )
 
 

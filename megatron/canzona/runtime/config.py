@@ -35,6 +35,10 @@ class CanzonaConfig:
     gathers and computes it (synchronous compute)."""
     tp_group_budget: float | None = None
     """Most cost one host takes in one micro-group (default: the planner's)."""
+    early_gather: bool = True
+    """``async``: issue each micro-group's gather to its hosts as soon as the buckets holding
+    its matrices have reduced, before the step (the hosts apply the loss scale and the clip
+    factor; bitwise the same). Dense optimizers only; with experts the gathers start in the step."""
     layout: Literal["whole", "lean", "auto"] = "auto"
     """DP layout of the matrix buffers: ``whole`` (variable-size shards, every matrix whole on
     one DP rank, no DP traffic in the step), ``lean`` (Megatron's equal shards, split matrices

@@ -227,6 +227,9 @@ class _InFlight:
     send: torch.Tensor
     recv: torch.Tensor
     issued: float
+    sent: int = 0
+    """Bytes not yet counted in a step's stats (a gather issued before the step)."""
+    waited: bool = False
 
 
 class _SideStream:
@@ -293,6 +296,7 @@ class HostGroupEngine:
         self.exchanges = tuple(self._exchange(k, [t for t in self.tasks if t.group == k]) for k in indices)
         self._check_same_schedule()
         self._side: _SideStream | None = None
+        self._staged: dict[int, _InFlight | None] = {}
         self.last_stats = StepStats()
 
     # Static layout -----------------------------------------------------------------------
@@ -403,14 +407,57 @@ class HostGroupEngine:
         if len(set(seen)) != 1:
             raise RuntimeError("ranks built different Canzona host-group schedules; every rank must use the same plan")
 
+    # Gathers issued before the step -----------------------------------------------------
+    @torch.no_grad()
+    def prestart(self, index: int, raw: Mapping[tuple[str, int], torch.Tensor]) -> None:
+        """Issue micro-group ``index``'s gather now, before the step, from the raw gradient
+        pieces ``raw`` (``(task key, lo)`` -> flat tensor of the gradient buffer's dtype, as
+        reduced; clipping and loss scaling not yet applied). The host applies them to what it
+        receives (:meth:`step`'s ``scale``), which equals the holders applying them first, bit
+        for bit: a gather only copies, and an fp32 cast and a product are the same wherever
+        they run. Every rank of the group must prestart the same micro-groups in the same order
+        (a collective); :meth:`drop_staged` discards them (a skipped step)."""
+        if self.mode != "async":
+            raise ValueError("only the async mode gathers to hosts before the step")
+        if index in self._staged:
+            raise ValueError(f"micro-group {index} is already gathering")
+        exchange = self.exchanges[index]
+        if not exchange.moves:
+            self._staged[index] = None
+            return
+        first = next(iter(raw.values())) if raw else torch.empty(0)
+        dtype = torch.float64 if first.dtype == torch.float64 else torch.float32  # the main gradients' dtype
+        send = torch.empty(sum(exchange.send_splits), dtype=dtype, device=first.device)
+        for seg in exchange.outgoing:
+            send[seg.offset : seg.offset + seg.hi - seg.lo].copy_(raw[(seg.task.key, seg.lo)])
+        self._staged[index] = self._all_to_all(send, exchange.recv_splits, exchange.send_splits, stats=False)
+
+    def drop_staged(self) -> None:
+        """Discard every gather issued by :meth:`prestart` (their collectives complete first)."""
+        for inflight in self._staged.values():
+            if inflight is not None and inflight.work is not None:
+                inflight.work.wait()
+        self._staged.clear()
+
+    @property
+    def staged(self) -> tuple[int, ...]:
+        """Micro-groups whose gather :meth:`prestart` issued for the coming step."""
+        return tuple(self._staged)
+
     # One step ----------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, pieces: Mapping[tuple[str, int], LocalPiece], compute: HostCompute) -> StepStats:
-        """Update every task; ``pieces`` maps ``(task key, lo)`` to this rank's piece of it."""
+    def step(self, pieces: Mapping[tuple[str, int], LocalPiece], compute: HostCompute,
+             scale: Sequence[float | torch.Tensor] = ()) -> StepStats:
+        """Update every task; ``pieces`` maps ``(task key, lo)`` to this rank's piece of it.
+        ``scale``: the factors, in order, that turned the raw gradients given to
+        :meth:`prestart` into ``pieces``' gradients (loss-scale unscaling, the clip factor);
+        each received raw piece is multiplied by them."""
         missing = [(key, lo) for key, held in self._mine.items() for lo, _ in held if (key, lo) not in pieces]
         if missing:
             raise ValueError(f"no local piece given for {missing[:3]}; every rank must step every piece it holds")
-        self._pieces, self._compute, self._stats = pieces, compute, StepStats()
+        if self._staged and self.mode != "async":
+            raise ValueError("only the async mode gathers to hosts before the step")
+        self._pieces, self._compute, self._stats, self._scale = pieces, compute, StepStats(), tuple(scale)
         if pieces:
             grad = next(iter(pieces.values())).grad
             self._grad_dtype, self._device = grad.dtype, grad.device
@@ -419,20 +466,28 @@ class HostGroupEngine:
         self._update_dtype = state_dtype_for(self._grad_dtype)
         if self._side is None:
             self._side = _SideStream(self._device)
-        if self.exchanges:
-            (self._run_async if self.mode == "async" else self._run_sync)()
+        try:
+            if self.exchanges:
+                (self._run_async if self.mode == "async" else self._run_sync)()
+        finally:
+            self._staged.clear()
         self.last_stats, stats = self._stats, self._stats
-        del self._pieces, self._compute
+        del self._pieces, self._compute, self._scale
         return stats
 
     def _run_async(self) -> None:
-        """The pipeline, in one place: gather k+1 | compute k | scatter k | apply k-1."""
-        next_gather = self._start_gather(self.exchanges[0])
+        """The pipeline, in one place: gather k+1 | compute k | scatter k | apply k-1. A
+        gather :meth:`prestart` issued is already in flight."""
+        next_gather = self._gather_of(0)
         pending: tuple[_Exchange, _InFlight | None, dict[str, torch.Tensor]] | None = None
         for k, exchange in enumerate(self.exchanges):
             gather = next_gather
             if k + 1 < len(self.exchanges):
-                next_gather = self._start_gather(self.exchanges[k + 1])  # in flight during compute k
+                next_gather = self._gather_of(k + 1)  # in flight during compute k
+            if k in self._staged and gather is not None:  # raw pieces: scale them as their holders did
+                self._wait(gather, "gather", exchange.index)
+                for factor in self._scale:
+                    gather.recv.mul_(factor)
             full_grads = self._finish_gather(exchange, gather)
             directions = self._host_compute(exchange, full_grads)
             scatter = self._start_scatter(exchange, directions, gather)  # in flight while group k-1 is applied
@@ -450,6 +505,12 @@ class HostGroupEngine:
             self._apply(exchange, None, directions)
 
     # Stages ------------------------------------------------------------------------------
+    def _gather_of(self, index: int) -> _InFlight | None:
+        """Micro-group ``index``'s gather: the one :meth:`prestart` issued, else issued now."""
+        if index in self._staged:
+            return self._staged[index]
+        return self._start_gather(self.exchanges[index])
+
     def _start_gather(self, exchange: _Exchange) -> _InFlight | None:
         """Pack my pieces by destination and issue the gather all-to-all."""
         if not exchange.moves:
@@ -539,17 +600,22 @@ class HostGroupEngine:
         apply_update(piece.param, update, lr=piece.lr, weight_decay=piece.weight_decay)
 
     def _all_to_all(
-        self, send: torch.Tensor, recv_splits: list[int], send_splits: list[int], recv: torch.Tensor | None = None
+        self, send: torch.Tensor, recv_splits: list[int], send_splits: list[int], recv: torch.Tensor | None = None,
+        stats: bool = True,
     ) -> _InFlight:
         if recv is None:
             recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
         work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
-        self._stats.bytes_sent += (send.numel() - send_splits[self.rank_of[self.coord]]) * send.element_size()
-        return _InFlight(work, send, recv, time.perf_counter())
+        sent = (send.numel() - send_splits[self.rank_of[self.coord]]) * send.element_size()
+        if stats:
+            self._stats.bytes_sent += sent
+        return _InFlight(work, send, recv, time.perf_counter(), sent=0 if stats else sent)
 
     def _wait(self, inflight: _InFlight | None, stage: str, index: int) -> None:
-        if inflight is None:
+        if inflight is None or inflight.waited:
             return
         if inflight.work is not None:
             inflight.work.wait()
+        inflight.waited = True
+        self._stats.bytes_sent += inflight.sent  # a gather issued before the step counts in it
         self._stats.timeline.append((stage, index, inflight.issued, time.perf_counter()))

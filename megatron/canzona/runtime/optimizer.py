@@ -63,6 +63,9 @@ class CanzonaOptimizer(MatrixOptimizer):
         self.engine: HostGroupEngine | None = None
         self.last_stats = StepStats()
         self.last_step_updates: list[str] = []
+        self.gather_scale: tuple[Any, ...] = ()
+        """Factors the hosts apply to gradients gathered before the step (loss-scale inverse,
+        clip factor), set by the DistributedOptimizer around each step."""
 
     def bind(
         self, pieces: Mapping[torch.Tensor, Sequence[PieceRef]], engine: HostGroupEngine,
@@ -153,7 +156,7 @@ class CanzonaOptimizer(MatrixOptimizer):
     # Stepping ------------------------------------------------------------------------------
     def _update(self) -> None:
         """Every matrix through the host groups, then AdamW where the elementwise ones are."""
-        self.last_stats = self._engine().step(self._local_pieces(), self._host_compute)
+        self.last_stats = self._engine().step(self._local_pieces(), self._host_compute, scale=self.gather_scale)
         self.last_step_updates = [self.report_name(key) for key in self.last_stats.computed]
         for group in self.param_groups:
             self._step_elementwise(group)

@@ -1,0 +1,117 @@
+"""Host-group gathers issued as the buckets finish reducing, before the optimizer step.
+
+Hooks (megatron-core 0.19.2):
+* ``_ParamAndGradBucketGroup.finish_grad_sync`` (a registry row): once a bucket group's
+  reduce-scatter has completed, its listeners are told. With ``--overlap-grad-reduce`` a
+  later bucket group drains its predecessor while backward still runs; the finalize loop
+  at the end of backward reaches the rest. A repeated call within an iteration (upstream
+  makes it idempotent) tells nobody again.
+* ``DistributedDataParallel.param_to_bucket_group``: which bucket group reduces a parameter.
+* ``param.main_grad``: the parameter's gradient in the bucket's buffer; after the
+  reduce-scatter this rank's shard of it is final (its dtype is the buffer's).
+
+:class:`EarlyGathers` issues a micro-group's gather (``HostGroupEngine.prestart``) as soon as
+every bucket group holding one of its matrices has reduced, from views of ``main_grad``
+made once. Those gradients are neither unscaled nor clipped yet; the host multiplies what
+it receives by the loss scale's inverse and the clip factor when the step runs, in
+Megatron's order, which is bitwise what the holders' main gradients hold (a gather only
+copies). A skipped step drops the staged gathers before any state is touched. The step
+itself then finds those gathers in flight. What it costs: the gathers' send and receive
+buffers are alive from the bucket's reduction to the step (at most every micro-group's at
+once, the bytes this rank moves in the step), and no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+LISTENERS_ATTR = "canzona_reduced_listeners"
+"""Bucket-group attribute: callables told ``(bucket_group)`` once its gradients are reduced."""
+
+
+def announcing_reduced_grads(original: Callable, run: Any) -> Callable:
+    """``finish_grad_sync`` that tells the bucket group's listeners when it has reduced."""
+
+    @functools.wraps(original)
+    def finish_grad_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        already = bool(self.ddp_config.overlap_grad_reduce and getattr(self, "grad_reduce_finished", False))
+        result = original(self, *args, **kwargs)
+        if not already:
+            for listener in getattr(self, LISTENERS_ATTR, ()):
+                listener(self)
+        return result
+
+    return finish_grad_sync
+
+
+class EarlyGathers:
+    """Issues each micro-group's gather once the bucket groups it needs have reduced.
+
+    ``needs[k]``: the bucket groups holding a matrix of micro-group ``k``; ``raw``: this
+    rank's pieces as views of the reduced gradient buffer (``(task key, lo)`` -> tensor)."""
+
+    def __init__(self, engine: Any, raw: Mapping[tuple[str, int], torch.Tensor], needs: Sequence[set[Any]]) -> None:
+        self.engine, self.raw = engine, dict(raw)
+        self.needs = [frozenset(id(group) for group in groups) for groups in needs]
+        self.reduced: set[int] = set()
+        self.issued = 0
+        """Gathers issued so far (for tests and logs)."""
+
+    def on_reduced(self, bucket_group: Any) -> None:
+        """A bucket group has reduced: issue every micro-group now complete, in index order
+        (the same order on every rank, as all reduce their bucket groups in one order)."""
+        if id(bucket_group) in self.reduced:  # reported again before a step: a new iteration
+            self.drop()
+        self.reduced.add(id(bucket_group))
+        for k, needs in enumerate(self.needs):
+            if k not in self.engine.staged and needs <= self.reduced:
+                self.engine.prestart(k, self.raw)
+                self.issued += 1
+
+    def drop(self) -> None:
+        """Forget this iteration's gathers (a skipped step, or an iteration without one)."""
+        self.engine.drop_staged()
+        self.reduced.clear()
+
+    def stepped(self) -> None:
+        """The step consumed the gathers; the next iteration starts afresh."""
+        self.reduced.clear()
+
+
+def attach(optimizer: Any, model_chunks: Sequence[Any]) -> EarlyGathers | None:
+    """Early gathers for one Canzona DistributedOptimizer whose engine runs in async mode: its
+    listener on every bucket group holding one of its matrices. ``None`` when nothing moves."""
+    inner = optimizer.optimizer
+    engine, binding = inner.engine, optimizer.canzona_binding
+    if engine.mode != "async" or not any(exchange.moves for exchange in engine.exchanges):
+        return None
+    group_of: dict[torch.nn.Parameter, Any] = {}
+    for chunk in model_chunks:
+        group_of.update(chunk.param_to_bucket_group)
+    raw: dict[tuple[str, int], torch.Tensor] = {}
+    for shard, refs in binding.pieces.items():
+        model_param = binding.shard_params[shard]
+        flat = model_param.main_grad.view(-1)
+        start = binding.shard_starts[shard]
+        for ref in refs:
+            raw[(ref.key, ref.lo)] = flat[start + ref.offset : start + ref.offset + ref.hi - ref.lo]
+    needs: list[set[Any]] = []
+    for exchange in engine.exchanges:
+        needs.append({group_of[binding.params[task.key]] for task in exchange.tasks})
+    from canzona_patches import registry
+
+    registry.install_group(registry.EARLY_GATHER)
+    early = EarlyGathers(engine, raw, needs)
+    for groups in needs:
+        for group in groups:
+            listeners = getattr(group, LISTENERS_ATTR, None)
+            if listeners is None:
+                listeners = []
+                setattr(group, LISTENERS_ATTR, listeners)
+            if early.on_reduced not in listeners:
+                listeners.append(early.on_reduced)
+    return early
