@@ -89,6 +89,10 @@ def attach(optimizer: Any, model_chunks: Sequence[Any]) -> EarlyGathers | None:
     engine, binding = inner.engine, optimizer.canzona_binding
     if engine.mode != "async" or not any(exchange.moves for exchange in engine.exchanges):
         return None
+    from megatron.core.optimizer.optimizer import GRAD_NORM_GROUP_ATTR
+
+    if any(getattr(param, GRAD_NORM_GROUP_ATTR, None) is not None for param in binding.params.values()):
+        return None  # a matrix clipped by its own group's norm: its factor is not the one the step keeps
     group_of: dict[torch.nn.Parameter, Any] = {}
     for chunk in model_chunks:
         group_of.update(chunk.param_to_bucket_group)
