@@ -160,8 +160,15 @@ def check_moe_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(f"--moe-topk {args.moe_topk} must lie in 1..{args.num_experts} (--num-experts)")
 
 
-def variants(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
-    return TP_VARIANTS if args.tp > 1 else DP_VARIANTS
+LATE_GATHER = "canzona_late"
+"""With ``--iteration`` at TP > 1: ``canzona`` with ``--canzona-no-early-gather`` (host-group
+gathers issued in the step rather than as the buckets finish reducing)."""
+
+
+def variants(args: argparse.Namespace) -> dict[str, tuple[str, str, str]]:
+    if args.tp == 1:
+        return DP_VARIANTS
+    return {**TP_VARIANTS, LATE_GATHER: TP_VARIANTS["canzona"]} if args.iteration else TP_VARIANTS
 
 
 def runs_for(args: argparse.Namespace) -> list[TinyRun]:
@@ -175,11 +182,12 @@ def runs_for(args: argparse.Namespace) -> list[TinyRun]:
             overlap_param_gather=args.iteration and optimizer not in ("sync_muon", "megatron_muon"),
             lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
             ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha,
+            early_gather=name != LATE_GATHER,
             **(dict(num_experts=args.num_experts, ep_size=args.ep, moe_ffn_hidden=args.moe_ffn_hidden,
                     moe_topk=args.moe_topk) if args.moe else {}),
         )
         for _ in range(args.rounds)
-        for optimizer, tp_mode, layout in variants(args).values()
+        for name, (optimizer, tp_mode, layout) in variants(args).items()
     ]
 
 
@@ -241,7 +249,8 @@ def matrices_per_rank(last: dict[str, list[dict]], args: argparse.Namespace) -> 
             else [len(r["updated"]) for r in last["sync"]])
     return {
         "model": {"dense": dense, "experts": experts, "routers": routers},
-        "canzona": [len(r["updated"]) for r in last["canzona"]],
+        **{name: [len(r["updated"]) for r in last[name]] for name in ("canzona", "canzona_lean", LATE_GATHER)
+           if name in last},
         "sync": sync,
         "megatron_mean": (dense + routers) / args.dp + experts / args.ep / expert_dp,
     }
@@ -395,7 +404,7 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
     if args.moe:  # tiny_gpt reports the bytes of one Canzona optimizer, not of a dense + expert chain
         report["host_group_bytes_per_rank_step"] = None
         return report
-    host_names = ("canzona", "canzona_lean", "sync") if args.tp > 1 else ("canzona", "canzona_lean")
+    host_names = [n for n in ("canzona", "canzona_lean", LATE_GATHER, "sync") if n in last and (args.tp > 1 or n != "sync")]
     report["host_group_bytes_per_rank_step"] = {
         name: sum(r["tp_stats"]["bytes_sent"] for r in last[name]) / world for name in host_names
     }

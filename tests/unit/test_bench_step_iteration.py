@@ -47,3 +47,11 @@ def test_iteration_flag_checks(bench):
     assert all(r.num_steps == args.warmup + args.steps + 1 for r in runs)
     with pytest.raises(SystemExit):
         bench.parse_args(["--iteration", "--moe"])
+
+
+def test_iteration_at_tp2_times_the_gathers_issued_in_the_step_too(bench):
+    args = bench.parse_args(["--iteration", "--tp", "2", "--dp", "1"])
+    runs = bench.runs_for(args)
+    assert list(bench.variants(args)) == ["canzona", "canzona_lean", "sync", "megatron", bench.LATE_GATHER]
+    assert [r.early_gather for r in runs[:5]] == [True, True, True, True, False]
+    assert bench.LATE_GATHER not in bench.variants(bench.parse_args(["--tp", "2", "--dp", "1"]))
