@@ -2,10 +2,11 @@
 
 Hooks (megatron-core 0.19.2):
 * ``_ParamAndGradBucketGroup.finish_grad_sync`` (a registry row): once a bucket group's
-  reduce-scatter has completed, its listeners are told. With ``--overlap-grad-reduce`` a
-  later bucket group drains its predecessor while backward still runs; the finalize loop
-  at the end of backward reaches the rest. A repeated call within an iteration (upstream
-  makes it idempotent) tells nobody again.
+  reduce-scatter has completed, its listeners are told. Megatron calls it in the loop that
+  ends backward (``finalize_model_grads``); only with ``--ddp-reduce-scatter-with-fp32-
+  accumulation``, which Canzona's whole layout refuses, does a later bucket group drain its
+  predecessor earlier. A repeated call within an iteration (upstream makes it idempotent)
+  tells nobody again.
 * ``DistributedDataParallel.param_to_bucket_group``: which bucket group reduces a parameter.
 * ``param.main_grad``: the parameter's gradient in the bucket's buffer; after the
   reduce-scatter this rank's shard of it is final (its dtype is the buffer's).

@@ -100,11 +100,6 @@ class Schedule:
             out.setdefault((task.chunk, task.bucket), []).append(task)
         return out
 
-    def computed_by(self, coord: Coord) -> list[Task]:
-        """Tasks ``coord`` computes (its host tasks; every task it holds a piece of, if synchronous)."""
-        return [t for t in self.tasks if t.host == coord
-                or (t.host is None and any(h == coord for h, _, _ in t.holders(self.tp_size)))]
-
 
 def task_key(name: str, chunk: int, num_chunks: int, column: int | None = None, part: int | None = None) -> str:
     """Unique task name: the parameter name, with its chunk when there are several, its part
