@@ -1,6 +1,10 @@
-"""Host-group gathers issued as the buckets finish reducing, before the optimizer step.
+"""Host-group gathers issued as the buckets reduce, during backward, before the optimizer step.
 
 Hooks (megatron-core 0.19.2):
+* ``_ParamAndGradBucketGroup.start_grad_sync`` (a registry row): once a bucket group has
+  dispatched its reduce-scatter asynchronously (``--overlap-grad-reduce``, in the backward
+  hook of its last gradient), its listeners are told, with the handle in
+  ``grad_reduce_handle``.
 * ``_ParamAndGradBucketGroup.finish_grad_sync`` (a registry row): once a bucket group's
   reduce-scatter has completed, its listeners are told. Megatron calls it in the loop that
   ends backward (``finalize_model_grads``); only with ``--ddp-reduce-scatter-with-fp32-
@@ -13,17 +17,32 @@ Hooks (megatron-core 0.19.2):
 
 :class:`EarlyGathers` issues a micro-group's gather (``HostGroupEngine.prestart``) as soon as
 every bucket group holding one of its matrices has reduced, from views of ``main_grad``
-made once. Those gradients are neither unscaled nor clipped yet; the host multiplies what
-it receives by the loss scale's inverse and the clip factor when the step runs, in
-Megatron's order, which is bitwise what the holders' main gradients hold (a gather only
-copies). A skipped step drops the staged gathers before any state is touched. The step
-itself then finds those gathers in flight. What it costs: the gathers' send and receive
-buffers are alive from the bucket's reduction to the step (at most every micro-group's at
-once, the bytes this rank moves in the step), and no host synchronisation.
+made once. Where it is issued:
+
+* **On CUDA, at dispatch** (during backward): on one side stream, made once, that waits for
+  the reduce-scatter's handle (a stream wait, no host synchronisation); the pieces are
+  packed there and the all-to-all's NCCL stream follows it. The gathers thus run on NVLink
+  while backward computes and the inter-node reduce-scatters go on. When the bucket group
+  finishes, the main stream waits for the side stream, so the optimizer's in-place
+  unscaling and clipping of ``main_grad`` come after the packing.
+* **On CPU (gloo), at finish**: a gloo handle's wait blocks the host, which would serialise
+  backward with the reduce-scatter; the gathers go when Megatron's loop ends backward.
+  (:attr:`EarlyGathers.at_dispatch` forces the dispatch path; the tests use it to check its
+  bookkeeping on gloo, where it is exact but slower.)
+
+Those gradients are neither unscaled nor clipped yet; the host multiplies what it receives
+by the loss scale's inverse and the clip factor when the step runs, in Megatron's order,
+which is bitwise what the holders' main gradients hold (a gather only copies). A skipped
+step drops the staged gathers before any state is touched. The step itself then finds
+those gathers in flight. What it costs: the gathers' send and receive buffers are alive
+from the bucket's reduction to the step (at most every micro-group's at once, the bytes
+this rank moves in the step; on CUDA this overlaps the end of backward's activations), and
+no host synchronisation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -31,7 +50,24 @@ from typing import Any
 import torch
 
 LISTENERS_ATTR = "canzona_reduced_listeners"
-"""Bucket-group attribute: callables told ``(bucket_group)`` once its gradients are reduced."""
+"""Bucket-group attribute: objects told ``on_dispatched(bucket_group)`` once its reduce-scatter
+is dispatched asynchronously and ``on_reduced(bucket_group)`` once it has completed."""
+
+
+def announcing_dispatched_grads(original: Callable, run: Any) -> Callable:
+    """``start_grad_sync`` that tells the bucket group's listeners when it has dispatched an
+    asynchronous reduction (the handle is then in ``grad_reduce_handle``)."""
+
+    @functools.wraps(original)
+    def start_grad_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = self.grad_reduce_handle
+        result = original(self, *args, **kwargs)
+        if before is None and self.grad_reduce_handle is not None:
+            for listener in getattr(self, LISTENERS_ATTR, ()):
+                listener.on_dispatched(self)
+        return result
+
+    return start_grad_sync
 
 
 def announcing_reduced_grads(original: Callable, run: Any) -> Callable:
@@ -43,7 +79,7 @@ def announcing_reduced_grads(original: Callable, run: Any) -> Callable:
         result = original(self, *args, **kwargs)
         if not already:
             for listener in getattr(self, LISTENERS_ATTR, ()):
-                listener(self)
+                listener.on_reduced(self)
         return result
 
     return finish_grad_sync
@@ -53,34 +89,70 @@ class EarlyGathers:
     """Issues each micro-group's gather once the bucket groups it needs have reduced.
 
     ``needs[k]``: the bucket groups holding a matrix of micro-group ``k``; ``raw``: this
-    rank's pieces as views of the reduced gradient buffer (``(task key, lo)`` -> tensor)."""
+    rank's pieces as views of the reduced gradient buffer (``(task key, lo)`` -> tensor).
+    ``stream``: the CUDA side stream of the dispatch-time gathers (``None`` on CPU)."""
 
-    def __init__(self, engine: Any, raw: Mapping[tuple[str, int], torch.Tensor], needs: Sequence[set[Any]]) -> None:
+    def __init__(self, engine: Any, raw: Mapping[tuple[str, int], torch.Tensor], needs: Sequence[set[Any]],
+                 stream: Any = None) -> None:
         self.engine, self.raw = engine, dict(raw)
         self.needs = [frozenset(id(group) for group in groups) for groups in needs]
-        self.reduced: set[int] = set()
+        self.stream = stream
+        self.at_dispatch = stream is not None
+        """Issue at the reduce-scatter's dispatch (CUDA), else when it finishes."""
+        self.seen: dict[int, bool] = {}
+        """Bucket groups reduced (or dispatched) this iteration -> whether their finish was told."""
         self.issued = 0
         """Gathers issued so far (for tests and logs)."""
+        self.issued_at_dispatch = 0
+        """Of those, issued from a reduce-scatter's dispatch, during backward."""
+
+    def on_dispatched(self, bucket_group: Any) -> None:
+        """A bucket group dispatched its reduce-scatter: with :attr:`at_dispatch`, wait for it
+        on the side stream and issue every micro-group it completes there."""
+        if not self.at_dispatch:
+            return
+        if id(bucket_group) in self.seen:  # dispatched again before a step: a new iteration
+            self.drop()
+        self.seen[id(bucket_group)] = False
+        with self._side():
+            bucket_group.grad_reduce_handle.wait()  # CUDA: the side stream waits, not the host
+            self.issued_at_dispatch += self._issue_complete()
 
     def on_reduced(self, bucket_group: Any) -> None:
         """A bucket group has reduced: issue every micro-group now complete, in index order
         (the same order on every rank, as all reduce their bucket groups in one order)."""
-        if id(bucket_group) in self.reduced:  # reported again before a step: a new iteration
+        told = self.seen.get(id(bucket_group))
+        if told is False:  # dispatched this iteration: its gathers went then
+            self.seen[id(bucket_group)] = True
+            if self.stream is not None:  # main_grad is unscaled and clipped in place after the packing
+                torch.cuda.current_stream().wait_stream(self.stream)
+            return
+        if told:  # reported again before a step: a new iteration
             self.drop()
-        self.reduced.add(id(bucket_group))
+        self.seen[id(bucket_group)] = True
+        self._issue_complete()
+
+    def _issue_complete(self) -> int:
+        reduced = frozenset(self.seen)
+        count = 0
         for k, needs in enumerate(self.needs):
-            if k not in self.engine.staged and needs <= self.reduced:
+            if k not in self.engine.staged and needs <= reduced:
                 self.engine.prestart(k, self.raw)
-                self.issued += 1
+                count += 1
+        self.issued += count
+        return count
+
+    def _side(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def drop(self) -> None:
         """Forget this iteration's gathers (a skipped step, or an iteration without one)."""
         self.engine.drop_staged()
-        self.reduced.clear()
+        self.seen.clear()
 
     def stepped(self) -> None:
         """The step consumed the gathers; the next iteration starts afresh."""
-        self.reduced.clear()
+        self.seen.clear()
 
 
 def attach(optimizer: Any, model_chunks: Sequence[Any]) -> EarlyGathers | None:
@@ -110,13 +182,15 @@ def attach(optimizer: Any, model_chunks: Sequence[Any]) -> EarlyGathers | None:
     from canzona_patches import registry
 
     registry.install_group(registry.EARLY_GATHER)
-    early = EarlyGathers(engine, raw, needs)
+    first = next(iter(raw.values()), None)
+    stream = torch.cuda.Stream(device=first.device) if first is not None and first.is_cuda else None
+    early = EarlyGathers(engine, raw, needs, stream=stream)
     for groups in needs:
         for group in groups:
             listeners = getattr(group, LISTENERS_ATTR, None)
             if listeners is None:
                 listeners = []
                 setattr(group, LISTENERS_ATTR, listeners)
-            if early.on_reduced not in listeners:
-                listeners.append(early.on_reduced)
+            if early not in listeners:
+                listeners.append(early)
     return early

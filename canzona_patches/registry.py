@@ -343,6 +343,12 @@ PATCHES: tuple[Patch, ...] = (
           reason="torch's manager waits only for the `*_tensor` collectives it batched; the list-form ones' works "
                  "join its handle, so the bucket's finish waits for them"),
     # --- host-group gathers issued as buckets reduce (canzona_patches/early_gather.py)
+    Patch(targets=(f"{_BUFFER}:_ParamAndGradBucketGroup.start_grad_sync",),
+          make="canzona_patches.early_gather:announcing_dispatched_grads",
+          condition="`--canzona` with `--canzona-tp-mode async` (the default) and matrices that move to their hosts",
+          when=_canzona, group=EARLY_GATHER,
+          reason="nothing follows a bucket group's asynchronous dispatch; its listeners are told, so on CUDA the "
+                 "optimizer's side stream waits for the reduce-scatter and issues the host-group gathers in backward"),
     Patch(targets=(f"{_BUFFER}:_ParamAndGradBucketGroup.finish_grad_sync",),
           make="canzona_patches.early_gather:announcing_reduced_grads",
           condition="`--canzona` with `--canzona-tp-mode async` (the default) and matrices that move to their hosts",

@@ -330,6 +330,7 @@ def _measure_part(buffers: list, optimizer) -> dict:
         "largest_temporary_elements": largest,
         "step_temporary_elements": step,
         "compute_batch_elements": batch,
+        "early_gather_elements": inner.engine.early_temporaries() if getattr(optimizer, "early_gathers", None) else 0,
         "device": str(buffers[0].param_data.device),
     }
 
@@ -375,6 +376,7 @@ def _predict_part(args: argparse.Namespace, mem: RankMemory, plan) -> dict:
         "largest_temporary_elements": mem.largest_temporary_elements,
         "step_temporary_elements": mem.step_temporary_elements,
         "compute_batch_elements": mem.compute_batch_elements,
+        "early_gather_elements": mem.early_gather_elements,
     }
 
 
@@ -391,6 +393,7 @@ TEMPORARY_ROWS = (
     ("largest_temporary_elements", "largest temporary buffer of the step", STATE_BYTES),
     ("step_temporary_elements", "host-group buffers alive at once", STATE_BYTES),
     ("compute_batch_elements", "largest host-compute batch (stacked grads)", STATE_BYTES),
+    ("early_gather_elements", "early gather buffers (alive from backward)", STATE_BYTES),
 )
 EXPERT = "expert "
 """Label prefix of the expert part's rows."""

@@ -219,6 +219,7 @@ def cluster_toml(report: dict, name: str) -> str:
         f'name = "{name}"',
         f"gpus_per_node = {p}                 # the probed processes, all on this machine",
         f"compute_slots = {report['cores']}                 # os.cpu_count(): ranks beyond it share cores",
+        'backend = "gloo"                  # host-group gathers go when backward ends (a gloo wait blocks the host)',
         "",
         "[gpu]",
         f"bf16_tflops = {c['bf16_flops_per_s'] / 1e12:.6f}      # measured: best 1024^2 bf16 GEMM, one thread",

@@ -74,11 +74,12 @@ def _overlap_pair() -> list[TinyRun]:
     return [run, replace(run, overlap_grad_reduce=False, overlap_param_gather=False)]
 
 
-def _early_pair() -> list[TinyRun]:
+def _early_runs() -> list[TinyRun]:
     """At TP 2 x DP 2 (gathers to TP hosts): Muon over 5 steps, clipped and with a NaN at step
-    2, the host-group gathers issued as buckets reduce and in the step."""
+    2, the host-group gathers issued as buckets finish reducing (gloo's default), as their
+    reduce-scatters are dispatched in backward (CUDA's), and in the step."""
     run = _run("muon", tp_size=2, num_steps=5, clip_grad=0.05, nan_grad_at_step=2, return_state=True)
-    return [run, replace(run, early_gather=False)]
+    return [run, replace(run, early_gather_at_dispatch=True), replace(run, early_gather=False)]
 
 
 def _launch(world_size: int, runs: list[TinyRun]) -> list[list[dict]]:
@@ -99,8 +100,8 @@ def results() -> dict[tuple[str, str], list[dict]]:
             runs += _overlap_pair()
             names += [("overlap_on", "dp3"), ("overlap_off", "dp3")]
         if world_size == 4:
-            runs += _early_pair()
-            names += [("early_on", "tp2dp2"), ("early_off", "tp2dp2")]
+            runs += _early_runs()
+            names += [("early_on", "tp2dp2"), ("early_dispatch", "tp2dp2"), ("early_off", "tp2dp2")]
         for name, per_rank in zip(names, _launch(world_size, runs)):
             out[name] = per_rank
     return out
@@ -151,9 +152,11 @@ def test_overlapped_collectives_are_bitwise_the_blocking_ones(results) -> None:
 def test_gathers_issued_as_buckets_reduce_are_bitwise_the_steps_own(results) -> None:
     """The hosts scale what was gathered before the step (clip factor) as the holders did,
     and a skipped step drops it: parameters and state equal the run gathering in the step."""
-    for on, off in zip(results[("early_on", "tp2dp2")], results[("early_off", "tp2dp2")]):
-        assert on["early_gathers"] and on["early_gathers"] > 0 and off["early_gathers"] is None
+    for on, dispatch, off in zip(*(results[(name, "tp2dp2")] for name in ("early_on", "early_dispatch", "early_off"))):
+        assert on["early_gathers"] > 0 and on["early_gathers_at_dispatch"] == 0 and off["early_gathers"] is None
+        assert dispatch["early_gathers_at_dispatch"] == dispatch["early_gathers"] == on["early_gathers"]
         _assert_bitwise_with_skip_and_clip(on, off)
+        _assert_bitwise_with_skip_and_clip(dispatch, off)
 
 
 def _assert_bitwise_with_skip_and_clip(on: dict, off: dict) -> None:

@@ -111,6 +111,9 @@ class TinyRun:
     """Megatron's global-norm gradient clipping (0: none; the norm is then not computed)."""
     early_gather: bool = True
     """Canzona (async): issue host-group gathers as buckets reduce (``--canzona-no-early-gather``: False)."""
+    early_gather_at_dispatch: bool = False
+    """Issue them from the reduce-scatters' dispatch, in backward, as on CUDA (on gloo each
+    waits for its reduce-scatter there: exact, slower)."""
     return_state: bool = False
     """Return this rank's optimizer state (``state``: every tensor of the Canzona inner
     optimizer by path), for bitwise comparisons of runs on the same layout."""
@@ -151,6 +154,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "state": _optimizer_state(optimizer) if run.return_state else None,
             "iteration_marks": {k: list(v) for k, v in ITERATION_MARKS.items()} if run.time_iteration else None,
             "early_gathers": getattr(getattr(optimizer, "early_gathers", None), "issued", None),
+            "early_gathers_at_dispatch": getattr(getattr(optimizer, "early_gathers", None), "issued_at_dispatch", None),
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -209,6 +213,8 @@ def _build(run: TinyRun):
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp_model.no_sync
     optimizer = _optimizer(run, ddp_model, OptimizerConfig, get_megatron_optimizer, plan)
+    if run.early_gather_at_dispatch:
+        optimizer.early_gathers.at_dispatch = True
     if run.time_iteration:
         _mark_iterations(model)
     return model, ddp_model, optimizer, plan

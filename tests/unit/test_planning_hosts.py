@@ -51,6 +51,14 @@ def test_a_matrix_above_budget_runs_alone():
     assert groups == [0, 1, 1]
 
 
+def test_a_host_runs_its_matrices_in_the_order_their_buckets_reduce():
+    """Bucket order before size: the first group's gathers can go while backward runs."""
+    groups = schedule_groups([1.0, 5.0, 3.0], [0, 0, 0], budget=5.0, at_least_two=False,
+                             ready=[(0, 0), (0, 1), (0, 0)])
+    assert groups == [0, 1, 0]
+    assert schedule_groups([1.0, 5.0, 3.0], [0, 0, 0], budget=5.0, at_least_two=False) == [1, 0, 1]
+
+
 def test_hosts_of_one_matrix_alternate_between_two_groups():
     assert schedule_groups([5.0, 4.0, 3.0, 2.0], [0, 1, 2, 3], budget=5.0) == [0, 1, 0, 1]
 

@@ -142,6 +142,36 @@ def test_reduction_hides_behind_a_long_backward():
     assert r2.grad_reduce_exposed_seconds < r2.grad_reduce_seconds  # the first bucket overlapped backward
 
 
+def test_early_gathers_go_in_backward_on_nccl_and_once_it_ends_on_gloo():
+    """Canzona's dense gathers are issued as their buckets reduce: on NCCL during backward
+    (from the step's start, negative times), on gloo only once backward has ended; either
+    way no later than in the step, so the step is no longer."""
+    specs = [matrix(tp_size=2, name=f"w{i}", order=i) for i in range(4)]
+    work = Workload(global_batch=2, micro_batch=1, seq_length=4096, flops_per_token=1e10)
+    kwargs = dict(strategy="canzona", dp_size=2, tp_size=2, workload=work, wire=WIRE, bucket_size=NUMEL // 2)
+    nccl, gloo = simulate(specs, cluster=cluster(), **kwargs), simulate(specs, cluster=cluster(backend="gloo"), **kwargs)
+    late = simulate(specs, cluster=cluster(), overlap=False, **kwargs)
+    assert nccl.details["early_gather"] and not late.details["early_gather"]
+    for r in (nccl, gloo):
+        origin = r.iteration_seconds - r.optimizer_step_seconds
+        starts = [s.start - origin for s in r.timeline if s.kind == "gather"]
+        backward_end = -r.grad_reduce_exposed_seconds
+        assert starts and r.grad_reduce_exposed_seconds < r.grad_reduce_seconds  # buckets reduce in backward
+        if r is nccl:
+            assert min(starts) < backward_end  # a gather went while backward ran
+        else:
+            assert min(starts) >= backward_end - 1e-12
+    assert nccl.optimizer_step_seconds <= gloo.optimizer_step_seconds * (1 + 1e-12)
+    assert gloo.optimizer_step_seconds < late.optimizer_step_seconds
+
+
+def test_cluster_backend_is_nccl_or_gloo(tmp_path):
+    assert load_cluster(write(tmp_path, "c.toml", toml_of(TOY))).backend == "nccl"
+    assert ClusterSpec.from_dict({**TOY, "backend": "gloo"}).to_dict()["backend"] == "gloo"
+    with pytest.raises(ValueError, match=r"^c.toml: backend must be one of nccl, gloo, got 'mpi'$"):
+        ClusterSpec.from_dict({**TOY, "backend": "mpi"}, source="c.toml")
+
+
 # ----------------------------------------------------------------------------------- properties
 
 shapes = st.tuples(st.sampled_from([64, 128, 192, 256]), st.sampled_from([64, 128, 320, 512]))

@@ -248,7 +248,7 @@ def _host_items(buffers: list[BufferPlan], mats: list[list[ParamSpec]],
                 items.append(HostItem(
                     cost=cost if span else p.cost, dp_rank=p.host, tp_sharded=spec.tp_sharded,
                     pieces=tuple((d, end - start) for d, start, end in within(pieces, lo, hi)),
-                    chunk=chunk, name=p.name, part=k, span=span,
+                    chunk=chunk, name=p.name, part=k, span=span, bucket=p.bucket,
                 ))
     return items
 
@@ -264,7 +264,9 @@ def _assemble(
     user_budget = budget is not None
     budget = default_budget(loads, costs) if budget is None else budget
     local = [item.dp_rank is not None and not item.tp_sharded for item in items]
-    groups = schedule_groups(costs, host_rank, budget=budget, at_least_two=not user_budget, local=local)
+    # Reduce order: the last model chunk's backward runs first, bucket 0 of a buffer first.
+    ready = [(-item.chunk, item.bucket) for item in items]
+    groups = schedule_groups(costs, host_rank, budget=budget, at_least_two=not user_budget, local=local, ready=ready)
     entries = [
         Host(name=item.name, chunk=item.chunk, dp_rank=d, tp_rank=t, group=g, cost=item.cost, part=item.part,
              span=item.span)

@@ -15,8 +15,10 @@ ties. Candidates for a split matrix are its holders with the largest pieces, the
 loaded rank and the rank with the least α-weighted total.
 
 Micro-groups (:func:`schedule_groups`): each host's matrices, those it holds whole first,
-then largest first, are cut into runs of at most ``budget`` cost (a larger matrix alone);
-micro-group k is every host's k-th run. The default budget gives a host about
+then in the order their buckets reduce (the bucket whose reduce-scatter backward starts
+first leads), then largest first, are cut into runs of at most ``budget`` cost (a larger
+matrix alone); micro-group k is every host's k-th run. Bucket order lets the early
+gathers of the first groups go while backward still runs. The default budget gives a host about
 :data:`GROUPS_PER_HOST` groups, and never fewer than two when it has two matrices or more,
 so the next group's gather is in flight while a group computes; hosts of a single matrix
 alternate between the first two groups, so half of them compute while the other half's
@@ -58,6 +60,8 @@ class HostItem:
     """Which part of the parameter (:attr:`~megatron.canzona.planning.specs.ParamSpec.parts`)."""
     span: tuple[int, int] | None = None
     """Elements of the local tensor the part covers; ``None``: the whole parameter."""
+    bucket: int = 0
+    """Bucket of its parameter in the matrix buffer (bucket 0 reduces first)."""
 
 
 class _Ranks:
@@ -196,10 +200,11 @@ def default_budget(rank_loads: Sequence[float], costs: Sequence[float]) -> float
 
 def schedule_groups(
     costs: Sequence[float], hosts: Sequence[int], *, budget: float, at_least_two: bool = True,
-    local: Sequence[bool] | None = None,
+    local: Sequence[bool] | None = None, ready: Sequence[tuple[int, ...]] | None = None,
 ) -> list[int]:
     """Micro-group per item: item i is hosted by rank ``hosts[i]``. Each host's items --
-    those with nothing to gather (``local``) first, then largest cost first -- are cut into
+    those with nothing to gather (``local``) first, then by ``ready`` (when its gradient is
+    reduced: lower first), then largest cost first -- are cut into
     runs of at most ``budget`` (a larger item alone); with ``at_least_two`` a host with two
     items or more gets two runs at least, and hosts with a single item alternate between
     groups 0 and 1. Local work first lets a host compute while the next group's pieces are
@@ -207,8 +212,9 @@ def schedule_groups(
     if budget < 0:
         raise ValueError(f"micro-group budget must be >= 0, got {budget}")
     local = local or [False] * len(costs)
+    ready = ready or [()] * len(costs)
     by_host: dict[int, list[int]] = {}
-    for i in sorted(range(len(costs)), key=lambda i: (not local[i], -costs[i], i)):
+    for i in sorted(range(len(costs)), key=lambda i: (not local[i], ready[i], -costs[i], i)):
         by_host.setdefault(hosts[i], []).append(i)
     group = [0] * len(costs)
     singles = 0

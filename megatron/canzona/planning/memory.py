@@ -18,6 +18,7 @@ parameters).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,6 +93,10 @@ class RankMemory:
     compute_batch_elements: int = 0
     """Full-matrix elements of the largest host-compute batch: at most what stacking its
     same-shape gradients copies (the update functions' own working set comes on top)."""
+    early_gather_elements: int = 0
+    """Send and receive buffers of every micro-group's gather, alive at once from the
+    buckets' reductions (in backward, beside the activations) to the step when the gathers
+    go early (``canzona_patches.early_gather``; 0 with experts, whose optimizer is chained)."""
     experts: RankMemory | None = None
     """The same for the rank's expert-parallel buffers and the expert optimizer (a second
     one, stepped after the dense one); ``None`` without expert parallelism."""
@@ -108,6 +113,7 @@ def rank_memory(
             dp_rank, tp_rank, tp_size=plan.tp_size, ep_size=plan.ep_size, expert_tp_size=plan.experts.tp_size)
         # Every EP rank holds the same local expert names, so the EP coordinate does not matter.
         experts = rank_memory(plan.experts, specs, dp_rank=expert_dp_rank, tp_rank=expert_tp_rank, state=state)
+        experts = dataclasses.replace(experts, early_gather_elements=0)  # chained: its gathers go in the step
     by_name = {(s.chunk, s.name): s for s in specs}
     buffers = [(c, dp.matrix) for c, dp in enumerate(plan.layouts)]
     buffers += [(c, dp.elementwise) for c, dp in enumerate(plan.layouts) if dp.elementwise is not None]
@@ -119,7 +125,7 @@ def rank_memory(
                     kinds[kind] += numel
     for _, buffer in buffers[len(plan.layouts):]:
         kinds["adam_moments"] += 2 * _shard_numel(buffer, dp_rank)
-    largest, step = _temporaries(plan, dp_rank, tp_rank)
+    largest, step, early = _temporaries(plan, dp_rank, tp_rank)
     return RankMemory(
         param_buffer_elements=sum(buffer.numel for _, buffer in buffers),
         bucket_elements=tuple(b.numel for _, buffer in buffers for b in buffer.buckets),
@@ -128,6 +134,7 @@ def rank_memory(
         largest_temporary_elements=largest,
         step_temporary_elements=step,
         compute_batch_elements=_largest_batch(plan, dp_rank, tp_rank),
+        early_gather_elements=early if plan.experts is None else 0,
         experts=experts,
     )
 
@@ -150,8 +157,9 @@ def _shard_numel(buffer: BufferPlan, dp_rank: int) -> int:
     return total
 
 
-def _temporaries(plan: CanzonaPlan, dp_rank: int, tp_rank: int) -> tuple[int, int]:
-    """(largest single temporary, most alive at once) of the host-group step, in elements."""
+def _temporaries(plan: CanzonaPlan, dp_rank: int, tp_rank: int) -> tuple[int, int, int]:
+    """(largest single temporary, most alive at once, every gather's buffers) of the
+    host-group step, in elements."""
     me = (dp_rank, tp_rank)
     groups: dict[int, dict[str, int]] = {}
     largest = 0
@@ -177,4 +185,4 @@ def _temporaries(plan: CanzonaPlan, dp_rank: int, tp_rank: int) -> tuple[int, in
         if k + 1 < len(order):
             alive += groups[order[k + 1]]["send"] + groups[order[k + 1]]["recv"]
         step = max(step, alive)
-    return largest, step
+    return largest, step, sum(g["send"] + g["recv"] for g in groups.values())

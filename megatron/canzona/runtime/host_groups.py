@@ -384,6 +384,11 @@ class HostGroupEngine:
             step = max(step, alive + (sizes[k + 1][0] if k + 1 < len(sizes) else 0))
         return largest, step
 
+    def early_temporaries(self) -> int:
+        """Elements of every micro-group's gather buffers (send and receive): alive at once,
+        from the buckets' reductions to the step, when :meth:`prestart` issues them all."""
+        return sum(sum(e.send_splits) + sum(e.recv_splits) for e in self.exchanges if e.moves)
+
     def compute_batches(self) -> list[tuple[str, ...]]:
         """The task keys of each host-compute callback this rank makes per step, in order."""
         return [tuple(t.key for t in batch) for exchange in self.exchanges for batch in exchange.computed]
@@ -486,6 +491,10 @@ class HostGroupEngine:
                 next_gather = self._gather_of(k + 1)  # in flight during compute k
             if k in self._staged and gather is not None:  # raw pieces: scale them as their holders did
                 self._wait(gather, "gather", exchange.index)
+                if gather.recv.is_cuda:  # allocated on the side stream that issued it, used here from now on
+                    current = torch.cuda.current_stream(gather.recv.device)
+                    gather.recv.record_stream(current)
+                    gather.send.record_stream(current)
                 for factor in self._scale:
                     gather.recv.mul_(factor)
             full_grads = self._finish_gather(exchange, gather)

@@ -33,7 +33,10 @@ Strategies (:data:`STRATEGIES`):
 * ``canzona`` -- the Canzona plan (``plan``, else the whole layout: variable-size DP
   shards, every matrix whole on one DP rank, uneven bucket collectives); one host per
   matrix; micro-groups pipelined as ``HostGroupEngine._run_async`` (gather k+1 | compute k |
-  scatter k | apply k-1);
+  scatter k | apply k-1); the dense micro-groups' gathers issued before the step as their
+  buckets reduce (``canzona_patches.early_gather``: on ``nccl`` when each reduce-scatter
+  completes, in backward; on ``gloo`` once backward ends), one at a time on their own
+  stream, beside the reduce-scatters;
 * ``canzona_lean`` -- the same with the lean layout (Megatron's equal shards; a matrix across
   a shard boundary is gathered to its host in the step);
 * ``canzona_tp_sync`` -- the same layout, ``--canzona-tp-mode sync`` (the recipes'
@@ -58,6 +61,8 @@ out when one node holds every rank)::
     gpus_per_node = 8            # ranks per node (72 for NVL72; a CPU "node": its processes)
     compute_slots = 8            # optional: ranks of a node that compute at once (default gpus_per_node;
                                  # a CPU box with fewer cores than ranks: its core count)
+    backend = "nccl"             # optional: "nccl" (default) or "gloo" (CPU: Canzona's host-group
+                                 # gathers go when backward ends, not as each bucket is reduced)
     [gpu]
     bf16_tflops = 989.4          # dense bf16 matmul peak, TFLOP/s
     fp32_tflops = 66.9           # fp32 matmul peak, TFLOP/s

@@ -77,6 +77,10 @@ class CollectiveSpec:
     """All-to-all bandwidth over link bandwidth."""
 
 
+BACKENDS = ("nccl", "gloo")
+"""Collective backends a cluster file may name."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
     """Nodes of identical ranks, a fast link inside a node and a slower one between nodes."""
@@ -97,6 +101,9 @@ class ClusterSpec:
     """Model FLOPs utilization of forward and backward (fraction of the bf16 peak)."""
     compute_slots: int | None = None
     """Ranks of a node that compute at once (``None``: all of them)."""
+    backend: str = "nccl"
+    """The collectives' backend: ``nccl`` (GPUs: Canzona's host-group gathers go in backward, as
+    each bucket's reduce-scatter completes) or ``gloo`` (CPU: they go when backward ends)."""
 
     def contention(self, ranks: int) -> float:
         """Slow-down of compute when ``ranks`` ranks of a node share fewer compute slots."""
@@ -146,6 +153,7 @@ class ClusterSpec:
             ),
             mfu=reader.fraction(training, "training.mfu", 0.4),
             compute_slots=reader.integer(data, "compute_slots") if "compute_slots" in data else None,
+            backend=reader.choice(data, "backend", BACKENDS, "nccl"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,6 +167,8 @@ class ClusterSpec:
             out["inter_node"] = vars(self.inter_node).copy()
         if self.compute_slots is not None:
             out["compute_slots"] = self.compute_slots
+        if self.backend != "nccl":
+            out["backend"] = self.backend
         return out
 
 
@@ -201,6 +211,12 @@ class _Reader:
         value = data.get(field)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise self.fail(field, "a positive integer", value)
+        return value
+
+    def choice(self, data: Mapping[str, Any], field: str, choices: tuple[str, ...], default: str) -> str:
+        value = data.get(field, default)
+        if value not in choices:
+            raise self.fail(field, f"one of {', '.join(choices)}", value)
         return value
 
     def link(self, data: Mapping[str, Any], name: str) -> LinkSpec:

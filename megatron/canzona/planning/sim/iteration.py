@@ -8,7 +8,8 @@
   reduces only once every micro-batch is accumulated): a bucket is ready when backward
   has produced its last gradient, backward order being ``ParamSpec.order`` and backward
   time spread over parameters by their matmul work; the reductions run one at a time.
-  What runs past the end of backward is exposed.
+  What runs past the end of backward is exposed. :func:`reduced_at` tells when each
+  bucket's reduction ends, from which Canzona's early host-group gathers may start.
 * Parameters are all-gathered bucket by bucket, in forward order, all issued when the
   first forward starts; forward waits at a bucket's first parameter until its all-gather
   is done. The wait is exposed.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .result import Segment
 
@@ -35,20 +37,35 @@ class BucketSync:
     """Fraction of backward done when its last gradient is produced (forward needs its first
     parameter after ``1 - ready`` of the forward)."""
     label: str = ""
+    key: Any = None
+    """What :func:`reduced_at` reports its end under (``None``: not reported)."""
+
+
+def _reduce_spans(buckets: Sequence[BucketSync], backward: float) -> list[tuple[BucketSync, float, float]]:
+    """``(bucket, start, end)`` of each reduction from backward's start, one at a time in readiness order."""
+    free, spans = 0.0, []
+    for b in sorted(buckets, key=lambda b: b.ready):
+        start = max(free, b.ready * backward)
+        free = start + max(b.seconds, 0.0)
+        spans.append((b, start, free))
+    return spans
 
 
 def overlap_backward(buckets: Sequence[BucketSync], backward: float, rank: int = 0,
                      origin: float = 0.0) -> tuple[float, list[Segment]]:
     """Exposed seconds after a backward of ``backward`` seconds starting at ``origin``, and
     the collectives' spans."""
-    free, segments = 0.0, []
-    for b in sorted(buckets, key=lambda b: b.ready):
-        if b.seconds <= 0:
-            continue
-        start = max(free, b.ready * backward)
-        free = start + b.seconds
-        segments.append(Segment(rank, "comm", "grad_reduce", origin + start, origin + free, b.label))
+    spans = _reduce_spans(buckets, backward)
+    segments = [Segment(rank, "comm", "grad_reduce", origin + start, origin + end, b.label)
+                for b, start, end in spans if b.seconds > 0]
+    free = spans[-1][2] if spans else 0.0
     return max(0.0, free - backward), segments
+
+
+def reduced_at(buckets: Sequence[BucketSync], backward: float) -> dict[Any, float]:
+    """``key -> when its reduction ends``, in seconds from the end of backward (negative:
+    during backward), for every bucket with a key."""
+    return {b.key: end - backward for b, _, end in _reduce_spans(buckets, backward) if b.key is not None}
 
 
 def overlap_forward(buckets: Sequence[BucketSync], forward: float, rank: int = 0,

@@ -83,6 +83,8 @@ class Work:
     """Buffers whose gradients are reduced (and parameters gathered) bucket by bucket."""
     all_reduce: bool = False
     """Gradients all-reduced (synchronous compute): no parameter all-gather."""
+    early_gather: bool = False
+    """The dense tasks' gathers go before the step, as their buckets reduce (Canzona async)."""
 
 
 def _spec_map(specs: Sequence[ParamSpec]) -> dict[tuple[int, str], ParamSpec]:
@@ -98,7 +100,8 @@ def sim_tasks(schedule: Schedule, specs: Sequence[ParamSpec], seconds: Seconds, 
         spec = by_key[(t.chunk, t.name)]
         out.append(SimTask(t.name, tuple((rank(*coord), hi - lo) for coord, lo, hi in t.holders(schedule.tp_size)),
                            None if t.host is None else rank(*t.host),
-                           seconds(spec) if t.span is None else seconds(spec, t.part), t.group))
+                           seconds(spec) if t.span is None else seconds(spec, t.part), t.group,
+                           (t.chunk, t.bucket)))
     return out
 
 

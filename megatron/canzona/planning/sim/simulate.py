@@ -16,7 +16,7 @@ from ..plan import BufferPlan, CanzonaPlan, DPPlan
 from ..planner import make_plan
 from ..specs import ParamSpec
 from .cluster import ClusterSpec
-from .iteration import BACKWARD_SHARE, BucketSync, overlap_backward, overlap_forward
+from .iteration import BACKWARD_SHARE, BucketSync, overlap_backward, overlap_forward, reduced_at
 from .layouts import (
     Buffers,
     Grid,
@@ -135,6 +135,8 @@ def _canzona(ctx: _Context, synchronous: bool = False, layout: str = "whole") ->
         raise TypeError(f"canzona needs a CanzonaPlan (make_plan(...)), got {type(plan).__name__}")
     mode = "blocking" if synchronous or not ctx.overlap else "pipelined"
     work = Work(mode=mode, dense=plan_tasks(plan, ctx.dense, ctx.seconds, g.rank, synchronous=synchronous))
+    # As the runtime: async, and not chained with an expert optimizer (one joint clip).
+    work.early_gather = mode == "pipelined" and plan.experts is None
     work.adamw = adamw_elements(_elementwise(plan.layouts), g.rank, g.tp_size)
     work.reduced.append(Buffers(_reduced(plan.layouts), g.dp_group()))
     if plan.experts is not None:
@@ -331,14 +333,24 @@ def simulate(
                    expert_plan, wire, overlap, alpha)
     work = BUILDERS[strategy](ctx)
     slowdown = cluster.contention(grid.size * pp_size)
-    step_end, run = _run_step(work, grid, cluster, wire, slowdown)
-    return _assemble(strategy, ctx, work, cluster, workload, pp_size, slowdown, step_end, run)
+    phases = _phases(ctx, work, cluster, workload, pp_size, slowdown)
+    reduced = None
+    if work.early_gather:  # when each dense matrix bucket's reduce-scatter ends, from the step's start
+        reduced = {key: at - phases.rs_exposed for key, at in phases.reduced_at.items()}
+        if cluster.backend == "gloo":  # issued from Megatron's loop after backward
+            reduced = {key: max(at, -phases.rs_exposed) for key, at in reduced.items()}
+    step_end, run = _run_step(work, grid, cluster, wire, slowdown, reduced)
+    return _assemble(strategy, ctx, work, phases, slowdown, step_end, run)
 
 
-def _run_step(work: Work, grid: Grid, cluster: ClusterSpec, wire: WireConfig, slowdown: float) -> tuple[float, StepRun]:
+def _run_step(work: Work, grid: Grid, cluster: ClusterSpec, wire: WireConfig, slowdown: float,
+              reduced_at: dict[tuple[int, int], float] | None = None) -> tuple[float, StepRun]:
     """Dense matrices, dense AdamW, then (a chained optimizer) the expert matrices per EP group."""
     run = StepRun(range(grid.size), {}, cluster, wire, slowdown=slowdown)
-    _run_tasks(run, work.mode, work.dense)
+    if work.mode == "pipelined":
+        run_host_groups(run, work.dense, pipelined=True, reduced_at=reduced_at)
+    else:
+        _run_tasks(run, work.mode, work.dense)
     run_adamw(run, work.adamw)
     for members, tasks in work.experts:
         sub = StepRun(members, run.clock, cluster, wire, slowdown=slowdown)
@@ -360,7 +372,8 @@ def _run_tasks(run: StepRun, mode: str, tasks: Sequence[SimTask]) -> None:
 
 def _bucket_syncs(ctx: _Context, work: Work, topology: Topology, workload: Workload | None) \
         -> tuple[list[BucketSync], list[BucketSync]]:
-    """Gradient reductions and parameter all-gathers of every bucket, with their readiness."""
+    """Gradient reductions and parameter all-gathers of every bucket, with their readiness; a
+    dense matrix bucket's reduction is keyed ``(chunk, bucket)``."""
     activity = workload.expert_activity if workload else 1.0
     weights = [(s.order, s.chunk, matmul_weight(s, activity), s.name) for s in ctx.specs]
     total = sum(w for _, _, w, _ in weights) or 1.0
@@ -369,24 +382,47 @@ def _bucket_syncs(ctx: _Context, work: Work, topology: Topology, workload: Workl
         done += w
         ready[(chunk, name)] = done / total
     reduce, gather = [], []
-    for buffers in work.reduced:
+    dense_matrices = {s.name for s in ctx.dense if s.family == "matrix"}
+    for i, buffers in enumerate(work.reduced):
         for chunk, buffer in buffers.buffers:
+            matrices = i == 0 and any(p.name in dense_matrices for p in buffer.placements)
             for k, bucket in enumerate(buffer.buckets):
                 frac = max((ready.get((chunk, p.name), 1.0) for p in buffer.placements if p.bucket == k), default=1.0)
                 rs = topology.ring(bucket.numel * ctx.wire.grad_bytes, buffers.group)
-                reduce.append(BucketSync(2 * rs if work.all_reduce else rs, frac, str(k)))
+                reduce.append(BucketSync(2 * rs if work.all_reduce else rs, frac, str(k),
+                                         key=(chunk, k) if matrices else None))
                 if not work.all_reduce:
                     gather.append(BucketSync(topology.ring(bucket.numel * ctx.wire.param_bytes, buffers.group), frac,
                                              str(k)))
     return reduce, gather
 
 
-def _assemble(strategy: str, ctx: _Context, work: Work, cluster: ClusterSpec, workload: Workload | None,
-              pp_size: int, slowdown: float, step_end: float, run: StepRun) -> StrategyResult:
+@dataclass(frozen=True)
+class _Phases:
+    """Forward/backward and the bucket collectives around the step."""
+
+    reduce: list[BucketSync]
+    gather: list[BucketSync]
+    micro: float
+    fwd_bwd: float
+    bubble: float
+    ag_exposed: float
+    rs_exposed: float
+    segments: list[Segment]
+    reduced_at: dict
+    """``(chunk, bucket)`` of a dense matrix bucket -> its reduction's end, from backward's end."""
+    details: dict
+
+    @property
+    def step_origin(self) -> float:
+        return self.bubble + self.ag_exposed + self.fwd_bwd + self.rs_exposed
+
+
+def _phases(ctx: _Context, work: Work, cluster: ClusterSpec, workload: Workload | None, pp_size: int,
+            slowdown: float) -> _Phases:
     reduce, gather = _bucket_syncs(ctx, work, Topology(cluster), workload)
     micro = fwd_bwd = 0.0
-    details: dict = {"mode": work.mode, "num_tasks": len(work.dense) + sum(len(t) for _, t in work.experts),
-                     "num_groups": len({t.group for t in work.dense}), "compute_slowdown": slowdown}
+    details: dict = {}
     if workload is not None:
         count = workload.microbatches(ctx.grid.dp_size)
         per_token = workload.flops_per_token
@@ -401,20 +437,30 @@ def _assemble(strategy: str, ctx: _Context, work: Work, cluster: ClusterSpec, wo
     ag_exposed, ag_segments = overlap_forward(gather, micro - backward, origin=bubble)
     rs_origin = bubble + ag_exposed + fwd_bwd - backward
     rs_exposed, rs_segments = overlap_backward(reduce, backward, origin=rs_origin)
-    step_origin = bubble + ag_exposed + fwd_bwd + rs_exposed
+    return _Phases(reduce, gather, micro, fwd_bwd, bubble, ag_exposed, rs_exposed, ag_segments + rs_segments,
+                   reduced_at(reduce, backward), details)
+
+
+def _assemble(strategy: str, ctx: _Context, work: Work, phases: _Phases, slowdown: float, step_end: float,
+              run: StepRun) -> StrategyResult:
+    details: dict = {"mode": work.mode, "num_tasks": len(work.dense) + sum(len(t) for _, t in work.experts),
+                     "num_groups": len({t.group for t in work.dense}), "compute_slowdown": slowdown,
+                     "early_gather": work.early_gather, **phases.details}
+    step_origin = phases.step_origin
     busiest = max(run.busy.values(), default=0.0)
-    timeline = _timeline(ctx.grid.size, bubble, fwd_bwd + ag_exposed, ag_segments + rs_segments, step_origin, run)
+    timeline = _timeline(ctx.grid.size, phases.bubble, phases.fwd_bwd + phases.ag_exposed, phases.segments,
+                         step_origin, run)
     return StrategyResult(
         strategy=strategy,
         optimizer_step_seconds=step_end,
         iteration_seconds=step_origin + step_end,
-        exposed_comm_seconds=ag_exposed + rs_exposed + (step_end - busiest),
-        forward_backward_seconds=fwd_bwd,
-        bubble_seconds=bubble,
-        grad_reduce_seconds=sum((b.seconds for b in reduce), 0.0),
-        grad_reduce_exposed_seconds=rs_exposed,
-        param_gather_seconds=sum((b.seconds for b in gather), 0.0),
-        param_gather_exposed_seconds=ag_exposed,
+        exposed_comm_seconds=phases.ag_exposed + phases.rs_exposed + (step_end - busiest),
+        forward_backward_seconds=phases.fwd_bwd,
+        bubble_seconds=phases.bubble,
+        grad_reduce_seconds=sum((b.seconds for b in phases.reduce), 0.0),
+        grad_reduce_exposed_seconds=phases.rs_exposed,
+        param_gather_seconds=sum((b.seconds for b in phases.gather), 0.0),
+        param_gather_exposed_seconds=phases.ag_exposed,
         step_compute_seconds=busiest,
         step_comm_exposed_seconds=step_end - busiest,
         step_bytes_per_rank=max(run.sent.values(), default=0.0),

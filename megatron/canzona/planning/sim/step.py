@@ -55,6 +55,8 @@ class SimTask:
     """Compute of the whole update on one rank."""
     group: int = 0
     """Micro-group (host groups run in increasing order)."""
+    reduced_by: tuple[int, int] | None = None
+    """``(model chunk, bucket)`` whose reduce-scatter delivers its gradients."""
 
     @property
     def numel(self) -> int:
@@ -150,8 +152,12 @@ def _apply(run: StepRun, tasks: Sequence[SimTask]) -> dict[int, float]:
     return {r: run.elementwise_seconds(n, APPLY_BYTES_PER_ELEMENT) for r, n in numel.items()}
 
 
-def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool) -> None:
-    """Micro-groups of host (or synchronous) tasks; see the module docstring."""
+def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool,
+                    reduced_at: Mapping[tuple[int, int], float] | None = None) -> None:
+    """Micro-groups of host (or synchronous) tasks; see the module docstring. With
+    ``reduced_at`` (``(chunk, bucket)`` -> when its reduce-scatter ends, from the step's
+    start: negative in backward), each group's gather is issued before the step, once the
+    buckets of its tasks are reduced (``canzona_patches.early_gather``)."""
     groups = _by_group(tasks)
     if not groups:
         return
@@ -161,11 +167,14 @@ def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool) 
         for k, group in enumerate(groups):
             _blocking_group(run, k, group, compute[k], apply[k])
         return
-    gathers: list[float | None] = [run.collective(_gather(run, groups[0]), run.clock, "gather", "0")]
+    early = _early_gathers(run, groups, reduced_at) if reduced_at is not None else None
+    gathers: list[float | None] = [early[0] if early else run.collective(_gather(run, groups[0]), run.clock,
+                                                                          "gather", "0")]
     scatters: list[float | None] = []
     for k in range(len(groups)):
         if k + 1 < len(groups):  # in flight while group k computes
-            gathers.append(run.collective(_gather(run, groups[k + 1]), run.clock, "gather", str(k + 1)))
+            gathers.append(early[k + 1] if early else run.collective(_gather(run, groups[k + 1]), run.clock,
+                                                                     "gather", str(k + 1)))
         for r in run.members:
             run.wait(r, gathers[k])
             run.work(r, compute[k].get(r, 0.0), "compute", str(k))
@@ -173,6 +182,20 @@ def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool) 
         if k:  # group k-1 is applied while group k's scatter is in flight
             _apply_group(run, k - 1, scatters[k - 1], apply[k - 1])
     _apply_group(run, len(groups) - 1, scatters[-1], apply[-1])
+
+
+def _early_gathers(run: StepRun, groups: Sequence[Sequence[SimTask]],
+                   reduced_at: Mapping[tuple[int, int], float]) -> list[float | None]:
+    """Every group's gather issued as soon as its buckets are reduced, in that order (the
+    runtime issues a group when its last bucket reports), one at a time; their ends."""
+    ready = [max((reduced_at.get(t.reduced_by, 0.0) if t.reduced_by is not None else 0.0 for t in g), default=0.0)
+             for g in groups]
+    run.comm_free = min(ready, default=0.0)
+    ends: list[float | None] = [None] * len(groups)
+    for k in sorted(range(len(groups)), key=lambda k: (ready[k], k)):
+        ends[k] = run.collective(_gather(run, groups[k]), {r: ready[k] for r in run.members}, "gather", str(k))
+    run.comm_free = max(run.comm_free, 0.0)
+    return ends
 
 
 def _blocking_group(run: StepRun, k: int, group: Sequence[SimTask], compute: Mapping[int, float],
