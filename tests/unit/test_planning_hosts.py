@@ -16,6 +16,7 @@ from megatron.canzona.planning import (
     traffic,
 )
 from megatron.canzona.planning.schedule import Task
+from megatron.canzona.planning.hosts import SINGLE_LARGE
 
 costs_lists = st.lists(st.floats(0.0, 1000.0, allow_nan=False), min_size=0, max_size=60)
 
@@ -28,13 +29,13 @@ def test_groups_cut_each_host_into_runs_under_the_budget(costs, num_hosts, budge
     chosen = 1000.0 if budget is None else budget
     groups = schedule_groups(costs, hosts, budget=chosen, at_least_two=budget is None, local=local)
     assert len(groups) == len(costs)
-    singles = 0
+    single = [costs[i] for i in range(len(costs)) if hosts.count(hosts[i]) == 1 and not local[i]]
     for host in sorted(set(hosts)):
         mine = [i for i in range(len(costs)) if hosts[i] == host]
         runs = sorted({groups[i] for i in mine})
         first = 0
-        if budget is None and len(mine) == 1 and not local[mine[0]]:  # single matrices alternate 0, 1
-            first, singles = singles % 2, singles + 1
+        if budget is None and len(mine) == 1 and not local[mine[0]]:  # large single matrices in group 1
+            first = int(costs[mine[0]] >= SINGLE_LARGE * max(single))
         assert runs == list(range(first, first + len(runs)))  # a host's groups are consecutive
         order = sorted(mine, key=lambda i: (groups[i], not local[i], -costs[i], i))
         assert [not local[i] for i in order] == sorted(not local[i] for i in mine)  # local work first
@@ -59,8 +60,9 @@ def test_a_host_runs_its_matrices_in_the_order_their_buckets_reduce():
     assert schedule_groups([1.0, 5.0, 3.0], [0, 0, 0], budget=5.0, at_least_two=False) == [1, 0, 1]
 
 
-def test_hosts_of_one_matrix_alternate_between_two_groups():
-    assert schedule_groups([5.0, 4.0, 3.0, 2.0], [0, 1, 2, 3], budget=5.0) == [0, 1, 0, 1]
+def test_hosts_of_one_matrix_compute_small_ones_first():
+    """The small matrices' scatters go while the large ones compute."""
+    assert schedule_groups([5.0, 4.0, 2.0, 1.0], [0, 1, 2, 3], budget=5.0) == [1, 1, 0, 0]
 
 
 @pytest.mark.parametrize("model,tp", [("qwen3-1.7b", 1), ("qwen3-4b", 1), ("qwen3-8b", 2), ("qwen3-14b", 4),
@@ -78,7 +80,7 @@ def test_default_budget_gives_two_groups_to_every_host_with_two_matrices(model, 
     for key, groups in per_host.items():
         if counts[key] >= 2:
             assert len(groups) >= 2, f"host {key} has {counts[key]} matrices in one micro-group"
-    assert 2 <= plan.num_groups <= 3 * GROUPS_PER_HOST  # one matrix per host: hosts alternate
+    assert 2 <= plan.num_groups <= 3 * GROUPS_PER_HOST  # one matrix per host: small ones first
 
 
 def test_traffic_counts_each_piece_once_each_way():

@@ -146,7 +146,7 @@ def test_early_gathers_go_in_backward_on_nccl_and_once_it_ends_on_gloo():
     """Canzona's dense gathers are issued as their buckets reduce: on NCCL during backward
     (from the step's start, negative times), on gloo only once backward has ended; either
     way no later than in the step, so the step is no longer."""
-    specs = [matrix(tp_size=2, name=f"w{i}", order=i) for i in range(4)]
+    specs = [matrix(tp_size=2, name=f"w{i}", order=i) for i in range(8)]  # two per host: two micro-groups
     work = Workload(global_batch=2, micro_batch=1, seq_length=4096, flops_per_token=1e10)
     kwargs = dict(strategy="canzona", dp_size=2, tp_size=2, workload=work, wire=WIRE, bucket_size=NUMEL // 2)
     nccl, gloo = simulate(specs, cluster=cluster(), **kwargs), simulate(specs, cluster=cluster(backend="gloo"), **kwargs)
@@ -354,9 +354,10 @@ def test_cli_reports_both_layouts_against_the_physical_limit(capsys):
 
 
 def test_cli_split_gate_up_hosts_gate_and_up_apart_for_canzona_only(capsys):
-    """``--split-gate-up``: Canzona's largest task halves, so its limit and step fall at TP 2;
-    Megatron's layer-wise optimizer keeps the fused fc1 and its step is unchanged."""
-    argv = ["--model", "qwen3-1.7b", "--gpus", "64", "--tp", "2", "--json", "--strategies", "canzona",
+    """``--split-gate-up``: Canzona's largest task halves, so at TP 2 and DP 64, where that
+    task sets the limit, its limit and step fall; Megatron's layer-wise optimizer keeps the
+    fused fc1 and its step is unchanged."""
+    argv = ["--model", "qwen3-1.7b", "--gpus", "128", "--tp", "2", "--json", "--strategies", "canzona",
             "megatron_layerwise"]
     reports = []
     for extra in ([], ["--split-gate-up"]):

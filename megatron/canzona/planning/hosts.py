@@ -18,11 +18,11 @@ Micro-groups (:func:`schedule_groups`): each host's matrices, those it holds who
 then in the order their buckets reduce (the bucket whose reduce-scatter backward starts
 first leads), then largest first, are cut into runs of at most ``budget`` cost (a larger
 matrix alone); micro-group k is every host's k-th run. Bucket order lets the early
-gathers of the first groups go while backward still runs. The default budget gives a host about
-:data:`GROUPS_PER_HOST` groups, and never fewer than two when it has two matrices or more,
-so the next group's gather is in flight while a group computes; hosts of a single matrix
-alternate between the first two groups, so half of them compute while the other half's
-pieces are on the wire.
+gathers of the first groups go while backward still runs. The default budget gives a host
+about :data:`GROUPS_PER_HOST` groups, and never fewer than two when it has two matrices or
+more, so the next group's gather is in flight while a group computes; hosts of a single
+matrix compute it in the first group if it is small and in the second if it is large, so
+the small ones' scatters are on the wire while the large ones compute.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ from .comm import WireConfig
 
 GROUPS_PER_HOST = 4
 """Micro-groups the default budget aims at for the busiest host."""
+SINGLE_LARGE = 0.5
+"""Hosts of one matrix: those costing at least this fraction of the largest such matrix
+compute in the second micro-group, the others in the first."""
 HOLDER_CANDIDATES = 8
 """Holders of a split matrix (largest pieces first) considered as its host besides the best
 rank overall."""
@@ -206,9 +209,11 @@ def schedule_groups(
     those with nothing to gather (``local``) first, then by ``ready`` (when its gradient is
     reduced: lower first), then largest cost first -- are cut into
     runs of at most ``budget`` (a larger item alone); with ``at_least_two`` a host with two
-    items or more gets two runs at least, and hosts with a single item alternate between
-    groups 0 and 1. Local work first lets a host compute while the next group's pieces are
-    on the wire; alternating lets half the hosts compute while the other half's pieces are."""
+    items or more gets two runs at least, and a host with a single item runs it in group 0
+    when it costs less than :data:`SINGLE_LARGE` of the largest single item, else in group 1.
+    Local work first lets a host compute while the next group's pieces are on the wire; the
+    small single items' scatters go while the large ones compute, so the step's tail is only
+    the scatter of the matrices that set its length."""
     if budget < 0:
         raise ValueError(f"micro-group budget must be >= 0, got {budget}")
     local = local or [False] * len(costs)
@@ -217,7 +222,8 @@ def schedule_groups(
     for i in sorted(range(len(costs)), key=lambda i: (not local[i], ready[i], -costs[i], i)):
         by_host.setdefault(hosts[i], []).append(i)
     group = [0] * len(costs)
-    singles = 0
+    single_costs = [costs[items[0]] for items in by_host.values() if len(items) == 1 and not local[items[0]]]
+    large = SINGLE_LARGE * max(single_costs, default=0.0)
     for host in sorted(by_host):
         items = by_host[host]
         runs = _runs(items, costs, budget)
@@ -225,7 +231,7 @@ def schedule_groups(
             runs = [items[:1], items[1:]]
         offset = 0
         if at_least_two and len(items) == 1 and not local[items[0]]:
-            offset, singles = singles % 2, singles + 1
+            offset = int(costs[items[0]] >= large)
         for k, run in enumerate(runs):
             for i in run:
                 group[i] = offset + k
