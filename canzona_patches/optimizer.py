@@ -264,7 +264,22 @@ class CanzonaChainedOptimizer(ChainedOptimizer):
             if _any_rank(torch.stack(flags).amax().reshape(1), group):
                 logger.warning("Canzona: skipping the optimizer step, a gradient holds inf or NaN")
                 found_inf = True
+        for part in self.chained_optimizers:
+            part._clip_factor = None
+            if found_inf and part.early_gathers is not None:
+                part.early_gathers.drop()  # the staged gradients go before any state is touched
         return found_inf
+
+    def get_grad_norm(self) -> float:
+        """The joint norm Megatron clips both optimizers by; each keeps the factor it applies
+        (Megatron's expression on the same floats) for its hosts, which apply it to the
+        gradients gathered before the step."""
+        grad_norm = super().get_grad_norm()
+        for part in self.chained_optimizers:
+            clip = part.config.clip_grad
+            factor = clip / (grad_norm + 1.0e-6) if clip > 0.0 else 1.0
+            part._clip_factor = factor if part.get_parameters() and factor < 1.0 else None
+        return grad_norm
 
     def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
                            sharding_type: str | None = None, metadata: dict | None = None) -> dict:
@@ -360,9 +375,9 @@ def build_canzona_optimizer(
         rank_of=host_ranks if host_ranks is not None else group_coordinates(host_group, coord),
     )
     dense.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
+    if cfg.early_gather:
+        dense.early_gathers = attach_early_gathers(dense, model_chunks)
     if not experts:
-        if cfg.early_gather:  # (chained with experts, one joint norm clips both: their gathers wait for the step)
-            dense.early_gathers = attach_early_gathers(dense, model_chunks)
         return dense
     check_expert_sizes(plan.tp_size, plan.ep_size, parallel_state.get_expert_tensor_parallel_world_size())
     edp_group = pgs["intra_expt_dp_group"]
@@ -375,6 +390,8 @@ def build_canzona_optimizer(
         rank_of={(d, 0): d for d in range(edp_size)},
     )
     expert.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
+    if cfg.early_gather:  # the chained optimizer gives both the joint clip factor (get_grad_norm)
+        expert.early_gathers = attach_early_gathers(expert, model_chunks)
     return CanzonaChainedOptimizer([dense, expert])
 
 

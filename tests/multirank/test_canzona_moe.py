@@ -86,6 +86,8 @@ def results(tmp_path_factory) -> dict[tuple[str, str], list[dict]]:
     saved = _run("muon", tp_size=1, ep_size=2)
     four = [(opt, name, _run(opt, **sizes)) for name, sizes in LAYOUTS.items() for opt in OPTIMIZERS]
     four += [(opt, "dp4", _run(opt)) for opt in YARDSTICK]  # EP 1 x DP 4: the reduce order alone
+    early = replace(_run("muon", tp_size=2, ep_size=2), nan_grad_at_step=1, return_state=True)
+    four += [("early_on", "ep2_tp2", early), ("early_off", "ep2_tp2", replace(early, early_gather=False))]
     four += [("saved", "ep2_dp2", ResumeJob(run=saved, save_dir=str(root), save_after=(HALF,))),
              ("resumed", "ep4", ResumeJob(run=replace(saved, ep_size=4), load_dir=str(root)))]
     one = [(opt, "single", _run(opt)) for opt in OPTIMIZERS]
@@ -185,3 +187,16 @@ def test_expert_buffers_take_the_whole_layout(results, layout: str) -> None:
         for p in buffer.placements:
             bounds = buffer.buckets[p.bucket].shard_bounds
             assert bounds[p.host] <= p.start and p.end <= bounds[p.host + 1], p.name
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_gathers_issued_as_buckets_reduce_with_experts_are_bitwise_the_steps_own(results) -> None:
+    """Chained with the expert optimizer, the dense one's early gathers take the joint clip
+    factor (Megatron clips both by one norm) and are dropped on the skipped NaN step:
+    parameters and both optimizers' state equal the run gathering in the step, bit for bit."""
+    from .test_canzona_whole import _assert_bitwise_with_skip_and_clip
+
+    for on, off in zip(results[("early_on", "ep2_tp2")], results[("early_off", "ep2_tp2")]):
+        assert on["early_gathers"] > 0 and off["early_gathers"] is None
+        assert any(k.startswith("1/") for k in on["state"]), "the expert optimizer's state is compared too"
+        _assert_bitwise_with_skip_and_clip(on, off, skipped=(1,), clip=1.0)

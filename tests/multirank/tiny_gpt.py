@@ -111,6 +111,8 @@ class TinyRun:
     """Megatron's global-norm gradient clipping (0: none; the norm is then not computed)."""
     early_gather: bool = True
     """Canzona (async): issue host-group gathers as buckets reduce (``--canzona-no-early-gather``: False)."""
+    muon_ns_dtype: str = "float32"
+    """Canzona's Muon: the Newton-Schulz dtype (``bfloat16`` is Megatron's default precision)."""
     early_gather_at_dispatch: bool = False
     """Issue them from the reduce-scatters' dispatch, in backward, as on CUDA (on gloo each
     waits for its reduce-scatter there: exact, slower)."""
@@ -153,8 +155,8 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "host_syncs": syncs,
             "state": _optimizer_state(optimizer) if run.return_state else None,
             "iteration_marks": {k: list(v) for k, v in ITERATION_MARKS.items()} if run.time_iteration else None,
-            "early_gathers": getattr(getattr(optimizer, "early_gathers", None), "issued", None),
-            "early_gathers_at_dispatch": getattr(getattr(optimizer, "early_gathers", None), "issued_at_dispatch", None),
+            "early_gathers": _early_count(optimizer, "issued"),
+            "early_gathers_at_dispatch": _early_count(optimizer, "issued_at_dispatch"),
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -317,7 +319,7 @@ def canzona_config(run: TinyRun):
     from megatron.canzona.runtime.config import CanzonaConfig
 
     matrix = {
-        "muon": MuonConfig(ns_dtype="float32", scale_mode="spectral", coefficients="quintic"),
+        "muon": MuonConfig(ns_dtype=run.muon_ns_dtype, scale_mode="spectral", coefficients="quintic"),
         "shampoo": ShampooConfig(precondition_frequency=2, root_dtype="float64", eps=1e-4, eps_mode="relative"),
         # Shampoo's refreshes are staggered by name (the default) in every distributed run.
         # SOAP's are not: a staggered matrix refreshes again at step 2, from statistics of
@@ -355,8 +357,20 @@ def _updated(optimizer) -> list[str]:
     return [name for part in parts for name in getattr(getattr(part, "optimizer", None), "last_step_updates", [])]
 
 
+def _early_count(optimizer, field: str) -> int | None:
+    """Gathers the Canzona optimizer (each of a chained one) issued before its steps; ``None``
+    when none issues early."""
+    parts = [getattr(part, "early_gathers", None) for part in getattr(optimizer, "chained_optimizers", [optimizer])]
+    counts = [getattr(early, field) for early in parts if early is not None]
+    return sum(counts) if counts else None
+
+
 def _optimizer_state(optimizer) -> dict[str, torch.Tensor]:
-    """Every tensor of the Canzona inner optimizer's state (matrix and AdamW), by path."""
+    """Every tensor of the Canzona inner optimizer's state (matrix and AdamW), by path; of
+    each part of a chained one (dense, expert), under ``<i>/``."""
+    if hasattr(optimizer, "chained_optimizers"):
+        return {f"{i}/{path}": value for i, part in enumerate(optimizer.chained_optimizers)
+                for path, value in _optimizer_state(part).items()}
     inner = _inner(optimizer)
     out: dict[str, torch.Tensor] = {}
 

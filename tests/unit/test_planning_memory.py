@@ -38,14 +38,11 @@ def test_each_rank_gets_the_expert_plan_at_its_expert_coordinate(dp_size, tp_siz
         for tp_rank in range(tp_size):
             mem = rank_memory(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, state=MUON)
             edp, _, etp = expert_coordinates(dp_rank, tp_rank, tp_size=tp_size, ep_size=ep_size, expert_tp_size=1)
-            alone = rank_memory(plan.experts, specs, dp_rank=edp, tp_rank=etp, state=MUON)
-            assert mem.experts == dataclasses.replace(alone, early_gather_elements=0)
-            # The dense part is what it is without experts, but for the early gathers: chained
-            # with the expert optimizer (one joint clip), both gather in the step.
+            assert mem.experts == rank_memory(plan.experts, specs, dp_rank=edp, tp_rank=etp, state=MUON)
+            # The dense part is what it is without experts.
             dense = rank_memory(dataclasses.replace(plan, experts=None), specs, dp_rank=dp_rank, tp_rank=tp_rank,
                                 state=MUON)
-            assert mem.early_gather_elements == 0
-            assert dataclasses.replace(mem, experts=None) == dataclasses.replace(dense, early_gather_elements=0)
+            assert dataclasses.replace(mem, experts=None) == dense
             by_expert_rank[edp] = mem.experts
     assert sorted(by_expert_rank) == list(range(plan.experts.dp_size))
     parts = list(by_expert_rank.values())

@@ -18,7 +18,6 @@ parameters).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,7 +95,7 @@ class RankMemory:
     early_gather_elements: int = 0
     """Send and receive buffers of every micro-group's gather, alive at once from the
     buckets' reductions (in backward, beside the activations) to the step when the gathers
-    go early (``canzona_patches.early_gather``; 0 with experts, whose optimizer is chained)."""
+    go early (``canzona_patches.early_gather``)."""
     experts: RankMemory | None = None
     """The same for the rank's expert-parallel buffers and the expert optimizer (a second
     one, stepped after the dense one); ``None`` without expert parallelism."""
@@ -113,7 +112,6 @@ def rank_memory(
             dp_rank, tp_rank, tp_size=plan.tp_size, ep_size=plan.ep_size, expert_tp_size=plan.experts.tp_size)
         # Every EP rank holds the same local expert names, so the EP coordinate does not matter.
         experts = rank_memory(plan.experts, specs, dp_rank=expert_dp_rank, tp_rank=expert_tp_rank, state=state)
-        experts = dataclasses.replace(experts, early_gather_elements=0)  # chained: its gathers go in the step
     by_name = {(s.chunk, s.name): s for s in specs}
     buffers = [(c, dp.matrix) for c, dp in enumerate(plan.layouts)]
     buffers += [(c, dp.elementwise) for c, dp in enumerate(plan.layouts) if dp.elementwise is not None]
@@ -134,7 +132,7 @@ def rank_memory(
         largest_temporary_elements=largest,
         step_temporary_elements=step,
         compute_batch_elements=_largest_batch(plan, dp_rank, tp_rank),
-        early_gather_elements=early if plan.experts is None else 0,
+        early_gather_elements=early,
         experts=experts,
     )
 

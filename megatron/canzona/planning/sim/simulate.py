@@ -135,8 +135,8 @@ def _canzona(ctx: _Context, synchronous: bool = False, layout: str = "whole") ->
         raise TypeError(f"canzona needs a CanzonaPlan (make_plan(...)), got {type(plan).__name__}")
     mode = "blocking" if synchronous or not ctx.overlap else "pipelined"
     work = Work(mode=mode, dense=plan_tasks(plan, ctx.dense, ctx.seconds, g.rank, synchronous=synchronous))
-    # As the runtime: async, and not chained with an expert optimizer (one joint clip).
-    work.early_gather = mode == "pipelined" and plan.experts is None
+    # As the runtime; modelled for the dense tasks (at expert TP 1 the whole layout moves no expert matrix).
+    work.early_gather = mode == "pipelined"
     work.adamw = adamw_elements(_elementwise(plan.layouts), g.rank, g.tp_size)
     work.reduced.append(Buffers(_reduced(plan.layouts), g.dp_group()))
     if plan.experts is not None:
