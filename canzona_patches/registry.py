@@ -14,11 +14,11 @@ Factories are named ``"module:function"`` and imported when their row is install
 this module imports no patch module, and a patch module may import it (to install its group
 or swap a scoped row) without an import cycle.
 
-``python -m canzona_patches.registry`` prints the table; ``--markdown`` prints the README's.
+``python -m canzona_patches.registry`` prints the table; ``--markdown`` prints docs/patches.md's.
 
 How to add a patch: write ``make(original, run) -> replacement`` next to the code it serves;
 add a row below (targets, factory, condition in words and as a predicate on the parsed
-flags, the upstream behaviour it changes in one line); paste ``--markdown`` into the README.
+flags, the upstream behaviour it changes in one line); paste ``--markdown`` into docs/patches.md.
 ``tests/unit/test_patch_registry.py`` fails on any Megatron or torch attribute assigned
 elsewhere in ``canzona_patches``.
 """
@@ -477,7 +477,7 @@ def _what(patch: Patch) -> str:
 
 
 def markdown_table() -> str:
-    """The table as the README shows it."""
+    """The table as docs/patches.md shows it."""
     lines = ["| patched | installed when | why |", "|---|---|---|"]
     lines += [f"| {_what(p)} | {p.condition} | {p.reason} |" for p in PATCHES]
     return "\n".join(lines) + "\n"
@@ -495,7 +495,7 @@ def text_table(*, every_target: bool = False) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Print every patch of Megatron-Core internals: what, when, why.")
-    parser.add_argument("--markdown", action="store_true", help="the README's table")
+    parser.add_argument("--markdown", action="store_true", help="docs/patches.md's table")
     parser.add_argument("--targets", action="store_true", help="name every attribute of a row that replaces several")
     options = parser.parse_args(argv)
     sys.stdout.write(markdown_table() if options.markdown else text_table(every_target=options.targets))

@@ -6,8 +6,8 @@
     python tools/plan.py --model qwen3-30b-a3b --ep 8 --dp 64 --split-qkv --compare   # MoE: expert buffers too
     python tools/plan.py --model qwen3-235b-a22b --tp 4 --ep 8 --pp 8 --dp 8 --split-qkv \
         --decoder-first-pipeline-num-layers 11 --decoder-last-pipeline-num-layers 11
-    python tools/plan.py --cases --plot cases.png   # the README's case matrix
-    python tools/plan.py --moe-cases --split-qkv    # the README's MoE table
+    python tools/plan.py --cases --plot cases.png   # docs/planner.md's case matrix
+    python tools/plan.py --moe-cases --split-qkv    # docs/planner.md's MoE table
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--plot", metavar="FILE.png",
                    help="bar chart of per-GPU loads, one panel per strategy (with --cases: padding and bytes per case)")
-    p.add_argument("--cases", action="store_true", help="run the README case matrix and print its table")
-    p.add_argument("--moe-cases", action="store_true", help="run the README mixture-of-experts table")
+    p.add_argument("--cases", action="store_true", help="run docs/planner.md's case matrix and print its table")
+    p.add_argument("--moe-cases", action="store_true", help="run docs/planner.md's mixture-of-experts table")
     return p.parse_args(argv)
 
 
@@ -422,7 +422,7 @@ MOE_HEADER = (
 
 
 def run_moe_cases(args: argparse.Namespace) -> list[dict]:
-    """The README's MoE table: Canzona beside Megatron's layer-wise layout (``a / b``) on the
+    """docs/planner.md's MoE table: Canzona beside Megatron's layer-wise layout (``a / b``) on the
     dense and the expert buffers of the busiest pipeline stage, and the combined balance per
     GPU with and without joint balance."""
     rows = []

@@ -5,7 +5,7 @@
     python tools/simulate.py --model qwen3-8b --gpus 128 --cluster h800-ib400 --optimizer soap --json
     python tools/simulate.py --model qwen3-30b-a3b --gpus 256 --ep 8 --plot iteration.png
     python tools/simulate.py --model qwen3-32b --gpus 256 --calibration calib/muon.json --cluster my.toml
-    python tools/simulate.py --cases          # the README's projection table (H100, 64-256 GPUs)
+    python tools/simulate.py --cases          # docs/projection.md's table (H100, 64-256 GPUs)
 
 The plans are the ones the runtime executes (``make_plan`` for Canzona, Megatron-Core's own
 layer-wise layout, stock ZeRO-1); megatron.canzona.planning.sim turns them into per-rank
@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Canzona's micro-groups without pipelining (gather, compute, scatter in turn)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--cases", action="store_true",
-                   help="every model of the README's projection table at 64, 128 and 256 GPUs (recipe sizes)")
+                   help="every model of docs/projection.md's table at 64, 128 and 256 GPUs (recipe sizes)")
     p.add_argument("--plot", metavar="FILE.png", help="Gantt of one iteration, two strategies side by side")
     p.add_argument("--plot-strategies", nargs=2, default=("canzona", "megatron_layerwise"), choices=STRATEGIES)
     return p.parse_args(argv)
@@ -346,7 +346,7 @@ def short_ms(seconds: float) -> str:
 
 
 def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The README's table: per model and GPU count, step and iteration of every strategy
+    """docs/projection.md's table: per model and GPU count, step and iteration of every strategy
     (``a / b / ...`` in CASE_STRATEGIES order) and Canzona's speed-ups over Megatron's layer-wise."""
     header = ("| model | GPUs | TP, EP, DP | global batch | optimizer step (ms): " + " / ".join(CASE_STRATEGIES)
               + " | iteration (ms): " + " / ".join(CASE_STRATEGIES) + " | limit L (ms) | step / L "

@@ -94,7 +94,7 @@ MIN_ROUNDS = 5
 """Paired rounds needed before the measurement orders two variants (all in one direction:
 by chance with probability 2 / 2**5 = 6% for two equally fast variants)."""
 GB300_MODELS = ("qwen3-235b-a22b", "qwen3-30b-a3b")
-"""Models tried for #6676 (which names none); the first is the assumption (README: why)."""
+"""Models tried for #6676 (which names none); the first is the assumption (docs/projection.md: why)."""
 
 
 def strategy_of(variant: str, tp_size: int) -> str:

@@ -65,7 +65,7 @@ COMM_TARGET = 1.10
 
 @pytest.mark.parametrize("model,tp,dp", CASES)
 def test_canzona_meets_targets_against_megatron_layerwise(model, tp, dp):
-    """The README case matrix (Muon cost, default α and bucket size, bf16 parameters and
+    """docs/planner.md's case matrix (Muon cost, default α and bucket size, bf16 parameters and
     gradients): balance, padding, bucket sizes and bytes per rank."""
     specs = qwen3_specs(model, tp_size=tp)
     wire = WireConfig()

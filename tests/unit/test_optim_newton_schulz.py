@@ -79,7 +79,7 @@ def test_singular_values_stay_in_the_documented_band(rows, cols, coefficients, n
 
 
 def test_documented_bands_for_five_steps():
-    # The numbers quoted in the report/README: inputs with normalised singular values in
+    # The numbers quoted in the docs: inputs with normalised singular values in
     # [1e-3, 1] (condition number up to 1000).
     assert singular_value_band("quintic", 5) == pytest.approx((0.4705, 1.2024), abs=1e-4)
     assert singular_value_band("polar_express", 5) == pytest.approx((0.8462, 1.1236), abs=1e-4)

@@ -315,7 +315,7 @@ def test_joint_balance_lowers_the_combined_makespan():
     assert max(joint.combined_loads()) / mean < 1.03 < 1.15 < max(apart.combined_loads()) / mean
 
 
-# ------------------------------------------------------------------------------ README targets
+# ------------------------------------------------------------------------ docs/planner.md targets
 
 
 def granularity_floor(costs: list[float], gpus: int) -> float:
@@ -328,15 +328,15 @@ def granularity_floor(costs: list[float], gpus: int) -> float:
     return max(max(costs), max(a + b for a, b in zip(paired, reversed(paired))))
 
 
-# (model, TP, EP, PP, stage, DP): the README's Mixture-of-experts table (busiest stage of 235B).
-README_CASES = [
+# (model, TP, EP, PP, stage, DP): docs/planner.md's Mixture-of-experts table (busiest stage of 235B).
+DOC_CASES = [
     ("qwen3-30b-a3b", 1, 8, 1, 0, 32), ("qwen3-30b-a3b", 1, 8, 1, 0, 64), ("qwen3-30b-a3b", 1, 8, 1, 0, 256),
     ("qwen3-235b-a22b", 4, 8, 8, 1, 4), ("qwen3-235b-a22b", 4, 8, 8, 1, 8),
 ]
 TARGET_MAKESPAN, TARGET_PADDING = 1.10, 0.05
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,stage,dp", README_CASES)
+@pytest.mark.parametrize("model,tp,ep,pp,stage,dp", DOC_CASES)
 def test_readme_targets(model, tp, ep, pp, stage, dp):
     edge = 11 if pp > 1 else None
     specs = qwen3_specs(model, tp_size=tp, ep_size=ep, pp_size=pp, pp_rank=stage, first_stage_layers=edge,
