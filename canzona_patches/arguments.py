@@ -31,14 +31,14 @@ from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
 
-MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
-"""Optimizers Canzona partitions (``--canzona`` accepts exactly these)."""
+from megatron.canzona.planning import OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
+from megatron.canzona.runtime.config import TP_MODES  # noqa: E402
+
 
 CANZONA_ONLY_OPTIMIZERS = ("shampoo",)
 """Choices of ``--optimizer`` that only Canzona implements (Megatron 0.19.2 has no Shampoo)."""
 
 COST_MODELS = ("flops", "numel")
-TP_MODES = ("async", "sync")
 
 # Release defaults (reference notes §5); SOAP's shampoo beta and preconditioner frequency
 # also reach Megatron's own emerging-optimizers SOAP through OptimizerConfig fields of
@@ -166,9 +166,9 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
             "(with --use-distributed-optimizer)")
     if not args.canzona:
         return
-    if args.optimizer not in MATRIX_OPTIMIZERS:
+    if args.optimizer not in OPTIMIZERS:
         raise CanzonaArgumentError(
-            f"--canzona needs a matrix optimizer: pass --optimizer {'|'.join(MATRIX_OPTIMIZERS)} "
+            f"--canzona needs a matrix optimizer: pass --optimizer {'|'.join(OPTIMIZERS)} "
             f"(not {args.optimizer})")
     for flag in ("use_megatron_fsdp", "use_torch_fsdp2"):
         if getattr(args, flag, False):

@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.canzona.planning import OPTIMIZERS  # noqa: E402
 from megatron.canzona.runtime import LaunchConfig, launch  # noqa: E402
+from megatron.canzona.provenance import git_revision, machine  # noqa: E402
 from tests.multirank.tiny_gpt import TinyRun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ class BenchJob:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp", default="1,2,4", help="comma-separated data-parallel sizes (one launch each)")
-    parser.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="muon")
     parser.add_argument("--layers", type=int, default=2, help="transformer layers (tiny GPT: 2)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size, 4 heads (tiny GPT: 64)")
     parser.add_argument("--ffn-hidden", type=int, default=None, help="SwiGLU size (default 2 * hidden)")
@@ -133,14 +133,6 @@ def checkpoint_bytes(path: Path) -> dict[str, int]:
     return {"files": files, **by_owner}
 
 
-def git_revision() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -168,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                    "ffn_hidden": args.ffn_hidden, "dp_sizes": args.dp_sizes, "timed_steps": args.steps,
                    "repeats": args.repeats, "format": "torch_dist, staged + atomic commit"},
         "git_revision": git_revision(),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": __import__("torch").__version__, "device": "cpu (gloo)"},
+        "machine": {**machine(), "device": "cpu (gloo)"},
         "by_dp": rows,
         "wall_seconds": time.perf_counter() - started,
     }

@@ -33,9 +33,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -60,7 +58,9 @@ from megatron.canzona.optim import (  # noqa: E402
     shampoo_update,
     soap_update,
 )
+from megatron.canzona.planning import OPTIMIZERS as MATRIX_OPTIMIZER_NAMES  # noqa: E402
 from megatron.canzona.planning import Calibration, get_qwen3_config  # noqa: E402
+from megatron.canzona.provenance import git_revision, machine  # noqa: E402
 from megatron.canzona.planning.cost import (  # noqa: E402
     ADAMW_FLOPS_PER_ELEMENT,
     muon_flops,
@@ -68,7 +68,7 @@ from megatron.canzona.planning.cost import (  # noqa: E402
     soap_flops,
 )
 
-OPTIMIZERS = ("muon", "shampoo", "soap", "adamw")
+OPTIMIZERS = (*MATRIX_OPTIMIZER_NAMES, "adamw")
 
 
 @dataclass(frozen=True)
@@ -203,26 +203,6 @@ def measure_matmul_peak(device: torch.device, size: int = 8192, repeats: int = 1
     return 2.0 * size**3 / best
 
 
-def git_revision() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             check=True, cwd=os.path.dirname(os.path.abspath(__file__)))
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine(device: torch.device) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "device": str(device),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -337,7 +317,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 def write_calibrations(report: dict[str, Any], directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
-    for name in ("muon", "shampoo", "soap"):
+    for name in MATRIX_OPTIMIZER_NAMES:
         rows = [r for r in report["rows"] if r["optimizer"] == name]
         if not rows:
             continue

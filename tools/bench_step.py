@@ -75,7 +75,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -85,6 +84,7 @@ sys.path.insert(0, ROOT)
 
 from megatron.canzona.planning import CanzonaPlan  # noqa: E402
 from megatron.canzona.planning.grid import expert_dp_size as grid_expert_dp_size  # noqa: E402
+from megatron.canzona.provenance import git_revision, machine  # noqa: E402
 from megatron.canzona.runtime import LaunchConfig, launch  # noqa: E402
 from tests.multirank.tiny_gpt import TinyRun, train_tiny_gpts  # noqa: E402
 
@@ -272,41 +272,6 @@ def ideal_ratio(plan: CanzonaPlan, args: argparse.Namespace) -> float:
         return canzona / (dense + local_experts)
     expert_dp = 1 if plan.experts is None else plan.experts.dp_size
     return canzona / (dense / args.dp + local_experts / expert_dp)
-
-
-def git_revision() -> str | None:
-    """HEAD's commit, read from ``.git`` (no git process needed)."""
-
-    def read(*parts: str) -> str:
-        with open(os.path.join(*parts)) as stream:
-            return stream.read().strip()
-
-    git = os.path.join(ROOT, ".git")
-    try:
-        if os.path.isfile(git):  # a worktree: "gitdir: PATH"
-            git = read(git).split(":", 1)[1].strip()
-        head = read(git, "HEAD")
-        if not head.startswith("ref: "):
-            return head
-        ref = head.removeprefix("ref: ")
-        if os.path.exists(os.path.join(git, ref)):
-            return read(git, ref)
-        packed = read(git, "packed-refs").splitlines()
-        return next((line.split()[0] for line in packed if line.endswith(" " + ref)), None)
-    except (OSError, IndexError):
-        return None
-
-
-def machine() -> dict[str, object]:
-    """Where the run ran: the load average says how busy the shared machine was."""
-    import torch
-
-    return {
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "backend": "gloo", "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
 
 
 def draw_gantt(per_rank: list[dict], path: str) -> None:

@@ -38,7 +38,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -51,6 +50,8 @@ ROOT = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
 
 from plot_loss import LossCurve, read_curve  # noqa: E402
+
+from megatron.canzona.provenance import git_revision, machine  # noqa: E402
 
 DEMO_SCRIPT = ROOT / "examples" / "qwen3" / "pretrain_qwen3_tiny_cpu.sh"
 LEARNING_RATE_TEXT = "3e-3"
@@ -316,17 +317,6 @@ def load_average() -> float | None:
         return None
 
 
-def machine() -> dict[str, str | int | None]:
-    """Where the runs ran, for the summary."""
-    try:
-        revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                  text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        revision = None
-    return {"git_revision": revision, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(), "python": platform.python_version()}
-
-
 # --- Command line ---------------------------------------------------------------------------
 
 
@@ -375,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_runs(results, args.output, title)
     rows = summarize(results)
     summary = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "learning_rate": LEARNING_RATE, "tokens": tokens, "machine": machine(),
+               "learning_rate": LEARNING_RATE, "tokens": tokens, "machine": {**machine(), "git_revision": git_revision(), "cpu_count": os.cpu_count()},
                "runs": {name: asdict(RUNS[name]) for name in args.runs}, "results": rows,
                "total_s": None if args.no_train else time.perf_counter() - begin,
                "load_average": {"start": load_at_start, "end": load_average()}}

@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.canzona.planning import DEFAULT_ALPHA, QWEN3_MODELS, get_qwen3_config, qwen3_specs  # noqa: E402
+from megatron.canzona.planning import DEFAULT_ALPHA, OPTIMIZERS, QWEN3_MODELS, get_qwen3_config, qwen3_specs  # noqa: E402
 from megatron.canzona.planning.grid import expert_coordinates, expert_dp_size  # noqa: E402
 from megatron.canzona.planning.memory import (  # noqa: E402
     FIELD_KINDS,
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(LAST_FLAG, dest="last_stage_layers", type=int, default=None,
                    help="layers of the last pipeline stage")
     p.add_argument("--rank", type=int, default=0, help="global rank to build (Megatron's default rank order)")
-    p.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon", help="matrix optimizer")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="planner balance knob")
     p.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket (default: Megatron's)")
     p.add_argument("--layout", "--canzona-layout", dest="layout", choices=("whole", "lean", "auto"), default="auto",

@@ -16,13 +16,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.canzona.planning import (  # noqa: E402
+    OPTIMIZERS,
     DEFAULT_ALPHA,
     EXPERT_LAYOUTS,
     LAYOUTS,
@@ -49,6 +49,7 @@ from megatron.canzona.planning import (  # noqa: E402
 )
 from megatron.canzona.planning.geometry import default_bucket_size  # noqa: E402
 from megatron.canzona.planning.megatron_main import plan_megatron_main  # noqa: E402
+from megatron.canzona.provenance import git_revision  # noqa: E402
 
 STRATEGIES = ("canzona", "canzona_other", "eq1", "megatron_layerwise", "megatron_main", "zero1")
 """``canzona`` is the ``--layout`` plan; ``canzona_other`` (with ``--compare``) stands for the
@@ -84,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="module holding the experts: SequentialMLP, TE GroupedMLP, legacy GroupedMLP (stacked)")
     p.add_argument("--no-joint-balance", dest="joint_balance", action="store_false",
                    help="plan dense and expert buffers each on its own (for comparison)")
-    p.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon", help="matrix optimizer whose cost is balanced")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer whose cost is balanced")
     p.add_argument("--cost", choices=("flops", "numel"), default="flops", help="balance optimizer FLOPs or element counts")
     p.add_argument("--calibration", metavar="FILE", help="JSON of measured seconds per shape (replaces the FLOP formulas)")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="0 favours equal chunk sizes, 1 equal compute")
@@ -264,15 +265,6 @@ def report(args: argparse.Namespace) -> dict:
                                                            ep_size=args.ep, expert_tp_size=args.etp)
         rep["expert_host_groups"] = host_summary(plan.experts)
     return rep
-
-
-def git_revision() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 TABLE_HEADER = (f"{'strategy':<20}{'makespan/LB':>12}{'padding':>9}{'split':>7}{'buckets':>9}{'largest bucket':>16}"

@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron.canzona.planning import (  # noqa: E402
+    OPTIMIZERS,
     QWEN3_MODELS,
     CostModel,
     WireConfig,
@@ -100,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--etp", type=int, help="expert tensor-parallel size (default 1, as the recipes)")
     p.add_argument("--decoder-first-pipeline-num-layers", dest="first_stage_layers", type=int)
     p.add_argument("--decoder-last-pipeline-num-layers", dest="last_stage_layers", type=int)
-    p.add_argument("--optimizer", choices=("muon", "shampoo", "soap"), default="muon")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon")
     p.add_argument("--cluster", default=DEFAULT_CLUSTER,
                    help=f"a TOML/JSON file or a preset of megatron/canzona/planning/sim/clusters/ ({', '.join(presets())})")
     p.add_argument("--calibration", metavar="FILE", help="measured seconds per shape (tools/bench_optim.py --calibration-dir)")

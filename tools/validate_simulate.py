@@ -547,7 +547,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tools.bench_step import git_revision, machine
+    from megatron.canzona.provenance import git_revision, machine
     from tools.bench_step import parse_args as bench_step_args
 
     args.ffn_hidden = bench_step_args(["--hidden", str(args.hidden)]).ffn_hidden

@@ -337,7 +337,7 @@ TARGET_MAKESPAN, TARGET_PADDING = 1.10, 0.05
 
 
 @pytest.mark.parametrize("model,tp,ep,pp,stage,dp", DOC_CASES)
-def test_readme_targets(model, tp, ep, pp, stage, dp):
+def test_doc_targets(model, tp, ep, pp, stage, dp):
     edge = 11 if pp > 1 else None
     specs = qwen3_specs(model, tp_size=tp, ep_size=ep, pp_size=pp, pp_rank=stage, first_stage_layers=edge,
                         last_stage_layers=edge, split_qkv=True)

@@ -5,7 +5,7 @@ Imports neither ``torch.distributed`` nor Megatron-Core nor ``canzona_patches``.
 
 from .balance import LAYOUTS, plan_canzona, plan_hosts
 from .comm import RankTraffic, WireConfig, traffic
-from .cost import COST_KINDS, Calibration, CostModel, muon_flops, shampoo_flops, soap_flops
+from .cost import COST_KINDS, OPTIMIZERS, Calibration, CostModel, muon_flops, shampoo_flops, soap_flops
 from .experts import plan_with_experts, split_experts
 from .grid import dense_to_expert, expert_coordinates, expert_dp_size
 from .hosts import GROUPS_PER_HOST, schedule_groups
@@ -30,7 +30,7 @@ from .schedule import Schedule, Task, buffer_schedule, plan_schedule
 from .specs import FUSED_LAYOUTS, ParamSpec, elementwise_specs, matrix_specs
 
 __all__ = [
-    "COST_KINDS", "DEFAULT_ALPHA", "LAYOUTS", "EXPERT_LAYOUTS", "FUSED_LAYOUTS", "GROUPS_PER_HOST", "QWEN3_MODELS", "Bucket",
+    "COST_KINDS", "OPTIMIZERS", "DEFAULT_ALPHA", "LAYOUTS", "EXPERT_LAYOUTS", "FUSED_LAYOUTS", "GROUPS_PER_HOST", "QWEN3_MODELS", "Bucket",
     "BufferPlan", "Calibration", "CanzonaPlan", "CostModel", "DPPlan", "Host", "ParamSpec", "Placement", "Qwen3Config",
     "RankTraffic", "Task", "WireConfig", "check_inputs", "combined_lower_bound", "dense_to_expert",
     "elementwise_specs", "expert_coordinates", "expert_dp_size", "get_qwen3_config", "lower_bound", "make_plan",

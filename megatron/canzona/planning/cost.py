@@ -32,7 +32,10 @@ QR_FLOPS_PER_CUBE = 10.0 / 3.0
 ADAMW_FLOPS_PER_ELEMENT = 12.0
 """Moments, bias correction, division, weight decay and update, per element."""
 
-COST_KINDS: tuple[str, ...] = ("muon", "shampoo", "soap", "numel")
+OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap")
+"""The matrix optimizers, by name: the one list the runtime, the flags and the tools read
+(``megatron.canzona.optim.MATRIX_OPTIMIZERS`` maps each to its math)."""
+COST_KINDS: tuple[str, ...] = (*OPTIMIZERS, "numel")
 
 
 def muon_flops(m: int, n: int, ns_steps: int = 5) -> float:

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron.canzona.optim import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
-from megatron.canzona.planning import DEFAULT_ALPHA, LAYOUTS
-
-MATRIX_OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap")
+from megatron.canzona.planning import DEFAULT_ALPHA, LAYOUTS, OPTIMIZERS
+from megatron.canzona.runtime.host_groups import MODES as TP_MODES
 MatrixConfig = MuonConfig | ShampooConfig | SOAPConfig
 
 
@@ -50,7 +49,7 @@ class CanzonaConfig:
     def __post_init__(self) -> None:
         expected = {"muon": MuonConfig, "shampoo": ShampooConfig, "soap": SOAPConfig}.get(self.optimizer)
         if expected is None:
-            raise ValueError(f"unknown matrix optimizer {self.optimizer!r}; choose one of {MATRIX_OPTIMIZERS}")
+            raise ValueError(f"unknown matrix optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
         if not isinstance(self.matrix, expected):
             raise TypeError(f"optimizer={self.optimizer!r} needs a {expected.__name__}, got {type(self.matrix).__name__}")
         if not 0.0 <= self.alpha <= 1.0:
@@ -59,7 +58,7 @@ class CanzonaConfig:
             raise ValueError(f"cost must be 'flops' or 'numel', got {self.cost!r}")
         if self.layout not in (*LAYOUTS, "auto"):
             raise ValueError(f"layout must be one of {', '.join((*LAYOUTS, 'auto'))}, got {self.layout!r}")
-        if self.tp_mode not in ("async", "sync"):
+        if self.tp_mode not in TP_MODES:
             raise ValueError(f"tp_mode must be 'async' or 'sync', got {self.tp_mode!r}")
 
     @property

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..cost import COST_KINDS, Calibration
+from ..cost import OPTIMIZERS, Calibration
 
 OPTIMIZER_DTYPES: tuple[str, ...] = ("bf16", "fp32")
 
@@ -287,7 +287,7 @@ def calibration_from_dict(data: Any, source: str = "calibration") -> Calibration
     if not isinstance(data, Mapping):
         raise ValueError(f"{source}: expected an object with 'optimizer' and 'timings', got {type(data).__name__}")
     optimizer = data.get("optimizer")
-    if optimizer not in COST_KINDS or optimizer == "numel":
+    if optimizer not in OPTIMIZERS:
         raise ValueError(f"{source}: optimizer must be one of muon, shampoo, soap, got {optimizer!r}")
     timings = data.get("timings")
     if not isinstance(timings, list) or not timings:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..comm import WireConfig
-from ..cost import Calibration, CostModel
+from ..cost import OPTIMIZERS, Calibration, CostModel
 from ..experts import split_experts
 from ..geometry import default_bucket_size
 from ..megatron_main import plan_megatron_main
@@ -324,7 +324,7 @@ def simulate(
 ) -> StrategyResult:
     """One iteration of the pipeline stage whose parameters are ``specs`` (package docstring)."""
     grid = _check(strategy, dp_size, tp_size, ep_size, expert_tp_size, pp_size)
-    if optimizer not in ("muon", "shampoo", "soap"):
+    if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be muon, shampoo or soap, got {optimizer!r}")
     wire = wire or WireConfig()
     planning_cost = CostModel(kind=optimizer)  # the runtime plans with the FLOP formulas
