@@ -31,7 +31,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.canzona.planning import DEFAULT_ALPHA, OPTIMIZERS, QWEN3_MODELS, get_qwen3_config, qwen3_specs  # noqa: E402
 from megatron.canzona.planning.grid import expert_coordinates, expert_dp_size  # noqa: E402

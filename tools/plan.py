@@ -19,7 +19,6 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.canzona.planning import (  # noqa: E402
     OPTIMIZERS,

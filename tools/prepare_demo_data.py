@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from megatron.canzona.data.corpus import books_to_documents, check_input_files, iter_texts, write_jsonl  # noqa: E402
 from megatron.canzona.data.indexed import PreprocessConfig, dataset_prefix, preprocess  # noqa: E402

@@ -20,7 +20,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.canzona.data.indexed import PreprocessConfig, preprocess  # noqa: E402
 from megatron.canzona.data.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES  # noqa: E402

@@ -45,8 +45,6 @@ from collections.abc import Callable
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from megatron.canzona.planning.sim import ClusterSpec  # noqa: E402
 from megatron.canzona.planning.sim.cluster import preset_path  # noqa: E402

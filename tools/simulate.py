@@ -29,7 +29,6 @@ import sys
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from megatron.canzona.planning import (  # noqa: E402
     OPTIMIZERS,

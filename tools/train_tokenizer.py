@@ -17,7 +17,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.canzona.data.corpus import check_input_files, iter_texts  # noqa: E402
 from megatron.canzona.data.tokenizer import MODEL_TYPES, TokenizerTrainConfig, train_sentencepiece  # noqa: E402
