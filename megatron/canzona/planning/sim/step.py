@@ -168,13 +168,15 @@ def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool,
             _blocking_group(run, k, group, compute[k], apply[k])
         return
     early = _early_gathers(run, groups, reduced_at) if reduced_at is not None else None
-    gathers: list[float | None] = [early[0] if early else run.collective(_gather(run, groups[0]), run.clock,
-                                                                          "gather", "0")]
+
+    def gather(k: int) -> float | None:
+        return early[k] if early is not None else run.collective(_gather(run, groups[k]), run.clock, "gather", str(k))
+
+    gathers: list[float | None] = [gather(0)]
     scatters: list[float | None] = []
     for k in range(len(groups)):
         if k + 1 < len(groups):  # in flight while group k computes
-            gathers.append(early[k + 1] if early else run.collective(_gather(run, groups[k + 1]), run.clock,
-                                                                     "gather", str(k + 1)))
+            gathers.append(gather(k + 1))
         for r in run.members:
             run.wait(r, gathers[k])
             run.work(r, compute[k].get(r, 0.0), "compute", str(k))
