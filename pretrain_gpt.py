@@ -3,12 +3,12 @@
 
 Megatron-LM's command line (``--num-layers``, ``--hidden-size``, ``--tensor-model-parallel-
 size``, ``--use-distributed-optimizer``, ``--data-path``, ...) plus Canzona's flags
-(``canzona_patches/arguments.py``: ``--canzona``, ``--canzona-alpha``, ``--optimizer
+(``canzona_patches/integration/arguments.py``: ``--canzona``, ``--canzona-alpha``, ``--optimizer
 shampoo``, ``--canzona-metrics-file``, ...). Launch one process per rank, e.g.::
 
     torchrun --nproc-per-node 4 pretrain_gpt.py --num-layers 2 --hidden-size 64 ...
 
-On a machine without CUDA it runs on CPU: ``canzona_patches.cpu.enable_cpu_training_mode``
+On a machine without CUDA it runs on CPU: ``canzona_patches.emulation.cpu.enable_cpu_training_mode``
 redirects Megatron's CUDA calls, and :func:`adapt_args_to_cpu` switches the flags that
 name CUDA-only pieces (NCCL, transformer-engine, fused kernels) to their CPU equivalents.
 With CUDA nothing is redirected and the flags are used as given.
@@ -26,17 +26,17 @@ from typing import Any
 
 import torch
 
-from canzona_patches.arguments import (
+from canzona_patches.integration.arguments import (
     CanzonaArgumentError,
     add_canzona_args,
     finalize_canzona_args,
     validate_canzona_args,
 )
-from canzona_patches.cpu import enable_cpu_training_mode
+from canzona_patches.emulation.cpu import enable_cpu_training_mode
 from canzona_patches.registry import ARGUMENTS as ARGUMENT_PATCHES
 from canzona_patches.registry import install as install_patches
 from canzona_patches.registry import install_group as install_patch_group
-from canzona_patches.training import LOSS_KEY
+from canzona_patches.integration.training import LOSS_KEY
 from megatron.canzona.data import GPTDataConfig, build_gpt_datasets, check_gpt_data, describe_datasets
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel

@@ -16,7 +16,13 @@ setup(
         "megatron.canzona.data",
         "megatron.canzona.runtime",
         "canzona_patches",
+        "canzona_patches.emulation",
+        "canzona_patches.integration",
+        "canzona_patches.checkpoints",
+        "canzona_patches.harness",
     ],
+    # The training entry point, importable by the tools that build its model (tools/convert_hf.py).
+    py_modules=["pretrain_gpt"],
     package_data={"megatron.canzona.planning.sim": ["clusters/*.toml"]},
     install_requires=["torch", "megatron-core==0.19.2", "numpy"],
     extras_require={

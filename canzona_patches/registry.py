@@ -3,9 +3,9 @@
 A :class:`Patch` replaces attributes named ``"module:Attr.path"`` with ``make(original,
 run)``: a wrapper of the original, or a stand-in. :data:`PATCHES` is the table.
 :func:`install` installs the rows whose condition holds for a run's parsed flags
-(``pretrain_gpt.py``); the CPU entry points (:func:`canzona_patches.cpu.enable_cpu_mode`,
-:func:`~canzona_patches.cpu.enable_cpu_training_mode`,
-:func:`canzona_patches.checkpoint_files.enable_cpu_checkpointing`) install their group with
+(``pretrain_gpt.py``); the CPU entry points (:func:`canzona_patches.emulation.cpu.enable_cpu_mode`,
+:func:`~canzona_patches.emulation.cpu.enable_cpu_training_mode`,
+:func:`canzona_patches.checkpoints.files.enable_cpu_checkpointing`) install their group with
 :func:`install_group`. Either way each attribute is replaced once per process: installing
 again finds the replacement in place and leaves it. A *scoped* row (no ``make``) is swapped
 in for one call only, by :func:`swapped`.
@@ -214,165 +214,165 @@ _UNEVEN_SHARDS = "`--canzona` (a plan with variable-size DP shards: `layout.full
 
 PATCHES: tuple[Patch, ...] = (
     # --- Megatron-Core on CPU
-    Patch(targets=tuple(f"{module}:torch" for module in CPU_TORCH_MODULES), make="canzona_patches.cpu:cpu_torch",
+    Patch(targets=tuple(f"{module}:torch" for module in CPU_TORCH_MODULES), make="canzona_patches.emulation.cpu:cpu_torch",
           label=f"`torch` of {len(CPU_TORCH_MODULES)} Megatron-Core modules (`registry.CPU_TORCH_MODULES`)",
           condition=_ON_CPU, when=_no_cuda, group=CPU,
           reason="they allocate on, fence and seed CUDA in ~200 places; their torch sends CUDA devices to the CPU "
                  "(or meta) and makes streams and events no-ops"),
-    Patch(targets=(f"{_RANDOM}:CudaRNGStatesTracker",), make="canzona_patches.cpu:cpu_rng_tracker",
+    Patch(targets=(f"{_RANDOM}:CudaRNGStatesTracker",), make="canzona_patches.emulation.cpu:cpu_rng_tracker",
           condition=_ON_CPU, when=_no_cuda, group=CPU,
           reason="the tensor-parallel RNG tracker forks CUDA generator states; on CPU it forks the CPU generator's"),
-    Patch(targets=(f"{_RANDOM}:_get_cuda_rng_state",), make="canzona_patches.cpu:cpu_get_rng_state",
+    Patch(targets=(f"{_RANDOM}:_get_cuda_rng_state",), make="canzona_patches.emulation.cpu:cpu_get_rng_state",
           condition=_ON_CPU, when=_no_cuda, group=CPU, reason="reads the CUDA generator; on CPU the CPU generator"),
-    Patch(targets=(f"{_RANDOM}:_set_cuda_rng_state",), make="canzona_patches.cpu:cpu_set_rng_state",
+    Patch(targets=(f"{_RANDOM}:_set_cuda_rng_state",), make="canzona_patches.emulation.cpu:cpu_set_rng_state",
           condition=_ON_CPU, when=_no_cuda, group=CPU, reason="writes the CUDA generator; on CPU the CPU generator"),
-    Patch(targets=("torch:Tensor.type",), make="canzona_patches.cpu:tensor_type_pretending",
+    Patch(targets=("torch:Tensor.type",), make="canzona_patches.emulation.cpu:tensor_type_pretending",
           condition=_ON_CPU, when=_no_cuda, group=CPU,
           reason="inside a pretend-CUDA window a CPU tensor names itself `torch.cuda.*Tensor` "
                  "(Megatron's optimizers route parameters by that name); unchanged outside"),
-    Patch(targets=("torch:Tensor.cuda",), make="canzona_patches.cpu:tensor_cuda_pretending",
+    Patch(targets=("torch:Tensor.cuda",), make="canzona_patches.emulation.cpu:tensor_cuda_pretending",
           condition=_ON_CPU, when=_no_cuda, group=CPU,
           reason="inside a pretend-CUDA window `.cuda()` of CPU data returns the tensor; unchanged outside"),
-    Patch(targets=PRETEND_CUDA_WINDOWS, make="canzona_patches.cpu:pretending_cuda",
+    Patch(targets=PRETEND_CUDA_WINDOWS, make="canzona_patches.emulation.cpu:pretending_cuda",
           label=f"{len(PRETEND_CUDA_WINDOWS)} functions (`registry.PRETEND_CUDA_WINDOWS`)",
           condition=_ON_CPU, when=_no_cuda, group=CPU,
           reason="the pretend-CUDA windows: these route parameters by `type()` or move CPU data with `.cuda()`"),
     Patch(targets=("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",),
-          make="canzona_patches.cpu:split_sizes_on_cpu", condition=_ON_CPU, when=_no_cuda, group=CPU,
+          make="canzona_patches.emulation.cpu:split_sizes_on_cpu", condition=_ON_CPU, when=_no_cuda, group=CPU,
           reason="the all-to-all token dispatcher turns its split sizes into host lists only when they are on CUDA; "
                  "on CPU they stay tensors, which the all-to-all rejects"),
     Patch(targets=("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",),
-          make="canzona_patches.cpu:torch_norm_with_sequence_parallel", condition=_ON_CPU, when=_no_cuda, group=CPU,
+          make="canzona_patches.emulation.cpu:torch_norm_with_sequence_parallel", condition=_ON_CPU, when=_no_cuda, group=CPU,
           reason="the local spec's torch norms refuse sequence parallelism, which MoE with TP requires; "
                  "they accept it and mark their weights for the TP all-reduce, as transformer-engine's norms do"),
     # --- megatron.training on CPU
     Patch(targets=tuple(f"{module}:torch" for module in CPU_TORCH_TRAINING_MODULES),
-          make="canzona_patches.cpu:cpu_torch_one_device",
+          make="canzona_patches.emulation.cpu:cpu_torch_one_device",
           label=f"`torch` of {len(CPU_TORCH_TRAINING_MODULES)} megatron.training modules "
                 "(`registry.CPU_TORCH_TRAINING_MODULES`)",
           condition=_ON_CPU_TRAINING, when=_no_cuda, group=CPU_TRAINING,
           reason="as above, with one CPU device per process: initialization sets up model parallelism and "
                  "seeds only when `device_count() > 0`"),
-    Patch(targets=(f"{_TRAINING}:get_model",), make="canzona_patches.cpu:pretending_cuda",
+    Patch(targets=(f"{_TRAINING}:get_model",), make="canzona_patches.emulation.cpu:pretending_cuda",
           condition=_ON_CPU_TRAINING, when=_no_cuda, group=CPU_TRAINING,
           reason="a pretend-CUDA window: `get_model` moves every chunk with `.cuda()`"),
-    Patch(targets=("megatron.training.arguments:get_device_arch_version",), make="canzona_patches.cpu:no_cuda_arch",
+    Patch(targets=("megatron.training.arguments:get_device_arch_version",), make="canzona_patches.emulation.cpu:no_cuda_arch",
           condition=_ON_CPU_TRAINING, when=_no_cuda, group=CPU_TRAINING,
           reason="`validate_args` asks CUDA for device 0's compute capability at TP or CP > 1; answers 0"),
-    Patch(targets=(f"{_TRAINING}:initialize_megatron",), make="canzona_patches.cpu:allowing_no_cuda",
+    Patch(targets=(f"{_TRAINING}:initialize_megatron",), make="canzona_patches.emulation.cpu:allowing_no_cuda",
           condition=_ON_CPU_TRAINING, when=_no_cuda, group=CPU_TRAINING,
           reason="`initialize_megatron` asserts CUDA unless called with `allow_no_cuda=True`"),
     # --- torch_dist checkpoints on CPU
     Patch(targets=tuple(f"{module}:torch" for module in CHECKPOINT_WRITER_MODULES),
-          make="canzona_patches.cpu:cpu_torch",
+          make="canzona_patches.emulation.cpu:cpu_torch",
           label=f"`torch` of {len(CHECKPOINT_WRITER_MODULES)} torch_dist writer modules "
                 "(`registry.CHECKPOINT_WRITER_MODULES`)",
           condition="no CUDA, `torch_dist` saves: `checkpoint_files.enable_cpu_checkpointing`",
           when=_no_cuda, group=CPU_CHECKPOINT,
           reason="the writer synchronizes CUDA before it writes (`preload_tensors`)"),
     Patch(targets=("megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",),
-          make="canzona_patches.checkpoint_files:in_process_results_queue",
+          make="canzona_patches.checkpoints.files:in_process_results_queue",
           condition="the same, without `--async-save`", when=_synchronous_saves_on_cpu, group=CPU_SYNC_SAVE,
           reason="a synchronous save writes in this process: an in-process queue instead of a spawned Manager "
                  "(forbidden in daemonic ranks, ~4 s in a torchrun rank)"),
     # --- pretrain_gpt.py
     Patch(targets=("megatron.training.argument_utils:ArgumentGroupFactory._build_argparse_kwargs_from_field",),
-          make="canzona_patches.arguments:escaping_percent_in_help",
+          make="canzona_patches.integration.arguments:escaping_percent_in_help",
           condition="every `pretrain_gpt.py` run, before it parses the flags", when=_always, group=ARGUMENTS,
           reason="flags built from config dataclasses take their help from docstrings, which argparse formats "
                  "with `%`: `--moe-paged-stash-buffer-size-factor-cuda`'s \"10%\" makes `--help` raise"),
     Patch(targets=("megatron.core.datasets.utils:compile_helpers",),
-          make="canzona_patches.training:shipped_dataset_helpers",
+          make="canzona_patches.integration.training:shipped_dataset_helpers",
           condition=_EVERY_RUN, when=_always, group=PRETRAIN,
           reason="the registry wheel ships the dataset helpers prebuilt but no Makefile: `make` fails and "
                  "initialization exits"),
-    Patch(targets=("megatron.training.arguments:parse_args",), make="canzona_patches.training:with_canzona_flags",
+    Patch(targets=("megatron.training.arguments:parse_args",), make="canzona_patches.integration.training:with_canzona_flags",
           condition=_EVERY_RUN, when=_always, group=PRETRAIN,
           reason="`pretrain` parses the command line again without an `extra_args_provider` and would reject "
                  "`--canzona` and `--optimizer shampoo`"),
-    Patch(targets=(f"{_TRAINING}:setup_model_and_optimizer",), make="canzona_patches.training:timing_optimizer_step",
+    Patch(targets=(f"{_TRAINING}:setup_model_and_optimizer",), make="canzona_patches.integration.training:timing_optimizer_step",
           condition=_EVERY_RUN, when=_always, group=PRETRAIN,
           reason="times the optimizer's step for the `[canzona]` interval line"),
-    Patch(targets=(f"{_TRAINING}:training_log",), make="canzona_patches.training:logging_interval_metrics",
+    Patch(targets=(f"{_TRAINING}:training_log",), make="canzona_patches.integration.training:logging_interval_metrics",
           condition=_EVERY_RUN, when=_always, group=PRETRAIN,
           reason="one more line per log interval (optimizer step time, tokens/s, progress) and "
                  "`--canzona-metrics-file`; a first iteration on the log interval resets the sums, so the next "
                  "line does not average two intervals (resumed runs, `--log-interval 1`)"),
-    Patch(targets=(f"{_TRAINING}:train_step",), make="canzona_patches.megatron_fixes:numbering_the_step",
+    Patch(targets=(f"{_TRAINING}:train_step",), make="canzona_patches.integration.megatron_fixes:numbering_the_step",
           condition=_EVERY_RUN, when=_always, group=PRETRAIN,
           reason="NaN and rerun reports name the iteration after the failing one; the rerun state machine is "
                  "set to the step about to run"),
-    Patch(targets=(f"{_TRAINING}:save_checkpoint",), make="canzona_patches.checkpoint_files:staged_save_checkpoint",
+    Patch(targets=(f"{_TRAINING}:save_checkpoint",), make="canzona_patches.checkpoints.files:staged_save_checkpoint",
           condition=_EVERY_RUN, when=_always, group=PRETRAIN,
           reason="upstream writes `iter_N` in place and truncates the tracker before writing it: a killed save "
                  "tears the tracked checkpoint; saves are staged and committed by rename"),
-    Patch(targets=(f"{_TRAINING}:load_checkpoint",), make="canzona_patches.checkpoint:checked_load_checkpoint",
+    Patch(targets=(f"{_TRAINING}:load_checkpoint",), make="canzona_patches.checkpoints.state:checked_load_checkpoint",
           condition=_EVERY_RUN, when=_always, group=PRETRAIN,
           reason="rank 0 checks the files and the optimizer state's kind and every rank gets its verdict; "
                  "any failure is one line naming the file"),
     # --- --canzona
     Patch(targets=(f"{_CHECKPOINTING}:_build_sharded_state_dict_metadata",),
-          make="canzona_patches.checkpoint:with_canzona_metadata",
+          make="canzona_patches.checkpoints.state:with_canzona_metadata",
           condition="`--canzona`", when=_canzona, group=CANZONA,
           reason="the content metadata says `fully_reshardable` (else `load_checkpoint` refuses a TP or PP "
                  "change) and `canzona_state_format`"),
-    Patch(targets=(f"{_TRAINING}:wrap_model_chunks_with_ddp",), make="canzona_patches.training:with_canzona_layouts",
+    Patch(targets=(f"{_TRAINING}:wrap_model_chunks_with_ddp",), make="canzona_patches.integration.training:with_canzona_layouts",
           condition="`--canzona`", when=_canzona, group=CANZONA,
           reason="makes the run's plan and builds DDP with its `FullParamLayout` per chunk"),
-    Patch(targets=(f"{_TRAINING}:get_megatron_optimizer",), make="canzona_patches.training:canzona_optimizer",
+    Patch(targets=(f"{_TRAINING}:get_megatron_optimizer",), make="canzona_patches.integration.training:canzona_optimizer",
           condition="`--canzona`", when=_canzona, group=CANZONA,
           reason="builds the Canzona optimizer on the plan the model was wrapped with"),
-    # --- the whole layout's variable-size DP shards (canzona_patches/uneven.py)
-    Patch(targets=(f"{_BUFFER}:_ParamAndGradBuffer.__init__",), make="canzona_patches.uneven:tagging_buckets",
+    # --- the whole layout's variable-size DP shards (canzona_patches/integration/uneven.py)
+    Patch(targets=(f"{_BUFFER}:_ParamAndGradBuffer.__init__",), make="canzona_patches.integration.uneven:tagging_buckets",
           condition=_UNEVEN_SHARDS, when=_canzona, group=UNEVEN,
           reason="buckets are cut into equal DP shards; a layout carrying planned shard bounds tags each bucket's "
                  "views with its shard sizes"),
-    Patch(targets=(f"{_BUFFER}:shard_buffer",), make="canzona_patches.uneven:uneven_shard_buffer",
+    Patch(targets=(f"{_BUFFER}:shard_buffer",), make="canzona_patches.integration.uneven:uneven_shard_buffer",
           condition=_UNEVEN_SHARDS, when=_canzona, group=UNEVEN,
           reason="a rank's view of a bucket is its 1/DP slice; a tagged bucket's is its planned shard"),
-    Patch(targets=(f"{_BUFFER}:dist_reduce_scatter_func",), make="canzona_patches.uneven:uneven_reduce_scatter",
+    Patch(targets=(f"{_BUFFER}:dist_reduce_scatter_func",), make="canzona_patches.integration.uneven:uneven_reduce_scatter",
           condition=_UNEVEN_SHARDS, when=_canzona, group=UNEVEN,
           reason="`reduce_scatter_tensor` needs equal shards; a tagged bucket runs torch's list-form "
                  "`reduce_scatter` (grouped `ncclReduce` on NCCL)"),
-    Patch(targets=(f"{_BUFFER}:dist_all_gather_func",), make="canzona_patches.uneven:uneven_all_gather",
+    Patch(targets=(f"{_BUFFER}:dist_all_gather_func",), make="canzona_patches.integration.uneven:uneven_all_gather",
           condition=_UNEVEN_SHARDS, when=_canzona, group=UNEVEN,
           reason="`all_gather_into_tensor` needs equal shards; a tagged bucket runs the list-form `all_gather` "
                  "(grouped `ncclBroadcast`), on gloo one broadcast per shard"),
-    Patch(targets=(f"{_BUFFER}:_coalescing_manager",), make="canzona_patches.uneven:joining_uneven_works",
+    Patch(targets=(f"{_BUFFER}:_coalescing_manager",), make="canzona_patches.integration.uneven:joining_uneven_works",
           condition=_UNEVEN_SHARDS, when=_canzona, group=UNEVEN,
           reason="torch's manager waits only for the `*_tensor` collectives it batched; the list-form ones' works "
                  "join its handle, so the bucket's finish waits for them"),
-    # --- host-group gathers issued as buckets reduce (canzona_patches/early_gather.py)
+    # --- host-group gathers issued as buckets reduce (canzona_patches/integration/early_gather.py)
     Patch(targets=(f"{_BUFFER}:_ParamAndGradBucketGroup.start_grad_sync",),
-          make="canzona_patches.early_gather:announcing_dispatched_grads",
+          make="canzona_patches.integration.early_gather:announcing_dispatched_grads",
           condition="`--canzona` with `--canzona-tp-mode async` (the default) and matrices that move to their hosts",
           when=_canzona, group=EARLY_GATHER,
           reason="nothing follows a bucket group's asynchronous dispatch; its listeners are told, so on CUDA the "
                  "optimizer's side stream waits for the reduce-scatter and issues the host-group gathers in backward"),
     Patch(targets=(f"{_BUFFER}:_ParamAndGradBucketGroup.finish_grad_sync",),
-          make="canzona_patches.early_gather:announcing_reduced_grads",
+          make="canzona_patches.integration.early_gather:announcing_reduced_grads",
           condition="`--canzona` with `--canzona-tp-mode async` (the default) and matrices that move to their hosts",
           when=_canzona, group=EARLY_GATHER,
           reason="nothing follows a bucket group's reduction; its listeners are told, so the optimizer issues "
                  "the host-group gathers of the matrices it completes before the step"),
     # --- upstream fixes only the baselines need
     Patch(targets=("megatron.core.optimizer.layer_wise_optimizer:LayerWiseDistributedOptimizer.__init__",),
-          make="canzona_patches.megatron_fixes:keeping_config",
+          make="canzona_patches.integration.megatron_fixes:keeping_config",
           condition="Megatron's layer-wise Muon: `--optimizer muon --use-distributed-optimizer` without `--canzona`",
           when=_layer_wise_muon, group=BASELINE,
           reason="in fp32 its children carry no config, so `ChainedOptimizer` asserts and `prepare_grads` is "
                  "missing; keeps the config and wraps each child in `FP32Optimizer`"),
     Patch(targets=(f"{_DISTRIB_OPTIMIZER}.sharded_state_dict",),
-          make="canzona_patches.megatron_fixes:allocating_state_first",
+          make="canzona_patches.integration.megatron_fixes:allocating_state_first",
           condition=_DISTRIBUTED_OPTIMIZER + ", on torch's optimizers (no Apex or Transformer Engine)",
           when=_megatron_distributed_optimizer_on_torch, group=BASELINE,
           reason="torch's AdamW has no state before its first step and `state_dict` asserts one: `--load` fails"),
-    Patch(targets=(f"{_DISTRIB_OPTIMIZER}.load_state_dict",), make="canzona_patches.megatron_fixes:loading_exactly",
+    Patch(targets=(f"{_DISTRIB_OPTIMIZER}.load_state_dict",), make="canzona_patches.integration.megatron_fixes:loading_exactly",
           condition=_DISTRIBUTED_OPTIMIZER, when=_megatron_distributed_optimizer, group=BASELINE,
           reason="restores one `step` tensor per parameter (upstream shares one, or copies the pre-load step "
                  "back) and copies into leaf views under `no_grad`"),
     Patch(targets=(f"{_DISTRIB_OPTIMIZER}.load_parameter_state",),
-          make="canzona_patches.megatron_fixes:restoring_moments",
+          make="canzona_patches.integration.megatron_fixes:restoring_moments",
           condition=_DISTRIBUTED_OPTIMIZER + ", `--ckpt-format torch`",
           when=_megatron_distributed_optimizer_legacy_format, group=BASELINE,
           reason="the legacy load copies a `step` the file lacks (`KeyError`) and copies into leaf views"),

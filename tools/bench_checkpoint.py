@@ -5,7 +5,7 @@
     python tools/bench_checkpoint.py --optimizer soap --dp 2,4 --layers 4 --hidden 256 --json ckpt.json
 
 Each DP size is one gloo launch (one process and one torch thread per rank) of the tiny
-Qwen3-like GPT of ``tests/multirank/tiny_gpt.py`` with the Canzona optimizer. Per launch:
+Qwen3-like GPT of ``canzona_patches/harness/tiny_gpt.py`` with the Canzona optimizer. Per launch:
 ``--warmup`` untimed steps, ``--steps`` timed training steps (forward, backward, optimizer
 step), then ``--repeats`` saves (``torch_dist``, staged and committed atomically, as
 ``pretrain_gpt.py --save`` writes them) and as many loads of the last one; and, when the first
@@ -31,12 +31,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.canzona.planning import OPTIMIZERS  # noqa: E402
-from megatron.canzona.runtime import LaunchConfig, launch  # noqa: E402
-from megatron.canzona.provenance import git_revision, machine  # noqa: E402
-from tests.multirank.tiny_gpt import TinyRun  # noqa: E402
+from megatron.canzona.planning import OPTIMIZERS
+from megatron.canzona.runtime import LaunchConfig, launch
+from megatron.canzona.provenance import git_revision, machine
+from canzona_patches.harness.tiny_gpt import TinyRun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,15 +83,15 @@ def bench_rank(job: BenchJob) -> dict:
     import torch
     import torch.distributed as dist
 
-    from canzona_patches.cpu import enable_cpu_mode
+    from canzona_patches.emulation.cpu import enable_cpu_mode
     from megatron.core import parallel_state
-    from tests.multirank.tiny_checkpoint import load_checkpoint, save_checkpoint
-    from tests.multirank.tiny_gpt import _build, _train_step
+    from canzona_patches.harness.tiny_checkpoint import load_checkpoint, save_checkpoint
+    from canzona_patches.harness.tiny_gpt import build, train_step
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=job.run.tp_size)
     try:
-        model, ddp_model, optimizer, _ = _build(job.run)
+        model, ddp_model, optimizer, _ = build(job.run)
 
         def timed(action) -> float:
             dist.barrier()
@@ -105,8 +103,8 @@ def bench_rank(job: BenchJob) -> dict:
 
         step = iter(range(job.warmup + job.steps))
         for _ in range(job.warmup):
-            _train_step(job.run, ddp_model, optimizer, next(step))
-        step_s = [timed(lambda: _train_step(job.run, ddp_model, optimizer, next(step))) for _ in range(job.steps)]
+            train_step(job.run, ddp_model, optimizer, next(step))
+        step_s = [timed(lambda: train_step(job.run, ddp_model, optimizer, next(step))) for _ in range(job.steps)]
         save_s = [timed(lambda i=i: save_checkpoint(job.save_dir, i + 1, model, optimizer)) for i in range(job.repeats)]
         load_s = [timed(lambda: load_checkpoint(job.save_dir, model, optimizer)) for _ in range(job.repeats)]
         reshard_s = [
@@ -122,7 +120,7 @@ def checkpoint_bytes(path: Path) -> dict[str, int]:
     """Bytes of a ``torch_dist`` checkpoint: files on disk, and tensor data by owner."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from canzona_patches.checkpoint import STATE_PREFIX
+    from canzona_patches.checkpoints.state import STATE_PREFIX
 
     by_owner = {"model": 0, "optimizer": 0, "other": 0}
     for index, info in FileSystemReader(str(path)).read_metadata().storage_data.items():

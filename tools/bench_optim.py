@@ -42,9 +42,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.canzona.optim import (  # noqa: E402
+from megatron.canzona.optim import (
     AdamWConfig,
     AdamWState,
     MuonConfig,
@@ -58,10 +56,10 @@ from megatron.canzona.optim import (  # noqa: E402
     shampoo_update,
     soap_update,
 )
-from megatron.canzona.planning import OPTIMIZERS as MATRIX_OPTIMIZER_NAMES  # noqa: E402
-from megatron.canzona.planning import Calibration, get_qwen3_config  # noqa: E402
-from megatron.canzona.provenance import git_revision, machine  # noqa: E402
-from megatron.canzona.planning.cost import (  # noqa: E402
+from megatron.canzona.planning import OPTIMIZERS as MATRIX_OPTIMIZER_NAMES
+from megatron.canzona.planning import Calibration, get_qwen3_config
+from megatron.canzona.provenance import git_revision, machine
+from megatron.canzona.planning.cost import (
     ADAMW_FLOPS_PER_ELEMENT,
     muon_flops,
     shampoo_flops,
@@ -127,10 +125,9 @@ def tiny_gpt_shapes(hidden: int) -> list[tuple[str, int, int]]:
     """(name, rows, cols) of the Muon matrices of one layer of tools/bench_step.py's tiny GPT
     at ``hidden``: Q, K, V split (as bench_step's runs split them), proj, fused gate/up fc1
     and fc2, the SwiGLU size as bench_step derives it. Same shapes appear once."""
-    from tests.multirank.tiny_gpt import NUM_HEADS, NUM_QUERY_GROUPS
-    from tools.bench_step import parse_args as bench_step_args
+    from canzona_patches.harness.tiny_gpt import NUM_HEADS, NUM_QUERY_GROUPS, swiglu_ffn_hidden
 
-    ffn = bench_step_args(["--hidden", str(hidden)]).ffn_hidden
+    ffn = swiglu_ffn_hidden(hidden)
     head_dim = hidden // NUM_HEADS
     shapes = [
         ("q", NUM_HEADS * head_dim, hidden),

@@ -79,14 +79,11 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from megatron.canzona.planning import CanzonaPlan  # noqa: E402
-from megatron.canzona.planning.grid import expert_dp_size as grid_expert_dp_size  # noqa: E402
-from megatron.canzona.provenance import git_revision, machine  # noqa: E402
-from megatron.canzona.runtime import LaunchConfig, launch  # noqa: E402
-from tests.multirank.tiny_gpt import TinyRun, train_tiny_gpts  # noqa: E402
+from megatron.canzona.planning import CanzonaPlan
+from megatron.canzona.planning.grid import expert_dp_size as grid_expert_dp_size
+from megatron.canzona.provenance import git_revision, machine
+from megatron.canzona.runtime import LaunchConfig, launch
+from canzona_patches.harness.tiny_gpt import TinyRun, swiglu_ffn_hidden, train_tiny_gpts
 
 DP_VARIANTS = {"canzona": ("muon", "async", "whole"), "canzona_lean": ("muon", "async", "lean"),
                "sync": ("sync_muon", "async", "whole"), "megatron": ("megatron_muon", "async", "whole")}
@@ -137,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.hidden % 4:
         parser.error(f"--hidden {args.hidden} must be a multiple of the 4 attention heads")
     # 8/3 hidden, rounded to a multiple of 64 so it splits over TP ranks.
-    args.ffn_hidden = args.ffn_hidden or max(64, round(8 * args.hidden / 3 / 64) * 64)
+    args.ffn_hidden = args.ffn_hidden or swiglu_ffn_hidden(args.hidden)
     check_moe_args(parser, args)
     return args
 

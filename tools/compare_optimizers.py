@@ -45,13 +45,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-ROOT = TOOLS.parent
-sys.path.insert(0, str(TOOLS))
+from megatron.canzona.curves import LossCurve, read_curve
+from megatron.canzona.provenance import git_revision, machine
 
-from plot_loss import LossCurve, read_curve  # noqa: E402
-
-from megatron.canzona.provenance import git_revision, machine  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEMO_SCRIPT = ROOT / "examples" / "qwen3" / "pretrain_qwen3_tiny_cpu.sh"
 LEARNING_RATE_TEXT = "3e-3"
@@ -112,10 +109,10 @@ class RunResult:
 
     def valid_seconds(self) -> list[float]:
         """Training seconds elapsed at each validation point (interpolated between log points)."""
-        return [_interpolate(self.train.iterations, self.train_seconds, i) for i in self.valid_iterations]
+        return [interpolate(self.train.iterations, self.train_seconds, i) for i in self.valid_iterations]
 
 
-def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+def interpolate(xs: list[int], ys: list[float], x: float) -> float:
     """Piecewise-linear ``y(x)`` through ``(0, 0)`` and the points; held flat past the last."""
     previous_x, previous_y = 0, 0.0
     for point_x, point_y in zip(xs, ys):

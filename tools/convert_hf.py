@@ -40,11 +40,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megatron.canzona.hf import (  # noqa: E402
+from megatron.canzona.hf import (
     EMBEDDING,
     FINAL_NORM,
     LAYER_PREFIX,
@@ -237,7 +235,7 @@ def export(options: argparse.Namespace) -> int:
     files = writer.close()
     out_dtype = dtype or stored[EMBEDDING].properties.dtype
     (options.save / "config.json").write_text(json.dumps(hf_config(out_arch, out_dtype), indent=2) + "\n")
-    copied = _copy_tokenizer(options.tokenizer or _run_tokenizer(megatron_args), options.save)
+    copied = copy_tokenizer(options.tokenizer or run_tokenizer(megatron_args), options.save)
     log(f"exported {writer.num_elements:,} parameters ({_dtype_name(out_dtype)}) of {path} to {options.save}: "
         f"config.json, {', '.join(f.name for f in files)} ({_megabytes(writer.num_bytes)})"
         + (f", {', '.join(copied)}" if copied else "; no tokenizer files (--tokenizer DIR adds them)"))
@@ -263,7 +261,7 @@ def _check_empty_hf_dir(save: Path) -> None:
         raise ConversionError(f"--save {save} already holds a Hugging Face model: remove it or choose another directory")
 
 
-def _run_tokenizer(megatron_args: argparse.Namespace) -> Path | None:
+def run_tokenizer(megatron_args: argparse.Namespace) -> Path | None:
     """The training run's tokenizer directory, when it was a Hugging Face one on this disk."""
     model = getattr(megatron_args, "tokenizer_model", None)
     if getattr(megatron_args, "tokenizer_type", None) == "HuggingFaceTokenizer" and model and Path(model).is_dir():
@@ -271,7 +269,7 @@ def _run_tokenizer(megatron_args: argparse.Namespace) -> Path | None:
     return None
 
 
-def _copy_tokenizer(source: Path | None, destination: Path) -> list[str]:
+def copy_tokenizer(source: Path | None, destination: Path) -> list[str]:
     if source is None:
         return []
     if not source.is_dir():
@@ -397,7 +395,7 @@ def megatron_args_for(arch: Qwen3Arch, dtype: torch.dtype, tokenizer_dir: Path |
     them, and the model is built from them."""
     from unittest import mock
 
-    from canzona_patches.arguments import add_canzona_args
+    from canzona_patches.integration.arguments import add_canzona_args
     from megatron.training.arguments import parse_args, validate_args
 
     positions = str(arch.max_position_embeddings)
@@ -422,7 +420,7 @@ def one_process_args(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` (parsed, or a checkpoint's) for a model built whole in this process:
     TP 1, PP 1, one rank, and on a machine without CUDA the CPU choices of pretrain_gpt.py."""
     import pretrain_gpt
-    from canzona_patches.cpu import enable_cpu_mode
+    from canzona_patches.emulation.cpu import enable_cpu_mode
 
     args.rank, args.world_size, args.data_parallel_size = 0, 1, 1
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
@@ -499,7 +497,7 @@ def copy_hf_weights(model: torch.nn.Module, weights: HFWeights, arch: Qwen3Arch)
 def save_release(model: torch.nn.Module, args: argparse.Namespace, save: Path) -> Path:
     """``save/release``, written by Megatron's ``dist_checkpointing.save`` as a model-only
     training save would be, then published by rename and the tracker."""
-    from canzona_patches.checkpoint_files import enable_cpu_checkpointing
+    from canzona_patches.checkpoints.files import enable_cpu_checkpointing
     from megatron.core import dist_checkpointing
 
     enable_cpu_checkpointing()

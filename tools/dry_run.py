@@ -154,8 +154,8 @@ def build_rank(args: argparse.Namespace):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    from canzona_patches.layout import build_canzona_plan, full_param_layouts
-    from canzona_patches.optimizer import build_canzona_optimizer
+    from canzona_patches.integration.layout import build_canzona_plan, full_param_layouts
+    from canzona_patches.integration.optimizer import build_canzona_optimizer
 
     dtype = torch.bfloat16 if args.params_dtype == "bf16" else torch.float32
     config, model = build_model(args, dtype)
@@ -195,7 +195,7 @@ def init_fake_world(args: argparse.Namespace) -> None:
     quiet_megatron_notices()
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)  # "GPTModel IS DEPRECATED"
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.tp * args.dp * args.pp)
-    from canzona_patches.cpu import enable_cpu_mode
+    from canzona_patches.emulation.cpu import enable_cpu_mode
 
     enable_cpu_mode(meta=True)
     from megatron.core import parallel_state
@@ -296,7 +296,7 @@ def measure(ddp_model, optimizer) -> dict:
 
 def _measure_part(buffers: list, optimizer) -> dict:
     """Buffers, shards, main parameters, state and temporaries of one distributed optimizer."""
-    from canzona_patches.layout import BUFFER_ROUTING_ATTR
+    from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR
 
     matrix = [b for b in buffers if getattr(b.params[0], BUFFER_ROUTING_ATTR, False)]
     other = [b for b in buffers if not getattr(b.params[0], BUFFER_ROUTING_ATTR, False)]

@@ -132,7 +132,7 @@ def strategy_records(specs, args, cm: CostModel, wire: WireConfig, strategies) -
         from canzona_patches.version import quiet_megatron_notices
 
         quiet_megatron_notices()
-        import canzona_patches.layerwise_baseline  # noqa: F401  (loads Megatron-Core before the clock starts)
+        import canzona_patches.integration.layerwise_baseline  # noqa: F401  (loads Megatron-Core before the clock starts)
     expert_dp = expert_dp_size(dp_size=args.dp, tp_size=args.tp, ep_size=args.ep, expert_tp_size=args.etp)
     bucket_size = default_bucket_size(args.dp) if args.bucket_size is None else args.bucket_size
     other = next(layout for layout in LAYOUTS if layout != args.layout)
@@ -175,7 +175,7 @@ def buffer_record(name: str, specs, dp: int, tp: int, bucket_size: int, cm: Cost
         eq1 = plan_eq1(specs, dp_size=dp, cost_model=cm, bucket_size=bucket_size)
         return summarize_plan(plan_hosts(eq1, specs, tp_size=tp, cost_model=cm, wire=wire), specs, cm, wire)
     if name == "megatron_layerwise":
-        from canzona_patches.layerwise_baseline import plan_megatron_layerwise
+        from canzona_patches.integration.layerwise_baseline import plan_megatron_layerwise
 
         layerwise = plan_megatron_layerwise(specs, dp_size=dp, cost_model=cm, bucket_size=bucket_size)
         return summarize_sync(layerwise, specs, cm, wire, tp)

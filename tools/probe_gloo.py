@@ -45,29 +45,16 @@ from collections.abc import Callable
 
 import torch
 
-
-from megatron.canzona.planning.sim import ClusterSpec  # noqa: E402
-from megatron.canzona.planning.sim.cluster import preset_path  # noqa: E402
-from megatron.canzona.runtime import LaunchConfig, launch  # noqa: E402
+from megatron.canzona.planning.sim import ClusterSpec
+from megatron.canzona.planning.sim.cluster import preset_path
+from megatron.canzona.provenance import wait_for_quiet
+from megatron.canzona.runtime import LaunchConfig, launch
 
 DEFAULT_OUT = preset_path("cpu-gloo-local")
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB per rank
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "ping_pong")
 LARGE_BYTES = 1 << 20
 """Sizes from here on set the bandwidth, smaller ones the latency."""
-
-
-def wait_for_quiet(max_load: float, max_wait_s: float, poll_s: float = 60.0) -> list[float]:
-    """Sleep until the 1-minute load average is below ``max_load`` or ``max_wait_s`` passed;
-    the loads seen, first to last (the caller reports them)."""
-    seen = [os.getloadavg()[0]]
-    deadline = time.monotonic() + max_wait_s
-    while seen[-1] > max_load and time.monotonic() < deadline:
-        print(f"load average {seen[-1]:.2f} > {max_load}: waiting {poll_s:.0f} s for other jobs", file=sys.stderr,
-              flush=True)
-        time.sleep(poll_s)
-        seen.append(os.getloadavg()[0])
-    return seen
 
 
 def _collective(kind: str, nbytes: int) -> Callable[[], None]:

@@ -177,7 +177,7 @@ def layerwise_plans(specs: list, run: dict[str, Any]) -> tuple[Any, Any]:
     from canzona_patches.version import quiet_megatron_notices
 
     quiet_megatron_notices()
-    from canzona_patches.layerwise_baseline import plan_megatron_layerwise_stage
+    from canzona_patches.integration.layerwise_baseline import plan_megatron_layerwise_stage
 
     return plan_megatron_layerwise_stage(specs, dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"],
                                          expert_tp_size=run["etp"], cost_model=CostModel(kind=run["optimizer"]),

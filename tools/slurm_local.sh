@@ -352,7 +352,7 @@ run_jobs() {
     log "submitted job $id (straight): iterations 1..$TOTAL_ITERS in one go, no checkpoints"
     wait_job "$id" straight
     # Every lm loss and grad norm (LOG_INTERVAL=1: one iteration each) must match as printed,
-    # the line after a restart's first included (canzona_patches.training resets the interval
+    # the line after a restart's first included (canzona_patches.integration.training resets the interval
     # sums Megatron keeps after a first iteration on the interval), and so must the losses of
     # the final evaluation.
     expected="$(iteration_stats straight)"

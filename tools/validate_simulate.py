@@ -54,17 +54,14 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from megatron.canzona.planning import (  # noqa: E402
+from megatron.canzona.planning import (
     Calibration,
     CostModel,
     Qwen3Config,
     WireConfig,
     qwen3_specs,
 )
-from megatron.canzona.planning.sim import (  # noqa: E402
+from megatron.canzona.planning.sim import (
     ClusterSpec,
     StrategyResult,
     Workload,
@@ -72,9 +69,9 @@ from megatron.canzona.planning.sim import (  # noqa: E402
     load_cluster,
     simulate,
 )
-from megatron.canzona.planning.sim.cluster import PRESET_DIR  # noqa: E402
-from megatron.canzona.planning.specs import ParamSpec  # noqa: E402
-from tools.probe_gloo import wait_for_quiet  # noqa: E402
+from megatron.canzona.planning.sim.cluster import PRESET_DIR
+from megatron.canzona.planning.specs import ParamSpec
+from megatron.canzona.provenance import ROOT, wait_for_quiet
 
 CLUSTER_DIR = PRESET_DIR
 DEFAULT_CLUSTERS = tuple(os.path.join(CLUSTER_DIR, f) for f in ("cpu-gloo-local-2.toml", "cpu-gloo-local.toml"))
@@ -105,10 +102,10 @@ def strategy_of(variant: str, tp_size: int) -> str:
 
 
 def tiny_gpt_specs(layers: int, hidden: int, ffn_hidden: int, tp_size: int) -> list[ParamSpec]:
-    """What one rank of bench_step's tiny GPT holds (tests/multirank/tiny_gpt.py): Qwen3's
+    """What one rank of bench_step's tiny GPT holds (canzona_patches/harness/tiny_gpt.py): Qwen3's
     structure, 4 heads, 2 query groups, untied embeddings of its 128-token vocabulary, which
     Megatron's GPTModel takes unpadded; fp32 parameters; QKV split as its runs split it."""
-    from tests.multirank.tiny_gpt import NUM_HEADS, NUM_QUERY_GROUPS, SEQ_LEN, VOCAB
+    from canzona_patches.harness.tiny_gpt import NUM_HEADS, NUM_QUERY_GROUPS, SEQ_LEN, VOCAB
 
     cfg = Qwen3Config(name="bench-step-tiny-gpt", num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn_hidden,
                       num_attention_heads=NUM_HEADS, num_query_groups=NUM_QUERY_GROUPS,
@@ -124,7 +121,7 @@ def layerwise_plans(specs: list[ParamSpec], dp_size: int, tp_size: int, ep_size:
     from canzona_patches.version import quiet_megatron_notices
 
     quiet_megatron_notices()
-    from canzona_patches.layerwise_baseline import plan_megatron_layerwise_stage
+    from canzona_patches.integration.layerwise_baseline import plan_megatron_layerwise_stage
 
     return plan_megatron_layerwise_stage(specs, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size,
                                          expert_tp_size=expert_tp_size, cost_model=CostModel(kind="muon"),
@@ -146,7 +143,7 @@ def timed_seconds(result: StrategyResult, variant: str = "canzona", iteration: b
 def iteration_workload(dp_size: int, forward_backward_s: float, cluster: ClusterSpec) -> Workload:
     """bench_step's iteration (one micro-batch of 2 sequences per DP rank) with the measured
     forward and backward: the simulator is checked on what the optimizer adds, not on MFU."""
-    from tests.multirank.tiny_gpt import SEQ_LEN
+    from canzona_patches.harness.tiny_gpt import SEQ_LEN
 
     tokens = 2 * SEQ_LEN
     per_token = forward_backward_s * cluster.gpu.bf16_tflops * 1e12 * cluster.mfu / tokens
@@ -548,9 +545,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from megatron.canzona.provenance import git_revision, machine
-    from tools.bench_step import parse_args as bench_step_args
+    from canzona_patches.harness.tiny_gpt import swiglu_ffn_hidden
 
-    args.ffn_hidden = bench_step_args(["--hidden", str(args.hidden)]).ffn_hidden
+    args.ffn_hidden = swiglu_ffn_hidden(args.hidden)
     report: dict[str, Any] = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
                               "git_revision": git_revision(), "machine": machine(),
                               "started": time.strftime("%F %T %z")}

@@ -10,7 +10,7 @@
 #   TRAIN_ITERS=150 examples/qwen3/pretrain_qwen3_tiny.sh --override-opt_param-scheduler  # resume to 150
 #   VARIANT=adamw CKPT_DIR=none examples/qwen3/pretrain_qwen3_tiny.sh     # AdamW, no checkpoints
 #
-# A resume loads the whole optimizer state (canzona_patches/checkpoint.py): tests/e2e/
+# A resume loads the whole optimizer state (canzona_patches/checkpoints/state.py): tests/e2e/
 # test_resume.py resumes a run exactly, and tools/slurm_local.sh does under SLURM.
 # For a quick look at the loss curve, pretrain_qwen3_tiny_cpu.sh plots one.
 set -euo pipefail

@@ -1,10 +1,12 @@
 """Where a measurement was taken: the repository's revision and the machine, for the JSON
-that benchmarks and tools write beside their numbers."""
+that benchmarks and tools write beside their numbers; and waiting for a quiet machine first."""
 
 from __future__ import annotations
 
 import os
 import platform
+import sys
+import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,3 +55,16 @@ def machine(device: Any = None) -> dict[str, Any]:
         if torch.device(device).type == "cuda":
             info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def wait_for_quiet(max_load: float, max_wait_s: float, poll_s: float = 60.0) -> list[float]:
+    """Sleep until the 1-minute load average is below ``max_load`` or ``max_wait_s`` passed;
+    the loads seen, first to last (the caller reports them)."""
+    seen = [os.getloadavg()[0]]
+    deadline = time.monotonic() + max_wait_s
+    while seen[-1] > max_load and time.monotonic() < deadline:
+        print(f"load average {seen[-1]:.2f} > {max_load}: waiting {poll_s:.0f} s for other jobs", file=sys.stderr,
+              flush=True)
+        time.sleep(poll_s)
+        seen.append(os.getloadavg()[0])
+    return seen

@@ -175,7 +175,7 @@ def test_nan_stops_the_job_naming_rank_and_iteration(nan_run: tuple[int, str]) -
 
 def test_nan_report_names_the_iteration_that_failed(nan_run: tuple[int, str]) -> None:
     """With a log line per iteration, the failing one is the first that was not logged.
-    (Megatron-Core 0.19.2 alone names the next one; canzona_patches.megatron_fixes.numbering_the_step.)"""
+    (Megatron-Core 0.19.2 alone names the next one; canzona_patches.integration.megatron_fixes.numbering_the_step.)"""
     _, out = nan_run
     logged = [int(n) for n in re.findall(r"\] iteration +(\d+)/ +20 \| consumed samples", out)]
     reported = int(re.findall(NAN_REPORT, out)[0][1])

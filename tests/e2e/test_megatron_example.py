@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from canzona_patches.arguments import CanzonaArgumentError, rampup_as_step_schedule
+from canzona_patches.integration.arguments import CanzonaArgumentError, rampup_as_step_schedule
 
 from .support import ROOT, run_with_deadline
 from .test_pretrain_gpt import NUM_ITERS, check_tensorboard, read_metrics

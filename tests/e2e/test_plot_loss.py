@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from megatron.canzona.curves import read_curve
+
 from .support import ROOT
 
 _spec = importlib.util.spec_from_file_location("plot_loss", ROOT / "tools" / "plot_loss.py")
 plot_loss = importlib.util.module_from_spec(_spec)
-sys.modules["plot_loss"] = plot_loss  # dataclasses look their module up while being defined
 _spec.loader.exec_module(plot_loss)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -39,7 +40,7 @@ def test_overlays_runs_with_labels(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_read_curve_keeps_the_latest_line_per_iteration(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     path.write_text("\n".join(json.dumps({"iteration": i, "lm_loss": l}) for i, l in [(1, 7.0), (5, 6.0), (5, 5.5)]))
-    curve = plot_loss.read_curve(path)
+    curve = read_curve(path)
     assert (curve.iterations, curve.losses) == ([1, 5], [7.0, 5.5])
 
 

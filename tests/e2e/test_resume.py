@@ -4,7 +4,7 @@ One module-scoped sequence of runs (each rank pays ~8 s of imports, so runs are 
 
 1. **killed mid-save**: 8 iterations at DP 2 with ``--save-interval 4``; rank 1 is SIGKILLed
    (``CANZONA_CKPT_FAULT=write@8:1``, armed by ``pretrain_with_fault.py``, which runs
-   ``pretrain_gpt.py`` with ``tests/checkpoint_faults.py``) after writing its files of
+   ``pretrain_gpt.py`` with ``canzona_patches/harness/faults.py``) after writing its files of
    iteration 8. Its metrics
    (written before the save) are the uninterrupted reference curve.
 2. **resumed at DP 2** from the same directory: the tracker still names iteration 4; it
@@ -21,7 +21,7 @@ from it at PP 2 and at PP 1 x DP 2 (stage 1's layer 0 is the model's layer 1: th
 state is keyed by global layer number).
 
 Megatron's own AdamW in the legacy ``--ckpt-format torch`` (a fourth sequence): saved at
-iteration 4 of 8 at DP 2, resumed with its moments (canzona_patches/megatron_fixes.py makes
+iteration 4 of 8 at DP 2, resumed with its moments (canzona_patches/integration/megatron_fixes.py makes
 that load work with torch's optimizers) and, as a control, with ``--no-load-optim``.
 
 Dropout is off, as in the Qwen3 recipes: on CPU the data loader draws from the same
@@ -155,7 +155,7 @@ def legacy_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -
 def _per_iteration(metrics: dict[int, dict]) -> dict[int, float]:
     """The logged loss of every iteration (``--log-interval 1``). A resumed run's line after its
     first is that iteration's alone, as in the uninterrupted run (Megatron's own log would
-    average the two; ``canzona_patches.training.logging_interval_metrics``)."""
+    average the two; ``canzona_patches.integration.training.logging_interval_metrics``)."""
     return {i: m["lm_loss"] for i, m in metrics.items()}
 
 

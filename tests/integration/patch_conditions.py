@@ -35,7 +35,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     with contextlib.redirect_stdout(io.StringIO()):
         import pretrain_gpt
-        from canzona_patches import cpu, registry
+        from canzona_patches import registry
+        from canzona_patches.emulation import cpu
 
     pretrain_gpt.set_global_variables = lambda args, **_: None  # parse several flag lists in one process
     os.environ.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")

@@ -68,8 +68,8 @@ def test_read_run_places_validation_on_the_time_axis(tmp_path: Path) -> None:
     assert result.label == "AdamW" and result.wall_s == 12.5
     assert (result.valid_iterations, result.valid_losses) == ([5, 10], [6.5, 5.25])
     assert result.valid_seconds() == pytest.approx([0.5, 1.5])
-    assert compare._interpolate([10, 20], [1.0, 3.0], 15) == pytest.approx(2.0)
-    assert compare._interpolate([10, 20], [1.0, 3.0], 5) == pytest.approx(0.5)
+    assert compare.interpolate([10, 20], [1.0, 3.0], 15) == pytest.approx(2.0)
+    assert compare.interpolate([10, 20], [1.0, 3.0], 5) == pytest.approx(0.5)
 
 
 def test_missing_files_and_logs_without_validation(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from canzona_patches.arguments import add_canzona_args
+from canzona_patches.integration.arguments import add_canzona_args
 from megatron.canzona.data import GPTDataConfig, build_gpt_datasets, describe_datasets
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

@@ -6,8 +6,8 @@ import argparse
 
 import torch
 
-from canzona_patches.training import IntervalMetrics
-from tests.multirank.host_syncs import count_host_syncs
+from canzona_patches.integration.training import IntervalMetrics
+from canzona_patches.harness.host_syncs import count_host_syncs
 
 
 def _args() -> argparse.Namespace:

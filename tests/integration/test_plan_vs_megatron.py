@@ -21,7 +21,7 @@ from megatron.canzona.planning import (
 )
 from megatron.canzona.planning.qwen3 import get_qwen3_config
 
-from canzona_patches.layerwise_baseline import plan_megatron_layerwise
+from canzona_patches.integration.layerwise_baseline import plan_megatron_layerwise
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 

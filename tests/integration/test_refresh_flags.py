@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from canzona_patches.arguments import add_canzona_args, canzona_config_from_args
+from canzona_patches.integration.arguments import add_canzona_args, canzona_config_from_args
 
 
 def parse(*flags: str) -> argparse.Namespace:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from canzona_patches.arguments import CanzonaArgumentError, check_expert_sizes
-from canzona_patches.optimizer import build_canzona_optimizer
+from canzona_patches.integration.arguments import CanzonaArgumentError, check_expert_sizes
+from canzona_patches.integration.optimizer import build_canzona_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import pretrain_gpt  # noqa: E402

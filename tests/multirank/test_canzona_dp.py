@@ -16,7 +16,7 @@ import torch
 from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.runtime import LaunchConfig, launch
 
-from .tiny_gpt import TinyRun, planned_tasks, train_tiny_gpts
+from canzona_patches.harness.tiny_gpt import TinyRun, planned_tasks, train_tiny_gpts
 
 pytestmark = [
     pytest.mark.multirank,

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from megatron.canzona.runtime import LaunchConfig, launch
 
-from . import tiny_gpt
-from .tiny_checkpoint import ResumeJob, run_resume_job
-from .tiny_gpt import TinyRun
+from canzona_patches.harness import tiny_gpt
+from canzona_patches.harness.tiny_checkpoint import ResumeJob, run_resume_job
+from canzona_patches.harness.tiny_gpt import TinyRun
 
 pytestmark = [
     pytest.mark.multirank,

@@ -18,7 +18,7 @@ from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.runtime import LaunchConfig, launch
 
 from .test_canzona_dp import PARAM_ATOL, SPLITS
-from .tiny_gpt import TinyRun, planned_tasks, train_tiny_gpts
+from canzona_patches.harness.tiny_gpt import TinyRun, planned_tasks, train_tiny_gpts
 
 pytestmark = [
     pytest.mark.multirank,

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.runtime import LaunchConfig, launch
 
-from . import tiny_gpt
-from .tiny_gpt import TinyRun, planned_tasks
+from canzona_patches.harness import tiny_gpt
+from canzona_patches.harness.tiny_gpt import TinyRun, planned_tasks
 
 pytestmark = [
     pytest.mark.multirank,

@@ -1,7 +1,7 @@
 """The whole layout at DP sizes and TP x DP shapes the other tests do not reach.
 
 Every matrix lies whole in one DP rank's shard and shards have the sizes the plan gives them
-(uneven reduce-scatter and all-gather through ``canzona_patches/uneven.py``). Small buckets
+(uneven reduce-scatter and all-gather through ``canzona_patches/integration/uneven.py``). Small buckets
 make the shards unequal, leave some empty and put a matrix larger than a bucket in one
 (checked). Muon, Shampoo and SOAP at DP 3, TP 2 x DP 2 and DP 3 x TP 2 must end with the
 parameters of one device, within ``test_canzona_tp.py``'s bounds (the same reorderings of
@@ -20,7 +20,7 @@ from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.runtime import LaunchConfig, launch
 
 from .test_canzona_tp import ELEMENTWISE_ATOL, MATRIX_ATOL, MEAN_ATOL, SPLITS
-from .tiny_gpt import TinyRun, train_tiny_gpts
+from canzona_patches.harness.tiny_gpt import TinyRun, train_tiny_gpts
 
 pytestmark = [
     pytest.mark.multirank,

@@ -19,7 +19,7 @@ writing its files of iteration 4; the tracker must still name iteration 3, which
 
 Single-process part: the geometry of :mod:`megatron.canzona.runtime.state_io`, and the
 commit steps of an atomic save killed at each point (subprocesses with a fault of
-``tests/checkpoint_faults.py`` armed).
+``canzona_patches/harness/faults.py`` armed).
 """
 
 from __future__ import annotations
@@ -40,15 +40,15 @@ from hypothesis import strategies as st
 from megatron.canzona.runtime import LaunchConfig, RankError, launch
 from megatron.canzona.runtime.state_io import Placement, flat_chunks, flat_range_boxes, to_global_boxes
 
-from .tiny_checkpoint import ResumeJob, run_resume_jobs
-from .tiny_gpt import TinyRun
+from canzona_patches.harness.tiny_checkpoint import ResumeJob, run_resume_jobs
+from canzona_patches.harness.tiny_gpt import TinyRun
 
 ROOT = Path(__file__).resolve().parents[2]
 LR = 2e-3
 STEPS, HALF = 6, 3
 OPTIMIZERS = ("muon", "shampoo", "soap", "adam")
 """The Canzona optimizers, and Megatron's own Adam DistributedOptimizer (``dp_reshardable``
-format, with the DistributedOptimizer fixes of canzona_patches/megatron_fixes.py)."""
+format, with the DistributedOptimizer fixes of canzona_patches/integration/megatron_fixes.py)."""
 SPLITS = {  # both fused layouts, as in test_canzona_dp.py
     "muon": dict(split_qkv=True, split_gate_up=False),
     "shampoo": dict(split_qkv=True, split_gate_up=True),
@@ -354,8 +354,8 @@ def test_a_placement_outside_the_parameter_is_refused():
 
 _COMMIT = """
 import sys
-from checkpoint_faults import arm
-from canzona_patches.checkpoint_files import commit_checkpoint
+from canzona_patches.harness.faults import arm
+from canzona_patches.checkpoints.files import commit_checkpoint
 if len(sys.argv) > 2:
     arm(sys.argv[2])
 commit_checkpoint(sys.argv[1], 4)

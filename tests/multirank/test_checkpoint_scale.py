@@ -75,9 +75,9 @@ def _damage(root: Path) -> None:
 def _ask_every_rank(root: str) -> dict[str, dict]:
     import torch.distributed as dist
 
-    from canzona_patches.checkpoint import save_distributed, verified_checkpoint
-    from canzona_patches.checkpoint_files import CanzonaCheckpointError
-    from canzona_patches.cpu import enable_cpu_mode
+    from canzona_patches.checkpoints.state import save_distributed, verified_checkpoint
+    from canzona_patches.checkpoints.files import CanzonaCheckpointError
+    from canzona_patches.emulation.cpu import enable_cpu_mode
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     enable_cpu_mode()
@@ -136,7 +136,7 @@ def _fill(directory: Path, marker: str) -> None:
 def _save_while_deleting_slowly(root: str) -> dict:
     import torch.distributed as dist
 
-    from canzona_patches.checkpoint_files import commit_checkpoint, prepare_staging, wait_for_removals
+    from canzona_patches.checkpoints.files import commit_checkpoint, prepare_staging, wait_for_removals
 
     save, rank = Path(root), dist.get_rank()
     if rank == 0:
@@ -187,7 +187,7 @@ def test_deleting_old_checkpoints_holds_up_no_barrier(tmp_path):
 
 
 def test_a_retired_checkpoint_is_renamed_at_once_and_deleted_later(tmp_path, monkeypatch):
-    from canzona_patches import checkpoint_files
+    from canzona_patches.checkpoints import files as checkpoint_files
 
     _fill(tmp_path / "iter_0000004", "retired")
     release = threading.Event()

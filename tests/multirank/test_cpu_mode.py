@@ -1,4 +1,4 @@
-"""canzona_patches.cpu and canzona_patches.version: what the redirect does, and when not.
+"""canzona_patches.emulation.cpu and canzona_patches.version: what the redirect does, and when not.
 
 The CPU-mode facts are observed in a spawned rank: enable_cpu_mode() patches Megatron for
 the life of its process, which must not be pytest's own.
@@ -18,7 +18,7 @@ LAUNCH_TIMEOUT_S = 90.0
 
 
 def _observe_cpu_mode() -> dict[str, object]:
-    import canzona_patches.cpu as cpu
+    import canzona_patches.emulation.cpu as cpu
     import megatron.core.distributed.param_and_grad_buffer as buffer_module
     from canzona_patches import registry
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer

@@ -15,7 +15,7 @@ import torch
 
 from megatron.canzona.runtime import LaunchConfig, launch
 
-from .tiny_gpt import TinyRun, train_tiny_gpts
+from canzona_patches.harness.tiny_gpt import TinyRun, train_tiny_gpts
 
 pytestmark = [
     pytest.mark.multirank,

@@ -13,7 +13,7 @@ import torch
 
 from megatron.canzona.runtime import LaunchConfig, launch
 
-from .tiny_gpt import TinyRun, train_tiny_gpts
+from canzona_patches.harness.tiny_gpt import TinyRun, train_tiny_gpts
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU/gloo tests of the CUDA->CPU redirect"

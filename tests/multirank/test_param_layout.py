@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from .tiny_gpt import layer_wise_layout
+from canzona_patches.harness.tiny_gpt import layer_wise_layout
 
 # The tiny GPT at TP1, in registration (forward) order.
 _LAYER = [

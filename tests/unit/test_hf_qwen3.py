@@ -296,11 +296,11 @@ def test_tokenizer_files_are_copied_when_present(tmp_path: Path) -> None:
     destination.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "notes.txt"):
         (source / name).write_text(name)
-    assert convert_hf._copy_tokenizer(source, destination) == ["tokenizer.json", "tokenizer_config.json",
+    assert convert_hf.copy_tokenizer(source, destination) == ["tokenizer.json", "tokenizer_config.json",
                                                                 "generation_config.json"]
     assert (destination / "tokenizer.json").read_text() == "tokenizer.json" and not (destination / "notes.txt").exists()
-    assert convert_hf._copy_tokenizer(None, destination) == []
+    assert convert_hf.copy_tokenizer(None, destination) == []
     run = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(source))
-    assert convert_hf._run_tokenizer(run) == source
-    assert convert_hf._run_tokenizer(argparse.Namespace(tokenizer_type="SentencePieceTokenizer",
+    assert convert_hf.run_tokenizer(run) == source
+    assert convert_hf.run_tokenizer(argparse.Namespace(tokenizer_type="SentencePieceTokenizer",
                                                         tokenizer_model=str(source))) is None

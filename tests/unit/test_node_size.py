@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from canzona_patches.layout import local_world_size, node_note
+from canzona_patches.integration.layout import local_world_size, node_note
 
 
 def test_local_world_size_reads_the_launchers_variable(monkeypatch):

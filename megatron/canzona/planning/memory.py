@@ -95,7 +95,7 @@ class RankMemory:
     early_gather_elements: int = 0
     """Send and receive buffers of every micro-group's gather, alive at once from the
     buckets' reductions (in backward, beside the activations) to the step when the gathers
-    go early (``canzona_patches.early_gather``)."""
+    go early (``canzona_patches.integration.early_gather``)."""
     experts: RankMemory | None = None
     """The same for the rank's expert-parallel buffers and the expert optimizer (a second
     one, stepped after the dense one); ``None`` without expert parallelism."""

@@ -17,7 +17,7 @@ described as a piece (a *chunk*) of a global tensor named after its parameter:
 A :class:`StateChunk` says where its values sit in the global tensor, whether this rank is
 the one that writes them (``main``), and how loaded values go back into the live state.
 The checkpoint format around it (Megatron's ``ShardedTensor``) is the business of
-``canzona_patches.checkpoint``; this module only knows tensors and state dicts.
+``canzona_patches.checkpoints.state``; this module only knows tensors and state dicts.
 """
 
 from __future__ import annotations

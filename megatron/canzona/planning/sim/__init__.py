@@ -16,7 +16,7 @@ Interface (stable; new fields only get defaults, old names keep working)
         workload=Workload(global_batch=128, micro_batch=1, seq_length=4096),  # None: no forward/backward
                                     # (the bucket collectives are then wholly exposed)
         plan=None,                  # precomputed CanzonaPlan (canzona*) or DPPlan (megatron_layerwise,
-                                    # layer_sharded: required, made by canzona_patches.layerwise_baseline)
+                                    # layer_sharded: required, made by canzona_patches.integration.layerwise_baseline)
         expert_plan=None,           # the layer-wise DPPlan of the expert buffers (MoE, those two strategies)
         wire=None,                  # WireConfig: bytes per element on the wire (recipes: fp32 gradients)
         overlap=True,               # False: Canzona's micro-groups run gather, compute, scatter serially
@@ -34,7 +34,7 @@ Strategies (:data:`STRATEGIES`):
   shards, every matrix whole on one DP rank, uneven bucket collectives); one host per
   matrix; micro-groups pipelined as ``HostGroupEngine._run_async`` (gather k+1 | compute k |
   scatter k | apply k-1); the dense micro-groups' gathers issued before the step as their
-  buckets reduce (``canzona_patches.early_gather``: on ``nccl`` when each reduce-scatter
+  buckets reduce (``canzona_patches.integration.early_gather``: on ``nccl`` when each reduce-scatter
   completes, in backward; on ``gloo`` once backward ends), one at a time on their own
   stream, beside the reduce-scatters;
 * ``canzona_lean`` -- the same with the lean layout (Megatron's equal shards; a matrix across

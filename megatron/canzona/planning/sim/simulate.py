@@ -205,7 +205,7 @@ def _layerwise_work(ctx: _Context, sharded: bool) -> Work:
     if not isinstance(ctx.plan, DPPlan) or (ctx.experts and not isinstance(ctx.expert_plan, DPPlan)):
         raise ValueError(
             "megatron_layerwise and layer_sharded run Megatron-Core's layer-wise layout: pass plan= (and expert_plan= "
-            "for MoE) from canzona_patches.layerwise_baseline.plan_megatron_layerwise(specs, dp_size=..., cost_model=...)"
+            "for MoE) from canzona_patches.integration.layerwise_baseline.plan_megatron_layerwise(specs, dp_size=..., cost_model=...)"
         )
     if sharded:
         return _dp_layout_work(ctx, ctx.plan, ctx.expert_plan, "blocking", _costed(home_tasks, ctx.seconds))

@@ -157,7 +157,7 @@ def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool,
     """Micro-groups of host (or synchronous) tasks; see the module docstring. With
     ``reduced_at`` (``(chunk, bucket)`` -> when its reduce-scatter ends, from the step's
     start: negative in backward), each group's gather is issued before the step, once the
-    buckets of its tasks are reduced (``canzona_patches.early_gather``)."""
+    buckets of its tasks are reduced (``canzona_patches.integration.early_gather``)."""
     groups = _by_group(tasks)
     if not groups:
         return

@@ -7,7 +7,7 @@ tracked checkpoint of ``load_dir`` (model, optimizer state, step counters), trai
 steps, optionally saves after step ``save_after`` and returns full parameters and losses.
 
 The checkpoint holds the model's ``sharded_state_dict`` (Megatron's own format) and the
-Canzona optimizer's (``canzona_patches.checkpoint``), written by ``save_distributed``:
+Canzona optimizer's (``canzona_patches.checkpoints.state``), written by ``save_distributed``:
 staged, then committed atomically.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .tiny_gpt import TinyRun, _build, _full_params, _train_step, init_model_parallel
+from .tiny_gpt import TinyRun, build, full_params, init_model_parallel, train_step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +36,7 @@ class ResumeJob:
     save_after: tuple[int, ...] = ()
     """Steps (1-based counts of completed steps) after which to save."""
     fault: str | None = None
-    """A fault of ``tests/checkpoint_faults.py`` armed for this job's saves (e.g. ``"write@4:1"``)."""
+    """A fault of ``canzona_patches/harness/faults.py`` armed for this job's saves (e.g. ``"write@4:1"``)."""
     verify_integrity: bool = False
     """Saves also write SHA-256 hashes of their files (``--verify-integrity``)."""
     expect_error: bool = False
@@ -52,15 +52,15 @@ def run_resume_jobs(jobs: list[ResumeJob]) -> list[dict[str, Any]]:
 
 def run_resume_job(job: ResumeJob) -> dict[str, Any]:
     """Rank body for one job; see the module docstring."""
-    from canzona_patches.checkpoint_files import CanzonaCheckpointError
-    from canzona_patches.cpu import enable_cpu_mode
+    from canzona_patches.checkpoints.files import CanzonaCheckpointError
+    from canzona_patches.emulation.cpu import enable_cpu_mode
     from megatron.core import parallel_state
 
     enable_cpu_mode()  # Megatron's own Adam gets its baseline fixes when tiny_gpt builds it
     init_model_parallel(job.run)
     disarm = _arm(job.fault) if job.fault else lambda: None
     try:
-        model, ddp_model, optimizer, plan = _build(job.run)
+        model, ddp_model, optimizer, plan = build(job.run)
         start, load_s, in_place = 0, 0.0, []
         if job.load_dir is not None:
             began = time.perf_counter()
@@ -75,13 +75,13 @@ def run_resume_job(job: ResumeJob) -> dict[str, Any]:
             return {"error": None, **job.extra}
         losses, save_s = [], []
         for step in range(start, job.run.num_steps):
-            losses.append(_train_step(job.run, ddp_model, optimizer, step)[0])
+            losses.append(train_step(job.run, ddp_model, optimizer, step)[0])
             if step + 1 in job.save_after:
                 began = time.perf_counter()
                 save_checkpoint(job.save_dir, step + 1, model, optimizer, verify_integrity=job.verify_integrity)
                 save_s.append(time.perf_counter() - began)
         return {
-            "params": _full_params(model), "losses": losses, "start": start, "load_seconds": load_s,
+            "params": full_params(model), "losses": losses, "start": start, "load_seconds": load_s,
             "save_seconds": save_s, "loaded_in_place": in_place, "split_matrices": [] if plan is None else
             [p.name for layout in plan.layouts for p in layout.matrix.placements if p.host is None],
             **job.extra,
@@ -92,14 +92,14 @@ def run_resume_job(job: ResumeJob) -> dict[str, Any]:
 
 
 def _arm(fault: str):
-    from checkpoint_faults import arm  # tests/checkpoint_faults.py (tests/ is on pytest's path)
+    from .faults import arm
 
     return arm(fault)
 
 
 def content_metadata(optimizer: Any) -> dict[str, Any]:
     """What ``megatron.training`` would declare: Canzona's format, or Megatron's default."""
-    from canzona_patches.checkpoint import canzona_content_metadata, is_canzona_optimizer
+    from canzona_patches.checkpoints.state import canzona_content_metadata, is_canzona_optimizer
 
     if is_canzona_optimizer(optimizer):
         return canzona_content_metadata()
@@ -117,7 +117,7 @@ def sharded_state_dict(model: torch.nn.Module, optimizer: Any, *, is_loading: bo
 def save_checkpoint(save_dir: str, iteration: int, model: torch.nn.Module, optimizer: Any, *,
                     verify_integrity: bool = False) -> Path:
     """Save iteration ``iteration`` (atomically) into ``save_dir``."""
-    from canzona_patches.checkpoint import save_distributed
+    from canzona_patches.checkpoints.state import save_distributed
 
     state = sharded_state_dict(model, optimizer, is_loading=False)
     return save_distributed(state, save_dir, iteration, content_metadata=content_metadata(optimizer),
@@ -128,8 +128,8 @@ def load_checkpoint(load_dir: str, model: torch.nn.Module, optimizer: Any, in_pl
     """Load the tracked iteration of ``load_dir``; returns it (the next step to take). With
     ``in_place``, appends how many elements of the Canzona optimizer state the loader read
     straight into live tensors, and how many it loaded in all."""
-    from canzona_patches.checkpoint import load_distributed, state_chunks
-    from canzona_patches.checkpoint_files import enable_cpu_checkpointing
+    from canzona_patches.checkpoints.state import load_distributed, state_chunks
+    from canzona_patches.checkpoints.files import enable_cpu_checkpointing
 
     enable_cpu_checkpointing()
     state, iteration = load_distributed(

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from canzona_patches.arguments import CanzonaArgumentError, canzona_config_from_args, check_expert_sizes
-from canzona_patches.binding import bind_plan, group_coordinates
-from canzona_patches.checkpoint import common_state, load_optimizer_state_dict, optimizer_sharded_state_dict
-from canzona_patches.early_gather import attach as attach_early_gathers
-from canzona_patches.layout import (
+from canzona_patches.integration.arguments import CanzonaArgumentError, canzona_config_from_args, check_expert_sizes
+from canzona_patches.integration.binding import bind_plan, group_coordinates
+from canzona_patches.checkpoints.state import common_state, load_optimizer_state_dict, optimizer_sharded_state_dict
+from canzona_patches.integration.early_gather import attach as attach_early_gathers
+from canzona_patches.integration.layout import (
     BUFFER_ROUTING_ATTR,
     build_canzona_plan,
     full_param_layouts,
@@ -37,7 +37,7 @@ from canzona_patches.layout import (
     stacked_expert_blocks,
     wire_config,
 )
-from canzona_patches.uneven import SHARD_BOUNDS_ATTR
+from canzona_patches.integration.uneven import SHARD_BOUNDS_ATTR
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, QKVLayout
 from megatron.canzona.planning import CanzonaPlan, CostModel, summarize_canzona
@@ -69,7 +69,7 @@ def plan_and_layouts(
     model_chunks: list[torch.nn.Module], ddp_config: Any, cfg: CanzonaConfig, *, dp_size: int, tp_size: int,
     ep_size: int = 1,
 ) -> tuple[CanzonaPlan, list[Any]]:
-    """The run's plan (:func:`canzona_patches.layout.build_canzona_plan`), logged once per
+    """The run's plan (:func:`canzona_patches.integration.layout.build_canzona_plan`), logged once per
     pipeline stage, and the ``FullParamLayout`` per (unwrapped) chunk that DDP must be built with."""
     plan, layouts, _ = _plan_layouts_summary(model_chunks, ddp_config, cfg, dp_size=dp_size, tp_size=tp_size,
                                              ep_size=ep_size)
@@ -140,7 +140,7 @@ def _log_plan(plan: CanzonaPlan, s: dict, stage: int | None = None) -> None:
 class CanzonaDistributedOptimizer(DistributedOptimizer):
     """Megatron's DistributedOptimizer owning every bucket, the matrix buffer included, and
     skipping steps with inf/NaN gradients when no loss scaler checks for them. A bucket of the
-    whole layout (tagged by :mod:`canzona_patches.uneven`) gives each rank its planned shard."""
+    whole layout (tagged by :mod:`canzona_patches.integration.uneven`) gives each rank its planned shard."""
 
     @classmethod
     def _build_model_gbuf_range(cls, param_and_grad_buffer: Any, bucket_index: int) -> dict:
@@ -163,7 +163,7 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
                     chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
 
     early_gathers: Any = None
-    """:class:`canzona_patches.early_gather.EarlyGathers`: host-group gathers issued as buckets reduce."""
+    """:class:`canzona_patches.integration.early_gather.EarlyGathers`: host-group gathers issued as buckets reduce."""
     _clip_factor: float | None = None
 
     @torch.no_grad()
@@ -202,7 +202,7 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
             if self.early_gathers is not None:
                 self.early_gathers.stepped()
 
-    # Checkpoints (canzona_patches/checkpoint.py): name-keyed global tensors, any DP/TP layout.
+    # Checkpoints (canzona_patches/checkpoints/state.py): name-keyed global tensors, any DP/TP layout.
     def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
                            sharding_type: str | None = None, metadata: dict | None = None) -> dict:
         """Every Canzona optimizer state as name-keyed ``ShardedTensor``s (``sharding_type`` is

@@ -3,8 +3,8 @@
 A bucket of Canzona's whole layout (:mod:`megatron.canzona.planning.whole`) is cut at
 parameter boundaries, so its DP shards differ in size. Megatron-Core 0.19.2 cuts every bucket
 into equal shards in four places; each is a row of :data:`canzona_patches.registry.PATCHES`
-(group ``uneven``, installed by :func:`canzona_patches.layout.full_param_layouts` for a plan
-with such buckets) or an override of :class:`canzona_patches.optimizer.CanzonaDistributedOptimizer`:
+(group ``uneven``, installed by :func:`canzona_patches.integration.layout.full_param_layouts` for a plan
+with such buckets) or an override of :class:`canzona_patches.integration.optimizer.CanzonaDistributedOptimizer`:
 
 * ``_ParamAndGradBuffer.__init__`` receives the layout (:class:`ShardedParamLayout`, which
   carries each bucket's shard bounds) and tags the bucket's ``grad_data`` and ``param_data``

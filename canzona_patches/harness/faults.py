@@ -1,4 +1,4 @@
-"""Kill a rank at a chosen point of a checkpoint save (tests only; the product has no such path).
+"""Kill a rank at a chosen point of a checkpoint save (the test harness arms it; the product has no such path).
 
 A fault is ``<phase>@<iteration>[:<rank>]`` (rank 0 by default), e.g. ``write@8:1``; the
 rank SIGKILLs itself, after printing one line, at

@@ -31,9 +31,16 @@ NUM_QUERY_GROUPS = 2
 VOCAB = 128
 SEQ_LEN = 16
 
+
+
+def swiglu_ffn_hidden(hidden: int) -> int:
+    """The benchmarks' FFN size at ``hidden``: 8/3 of it (SwiGLU), a multiple of 64, at least 64."""
+    return max(64, round(8 * hidden / 3 / 64) * 64)
+
+
 LAYOUTS = ("megatron", "canzona", "layer_wise")
 """``megatron``: DDP computes its default layout; ``canzona``: the Canzona plan's
-(canzona_patches.optimizer.plan_and_layouts); ``layer_wise``:
+(canzona_patches.integration.optimizer.plan_and_layouts); ``layer_wise``:
 LayerWiseDistributedOptimizer._compute_per_buffer_param_layout, called standalone. The
 last two put every parameter wholly inside one DP rank's shard."""
 OPTIMIZERS = ("adam", "megatron_muon", "sync_muon", "muon", "shampoo", "soap")
@@ -128,22 +135,22 @@ def train_tiny_gpts(runs: list[TinyRun]) -> list[dict[str, Any]]:
 
 def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
     """Rank body: train, then return full parameters, per-step losses and layout facts."""
-    from canzona_patches.cpu import enable_cpu_mode
+    from canzona_patches.emulation.cpu import enable_cpu_mode
     from megatron.core import parallel_state
 
     enable_cpu_mode()
     before = _process_groups()
     init_model_parallel(run)
     try:
-        model, ddp_model, optimizer, plan = _build(run)
+        model, ddp_model, optimizer, plan = build(run)
         syncs: list[list[str]] = []
         losses, grad_norms, step_seconds, applied = map(list, zip(
-            *(_train_step(run, ddp_model, optimizer, step, syncs) for step in range(run.num_steps))
+            *(train_step(run, ddp_model, optimizer, step, syncs) for step in range(run.num_steps))
         ))
         if run.overlap_param_gather:  # the last step's all-gather waits for a next forward: force it, as
             ddp_model.disable_forward_pre_hook()  # Megatron does before evaluation and checkpoints
         return {
-            "params": _full_params(model),
+            "params": full_params(model),
             "losses": list(losses),
             "grad_norms": list(grad_norms),
             "whole_params_owned": _owned_ranges_are_whole(optimizer),
@@ -186,7 +193,7 @@ def init_model_parallel(run: TinyRun) -> None:
     )
 
 
-def _build(run: TinyRun):
+def build(run: TinyRun):
     from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -272,7 +279,7 @@ def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer,
         return optimizer
     if run.layout != "canzona":
         raise ValueError("the Canzona optimizers need TinyRun.layout='canzona'.")
-    from canzona_patches.optimizer import build_canzona_optimizer
+    from canzona_patches.integration.optimizer import build_canzona_optimizer
 
     return build_canzona_optimizer(optimizer_config, [ddp_model], canzona_config(run), plan)
 
@@ -283,8 +290,8 @@ def _sync_muon(run: TinyRun, ddp_model, optimizer_config):
     from megatron.core import parallel_state
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
-    from canzona_patches.layout import is_matrix_param
-    from canzona_patches.optimizer import _fused_layout
+    from canzona_patches.integration.layout import is_matrix_param
+    from canzona_patches.integration.optimizer import _fused_layout
     from megatron.canzona.optim import Muon
 
     cfg = canzona_config(run)
@@ -476,7 +483,7 @@ def _layout(run: TinyRun, model: torch.nn.Module, dp_size: int, ddp_config):
     if run.layout == "canzona":
         from megatron.core import parallel_state
 
-        from canzona_patches.optimizer import plan_and_layouts
+        from canzona_patches.integration.optimizer import plan_and_layouts
 
         plan, (layout,) = plan_and_layouts(
             [model], ddp_config, canzona_config(run), dp_size=dp_size,
@@ -521,7 +528,7 @@ def layer_wise_layout(params, dp_size: int, ddp_config, *, bucket_size: int | No
     )
 
 
-def _train_step(run: TinyRun, ddp_model, optimizer, step: int, syncs: list | None = None) -> tuple[float, float, float, bool]:
+def train_step(run: TinyRun, ddp_model, optimizer, step: int, syncs: list | None = None) -> tuple[float, float, float, bool]:
     """One optimizer step; returns (global-batch mean loss, global grad norm, step seconds,
     whether the update was applied). With ``run.count_syncs`` the step's host reads are
     appended to ``syncs``.
@@ -607,8 +614,8 @@ def _init_by_global_name(model: torch.nn.Module, seed: int) -> None:
 
     from megatron.core import parallel_state
 
-    from canzona_patches.names import global_param_names
-    from canzona_patches.layout import is_expert_param
+    from canzona_patches.integration.names import global_param_names
+    from canzona_patches.integration.layout import is_expert_param
 
     names = global_param_names([model])
     with torch.no_grad():
@@ -632,13 +639,13 @@ def _init_by_global_name(model: torch.nn.Module, seed: int) -> None:
             param.copy_(full)
 
 
-def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters, TP-unsharded, by global name (experts by global index: the
     union over EP ranks is the whole model)."""
     from megatron.core import parallel_state
 
-    from canzona_patches.names import global_param_names
-    from canzona_patches.layout import is_expert_param
+    from canzona_patches.integration.names import global_param_names
+    from canzona_patches.integration.layout import is_expert_param
 
     names = global_param_names([model])
     tp_group = parallel_state.get_tensor_model_parallel_group()

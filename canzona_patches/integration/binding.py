@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from canzona_patches.layout import BUFFER_ROUTING_ATTR
-from canzona_patches.names import global_param_names
+from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR
+from canzona_patches.integration.names import global_param_names
 from megatron.canzona.optim.split import FusedLayout
 from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.planning.schedule import Coord, plan_schedule
@@ -47,7 +47,7 @@ class Binding:
     layouts: dict[str, FusedLayout | None]
     """Per task: how its host splits the full matrix into separately optimized pieces."""
     names: dict[str, str]
-    """Per task: the parameter's global name (:func:`canzona_patches.names.global_param_names`:
+    """Per task: the parameter's global name (:func:`canzona_patches.integration.names.global_param_names`:
     what tests and logs count, and what per-matrix schedules such as refresh offsets derive
     from, so they do not change with the PP or EP layout)."""
     params: dict[str, torch.nn.Parameter]

@@ -1,7 +1,7 @@
 """Model parameters → planner specs → the Canzona plan, and its layouts → ``FullParamLayout``.
 
 :func:`build_canzona_plan` is the one place a run's plan is made; everything after it
-(:func:`full_param_layouts` for DDP, ``canzona_patches.optimizer.build_canzona_optimizer``
+(:func:`full_param_layouts` for DDP, ``canzona_patches.integration.optimizer.build_canzona_optimizer``
 for the optimizer) takes the plan as an argument.
 
 Hooks (megatron-core 0.19.2):
@@ -34,7 +34,7 @@ require_pinned_megatron()
 from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers  # noqa: E402
 from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParamLayout  # noqa: E402
 
-from canzona_patches.uneven import ShardedParamLayout  # noqa: E402
+from canzona_patches.integration.uneven import ShardedParamLayout  # noqa: E402
 
 BUFFER_ROUTING_ATTR = "is_managed_by_layer_wise_optimizer"
 """Parameter attribute ``group_params_for_buffers`` reads to put a parameter in its own buffer."""

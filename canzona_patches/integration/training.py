@@ -16,14 +16,14 @@ call time:
   default: ``pretrain`` re-parses the command line (``ft_integration.setup``) without an
   ``extra_args_provider``, and would reject ``--canzona`` or ``--optimizer shampoo``.
 * Only with ``--canzona``: ``training.wrap_model_chunks_with_ddp`` makes the run's plan
-  (``canzona_patches.optimizer.canzona_plan_and_layouts``, on the chunks before DDP) and
+  (``canzona_patches.integration.optimizer.canzona_plan_and_layouts``, on the chunks before DDP) and
   wraps each chunk in DDP with the plan's layout; ``training.get_megatron_optimizer`` (as
-  ``setup_model_and_optimizer`` calls it) builds ``canzona_patches.optimizer.
+  ``setup_model_and_optimizer`` calls it) builds ``canzona_patches.integration.optimizer.
   get_canzona_optimizer`` with that same plan instead. The plan passes from the first hook
   to the second in a :class:`PlanHandoff` both share (:meth:`canzona_patches.registry.Run.shared`).
 
-Checkpoint hooks are in :mod:`canzona_patches.checkpoint` and
-:mod:`canzona_patches.checkpoint_files`, the CPU redirects in :mod:`canzona_patches.cpu`.
+Checkpoint hooks are in :mod:`canzona_patches.checkpoints.state` and
+:mod:`canzona_patches.checkpoints.files`, the CPU redirects in :mod:`canzona_patches.emulation.cpu`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from canzona_patches.arguments import add_canzona_args
+from canzona_patches.integration.arguments import add_canzona_args
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
@@ -116,7 +116,7 @@ def with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any], run: An
                                   **unused: Any):
         if DP is not _training.DDP:
             raise RuntimeError("--canzona supports Megatron's DistributedDataParallel only")
-        from canzona_patches.optimizer import canzona_plan_and_layouts
+        from canzona_patches.integration.optimizer import canzona_plan_and_layouts
 
         args = _training.get_args()
         plan, layouts, summary = canzona_plan_and_layouts(model_chunks, ddp_config, args,
@@ -141,7 +141,7 @@ def canzona_optimizer(get_megatron_optimizer: Callable[..., Any], run: Any) -> C
     def get_canzona_optimizer(config, model_chunks, *unused_args: Any, **unused: Any):
         # Megatron's per-parameter config_overrides (no weight decay on norms/biases, Adam
         # for embeddings under Muon) are the Canzona optimizer's own business.
-        from canzona_patches.optimizer import get_canzona_optimizer as build
+        from canzona_patches.integration.optimizer import get_canzona_optimizer as build
 
         return build(config, model_chunks, _training.get_args(), handoff.take())
 

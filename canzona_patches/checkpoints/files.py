@@ -23,7 +23,7 @@ Hooks (megatron-core 0.19.2; rows of :data:`canzona_patches.registry.PATCHES`):
   :class:`CanzonaCheckpointError` line naming the file and what mismatched
   (:func:`one_line_errors`).
 * CPU only: the ``torch_dist`` writer's CUDA calls (``filesystem_async.preload_tensors``
-  calls ``torch.cuda.synchronize``) are redirected like ``canzona_patches.cpu`` does, and
+  calls ``torch.cuda.synchronize``) are redirected like ``canzona_patches.emulation.cpu`` does, and
   synchronous saves get an in-process result queue instead of the ``spawn`` multiprocessing
   Manager ``get_write_results_queue`` starts (a child process: forbidden in daemonic ranks,
   and ~4 s of start-up in a ``torchrun`` rank, which re-imports the entry script).
@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 import torch
 
 from canzona_patches import registry
-from canzona_patches.arguments import CanzonaArgumentError
+from canzona_patches.integration.arguments import CanzonaArgumentError
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()

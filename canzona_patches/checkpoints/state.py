@@ -20,7 +20,7 @@ Hooks (megatron-core 0.19.2):
   (:func:`verified_checkpoint`); any failure is one :class:`CanzonaCheckpointError` line
   naming the file and what mismatched, the same on every rank.
 * ``training.save_checkpoint``: staged and committed atomically, see
-  :mod:`canzona_patches.checkpoint_files`.
+  :mod:`canzona_patches.checkpoints.files`.
 
 Which attribute each hook replaces, and when, is :data:`canzona_patches.registry.PATCHES`.
 """
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from canzona_patches.binding import shard_entries
-from canzona_patches.names import global_param_names
-from canzona_patches.checkpoint_files import (
+from canzona_patches.integration.binding import shard_entries
+from canzona_patches.integration.names import global_param_names
+from canzona_patches.checkpoints.files import (
     TRACKER,
     CanzonaCheckpointError,
     check_checkpoint_files,
@@ -295,7 +295,7 @@ def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimi
     renames, reads the tracker (or takes ``step``), checks every file the index names and,
     with ``optimizer``, that a ``torch_dist`` checkpoint's optimizer state is the kind this
     run reads. Every rank returns its answer (``None``: nothing was saved) or raises its one
-    line (:func:`canzona_patches.checkpoint_files.decided_on_rank_zero`)."""
+    line (:func:`canzona_patches.checkpoints.files.decided_on_rank_zero`)."""
 
     def inspect() -> str | None:
         recover_replaced(Path(load_dir))
@@ -313,7 +313,7 @@ def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimi
 
 def is_canzona_optimizer(optimizer: Any) -> bool:
     """Whether ``optimizer`` is the Canzona optimizer (a DistributedOptimizer around a
-    :class:`CanzonaOptimizer`: ``canzona_patches.optimizer.CanzonaDistributedOptimizer``)."""
+    :class:`CanzonaOptimizer`: ``canzona_patches.integration.optimizer.CanzonaDistributedOptimizer``)."""
     return all(isinstance(part, DistributedOptimizer) and isinstance(part.optimizer, CanzonaOptimizer)
                for part in canzona_parts(optimizer))
 
