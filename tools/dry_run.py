@@ -154,8 +154,8 @@ def build_rank(args: argparse.Namespace):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    from canzona_patches.integration.layout import build_canzona_plan, full_param_layouts
     from canzona_patches.integration.optimizer import build_canzona_optimizer
+    from canzona_patches.integration.setup import make_setup
 
     dtype = torch.bfloat16 if args.params_dtype == "bf16" else torch.float32
     config, model = build_model(args, dtype)
@@ -163,25 +163,23 @@ def build_rank(args: argparse.Namespace):
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
         grad_reduce_in_fp32=args.grad_reduce_in_fp32, bucket_size=args.bucket_size,
     )
-    canzona = canzona_config(args)
-    # The plan is made from the live model's parameters, as pretrain_gpt.py makes it.
-    plan, specs, _ = build_canzona_plan([model], ddp_config, canzona, dp_size=args.dp, tp_size=args.tp,
-                                        ep_size=args.ep, expert_tp_size=expert_tp_size(args))
-    (layout,) = full_param_layouts(plan, [model], ddp_config)
-    ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
+    stage = coordinates(args.rank, args.tp, args.dp)[2]
+    # The setup is made from the live model's parameters, as pretrain_gpt.py makes it.
+    setup = make_setup([model], ddp_config, canzona_config(args), dp_size=args.dp, tp_size=args.tp, ep_size=args.ep,
+                       expert_tp_size=expert_tp_size(args), host_ranks=host_ranks(args, stage), log=False)
+    ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=setup.layouts[0])
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=4e-4, weight_decay=0.1, clip_grad=1.0, bf16=dtype == torch.bfloat16, params_dtype=dtype,
         use_distributed_optimizer=True,
     )
-    stage = coordinates(args.rank, args.tp, args.dp)[2]
-    optimizer = build_canzona_optimizer(optimizer_config, [ddp_model], canzona, plan, host_ranks=host_ranks(args, stage))
+    optimizer = build_canzona_optimizer(optimizer_config, [ddp_model], setup)
     dense, expert = split_optimizer(optimizer)
     if expert is not None:  # its host mapping is build_canzona_optimizer's own: check it
         check_expert_hosts(args, expert.optimizer.engine)
     for part in (dense, expert):
         if part is not None:
             part.optimizer.init_state()
-    return ddp_model, optimizer, plan, specs, canzona
+    return ddp_model, optimizer, setup
 
 
 def init_fake_world(args: argparse.Namespace) -> None:
@@ -329,7 +327,7 @@ def _measure_part(buffers: list, optimizer) -> dict:
         "largest_temporary_elements": largest,
         "step_temporary_elements": step,
         "compute_batch_elements": batch,
-        "early_gather_elements": inner.engine.early_temporaries() if getattr(optimizer, "early_gathers", None) else 0,
+        "early_gather_elements": inner.engine.early_temporaries() if optimizer.canzona.early_gathers else 0,
         "device": str(buffers[0].param_data.device),
     }
 
@@ -457,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     try:
-        ddp_model, optimizer, plan, specs, canzona = build_rank(args)
+        ddp_model, optimizer, setup = build_rank(args)
+        plan, specs, canzona = setup.plan, list(setup.specs), setup.config
     except (ValueError, RuntimeError) as error:
         print(f"dry_run.py: error: {error}", file=sys.stderr)
         return 2

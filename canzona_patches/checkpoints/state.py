@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from canzona_patches.integration.binding import shard_entries
+from canzona_patches.integration.layout import tp_stride
 from canzona_patches.integration.names import global_param_names
 from canzona_patches.checkpoints.files import (
     TRACKER,
@@ -219,42 +220,34 @@ def _part_chunks(optimizer: Any) -> list[StateChunk]:
     inner = optimizer.optimizer
     inner.init_state()  # zeros where there is no state yet; what a first step would create
     names = global_param_names(optimizer.model_chunks)
-    tp_group = _tp_group(optimizer)
-    tp_rank, tp_size = _rank_and_size(tp_group)
+    part = optimizer.canzona
+    tp_rank, tp_size = _rank_and_size(part.tp_group)
+    gated = optimizer.model_chunks[0].config.gated_linear_unit
     chunks: list[StateChunk] = []
     for model_param, shard, group, param_range in shard_entries(optimizer):
         name = names[model_param]
-        placement = _placement(model_param, param_range, tp_rank, tp_size)
+        placement = _placement(model_param, tp_stride(name, gated), param_range, tp_rank, tp_size)
         chunks.extend(flat_chunks(f"{STATE_PREFIX}{name}.main_param", shard.detach(), placement))
         if not group["matrix"]:
             chunks.extend(elementwise_chunks(STATE_PREFIX, name, inner.state[shard], placement))
-    binding, engine = optimizer.canzona_binding, inner.engine
+    binding, engine = part.binding, part.engine
     for task in inner.computed_tasks():
         writer = engine.writes(task) and task.column == 0
         name = names[binding.params[task.key]]
-        part, parts = binding.parts.get(task.key, (0, None))  # a part's state is that piece of the matrix's
-        chunks.extend(matrix_chunks(STATE_PREFIX, name, inner.matrix_state[task.key], main=writer, first_piece=part,
-                                    pieces=parts))
+        piece, pieces = binding.parts.get(task.key, (0, None))  # a part's state is that piece of the matrix's
+        chunks.extend(matrix_chunks(STATE_PREFIX, name, inner.matrix_state[task.key], main=writer, first_piece=piece,
+                                    pieces=pieces))
     return chunks
 
 
-def _placement(param: torch.nn.Parameter, param_range: Any, tp_rank: int, tp_size: int) -> Placement:
+def _placement(param: torch.nn.Parameter, stride: int, param_range: Any, tp_rank: int, tp_size: int) -> Placement:
     sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
     return Placement(
         local_shape=tuple(param.shape), flat_start=param_range.start, flat_end=param_range.end,
         tp_dim=param.partition_dim if sharded else None,
-        tp_stride=getattr(param, "partition_stride", 1) if sharded else 1,
+        tp_stride=stride if sharded else 1,
         tp_rank=tp_rank, tp_size=tp_size,
     )
-
-
-def _tp_group(optimizer: Any) -> Any:
-    group = getattr(optimizer, "tp_group", None)
-    if group is None:
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_tensor_model_parallel_group()
-    return group
 
 
 def _rank_and_size(group: Any) -> tuple[int, int]:

@@ -40,7 +40,7 @@ def swiglu_ffn_hidden(hidden: int) -> int:
 
 LAYOUTS = ("megatron", "canzona", "layer_wise")
 """``megatron``: DDP computes its default layout; ``canzona``: the Canzona plan's
-(canzona_patches.integration.optimizer.plan_and_layouts); ``layer_wise``:
+(canzona_patches.integration.setup.make_setup); ``layer_wise``:
 LayerWiseDistributedOptimizer._compute_per_buffer_param_layout, called standalone. The
 last two put every parameter wholly inside one DP rank's shard."""
 OPTIMIZERS = ("adam", "megatron_muon", "sync_muon", "muon", "shampoo", "soap")
@@ -217,16 +217,16 @@ def build(run: TinyRun):
         bucket_size=run.bucket_size,
     )
     dp_size = parallel_state.get_data_parallel_world_size()
-    plan, layout = _layout(run, model, dp_size, ddp_config)
+    setup, layout = _layout(run, model, dp_size, ddp_config)
     ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp_model.no_sync
-    optimizer = _optimizer(run, ddp_model, OptimizerConfig, get_megatron_optimizer, plan)
+    optimizer = _optimizer(run, ddp_model, OptimizerConfig, get_megatron_optimizer, setup)
     if run.early_gather_at_dispatch:
-        optimizer.early_gathers.at_dispatch = True
+        optimizer.canzona.early_gathers.at_dispatch = True
     if run.time_iteration:
         _mark_iterations(model)
-    return model, ddp_model, optimizer, plan
+    return model, ddp_model, optimizer, setup.plan if setup is not None else None
 
 
 ITERATION_MARKS: dict[str, list[float]] = {"backward_end": [], "forward_start": []}
@@ -244,7 +244,7 @@ def _mark_iterations(model: torch.nn.Module) -> None:
         lambda module, args: ITERATION_MARKS["forward_start"].append(time.perf_counter()))
 
 
-def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer, plan):
+def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer, setup):
     if run.optimizer not in OPTIMIZERS:
         raise ValueError(f"TinyRun.optimizer must be one of {OPTIMIZERS}, got {run.optimizer!r}.")
     megatron_muon = run.optimizer == "megatron_muon"
@@ -281,7 +281,7 @@ def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer,
         raise ValueError("the Canzona optimizers need TinyRun.layout='canzona'.")
     from canzona_patches.integration.optimizer import build_canzona_optimizer
 
-    return build_canzona_optimizer(optimizer_config, [ddp_model], canzona_config(run), plan)
+    return build_canzona_optimizer(optimizer_config, [ddp_model], setup)
 
 
 def _sync_muon(run: TinyRun, ddp_model, optimizer_config):
@@ -291,7 +291,7 @@ def _sync_muon(run: TinyRun, ddp_model, optimizer_config):
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
     from canzona_patches.integration.layout import is_matrix_param
-    from canzona_patches.integration.optimizer import _fused_layout
+    from canzona_patches.integration.optimizer import fused_layout
     from megatron.canzona.optim import Muon
 
     cfg = canzona_config(run)
@@ -301,7 +301,7 @@ def _sync_muon(run: TinyRun, ddp_model, optimizer_config):
     groups: dict[tuple, list] = {}
     for name, param in model.named_parameters():
         matrix = is_matrix_param(name, param)
-        key = (matrix, _fused_layout(name, model, cfg) if matrix else None, param.ndim == 1)
+        key = (matrix, fused_layout(name, model, cfg) if matrix else None, param.ndim == 1)
         groups.setdefault(key, []).append(param)
     param_groups = [
         {"params": params, "matrix": matrix, "fused_layout": layout, "weight_decay": 0.0 if vector else run.weight_decay}
@@ -367,7 +367,8 @@ def _updated(optimizer) -> list[str]:
 def _early_count(optimizer, field: str) -> int | None:
     """Gathers the Canzona optimizer (each of a chained one) issued before its steps; ``None``
     when none issues early."""
-    parts = [getattr(part, "early_gathers", None) for part in getattr(optimizer, "chained_optimizers", [optimizer])]
+    parts = [getattr(getattr(part, "canzona", None), "early_gathers", None)
+             for part in getattr(optimizer, "chained_optimizers", [optimizer])]
     counts = [getattr(early, field) for early in parts if early is not None]
     return sum(counts) if counts else None
 
@@ -469,7 +470,7 @@ def _gpt_model(config):
 
 
 def _layout(run: TinyRun, model: torch.nn.Module, dp_size: int, ddp_config):
-    """``(Canzona plan or None, FullParamLayout or None)`` for DDP."""
+    """``(CanzonaSetup or None, FullParamLayout or None)`` for DDP."""
     if run.layout not in LAYOUTS:
         raise ValueError(f"TinyRun.layout must be one of {LAYOUTS}, got {run.layout!r}.")
     if run.optimizer == "megatron_muon":
@@ -483,13 +484,11 @@ def _layout(run: TinyRun, model: torch.nn.Module, dp_size: int, ddp_config):
     if run.layout == "canzona":
         from megatron.core import parallel_state
 
-        from canzona_patches.integration.optimizer import plan_and_layouts
+        from canzona_patches.integration.setup import make_setup
 
-        plan, (layout,) = plan_and_layouts(
-            [model], ddp_config, canzona_config(run), dp_size=dp_size,
-            tp_size=parallel_state.get_tensor_model_parallel_world_size(), ep_size=run.ep_size,
-        )
-        return plan, layout
+        setup = make_setup([model], ddp_config, canzona_config(run), dp_size=dp_size,
+                           tp_size=parallel_state.get_tensor_model_parallel_world_size(), ep_size=run.ep_size)
+        return setup, setup.layouts[0]
     params = [p for p in model.parameters() if p.requires_grad]
     return None, layer_wise_layout(params, dp_size, ddp_config, bucket_size=run.bucket_size)
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR
+from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, tp_stride
 from canzona_patches.integration.names import global_param_names
 from megatron.canzona.optim.split import FusedLayout
 from megatron.canzona.planning import CanzonaPlan
@@ -95,7 +95,8 @@ def bind_plan(
             counts[(task.chunk, task.name)] = max(counts.get((task.chunk, task.name), 0), task.part + 1)
         tasks.append(MatrixTask(task=task, local_shape=shape,
                                 tp_dim=param.partition_dim if task.tp_sharded else None,
-                                stride=_stride(task.name, module) if task.tp_sharded and task.span is None else 1))
+                                stride=(tp_stride(task.name, module.config.gated_linear_unit)
+                                        if task.tp_sharded and task.span is None else 1)))
         layouts[task.key] = None if task.span is not None else full_layout(task.name, module)
         names[task.key], task_params[task.key] = global_names[param], param
         keys_of.setdefault((task.chunk, task.name), []).append(
@@ -156,7 +157,3 @@ def group_coordinates(group: Any, coord: Coord) -> dict[Coord, int]:
         raise RuntimeError(f"two ranks of the tensor-and-data-parallel group claim the same (dp, tp): {everyone}")
     return table  # type: ignore[return-value]
 
-
-def _stride(name: str, module: torch.nn.Module) -> int:
-    """2 for a gated fc1, whose shard is [gate_r; up_r]; 1 for every other TP-sharded matrix."""
-    return 2 if name.endswith("linear_fc1.weight") and module.config.gated_linear_unit else 1

@@ -155,11 +155,10 @@ class EarlyGathers:
         self.seen.clear()
 
 
-def attach(optimizer: Any, model_chunks: Sequence[Any]) -> EarlyGathers | None:
-    """Early gathers for one Canzona DistributedOptimizer whose engine runs in async mode: its
-    listener on every bucket group holding one of its matrices. ``None`` when nothing moves."""
-    inner = optimizer.optimizer
-    engine, binding = inner.engine, optimizer.canzona_binding
+def attach(engine: Any, binding: Any, model_chunks: Sequence[Any]) -> EarlyGathers | None:
+    """Early gathers for one Canzona DistributedOptimizer (its host-group ``engine``, in async
+    mode, and its ``binding``): its listener on every bucket group holding one of its matrices.
+    ``None`` when nothing moves."""
     if engine.mode != "async" or not any(exchange.moves for exchange in engine.exchanges):
         return None
     from megatron.core.optimizer.optimizer import GRAD_NORM_GROUP_ATTR

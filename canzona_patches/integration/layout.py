@@ -75,6 +75,14 @@ def _fused_kind(name: str, gated_linear_unit: bool) -> str | None:
     return None
 
 
+def tp_stride(name: str, gated_linear_unit: bool) -> int:
+    """Blocks per TP shard along its TP dim: 2 for a gated fc1 (weight or bias), whose shard
+    is ``[gate_r; up_r]`` of the global ``[gate; up]``; 1 for every other parameter. The one
+    source of it (binding and checkpoints): derived from the model, not read from Megatron's
+    ``partition_stride``, which the kitchen option sets to 1 for the same shard layout."""
+    return 2 if gated_linear_unit and name.endswith(("linear_fc1.weight", "linear_fc1.bias")) else 1
+
+
 def specs_from_model(
     named_params: NamedParams,
     *,

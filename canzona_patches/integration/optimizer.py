@@ -1,4 +1,5 @@
-"""Canzona on Megatron-Core: the run's plan, its layouts, and the matrix optimizer.
+"""Canzona on Megatron-Core: the matrix optimizer, built on a run's
+:class:`~canzona_patches.integration.setup.CanzonaSetup`.
 
 Hooks (megatron-core 0.19.2):
 * ``DistributedDataParallel(full_param_layout=...)`` receives the plan's layouts: stock
@@ -20,28 +21,21 @@ Hooks (megatron-core 0.19.2):
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from canzona_patches.integration.arguments import CanzonaArgumentError, canzona_config_from_args, check_expert_sizes
-from canzona_patches.integration.binding import bind_plan, group_coordinates
 from canzona_patches.checkpoints.state import common_state, load_optimizer_state_dict, optimizer_sharded_state_dict
+from canzona_patches.integration.arguments import CanzonaArgumentError
+from canzona_patches.integration.binding import bind_plan, group_coordinates
 from canzona_patches.integration.early_gather import attach as attach_early_gathers
-from canzona_patches.integration.layout import (
-    BUFFER_ROUTING_ATTR,
-    build_canzona_plan,
-    full_param_layouts,
-    is_expert_param,
-    node_note,
-    stacked_expert_blocks,
-    wire_config,
-)
+from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, is_expert_param, stacked_expert_blocks
+from canzona_patches.integration.setup import CanzonaPart, CanzonaSetup
 from canzona_patches.integration.uneven import SHARD_BOUNDS_ATTR
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, QKVLayout
-from megatron.canzona.planning import CanzonaPlan, CostModel, summarize_canzona
-from megatron.canzona.planning.sim import Workload
+from megatron.canzona.planning.schedule import Coord
 from megatron.canzona.runtime.config import CanzonaConfig
 from megatron.canzona.runtime.host_groups import HostGroupEngine
 from megatron.canzona.runtime.optimizer import CanzonaOptimizer
@@ -62,78 +56,6 @@ from megatron.core.utils import get_pg_rank  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------- plan
-
-
-def plan_and_layouts(
-    model_chunks: list[torch.nn.Module], ddp_config: Any, cfg: CanzonaConfig, *, dp_size: int, tp_size: int,
-    ep_size: int = 1,
-) -> tuple[CanzonaPlan, list[Any]]:
-    """The run's plan (:func:`canzona_patches.integration.layout.build_canzona_plan`), logged once per
-    pipeline stage, and the ``FullParamLayout`` per (unwrapped) chunk that DDP must be built with."""
-    plan, layouts, _ = _plan_layouts_summary(model_chunks, ddp_config, cfg, dp_size=dp_size, tp_size=tp_size,
-                                             ep_size=ep_size)
-    return plan, layouts
-
-
-def _plan_layouts_summary(
-    model_chunks: list[torch.nn.Module], ddp_config: Any, cfg: CanzonaConfig, *, dp_size: int, tp_size: int,
-    ep_size: int = 1, summarize_here: bool = False, workload: Any = None,
-) -> tuple[CanzonaPlan, list[Any], dict | None]:
-    """:func:`plan_and_layouts` and the plan's summary (:func:`summarize_canzona`), computed on
-    the first rank of each pipeline stage (DP and TP rank 0), which logs it, and where
-    ``summarize_here`` asks for it (else ``None``)."""
-    plan, specs, choice = build_canzona_plan(model_chunks, ddp_config, cfg, dp_size=dp_size, tp_size=tp_size,
-                                             ep_size=ep_size, workload=workload)
-    named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
-    first, stage = _stage_first_rank()
-    summary = None
-    if first or summarize_here:
-        summary = summarize_canzona(plan, specs, CostModel(kind=cfg.cost_kind), wire_config(named, ddp_config))
-    if first:
-        if choice is not None:
-            print(choice if stage is None else choice.replace("[canzona]", f"[canzona] stage {stage}:"), flush=True)
-        _log_plan(plan, summary, stage)
-        note = node_note(tp_size, ep_size, plan.experts.tp_size if plan.experts is not None else 1)
-        if note is not None:
-            print(note, flush=True)
-    return plan, full_param_layouts(plan, model_chunks, ddp_config), summary
-
-
-def _stage_first_rank() -> tuple[bool, int | None]:
-    """Whether this rank logs its pipeline stage's plan (DP and TP rank 0 of the stage), and
-    the stage's index when there are several."""
-    if not torch.distributed.is_initialized() or not parallel_state.model_parallel_is_initialized():
-        return (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0), None
-    first = (parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-             and parallel_state.get_tensor_model_parallel_rank() == 0)
-    stages = parallel_state.get_pipeline_model_parallel_world_size()
-    return first, (parallel_state.get_pipeline_model_parallel_rank() if stages > 1 else None)
-
-
-def _log_plan(plan: CanzonaPlan, s: dict, stage: int | None = None) -> None:
-    """One line: layout, balance, padding, buckets, split matrices, bytes per rank."""
-    prefix = "[canzona] plan:" if stage is None else f"[canzona] stage {stage} plan:"
-    print(
-        f"{prefix} {plan.layout} layout, {len(plan.hosts)} matrices over DP {plan.dp_size} x TP {plan.tp_size}, "
-        f"{s['num_buckets']} bucket(s), {s['split_params']} split across DP shards, "
-        f"{plan.num_groups} micro-group(s), alpha {plan.layouts[0].alpha}, cost {plan.layouts[0].cost_kind} | "
-        f"DP x TP makespan / lower bound {s['makespan_over_lower_bound']:.3f} | padding {100 * s['padding_overhead']:.1f}% | "
-        f"sent per rank and step {s['comm_bytes_per_rank'] / 2**20:.1f} MiB",
-        flush=True,
-    )
-    experts = s.get("experts")
-    if plan.experts is not None and experts is not None:
-        print(
-            f"[canzona] experts: {len(plan.experts.hosts)} matrices per EP rank over expert-DP {plan.experts.dp_size} "
-            f"x EP {plan.ep_size}, {experts['num_buckets']} bucket(s), {experts['split_params']} split | "
-            f"makespan / lower bound {experts['makespan_over_lower_bound']:.3f} | padding "
-            f"{100 * experts['padding_overhead']:.1f}% | dense + experts per rank "
-            f"{s.get('combined_makespan_over_lower_bound', float('nan')):.3f}",
-            flush=True,
-        )
-
-
 # --------------------------------------------------------------------------- optimizer
 
 
@@ -141,6 +63,30 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
     """Megatron's DistributedOptimizer owning every bucket, the matrix buffer included, and
     skipping steps with inf/NaN gradients when no loss scaler checks for them. A bucket of the
     whole layout (tagged by :mod:`canzona_patches.integration.uneven`) gives each rank its planned shard."""
+
+    def __init__(self, inner: CanzonaOptimizer, optimizer_config: Any, *, setup: CanzonaSetup, ranks: _Ranks,
+                 model_chunks: list, per_model_buffers: Any) -> None:
+        """Megatron's DistributedOptimizer over ``ranks.dp``, then :attr:`canzona`: ``setup``'s plan
+        (its expert plan for ``ranks.expert``) bound to this optimizer's shards, and the
+        host-group engine the inner optimizer steps with."""
+        super().__init__(
+            inner, optimizer_config, _grad_scaler(optimizer_config), lambda opt, config=None: opt.init_state(),
+            model_chunks=model_chunks, per_model_buffers=per_model_buffers, data_parallel_group=ranks.dp,
+            data_parallel_group_gloo=ranks.dp_gloo, data_parallel_group_idx=ranks.dp_idx,
+            distributed_optimizer_instance_id=0,
+        )
+        self.grad_stats_parallel_group = ranks.grad_stats  # what get_megatron_optimizer sets on its own
+        plan = setup.plan.experts if ranks.expert else setup.plan
+        binding = bind_plan(plan, self, model_chunks, coord=ranks.coord,
+                            full_layout=lambda name, module: fused_layout(name, module, setup.config))
+        engine = HostGroupEngine(binding.tasks, group=ranks.host, rank_of=ranks.rank_of, coord=ranks.coord,
+                                 tp_size=plan.tp_size, mode=setup.config.tp_mode)
+        inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts)
+        early = attach_early_gathers(engine, binding, model_chunks) if setup.config.early_gather else None
+        self.canzona = CanzonaPart(plan=plan, binding=binding, engine=engine, tp_group=ranks.tp, early_gathers=early)
+
+    canzona: CanzonaPart
+    """This optimizer's part of the run's :class:`~canzona_patches.integration.setup.CanzonaSetup`."""
 
     @classmethod
     def _build_model_gbuf_range(cls, param_and_grad_buffer: Any, bucket_index: int) -> dict:
@@ -162,8 +108,6 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
                 if bucket_group.buckets:
                     chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
 
-    early_gathers: Any = None
-    """:class:`canzona_patches.integration.early_gather.EarlyGathers`: host-group gathers issued as buckets reduce."""
     _clip_factor: float | None = None
 
     @torch.no_grad()
@@ -173,8 +117,8 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
             found_inf = self._nonfinite_grads()
             if found_inf:
                 logger.warning("Canzona: skipping the optimizer step, a gradient holds inf or NaN")
-        if found_inf and self.early_gathers is not None:
-            self.early_gathers.drop()  # the staged gradients go before any state is touched
+        if found_inf and self.canzona.early_gathers is not None:
+            self.canzona.early_gathers.drop()  # the staged gradients go before any state is touched
         self._clip_factor = None
         return found_inf
 
@@ -199,8 +143,8 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
             return super().step_with_ready_grads()
         finally:
             self.optimizer.gather_scale = ()
-            if self.early_gathers is not None:
-                self.early_gathers.stepped()
+            if self.canzona.early_gathers is not None:
+                self.canzona.early_gathers.stepped()
 
     # Checkpoints (canzona_patches/checkpoints/state.py): name-keyed global tensors, any DP/TP layout.
     def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
@@ -266,8 +210,8 @@ class CanzonaChainedOptimizer(ChainedOptimizer):
                 found_inf = True
         for part in self.chained_optimizers:
             part._clip_factor = None
-            if found_inf and part.early_gathers is not None:
-                part.early_gathers.drop()  # the staged gradients go before any state is touched
+            if found_inf and part.canzona.early_gathers is not None:
+                part.canzona.early_gathers.drop()  # the staged gradients go before any state is touched
         return found_inf
 
     def get_grad_norm(self) -> float:
@@ -299,7 +243,7 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _fused_layout(name: str, module: torch.nn.Module, cfg: CanzonaConfig):
+def fused_layout(name: str, module: torch.nn.Module, cfg: CanzonaConfig):
     """How a full (TP-global) fused weight splits into the matrices optimized separately."""
     tc = module.config
     groups = tc.num_query_groups or tc.num_attention_heads
@@ -343,24 +287,35 @@ def _grad_scaler(config: Any):
     return None
 
 
-def build_canzona_optimizer(
-    optimizer_config: Any, model_chunks: list, cfg: CanzonaConfig, plan: CanzonaPlan, *,
-    host_ranks: dict[tuple[int, int], int] | None = None,
-):
-    """The Canzona optimizer for DDP-wrapped chunks laid out by ``plan``'s layouts.
+@dataclass(frozen=True, kw_only=True)
+class _Ranks:
+    """The process groups and coordinates of one Canzona DistributedOptimizer."""
+
+    expert: bool
+    dp: Any
+    dp_gloo: Any
+    dp_idx: int
+    tp: Any
+    host: Any
+    coord: Coord
+    rank_of: dict[Coord, int]
+    grad_stats: Any
+
+
+def build_canzona_optimizer(optimizer_config: Any, model_chunks: list, setup: CanzonaSetup):
+    """The Canzona optimizer for DDP-wrapped chunks built with ``setup``'s layouts.
 
     Megatron's DistributedOptimizer wraps one :class:`CanzonaOptimizer` (the matrix
-    optimizer's math plus a host-group engine over the tensor-and-data-parallel group).
-    ``host_ranks`` maps (DP rank, TP rank) to the rank in that group; by default the ranks
-    tell each other (a collective).
+    optimizer's math plus a host-group engine over the tensor-and-data-parallel group, whose
+    ranks ``setup.host_ranks`` maps, or the ranks tell each other: a collective).
 
     With expert parallelism, as in Megatron, a second one over the expert buffers and the
-    expert-data-parallel group (its host group; expert TP must be 1) is chained after it
+    expert-data-parallel group (its host group; expert TP is 1) is chained after it
     (:class:`CanzonaChainedOptimizer`)."""
     if not optimizer_config.use_distributed_optimizer:
         raise ValueError("--canzona needs the distributed optimizer: pass --use-distributed-optimizer")
     experts = [n for chunk in model_chunks for n, p in chunk.named_parameters() if is_expert_param(p)]
-    if experts and plan.experts is None:
+    if experts and setup.plan.experts is None:
         raise ValueError(
             f"the model has expert-parallel parameters ({experts[0]} and {len(experts) - 1} more) but the Canzona "
             "plan has no expert layout: plan with the run's --expert-model-parallel-size")
@@ -368,90 +323,37 @@ def build_canzona_optimizer(
     dense_tp = ProcessGroupCollection.use_mpu_process_groups().tp
     coord = (get_pg_rank(pgs["dp_cp_group"]), get_pg_rank(dense_tp))
     host_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    dense = _canzona_dist_optimizer(
-        optimizer_config, model_chunks, cfg, plan, expert=False, dp_group=pgs["dp_cp_group"],
-        dp_group_gloo=pgs["intra_dp_cp_group_gloo"], dp_group_idx=get_pg_rank(pgs["mp_group"]), tp_group=dense_tp,
-        host_group=host_group, coord=coord,
-        rank_of=host_ranks if host_ranks is not None else group_coordinates(host_group, coord),
-    )
-    dense.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
-    if cfg.early_gather:
-        dense.early_gathers = attach_early_gathers(dense, model_chunks)
+    dense = _canzona_dist_optimizer(optimizer_config, model_chunks, setup, _Ranks(
+        expert=False, dp=pgs["dp_cp_group"], dp_gloo=pgs["intra_dp_cp_group_gloo"], dp_idx=get_pg_rank(pgs["mp_group"]),
+        tp=dense_tp, host=host_group, coord=coord, grad_stats=pgs["intra_dist_opt_group"],
+        rank_of=setup.host_ranks if setup.host_ranks is not None else group_coordinates(host_group, coord)))
     if not experts:
         return dense
-    check_expert_sizes(plan.tp_size, plan.ep_size, parallel_state.get_expert_tensor_parallel_world_size())
     edp_group = pgs["intra_expt_dp_group"]
-    edp_rank, edp_size = get_pg_rank(edp_group), plan.experts.dp_size
-    expert = _canzona_dist_optimizer(
-        optimizer_config, model_chunks, cfg, plan.experts, expert=True, dp_group=edp_group,
-        dp_group_gloo=pgs["intra_expt_dp_group_gloo"], dp_group_idx=get_pg_rank(pgs["expt_tp_pp_group"]),
-        tp_group=parallel_state.get_expert_tensor_parallel_group(), host_group=edp_group, coord=(edp_rank, 0),
+    expert = _canzona_dist_optimizer(optimizer_config, model_chunks, setup, _Ranks(
+        expert=True, dp=edp_group, dp_gloo=pgs["intra_expt_dp_group_gloo"], dp_idx=get_pg_rank(pgs["expt_tp_pp_group"]),
+        tp=parallel_state.get_expert_tensor_parallel_group(), host=edp_group, coord=(get_pg_rank(edp_group), 0),
+        grad_stats=pgs["intra_dist_opt_group"],
         # Expert TP 1: a host (expert-DP rank, 0) is that rank of the expert-DP group.
-        rank_of={(d, 0): d for d in range(edp_size)},
-    )
-    expert.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
-    if cfg.early_gather:  # the chained optimizer gives both the joint clip factor (get_grad_norm)
-        expert.early_gathers = attach_early_gathers(expert, model_chunks)
+        rank_of={(d, 0): d for d in range(setup.plan.experts.dp_size)}))
+    # The chained optimizer gives both the joint clip factor (get_grad_norm).
     return CanzonaChainedOptimizer([dense, expert])
 
 
-def _canzona_dist_optimizer(
-    optimizer_config: Any, model_chunks: list, cfg: CanzonaConfig, plan: CanzonaPlan, *, expert: bool,
-    dp_group: Any, dp_group_gloo: Any, dp_group_idx: int, tp_group: Any, host_group: Any, coord: tuple[int, int],
-    rank_of: dict[tuple[int, int], int],
-) -> CanzonaDistributedOptimizer:
+def _canzona_dist_optimizer(optimizer_config: Any, model_chunks: list, setup: CanzonaSetup,
+                            ranks: _Ranks) -> CanzonaDistributedOptimizer:
     """One DistributedOptimizer around a :class:`CanzonaOptimizer`: the dense buffers over the
-    data-parallel group, or (``expert``) the expert buffers over the expert-data-parallel one."""
+    data-parallel group, or (``ranks.expert``) the expert buffers over the expert-data-parallel one."""
     groups, buffers = _get_param_groups_and_buffers(
         model_chunks, model_chunk_offset=0, config=optimizer_config,
         config_overrides=get_standard_config_overrides(optimizer_config),
-        filter_fn=lambda g: g["is_expert_parallel"] == expert,
-        buffer_name="expert_parallel_buffers" if expert else "buffers",
+        filter_fn=lambda g: g["is_expert_parallel"] == ranks.expert,
+        buffer_name="expert_parallel_buffers" if ranks.expert else "buffers",
     )
+    cfg = setup.config
     inner = CanzonaOptimizer(
         _route_groups(groups, optimizer_config.weight_decay), math=cfg.optimizer, lr=optimizer_config.lr,
         weight_decay=optimizer_config.weight_decay, config=cfg.matrix, adamw_config=cfg.adamw,
     )
-    optimizer = CanzonaDistributedOptimizer(
-        inner, optimizer_config, _grad_scaler(optimizer_config), lambda opt, config=None: opt.init_state(),
-        model_chunks=model_chunks, per_model_buffers=buffers, data_parallel_group=dp_group,
-        data_parallel_group_gloo=dp_group_gloo, data_parallel_group_idx=dp_group_idx,
-        distributed_optimizer_instance_id=0,
-    )
-    optimizer.tp_group = tp_group
-    binding = bind_plan(plan, optimizer, model_chunks, coord=coord,
-                        full_layout=lambda name, module: _fused_layout(name, module, cfg))
-    engine = HostGroupEngine(binding.tasks, group=host_group, rank_of=rank_of, coord=coord, tp_size=plan.tp_size,
-                             mode=cfg.tp_mode)
-    inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts)
-    optimizer.canzona_binding = binding
-    return optimizer
-
-
-# --------------------------------------------------------------------------- training entry points
-
-
-def _parallel_sizes() -> tuple[int, int, int]:
-    """DP (with context parallelism), TP and EP sizes of this run."""
-    return (parallel_state.get_data_parallel_world_size(with_context_parallel=True),
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_expert_model_parallel_world_size())
-
-
-def canzona_plan_and_layouts(
-    model_chunks: list[torch.nn.Module], ddp_config: Any, args: Any, *, summarize_here: bool = False,
-) -> tuple[CanzonaPlan, list[Any], dict | None]:
-    """:func:`plan_and_layouts` configured from ``pretrain_gpt.py``'s flags, with the plan's
-    summary where it is logged (rank 0) or ``summarize_here`` asks for it."""
-    dp_size, tp_size, ep_size = _parallel_sizes()
-    if args.num_experts:
-        check_expert_sizes(tp_size, ep_size, parallel_state.get_expert_tensor_parallel_world_size())
-    workload = Workload(global_batch=args.global_batch_size, micro_batch=args.micro_batch_size,
-                        seq_length=args.seq_length)
-    return _plan_layouts_summary(model_chunks, ddp_config, canzona_config_from_args(args), dp_size=dp_size,
-                                 tp_size=tp_size, ep_size=ep_size, summarize_here=summarize_here, workload=workload)
-
-
-def get_canzona_optimizer(optimizer_config: Any, model_chunks: list, args: Any, plan: CanzonaPlan):
-    """:func:`build_canzona_optimizer` configured from ``pretrain_gpt.py``'s flags."""
-    return build_canzona_optimizer(optimizer_config, model_chunks, canzona_config_from_args(args), plan)
+    return CanzonaDistributedOptimizer(inner, optimizer_config, setup=setup, ranks=ranks, model_chunks=model_chunks,
+                                       per_model_buffers=buffers)

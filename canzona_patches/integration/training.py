@@ -15,12 +15,12 @@ call time:
 * ``megatron.training.arguments.parse_args`` -> the same with Canzona's flags added by
   default: ``pretrain`` re-parses the command line (``ft_integration.setup``) without an
   ``extra_args_provider``, and would reject ``--canzona`` or ``--optimizer shampoo``.
-* Only with ``--canzona``: ``training.wrap_model_chunks_with_ddp`` makes the run's plan
-  (``canzona_patches.integration.optimizer.canzona_plan_and_layouts``, on the chunks before DDP) and
-  wraps each chunk in DDP with the plan's layout; ``training.get_megatron_optimizer`` (as
-  ``setup_model_and_optimizer`` calls it) builds ``canzona_patches.integration.optimizer.
-  get_canzona_optimizer`` with that same plan instead. The plan passes from the first hook
-  to the second in a :class:`PlanHandoff` both share (:meth:`canzona_patches.registry.Run.shared`).
+* Only with ``--canzona``: ``training.wrap_model_chunks_with_ddp`` makes the run's
+  :class:`~canzona_patches.integration.setup.CanzonaSetup` (``setup_from_args``, on the chunks
+  before DDP) and wraps each chunk in DDP with its layout; ``training.get_megatron_optimizer``
+  (as ``setup_model_and_optimizer`` calls it) builds ``canzona_patches.integration.optimizer.
+  build_canzona_optimizer`` on that same setup instead. The setup passes from the first hook
+  to the second in a :class:`SetupHandoff` both share (:meth:`canzona_patches.registry.Run.shared`).
 
 Checkpoint hooks are in :mod:`canzona_patches.checkpoints.state` and
 :mod:`canzona_patches.checkpoints.files`, the CPU redirects in :mod:`canzona_patches.emulation.cpu`.
@@ -76,36 +76,36 @@ def _compile_helpers() -> None:
 # --- Canzona: layout before DDP, optimizer after ------------------------------------------
 
 
-class PlanHandoff:
-    """The plan made when the model was wrapped, for the optimizer built after it (and its
-    summary, for the logs, where it was computed)."""
+class SetupHandoff:
+    """The setup made when the model was wrapped, for the optimizer built after it and for
+    the logs (its plan's summary)."""
 
     def __init__(self) -> None:
-        self._plan: Any = None
-        self.summary: dict | None = None
-
-    def put(self, plan: Any, summary: dict | None = None) -> None:
-        self._plan, self.summary = plan, summary
+        self.setup: Any = None
 
     def take(self) -> Any:
-        if self._plan is None:
+        if self.setup is None:
             raise RuntimeError("the Canzona optimizer is built before the model was wrapped in DDP with a Canzona "
                                "plan; --canzona needs megatron.training's setup_model_and_optimizer order")
-        return self._plan
+        return self.setup
+
+    @property
+    def summary(self) -> dict | None:
+        return None if self.setup is None else self.setup.summary
 
 
-def _handoff(run: Any) -> PlanHandoff:
+def _handoff(run: Any) -> SetupHandoff:
     """The run's one handoff, shared by the DDP hook and the optimizer hook."""
-    return run.shared("plan handoff", PlanHandoff)
+    return run.shared("setup handoff", SetupHandoff)
 
 
 def with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any], run: Any) -> Callable[..., Any]:
-    """``wrap_model_chunks_with_ddp`` with the Canzona plan's ``FullParamLayout`` per chunk.
+    """``wrap_model_chunks_with_ddp`` with the Canzona setup's ``FullParamLayout`` per chunk.
 
     Upstream computes ``DistributedOptimizer.compute_full_param_layout`` per chunk and wraps
     each chunk in ``DP(config=, ddp_config=, module=, disable_bucketing=,
-    full_param_layout=)``; here the plan of every chunk together is made once
-    (``canzona_plan_and_layouts``, which also tags the parameters) and handed over for the
+    full_param_layout=)``; here the setup of every chunk together is made once
+    (``setup_from_args``, which also tags the parameters) and handed over for the
     optimizer. FSDP variants are rejected by the flag validation, so ``DP`` is DDP.
     """
     handoff = _handoff(run)
@@ -116,24 +116,22 @@ def with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any], run: An
                                   **unused: Any):
         if DP is not _training.DDP:
             raise RuntimeError("--canzona supports Megatron's DistributedDataParallel only")
-        from canzona_patches.integration.optimizer import canzona_plan_and_layouts
+        from canzona_patches.integration.setup import setup_from_args
 
         args = _training.get_args()
-        plan, layouts, summary = canzona_plan_and_layouts(model_chunks, ddp_config, args,
-                                                          summarize_here=_writes_logs(args))
-        handoff.put(plan, summary)
+        handoff.setup = setup_from_args(model_chunks, ddp_config, args, summarize_here=_writes_logs(args))
         disable = disable_bucketing_per_chunk or [False] * len(model_chunks)
         return [
             DP(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=off,
                full_param_layout=layout)
-            for chunk, layout, off in zip(model_chunks, layouts, disable)
+            for chunk, layout, off in zip(model_chunks, handoff.setup.layouts, disable)
         ]
 
     return wrap_with_canzona_layouts
 
 
 def canzona_optimizer(get_megatron_optimizer: Callable[..., Any], run: Any) -> Callable[..., Any]:
-    """``get_megatron_optimizer(config, model_chunks, ...)`` -> Canzona's optimizer, on the plan
+    """``get_megatron_optimizer(config, model_chunks, ...)`` -> Canzona's optimizer, on the setup
     the model was wrapped with."""
     handoff = _handoff(run)
 
@@ -141,9 +139,9 @@ def canzona_optimizer(get_megatron_optimizer: Callable[..., Any], run: Any) -> C
     def get_canzona_optimizer(config, model_chunks, *unused_args: Any, **unused: Any):
         # Megatron's per-parameter config_overrides (no weight decay on norms/biases, Adam
         # for embeddings under Muon) are the Canzona optimizer's own business.
-        from canzona_patches.integration.optimizer import get_canzona_optimizer as build
+        from canzona_patches.integration.optimizer import build_canzona_optimizer
 
-        return build(config, model_chunks, _training.get_args(), handoff.take())
+        return build_canzona_optimizer(config, model_chunks, handoff.take())
 
     return get_canzona_optimizer
 

@@ -31,7 +31,7 @@ def test_the_optimizer_builder_refuses_experts_the_plan_does_not_lay_out():
     config = types.SimpleNamespace(use_distributed_optimizer=True)
     with pytest.raises(ValueError, match=r"expert-parallel parameters \(expert and 0 more\) but the Canzona plan has no "
                                          "expert layout: plan with the run's --expert-model-parallel-size"):
-        build_canzona_optimizer(config, [_Chunk()], cfg=None, plan=types.SimpleNamespace(experts=None))
+        build_canzona_optimizer(config, [_Chunk()], types.SimpleNamespace(plan=types.SimpleNamespace(experts=None)))
 
 
 @pytest.mark.parametrize(("tp", "ep", "etp", "fix"), [

@@ -1,0 +1,156 @@
+"""One :class:`CanzonaSetup` per run: what Canzona decides, made once, where DDP is built.
+
+The walk from the plan to the step::
+
+    make_setup (or setup_from_args)     plan, schedule, layouts, host ranks, summary, logged once
+      -> DistributedDataParallel(full_param_layout=setup.layouts[i])      one per model chunk
+      -> build_canzona_optimizer(optimizer_config, ddp_chunks, setup)     binds setup.plan to the shards
+      -> CanzonaDistributedOptimizer.canzona                              its part: binding, TP group, engine
+
+``pretrain_gpt.py`` (``canzona_patches.integration.training``), ``tools/dry_run.py`` and the
+test harness (``canzona_patches.harness.tiny_gpt``) all build through it. Nothing of it is
+set on a Megatron object: each consumer gets the setup, or its part, as an argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from canzona_patches.integration.arguments import canzona_config_from_args, check_expert_sizes
+from canzona_patches.integration.binding import Binding
+from canzona_patches.integration.early_gather import EarlyGathers
+from canzona_patches.integration.layout import build_canzona_plan, full_param_layouts, node_note, wire_config
+from canzona_patches.version import require_pinned_megatron
+from megatron.canzona.planning import CanzonaPlan, CostModel, summarize_canzona
+from megatron.canzona.planning.schedule import Coord
+from megatron.canzona.planning.sim import Workload
+from megatron.canzona.runtime.config import CanzonaConfig
+from megatron.canzona.runtime.host_groups import HostGroupEngine
+
+require_pinned_megatron()
+
+from megatron.core import parallel_state  # noqa: E402
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanzonaSetup:
+    """What Canzona decides for one pipeline stage of a run (every model chunk together)."""
+
+    config: CanzonaConfig
+    """The matrix optimizer, its math and Canzona's own options."""
+    plan: CanzonaPlan
+    """Who hosts each matrix, the DP shards of every bucket, the micro-groups (``plan.experts``:
+    the expert buffers' plan over the expert-data-parallel group)."""
+    layouts: tuple[Any, ...]
+    """The ``FullParamLayout`` each (unwrapped) model chunk's DDP must be built with."""
+    specs: tuple[Any, ...]
+    """The parameter specs the plan was made from (the tools' accounting reads them)."""
+    summary: dict | None
+    """:func:`~megatron.canzona.planning.summarize_canzona` of the plan, where it was logged
+    or asked for; else ``None``."""
+    host_ranks: dict[Coord, int] | None = None
+    """(DP rank, TP rank) -> rank in the tensor-and-data-parallel group; ``None``: the ranks
+    tell each other when the optimizer is built (one collective)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanzonaPart:
+    """One Canzona DistributedOptimizer's share of a setup (the dense buffers, or the experts'),
+    bound to its shards when it is built; the checkpoint code and the early gathers read it."""
+
+    plan: CanzonaPlan
+    """``setup.plan``, or ``setup.plan.experts`` for the expert buffers."""
+    binding: Binding
+    """The plan's tasks, pieces and layouts found in this optimizer's shards."""
+    engine: HostGroupEngine
+    """The host-group engine that gathers, computes and scatters the matrices."""
+    tp_group: Any
+    """The TP group the matrices are sharded over (the expert TP group for experts)."""
+    early_gathers: EarlyGathers | None
+    """Host-group gathers issued as buckets reduce; ``None`` when off or nothing moves."""
+
+
+def make_setup(
+    model_chunks: list[torch.nn.Module], ddp_config: Any, config: CanzonaConfig, *, dp_size: int, tp_size: int,
+    ep_size: int = 1, expert_tp_size: int | None = None, workload: Workload | None = None,
+    host_ranks: dict[Coord, int] | None = None, summarize_here: bool = False, log: bool = True,
+) -> CanzonaSetup:
+    """The setup of ``model_chunks`` (before DDP wraps them; their parameters are tagged for
+    buffer routing) at the given parallel sizes. The first rank of each pipeline stage (DP and
+    TP rank 0) logs the plan (unless ``log`` is off); ``summarize_here`` keeps its summary on
+    this rank too.
+
+    ``expert_tp_size`` defaults to what Canzona supports: 1 under expert parallelism, the TP
+    size at EP 1 (experts are then dense parameters)."""
+    expert_tp_size = (1 if ep_size > 1 else tp_size) if expert_tp_size is None else expert_tp_size
+    if ep_size > 1 or any(getattr(chunk.config, "num_moe_experts", None) for chunk in model_chunks):
+        check_expert_sizes(tp_size, ep_size, expert_tp_size)
+    plan, specs, choice = build_canzona_plan(model_chunks, ddp_config, config, dp_size=dp_size, tp_size=tp_size,
+                                             ep_size=ep_size, expert_tp_size=expert_tp_size, workload=workload)
+    first, stage = _stage_first_rank()
+    first = first and log
+    summary = None
+    if first or summarize_here:
+        named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
+        summary = summarize_canzona(plan, specs, CostModel(kind=config.cost_kind), wire_config(named, ddp_config))
+    if first:
+        if choice is not None:
+            print(choice if stage is None else choice.replace("[canzona]", f"[canzona] stage {stage}:"), flush=True)
+        _log_plan(plan, summary, stage)
+        note = node_note(tp_size, ep_size, plan.experts.tp_size if plan.experts is not None else 1)
+        if note is not None:
+            print(note, flush=True)
+    return CanzonaSetup(config=config, plan=plan, layouts=tuple(full_param_layouts(plan, model_chunks, ddp_config)),
+                        specs=tuple(specs), summary=summary, host_ranks=host_ranks)
+
+
+def setup_from_args(model_chunks: list[torch.nn.Module], ddp_config: Any, args: Any, *,
+                    summarize_here: bool = False) -> CanzonaSetup:
+    """:func:`make_setup` configured by ``pretrain_gpt.py``'s flags and Megatron's process groups."""
+    workload = Workload(global_batch=args.global_batch_size, micro_batch=args.micro_batch_size,
+                        seq_length=args.seq_length)
+    return make_setup(
+        model_chunks, ddp_config, canzona_config_from_args(args),
+        dp_size=parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tp_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        workload=workload, summarize_here=summarize_here,
+    )
+
+
+def _stage_first_rank() -> tuple[bool, int | None]:
+    """Whether this rank logs its pipeline stage's plan (DP and TP rank 0 of the stage), and
+    the stage's index when there are several."""
+    if not torch.distributed.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        return (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0), None
+    first = (parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+             and parallel_state.get_tensor_model_parallel_rank() == 0)
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    return first, (parallel_state.get_pipeline_model_parallel_rank() if stages > 1 else None)
+
+
+def _log_plan(plan: CanzonaPlan, s: dict, stage: int | None = None) -> None:
+    """One line: layout, balance, padding, buckets, split matrices, bytes per rank."""
+    prefix = "[canzona] plan:" if stage is None else f"[canzona] stage {stage} plan:"
+    print(
+        f"{prefix} {plan.layout} layout, {len(plan.hosts)} matrices over DP {plan.dp_size} x TP {plan.tp_size}, "
+        f"{s['num_buckets']} bucket(s), {s['split_params']} split across DP shards, "
+        f"{plan.num_groups} micro-group(s), alpha {plan.layouts[0].alpha}, cost {plan.layouts[0].cost_kind} | "
+        f"DP x TP makespan / lower bound {s['makespan_over_lower_bound']:.3f} | padding {100 * s['padding_overhead']:.1f}% | "
+        f"sent per rank and step {s['comm_bytes_per_rank'] / 2**20:.1f} MiB",
+        flush=True,
+    )
+    experts = s.get("experts")
+    if plan.experts is not None and experts is not None:
+        print(
+            f"[canzona] experts: {len(plan.experts.hosts)} matrices per EP rank over expert-DP {plan.experts.dp_size} "
+            f"x EP {plan.ep_size}, {experts['num_buckets']} bucket(s), {experts['split_params']} split | "
+            f"makespan / lower bound {experts['makespan_over_lower_bound']:.3f} | padding "
+            f"{100 * experts['padding_overhead']:.1f}% | dense + experts per rank "
+            f"{s.get('combined_makespan_over_lower_bound', float('nan')):.3f}",
+            flush=True,
+        )
