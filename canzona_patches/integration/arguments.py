@@ -22,8 +22,10 @@ emerging-optimizer rewrite of ``--use-distributed-optimizer``).
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import re
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +33,9 @@ from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
 
+from megatron.canzona.optim import ShampooConfig, SOAPConfig  # noqa: E402
 from megatron.canzona.planning import OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
+from megatron.training.argument_utils import ArgumentGroupFactory  # noqa: E402
 from megatron.canzona.runtime.config import TP_MODES  # noqa: E402
 
 
@@ -40,12 +44,6 @@ CANZONA_ONLY_OPTIMIZERS = ("shampoo",)
 
 COST_MODELS = ("flops", "numel")
 
-# Release defaults (reference notes §5); SOAP's shampoo beta and preconditioner frequency
-# also reach Megatron's own emerging-optimizers SOAP through OptimizerConfig fields of
-# the same names (soap_shampoo_beta, soap_precondition_frequency).
-_SOAP_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "shampoo_beta": 0.99, "frequency": 10}
-_SHAMPOO_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "epsilon": 1e-12, "frequency": 10}
-_MAX_PRECOND_DIM = 10000
 
 
 class CanzonaArgumentError(ValueError):
@@ -59,10 +57,9 @@ def add_canzona_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     # each error, burying the one line that names the fix: keep the error line alone.
     parser.usage = "%(prog)s [Megatron-LM flags] [Canzona flags]"
     parser.error = functools.partial(_one_line_error, parser)
-    group = parser.add_argument_group(title="canzona")
-    _add_canzona_core_args(group)
-    _add_shampoo_args(group)
-    _add_soap_args(group)
+    _add_canzona_core_args(parser.add_argument_group(title="canzona"))
+    for flags in MATRIX_FLAGS.values():
+        flags.build_group(parser, title=f"canzona {flags.prefix}")
     return parser
 
 
@@ -127,32 +124,73 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
                        "tools/plot_loss.py.")
 
 
-def _add_shampoo_args(group: argparse._ArgumentGroup) -> None:
-    d = _SHAMPOO_DEFAULTS
-    group.add_argument("--shampoo-beta1", type=float, default=d["beta1"],
-                       help="Shampoo: momentum of the preconditioned first moment.")
-    group.add_argument("--shampoo-beta2", type=float, default=d["beta2"],
-                       help="Shampoo: EMA coefficient of the statistics L and R.")
-    group.add_argument("--shampoo-epsilon", type=float, default=d["epsilon"],
-                       help="Shampoo: added to the eigenvalues before the inverse root.")
-    group.add_argument("--shampoo-precondition-frequency", type=int, default=d["frequency"],
-                       help="Shampoo: recompute the inverse roots every this many steps.")
-    group.add_argument("--shampoo-max-precond-dim", type=int, default=_MAX_PRECOND_DIM,
-                       help="Shampoo: a side longer than this keeps a diagonal statistic.")
+class ConfigFlags(ArgumentGroupFactory):
+    """The flags of one matrix optimizer's config dataclass, made by Megatron's
+    ``ArgumentGroupFactory`` from its fields (type, default, docstring as help): field ``f``
+    becomes ``--<prefix>-f`` (``dest`` ``<prefix>_f``), or ``--<prefix>-<renames[f]>``. A pair
+    field (``betas``) becomes one flag per element, named by ``renames[f]``."""
+
+    def __init__(self, config_class: type, prefix: str, *, renames: dict[str, Any] | None = None,
+                 exclude: tuple[str, ...] = ()) -> None:
+        super().__init__(config_class, exclude=list(exclude))
+        self.prefix, self.renames = prefix, dict(renames or {})
+
+    def _flag_name(self, name: str) -> str:
+        return f"{self.prefix}_{self.renames.get(name, name)}"
+
+    def _format_arg_name(self, config_attr_name: str, prefix: str | None = None) -> str:
+        return super()._format_arg_name(self._flag_name(config_attr_name), prefix)
+
+    def _build_argparse_kwargs_from_field(self, attribute: Any) -> dict[str, Any]:
+        attribute = copy.copy(attribute)  # its annotation evaluated (the config module postpones them)
+        attribute.type = typing.get_type_hints(self.src_cfg_class)[attribute.name]
+        kwargs = super()._build_argparse_kwargs_from_field(attribute)
+        kwargs["dest"] = self._flag_name(attribute.name)
+        kwargs["help"] = f"{self.src_cfg_class.__name__.removesuffix('Config')}: {kwargs['help']}"
+        return kwargs
+
+    def build_group(self, parser: argparse.ArgumentParser, title: str | None = None) -> argparse._ArgumentGroup:
+        pairs = [f for f in self._fields() if isinstance(f.default, tuple)]
+        self.exclude |= {f.name for f in pairs}
+        try:
+            group = super().build_group(parser, title)
+        finally:
+            self.exclude -= {f.name for f in pairs}
+        group.description = None  # the class docstring: the help's group title says enough
+        for field in pairs:
+            doc = self.field_docstrings.get(field.name, "")
+            for index, (name, default) in enumerate(zip(self.renames[field.name], field.default)):
+                group.add_argument(f"--{self.prefix}-{name}".replace("_", "-"), dest=f"{self.prefix}_{name}",
+                                   type=type(default), default=default,
+                                   help=f"{self.src_cfg_class.__name__.removesuffix('Config')}: element {index} of "
+                                   f"{field.name}: {doc}".replace("%", "%%"))
+        return group
+
+    def _fields(self) -> list[Any]:
+        import dataclasses
+
+        return [f for f in dataclasses.fields(self.src_cfg_class) if f.init and f.name not in self.exclude]
+
+    def config(self, args: argparse.Namespace, **given: Any) -> Any:
+        """The config dataclass the parsed flags describe (``given`` fields as passed)."""
+        values = {}
+        for field in self._fields():
+            if isinstance(field.default, tuple):
+                values[field.name] = tuple(getattr(args, f"{self.prefix}_{n}") for n in self.renames[field.name])
+            else:
+                values[field.name] = getattr(args, self._flag_name(field.name))
+        return self.src_cfg_class(**{**values, **given})
 
 
-def _add_soap_args(group: argparse._ArgumentGroup) -> None:
-    d = _SOAP_DEFAULTS
-    group.add_argument("--soap-beta1", type=float, default=d["beta1"],
-                       help="SOAP: Adam beta1 in the rotated space.")
-    group.add_argument("--soap-beta2", type=float, default=d["beta2"],
-                       help="SOAP: Adam beta2 in the rotated space.")
-    group.add_argument("--soap-shampoo-beta", type=float, default=d["shampoo_beta"],
-                       help="SOAP: EMA coefficient of the statistics L and R.")
-    group.add_argument("--soap-precondition-frequency", type=int, default=d["frequency"],
-                       help="SOAP: refresh the eigenbasis every this many steps.")
-    group.add_argument("--soap-max-precond-dim", type=int, default=_MAX_PRECOND_DIM,
-                       help="SOAP: a side longer than this is not rotated.")
+# Every field but the refresh stagger (--canzona-no-stagger-refresh, shared by both). SOAP's
+# shampoo beta and preconditioner frequency also reach Megatron's own emerging-optimizers SOAP
+# through OptimizerConfig fields of the same names (soap_shampoo_beta, soap_precondition_frequency).
+MATRIX_FLAGS = {
+    "shampoo": ConfigFlags(ShampooConfig, "shampoo", exclude=("stagger_refresh",),
+                           renames={"momentum": "beta1", "shampoo_beta": "beta2", "eps": "epsilon"}),
+    "soap": ConfigFlags(SOAPConfig, "soap", exclude=("stagger_refresh",), renames={"betas": ("beta1", "beta2")}),
+}
+"""The Shampoo and SOAP flags, generated from their config dataclasses (Muon keeps Megatron's ``--muon-*``)."""
 
 
 def validate_canzona_args(args: argparse.Namespace) -> None:
@@ -336,7 +374,7 @@ def canzona_config_from_args(args: argparse.Namespace):
     ``--adam-beta1/--adam-beta2/--adam-eps``. Imported lazily: the runtime is optional
     for every run without ``--canzona``.
     """
-    from megatron.canzona.optim import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
+    from megatron.canzona.optim import AdamWConfig, MuonConfig
     from megatron.canzona.optim.newton_schulz import EMERGING_OPTIMIZERS_COEFFICIENTS
     from megatron.canzona.runtime.config import CanzonaConfig
 
@@ -349,14 +387,8 @@ def canzona_config_from_args(args: argparse.Namespace):
             ns_dtype="float32" if args.muon_fp32_matmul_prec == "high" else "bfloat16",
             num_ns_steps=args.muon_num_ns_steps,
             scale_mode=args.muon_scale_mode, extra_scale_factor=args.muon_extra_scale_factor),
-        "shampoo": lambda: ShampooConfig(
-            momentum=args.shampoo_beta1, shampoo_beta=args.shampoo_beta2, eps=args.shampoo_epsilon,
-            precondition_frequency=args.shampoo_precondition_frequency,
-            max_precond_dim=args.shampoo_max_precond_dim, stagger_refresh=args.canzona_stagger_refresh),
-        "soap": lambda: SOAPConfig(
-            betas=(args.soap_beta1, args.soap_beta2), shampoo_beta=args.soap_shampoo_beta,
-            precondition_frequency=args.soap_precondition_frequency,
-            max_precond_dim=args.soap_max_precond_dim, stagger_refresh=args.canzona_stagger_refresh),
+        "shampoo": lambda: MATRIX_FLAGS["shampoo"].config(args, stagger_refresh=args.canzona_stagger_refresh),
+        "soap": lambda: MATRIX_FLAGS["soap"].config(args, stagger_refresh=args.canzona_stagger_refresh),
     }[args.optimizer]()
     return CanzonaConfig(
         optimizer=args.optimizer,

@@ -1,0 +1,68 @@
+"""The Shampoo and SOAP flags, generated from their config dataclasses: one flag per field, the
+dataclass's defaults, and every value reaching the config; ``--canzona-no-stagger-refresh``
+(shared by both) reaches it too, staggering being the default."""
+
+from __future__ import annotations
+
+import argparse
+
+import dataclasses
+
+import pytest
+
+from canzona_patches.integration.arguments import MATRIX_FLAGS, add_canzona_args, canzona_config_from_args
+from megatron.canzona.optim import ShampooConfig, SOAPConfig
+
+
+def parse(*flags: str) -> argparse.Namespace:
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_canzona_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    return parser.parse_args(list(flags))
+
+
+@pytest.mark.parametrize("optimizer", ["shampoo", "soap"])
+def test_refreshes_are_staggered_unless_asked_not_to(optimizer):
+    assert canzona_config_from_args(parse("--optimizer", optimizer)).matrix.stagger_refresh is True
+    off = canzona_config_from_args(parse("--optimizer", optimizer, "--canzona-no-stagger-refresh"))
+    assert off.matrix.stagger_refresh is False
+
+
+def test_no_flags_give_the_dataclass_defaults():
+    assert canzona_config_from_args(parse("--optimizer", "shampoo")).matrix == ShampooConfig()
+    assert canzona_config_from_args(parse("--optimizer", "soap")).matrix == SOAPConfig()
+
+
+@pytest.mark.parametrize(("optimizer", "flags", "expected"), [
+    ("shampoo", ["--shampoo-beta1", "0.8", "--shampoo-beta2", "0.9", "--shampoo-epsilon", "1e-6",
+                 "--shampoo-statistics", "sum", "--shampoo-root-dtype", "float64", "--shampoo-grafting", "none",
+                 "--shampoo-inverse-root", "2", "--shampoo-precondition-frequency", "3"],
+     dict(momentum=0.8, shampoo_beta=0.9, eps=1e-6, statistics="sum", root_dtype="float64", grafting="none",
+          inverse_root=2, precondition_frequency=3)),
+    ("soap", ["--soap-beta1", "0.8", "--soap-beta2", "0.9", "--soap-shampoo-beta", "0.97", "--soap-eps", "1e-7",
+              "--no-soap-correct-bias", "--soap-refresh", "eigh", "--soap-power-iter-steps", "2",
+              "--soap-max-precond-dim", "512"],
+     dict(betas=(0.8, 0.9), shampoo_beta=0.97, eps=1e-7, correct_bias=False, refresh="eigh", power_iter_steps=2,
+          max_precond_dim=512)),
+])
+def test_every_flag_reaches_its_field(optimizer, flags, expected):
+    matrix = canzona_config_from_args(parse("--optimizer", optimizer, *flags)).matrix
+    assert {name: getattr(matrix, name) for name in expected} == expected
+
+
+@pytest.mark.parametrize("optimizer", ["shampoo", "soap"])
+def test_every_field_but_the_shared_stagger_has_a_flag(optimizer):
+    flags = MATRIX_FLAGS[optimizer]
+    dests = set(vars(parse()))
+    for field in dataclasses.fields(flags.src_cfg_class):
+        if field.name == "stagger_refresh":
+            continue
+        names = flags.renames.get(field.name, field.name)
+        for name in names if isinstance(names, tuple) else (names,):
+            assert f"{optimizer}_{name}" in dests, field.name
+
+
+def test_a_bad_choice_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        parse("--optimizer", "shampoo", "--shampoo-root-dtype", "float16")
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
