@@ -50,7 +50,6 @@ from megatron.canzona.hf import (
     LOCAL_SPEC_NAMES,
     OUTPUT_LAYER,
     ConversionError,
-    Qwen3Arch,
     arch_from_hf_config,
     arch_from_megatron_args,
     checkpoint_name,
@@ -58,9 +57,11 @@ from megatron.canzona.hf import (
     hf_config,
     hf_names,
     megatron_flags,
+    megatron_shapes,
     to_hf,
     vocab_divisor,
 )
+from megatron.canzona.planning import Qwen3Config
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron's tracker: the iteration ``--load`` resumes from, or ``release``."""
@@ -177,7 +178,7 @@ class StoredTensor:
     """Whether a leading dimension numbers the layers (torch_dist's layout)."""
 
 
-def stored_tensors(arch: Qwen3Arch, stored: dict[str, Any]) -> list[StoredTensor]:
+def stored_tensors(arch: Qwen3Config, stored: dict[str, Any]) -> list[StoredTensor]:
     """The checkpoint's model tensors in model order. A layer tensor is one stacked key
     (``decoder.layers.<name>``) or one key per layer; the input norms may carry the local
     spec's names. Unknown or missing tensors raise."""
@@ -244,10 +245,10 @@ def export(options: argparse.Namespace) -> int:
     return 0
 
 
-def _write_hf_tensors(stored: StoredTensor, tensor: torch.Tensor, arch: Qwen3Arch, out_arch: Qwen3Arch,
+def _write_hf_tensors(stored: StoredTensor, tensor: torch.Tensor, arch: Qwen3Config, out_arch: Qwen3Config,
                       writer: SafetensorsWriter, dtype: torch.dtype | None) -> None:
     """Each layer of one checkpoint tensor, shape-checked against ``arch``, as its Hugging Face tensors."""
-    shapes = arch.megatron_shapes()
+    shapes = megatron_shapes(arch)
     for name, piece in zip(stored.names, tensor.unbind(0) if stored.stacked else (tensor,), strict=True):
         if tuple(piece.shape) != shapes[name]:
             raise ConversionError(f"{stored.key} is {tuple(piece.shape)} per layer in the checkpoint, its saved "
@@ -343,7 +344,7 @@ def _publish(written: Path, final: Path) -> Path:
 # --------------------------------------------------------------------------- import
 
 
-def read_hf_config(hf_dir: Path) -> Qwen3Arch:
+def read_hf_config(hf_dir: Path) -> Qwen3Config:
     """The architecture of a Hugging Face directory's ``config.json`` (refused unless Qwen3)."""
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
@@ -389,7 +390,7 @@ class HFWeights:
                                   "config.json implies: the weights and the config do not match")
 
 
-def megatron_args_for(arch: Qwen3Arch, dtype: torch.dtype, tokenizer_dir: Path | None) -> argparse.Namespace:
+def megatron_args_for(arch: Qwen3Config, dtype: torch.dtype, tokenizer_dir: Path | None) -> argparse.Namespace:
     """Megatron's (and Canzona's) arguments of a one-process TP 1 run with this
     architecture, parsed and validated as ``pretrain_gpt.py`` does: the checkpoint records
     them, and the model is built from them."""
@@ -473,7 +474,7 @@ def sharded_metadata() -> dict[str, Any]:
     return {**CONTENT_METADATA, "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
 
 
-def copy_hf_weights(model: torch.nn.Module, weights: HFWeights, arch: Qwen3Arch) -> int:
+def copy_hf_weights(model: torch.nn.Module, weights: HFWeights, arch: Qwen3Config) -> int:
     """Copy every parameter of ``model`` from the Hugging Face tensors; returns the element count."""
     count, layer = 0, -1
     for name, param in model.named_parameters():
@@ -524,7 +525,7 @@ def import_(options: argparse.Namespace) -> int:
     if (save / TRACKER).exists() or (save / RELEASE).exists():
         raise ConversionError(f"--save {save} already holds a checkpoint: remove it or choose another directory")
     weights = HFWeights(hf_dir)
-    weights.require([name for megatron_name in arch.megatron_shapes() for name in hf_names(megatron_name)], hf_dir)
+    weights.require([name for megatron_name in megatron_shapes(arch) for name in hf_names(megatron_name)], hf_dir)
     dtype = DTYPES[options.dtype] if options.dtype != "auto" else weights["model.embed_tokens.weight"].dtype
     if dtype not in DTYPES.values():
         raise ConversionError(f"{hf_dir} stores {dtype} weights: pass --dtype float32, bfloat16 or float16")
@@ -542,7 +543,7 @@ def import_(options: argparse.Namespace) -> int:
     return 0
 
 
-def _print_training_flags(arch: Qwen3Arch, save: Path, tokenizer_dir: Path | None) -> None:
+def _print_training_flags(arch: Qwen3Config, save: Path, tokenizer_dir: Path | None) -> None:
     log(f"continue pretraining with pretrain_gpt.py --load {save} (iteration 0, fresh optimizer) and these "
         "architecture flags:")
     print(" ".join(megatron_flags(arch)), flush=True)

@@ -228,7 +228,7 @@ def build_model(args: argparse.Namespace, dtype):
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
         kv_channels=cfg.kv_channels, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True, add_bias_linear=False,
+        normalization="RMSNorm", layernorm_epsilon=cfg.norm_epsilon, qk_layernorm=True, add_bias_linear=False,
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         num_layers_in_first_pipeline_stage=args.first_stage_layers,
         num_layers_in_last_pipeline_stage=args.last_stage_layers,
@@ -246,7 +246,7 @@ def build_model(args: argparse.Namespace, dtype):
             vocab_size=padded_vocab_size(cfg.vocab_size, args.tp), max_sequence_length=cfg.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=cfg.tied_embeddings, position_embedding_type="rope",
-            rotary_base=1_000_000,
+            rotary_base=int(cfg.rotary_base),
         ).to(dtype)  # what Megatron's Float16Module does to a bf16 model
     return config, model
 

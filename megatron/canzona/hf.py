@@ -30,12 +30,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megatron.canzona.optim.split import GateUpLayout, QKVLayout
+from megatron.canzona.planning.qwen3 import Qwen3Config
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 """The Hugging Face class a converted directory loads as."""
@@ -76,62 +76,30 @@ class ConversionError(ValueError):
     """A checkpoint or directory that cannot be converted; the message names the fix."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Qwen3Arch:
-    """The architecture numbers both layouts share."""
+def megatron_shapes(arch: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Global shape of every Megatron tensor of a dense Qwen3 model, per-layer names included."""
+    h, d, f = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
+    per_layer = {
+        "self_attention.linear_qkv.layer_norm_weight": (h,),
+        "self_attention.linear_qkv.weight": ((arch.num_attention_heads + 2 * arch.num_query_groups) * d, h),
+        "self_attention.q_layernorm.weight": (d,),
+        "self_attention.k_layernorm.weight": (d,),
+        "self_attention.linear_proj.weight": (h, arch.num_attention_heads * d),
+        "mlp.linear_fc1.layer_norm_weight": (h,),
+        "mlp.linear_fc1.weight": (2 * f, h),
+        "mlp.linear_fc2.weight": (h, f),
+    }
+    shapes = {EMBEDDING: (arch.vocab_size, h)}
+    for layer in range(arch.num_layers):
+        shapes.update({f"{LAYER_PREFIX}{layer}.{name}": shape for name, shape in per_layer.items()})
+    shapes[FINAL_NORM] = (h,)
+    if not arch.tied_embeddings:
+        shapes[OUTPUT_LAYER] = (arch.vocab_size, h)
+    return shapes
 
-    num_layers: int
-    """Transformer layers."""
-    hidden_size: int
-    """Model width."""
-    ffn_hidden_size: int
-    """SwiGLU inner width (rows of gate and of up)."""
-    num_attention_heads: int
-    """Query heads."""
-    num_query_groups: int
-    """Key/value heads (grouped-query attention)."""
-    kv_channels: int
-    """Head dimension (Qwen3 sets it apart from hidden_size / heads)."""
-    vocab_size: int
-    """Rows of the embedding (and of the output layer): Megatron's padded vocabulary."""
-    norm_epsilon: float
-    """RMSNorm epsilon of every norm, QK-norms included."""
-    rotary_base: float
-    """RoPE theta."""
-    tied_embeddings: bool
-    """Whether the output layer reuses the input embedding."""
-    max_position_embeddings: int
-    """Longest sequence the model was trained on."""
-    init_method_std: float = 0.02
-    """Standard deviation of the weight initialization (recorded, not used by the weights)."""
 
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_attention_heads // self.num_query_groups
-
-    def megatron_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Global shape of every Megatron tensor, per-layer names included."""
-        h, d, f = self.hidden_size, self.kv_channels, self.ffn_hidden_size
-        per_layer = {
-            "self_attention.linear_qkv.layer_norm_weight": (h,),
-            "self_attention.linear_qkv.weight": ((self.num_attention_heads + 2 * self.num_query_groups) * d, h),
-            "self_attention.q_layernorm.weight": (d,),
-            "self_attention.k_layernorm.weight": (d,),
-            "self_attention.linear_proj.weight": (h, self.num_attention_heads * d),
-            "mlp.linear_fc1.layer_norm_weight": (h,),
-            "mlp.linear_fc1.weight": (2 * f, h),
-            "mlp.linear_fc2.weight": (h, f),
-        }
-        shapes = {EMBEDDING: (self.vocab_size, h)}
-        for layer in range(self.num_layers):
-            shapes.update({f"{LAYER_PREFIX}{layer}.{name}": shape for name, shape in per_layer.items()})
-        shapes[FINAL_NORM] = (h,)
-        if not self.tied_embeddings:
-            shapes[OUTPUT_LAYER] = (self.vocab_size, h)
-        return shapes
-
-    def num_parameters(self) -> int:
-        return sum(math.prod(shape) for shape in self.megatron_shapes().values())
+def num_parameters(arch: Qwen3Config) -> int:
+    return sum(math.prod(shape) for shape in megatron_shapes(arch).values())
 
 
 # --------------------------------------------------------------------------- names
@@ -159,7 +127,7 @@ def checkpoint_name(module_name: str) -> str:
 # --------------------------------------------------------------------------- tensors
 
 
-def to_hf(megatron_name: str, tensor: torch.Tensor, arch: Qwen3Arch) -> dict[str, torch.Tensor]:
+def to_hf(megatron_name: str, tensor: torch.Tensor, arch: Qwen3Config) -> dict[str, torch.Tensor]:
     """One Megatron tensor as its Hugging Face tensor(s), keyed by name. The embedding and
     output layer keep their first ``arch.vocab_size`` rows (all of them unless trimmed)."""
     names = hf_names(megatron_name)
@@ -173,14 +141,14 @@ def to_hf(megatron_name: str, tensor: torch.Tensor, arch: Qwen3Arch) -> dict[str
     return dict(zip(names, parts, strict=True))
 
 
-def from_hf(megatron_name: str, tensors: Mapping[str, torch.Tensor], arch: Qwen3Arch) -> torch.Tensor:
+def from_hf(megatron_name: str, tensors: Mapping[str, torch.Tensor], arch: Qwen3Config) -> torch.Tensor:
     """The Megatron tensor made of Hugging Face ``tensors`` (which hold at least its :func:`hf_names`)."""
     parts = [tensors[name] for name in hf_names(megatron_name)]
     layout = _fused_layout(megatron_name, arch)
     return parts[0] if layout is None else layout.merge(parts)
 
 
-def _fused_layout(megatron_name: str, arch: Qwen3Arch) -> QKVLayout | GateUpLayout | None:
+def _fused_layout(megatron_name: str, arch: Qwen3Config) -> QKVLayout | GateUpLayout | None:
     """How a checkpoint tensor splits into Hugging Face's: a whole (TP-unsharded) fused QKV or fc1."""
     if megatron_name.endswith("linear_qkv.weight"):
         return QKVLayout(num_query_groups=arch.num_query_groups, heads_per_group=arch.heads_per_group,
@@ -220,7 +188,7 @@ _QWEN3_ARGS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
-def arch_from_megatron_args(args: Any) -> Qwen3Arch:
+def arch_from_megatron_args(args: Any) -> Qwen3Config:
     """The architecture of a checkpoint saved by ``pretrain_gpt.py`` (its Megatron ``args``);
     ``vocab_size`` is Megatron's padded vocabulary."""
     for attribute, qwen3, flag in _QWEN3_ARGS:
@@ -230,7 +198,7 @@ def arch_from_megatron_args(args: Any) -> Qwen3Arch:
                 f"the checkpoint was trained with {attribute}={value!r}; a Qwen3 model needs {flag}: "
                 "only Qwen3-architecture checkpoints export (examples/qwen3/common.sh has the flags)")
     heads = args.num_attention_heads
-    return Qwen3Arch(
+    return Qwen3Config(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -266,7 +234,7 @@ def _rope_theta(config: Mapping[str, Any], path: str) -> float:
     return float(theta)
 
 
-def arch_from_hf_config(config: Mapping[str, Any], path: str = "config.json") -> Qwen3Arch:
+def arch_from_hf_config(config: Mapping[str, Any], path: str = "config.json") -> Qwen3Config:
     """The architecture of a Hugging Face Qwen3 ``config.json`` (as a dict)."""
     model_type, architectures = config.get("model_type"), config.get("architectures")
     if model_type != MODEL_TYPE or ARCHITECTURE not in (architectures or [ARCHITECTURE]):
@@ -281,7 +249,7 @@ def arch_from_hf_config(config: Mapping[str, Any], path: str = "config.json") ->
         if not ok:
             raise _not_qwen3(path, what)
     heads = config["num_attention_heads"]
-    return Qwen3Arch(
+    return Qwen3Config(
         num_layers=config["num_hidden_layers"],
         hidden_size=config["hidden_size"],
         ffn_hidden_size=config["intermediate_size"],
@@ -297,7 +265,7 @@ def arch_from_hf_config(config: Mapping[str, Any], path: str = "config.json") ->
     )
 
 
-def hf_config(arch: Qwen3Arch, dtype: torch.dtype) -> dict[str, Any]:
+def hf_config(arch: Qwen3Config, dtype: torch.dtype) -> dict[str, Any]:
     """``config.json`` of a Hugging Face Qwen3 model with this architecture.
 
     RoPE and the dtype are written the transformers 4 way (``rope_theta``, ``torch_dtype``)
@@ -343,7 +311,7 @@ def vocab_divisor(vocab_size: int) -> int:
     return vocab_size // math.gcd(vocab_size, 128)
 
 
-def megatron_flags(arch: Qwen3Arch) -> list[str]:
+def megatron_flags(arch: Qwen3Config) -> list[str]:
     """The ``pretrain_gpt.py`` flags of this architecture, as examples/qwen3/common.sh spells
     them (without ``--seq-length``/``--max-position-embeddings``: those are the run's choice)."""
     flags = [

@@ -1,5 +1,6 @@
-"""One definition per name: the matrix optimizers' names, the TP modes and the provenance
-helpers live in one place each, and everything else reads them from there."""
+"""One definition per name: the matrix optimizers' names, the TP modes, the provenance
+helpers and the Qwen3 architecture live in one place each, and everything else reads them
+from there."""
 
 from __future__ import annotations
 
@@ -41,3 +42,19 @@ def test_git_revision_is_head_and_defined_once():
         assert git_revision() == done.stdout.strip()
     defining = [p.relative_to(ROOT) for p in SOURCES if re.search(r"^def git_revision\(", p.read_text(), flags=re.M)]
     assert [str(p) for p in defining] == ["megatron/canzona/provenance.py"]
+
+
+def test_one_class_describes_a_qwen3_architecture():
+    """The planner's catalog, the dry run and the Hugging Face conversion share
+    ``planning.qwen3.Qwen3Config``: no other class declares the fields that describe one
+    (``num_query_groups`` and ``kv_channels`` beside ``num_layers``)."""
+    import ast
+
+    declaring = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                declared = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+                if {"num_layers", "num_query_groups", "kv_channels"} <= declared:
+                    declaring.append(f"{path.relative_to(ROOT)}:{node.name}")
+    assert declaring == ["megatron/canzona/planning/qwen3.py:Qwen3Config"], declaring

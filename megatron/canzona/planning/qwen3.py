@@ -23,10 +23,12 @@ from .specs import ParamSpec
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3Config:
-    """Architecture of one Qwen3 model (dense, or mixture-of-experts when ``num_experts`` > 0)."""
+    """Architecture of one Qwen3 model (dense, or mixture-of-experts when ``num_experts`` > 0):
+    the one definition the planner's catalog, the dry run and the Hugging Face conversion
+    (:mod:`megatron.canzona.hf`) share."""
 
-    name: str
-    """Catalog key, e.g. ``qwen3-8b``."""
+    name: str = dataclasses.field(default="qwen3", compare=False)
+    """Catalog key, e.g. ``qwen3-8b`` (a converted checkpoint's is ``qwen3``; not compared)."""
     num_layers: int
     """Transformer layers."""
     hidden_size: int
@@ -41,7 +43,9 @@ class Qwen3Config:
     kv_channels: int = 128
     """Head dimension."""
     vocab_size: int = 151936
-    """Tokenizer vocabulary before Megatron's padding."""
+    """Rows of the embedding (and output layer) of the published model, Hugging Face's
+    ``vocab_size``; Megatron pads it further to a multiple of its divisor times TP unless
+    ``--make-vocab-size-divisible-by`` says otherwise (:func:`megatron.canzona.hf.vocab_divisor`)."""
     tied_embeddings: bool = False
     """Whether the output layer reuses the input embedding."""
     seq_length: int = 4096
@@ -52,6 +56,14 @@ class Qwen3Config:
     """SwiGLU inner width of one expert (HF ``moe_intermediate_size``)."""
     moe_router_topk: int = 0
     """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon of every norm, QK-norms included."""
+    rotary_base: float = 1_000_000.0
+    """RoPE theta."""
+    max_position_embeddings: int = 40960
+    """Longest sequence the model was trained on."""
+    init_method_std: float = 0.02
+    """Standard deviation of the weight initialization (recorded, not used by the weights)."""
 
     def __post_init__(self) -> None:
         if self.num_experts < 0:
@@ -65,6 +77,10 @@ class Qwen3Config:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
 
 
 QWEN3_MODELS: dict[str, Qwen3Config] = {
