@@ -31,10 +31,9 @@ import os
 import sys
 import time
 
-
-from megatron.canzona.planning import DEFAULT_ALPHA, OPTIMIZERS, QWEN3_MODELS, get_qwen3_config, qwen3_specs  # noqa: E402
-from megatron.canzona.planning.grid import expert_coordinates, expert_dp_size  # noqa: E402
-from megatron.canzona.planning.memory import (  # noqa: E402
+from megatron.canzona.planning import DEFAULT_ALPHA, OPTIMIZERS, QWEN3_MODELS, get_qwen3_config, qwen3_specs
+from megatron.canzona.planning.grid import expert_coordinates, expert_dp_size
+from megatron.canzona.planning.memory import (
     FIELD_KINDS,
     STATE_BYTES,
     STATE_KINDS,
@@ -42,9 +41,10 @@ from megatron.canzona.planning.memory import (  # noqa: E402
     StateLayout,
     rank_memory,
 )
-from megatron.canzona.planning.pipeline import FIRST_FLAG, LAST_FLAG, stage_layer_counts  # noqa: E402
-from megatron.canzona.planning.qwen3 import padded_vocab_size  # noqa: E402
-from megatron.canzona.planning.qwen3_moe import check_experts  # noqa: E402
+from megatron.canzona.planning.pipeline import FIRST_FLAG, LAST_FLAG, stage_layer_counts
+from megatron.canzona.planning.qwen3 import padded_vocab_size
+from megatron.canzona.planning.qwen3_moe import check_experts
+from megatron.canzona.runtime.config import LAYOUT_CHOICES, CanzonaConfig
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="planner balance knob")
     p.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket (default: Megatron's)")
-    p.add_argument("--layout", "--canzona-layout", dest="layout", choices=("whole", "lean", "auto"), default="auto",
+    p.add_argument("--layout", "--canzona-layout", dest="layout", choices=LAYOUT_CHOICES, default=CanzonaConfig.layout,
                    help="DP layout of the matrix buffers (pretrain_gpt.py's --canzona-layout)")
     p.add_argument("--cluster", "--canzona-cluster", dest="cluster", default="h100-ib400",
                    help="cluster the auto layout is projected on (a preset or a TOML/JSON file)")

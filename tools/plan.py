@@ -19,8 +19,7 @@ import platform
 import sys
 import time
 
-
-from megatron.canzona.planning import (  # noqa: E402
+from megatron.canzona.planning import (
     OPTIMIZERS,
     DEFAULT_ALPHA,
     EXPERT_LAYOUTS,
@@ -46,9 +45,9 @@ from megatron.canzona.planning import (  # noqa: E402
     summarize_sync,
     with_experts,
 )
-from megatron.canzona.planning.geometry import default_bucket_size  # noqa: E402
-from megatron.canzona.planning.megatron_main import plan_megatron_main  # noqa: E402
-from megatron.canzona.provenance import git_revision  # noqa: E402
+from megatron.canzona.planning.geometry import default_bucket_size
+from megatron.canzona.planning.megatron_main import plan_megatron_main
+from megatron.canzona.provenance import git_revision
 
 STRATEGIES = ("canzona", "canzona_other", "eq1", "megatron_layerwise", "megatron_main", "zero1")
 """``canzona`` is the ``--layout`` plan; ``canzona_other`` (with ``--compare``) stands for the

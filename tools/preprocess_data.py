@@ -20,9 +20,8 @@ import os
 import sys
 import time
 
-
-from megatron.canzona.data.indexed import PreprocessConfig, preprocess  # noqa: E402
-from megatron.canzona.data.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES  # noqa: E402
+from megatron.canzona.data.indexed import PreprocessConfig, preprocess
+from megatron.canzona.data.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -17,9 +17,8 @@ import os
 import sys
 import time
 
-
-from megatron.canzona.data.corpus import check_input_files, iter_texts  # noqa: E402
-from megatron.canzona.data.tokenizer import MODEL_TYPES, TokenizerTrainConfig, train_sentencepiece  # noqa: E402
+from megatron.canzona.data.corpus import check_input_files, iter_texts
+from megatron.canzona.data.tokenizer import MODEL_TYPES, TokenizerTrainConfig, train_sentencepiece
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -36,13 +36,11 @@ require_pinned_megatron()
 from megatron.canzona.optim import ShampooConfig, SOAPConfig  # noqa: E402
 from megatron.canzona.planning import OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
 from megatron.training.argument_utils import ArgumentGroupFactory  # noqa: E402
-from megatron.canzona.runtime.config import TP_MODES  # noqa: E402
+from megatron.canzona.runtime.config import COSTS, LAYOUT_CHOICES, TP_MODES, CanzonaConfig  # noqa: E402
 
 
 CANZONA_ONLY_OPTIMIZERS = ("shampoo",)
 """Choices of ``--optimizer`` that only Canzona implements (Megatron 0.19.2 has no Shampoo)."""
-
-COST_MODELS = ("flops", "numel")
 
 
 
@@ -80,42 +78,44 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--canzona", action="store_true",
                        help="Partition the matrix optimizer (--optimizer muon|shampoo|soap) over "
                        "DP and TP ranks with Canzona (needs --use-distributed-optimizer).")
-    group.add_argument("--canzona-alpha", type=float, default=0.5,
+    defaults = CanzonaConfig  # one set of defaults: the config's
+    group.add_argument("--canzona-alpha", type=float, default=defaults.alpha,
                        help="Balance weight in [0, 1]: 0 favours the fewest bytes sent per rank (padding "
                        "and gathers of matrices split across DP shards), 1 equal optimizer compute per rank.")
-    group.add_argument("--canzona-cost", choices=COST_MODELS, default="flops",
+    group.add_argument("--canzona-cost", choices=COSTS, default=defaults.cost,
                        help="What is balanced across ranks: the optimizer's FLOPs per matrix or "
                        "its element count.")
-    group.add_argument("--canzona-layout", choices=("whole", "lean", "auto"), default="auto",
+    group.add_argument("--canzona-layout", choices=LAYOUT_CHOICES, default=defaults.layout,
                        help="DP layout of the matrix buffers: whole = every matrix whole in one DP rank's "
                        "shard, shards of variable size (no DP traffic in the optimizer step); lean = "
                        "Megatron's equal shards, matrices across a shard boundary gathered to a host in "
                        "the step; auto = the one projected faster on --canzona-cluster (default).")
-    group.add_argument("--canzona-cluster", type=str, default=None,
+    group.add_argument("--canzona-cluster", type=str, default=defaults.cluster,
                        help="Cluster the auto layout is projected on: a preset (h100-ib400, h800-ib400, "
                        "gb300-nvl72, ...) or a TOML/JSON file (tools/simulate.py's schema). Default: "
                        "h100-ib400 on CUDA, this machine's gloo probe on CPU.")
     group.add_argument("--canzona-split-qkv", action="store_true", dest="canzona_split_qkv",
-                       default=True,
+                       default=defaults.split_qkv,
                        help="Treat Q, K and V of the fused QKV weight as separate matrices "
                        "(default, as Megatron's Muon).")
     group.add_argument("--canzona-no-split-qkv", action="store_false", dest="canzona_split_qkv",
                        help="Treat the fused QKV weight as one matrix.")
-    group.add_argument("--canzona-split-gate-up", action="store_true",
+    group.add_argument("--canzona-split-gate-up", action="store_true", default=defaults.split_gate_up,
                        help="Treat gate and up halves of the fused SwiGLU fc1 weight as separate "
                        "matrices, each its own task with its own host (under TP, two TP ranks of "
                        "the owner compute them side by side).")
     group.add_argument("--canzona-no-stagger-refresh", action="store_false", dest="canzona_stagger_refresh",
                        help="Refresh every Shampoo/SOAP preconditioner in the same steps (1, 1+f, ...) "
                        "instead of from an offset per matrix, taken from its name.")
-    group.add_argument("--canzona-tp-mode", choices=TP_MODES, default="async",
+    group.add_argument("--canzona-tp-mode", choices=TP_MODES, default=defaults.tp_mode,
                        help="How matrices that cross ranks are updated: async = one host rank per matrix "
                        "with pipelined micro-grouped all-to-alls; sync = every rank holding a piece "
                        "gathers and computes it (synchronous-compute baseline).")
     group.add_argument("--canzona-no-early-gather", action="store_false", dest="canzona_early_gather",
+                       default=defaults.early_gather,
                        help="Issue the host-group gathers in the optimizer step instead of as each bucket's "
                        "gradients finish reducing (the default: they overlap the rest of backward).")
-    group.add_argument("--canzona-tp-group-budget", type=float, default=None,
+    group.add_argument("--canzona-tp-group-budget", type=float, default=defaults.tp_group_budget,
                        help="Most cost one host takes in one micro-group (default: about a quarter of "
                        "the busiest host's work, two groups at least on a host with two matrices).")
     group.add_argument("--canzona-metrics-file", type=str, default=None,

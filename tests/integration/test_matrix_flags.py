@@ -66,3 +66,12 @@ def test_a_bad_choice_is_refused_in_one_line(capsys):
     with pytest.raises(SystemExit):
         parse("--optimizer", "shampoo", "--shampoo-root-dtype", "float16")
     assert "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_the_canzona_flags_default_to_the_config():
+    from megatron.canzona.runtime.config import CanzonaConfig
+
+    parsed, stock = canzona_config_from_args(parse("--optimizer", "muon")), CanzonaConfig()
+    for name in ("alpha", "cost", "layout", "cluster", "split_qkv", "split_gate_up", "tp_mode", "tp_group_budget",
+                 "early_gather"):
+        assert getattr(parsed, name) == getattr(stock, name), name

@@ -9,6 +9,10 @@ from megatron.canzona.optim import AdamWConfig, MuonConfig, ShampooConfig, SOAPC
 from megatron.canzona.planning import DEFAULT_ALPHA, LAYOUTS, OPTIMIZERS
 from megatron.canzona.runtime.host_groups import MODES as TP_MODES
 MatrixConfig = MuonConfig | ShampooConfig | SOAPConfig
+COSTS = ("flops", "numel")
+"""What the planner balances: the optimizer's FLOPs per matrix, or its element count."""
+LAYOUT_CHOICES = (*LAYOUTS, "auto")
+"""DP layouts of the matrix buffers, and ``auto``: the one projected faster."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,10 +58,10 @@ class CanzonaConfig:
             raise TypeError(f"optimizer={self.optimizer!r} needs a {expected.__name__}, got {type(self.matrix).__name__}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
-        if self.cost not in ("flops", "numel"):
-            raise ValueError(f"cost must be 'flops' or 'numel', got {self.cost!r}")
-        if self.layout not in (*LAYOUTS, "auto"):
-            raise ValueError(f"layout must be one of {', '.join((*LAYOUTS, 'auto'))}, got {self.layout!r}")
+        if self.cost not in COSTS:
+            raise ValueError(f"cost must be one of {', '.join(COSTS)}, got {self.cost!r}")
+        if self.layout not in LAYOUT_CHOICES:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUT_CHOICES)}, got {self.layout!r}")
         if self.tp_mode not in TP_MODES:
             raise ValueError(f"tp_mode must be 'async' or 'sync', got {self.tp_mode!r}")
 
