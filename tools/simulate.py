@@ -67,7 +67,7 @@ RECIPE_KEYS = {"TP": "tp", "PP": "pp", "EP": "ep", "ETP": "etp", "MICRO_BATCH": 
 def recipe_defaults(model: str) -> dict[str, int]:
     """Parallel sizes and batch of a model's recipe: common.sh's defaults, then the recipe's
     ``VAR="${VAR:-N}"`` lines (the recipe wins)."""
-    pattern = re.compile(r'^\s*(\w+)="\$\{\w+:-(\d+)\}"', re.MULTILINE)
+    pattern = re.compile(r'(?:^|\s)(\w+)="\$\{\w+:-(\d+)\}"', re.MULTILINE)
     out: dict[str, Any] = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "micro_batch": 1, "global_batch": 128,
                            "seq_length": 4096, "first_stage_layers": None, "last_stage_layers": None}
     recipe = os.path.join(RECIPE_DIR, f"pretrain_{model.replace('-', '_')}.sh")

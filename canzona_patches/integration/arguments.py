@@ -44,6 +44,11 @@ CANZONA_ONLY_OPTIMIZERS = ("shampoo",)
 
 
 
+CANZONA_FLAG_FIELDS = ("alpha", "cost", "split_qkv", "split_gate_up", "tp_mode", "tp_group_budget", "early_gather",
+                       "layout", "cluster")
+"""The fields of ``CanzonaConfig`` that a ``--canzona-<field>`` flag sets (``dest`` ``canzona_<field>``)."""
+
+
 class CanzonaArgumentError(ValueError):
     """A bad combination of flags; the message is one line and names the fix."""
 
@@ -390,20 +395,9 @@ def canzona_config_from_args(args: argparse.Namespace):
         "shampoo": lambda: MATRIX_FLAGS["shampoo"].config(args, stagger_refresh=args.canzona_stagger_refresh),
         "soap": lambda: MATRIX_FLAGS["soap"].config(args, stagger_refresh=args.canzona_stagger_refresh),
     }[args.optimizer]()
-    return CanzonaConfig(
-        optimizer=args.optimizer,
-        matrix=matrix,
-        adamw=AdamWConfig(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps),
-        alpha=args.canzona_alpha,
-        cost=args.canzona_cost,
-        split_qkv=args.canzona_split_qkv,
-        split_gate_up=args.canzona_split_gate_up,
-        tp_mode=args.canzona_tp_mode,
-        tp_group_budget=args.canzona_tp_group_budget,
-        early_gather=args.canzona_early_gather,
-        layout=args.canzona_layout,
-        cluster=args.canzona_cluster,
-    )
+    adamw = AdamWConfig(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, adamw=adamw,
+                         **{field: getattr(args, f"canzona_{field}") for field in CANZONA_FLAG_FIELDS})
 
 
 def escaping_percent_in_help(build: Callable[..., dict], run: Any) -> Callable[..., dict]:

@@ -1,13 +1,12 @@
 # shellcheck shell=bash
 # Shared flags and launcher of the Qwen3 recipes (examples/qwen3/pretrain_qwen3_*.sh).
 #
-# A recipe sets its architecture (NUM_LAYERS, HIDDEN_SIZE, FFN_HIDDEN_SIZE, NUM_HEADS,
-# NUM_QUERY_GROUPS, KV_CHANNELS, VOCAB_SIZE, TIED_EMBEDDINGS, the numbers of
-# megatron/canzona/planning/qwen3.py; a mixture of experts adds NUM_EXPERTS, MOE_TOPK and
-# MOE_FFN_HIDDEN_SIZE, and on CPU MOE_GROUPED_GEMM=0) and its defaults
-# for the layout and batch, sources this file and calls `qwen3_recipe_main "$@"` (a CPU
-# recipe: `qwen3_cpu_main "$@"`). Arguments go to pretrain_gpt.py last, so they win over every
-# flag below.
+# A recipe sets MODEL (a name of the catalog, megatron/canzona/planning/qwen3.py, whose
+# architecture qwen3_architecture reads: NUM_LAYERS, HIDDEN_SIZE, ..., and NUM_EXPERTS,
+# MOE_TOPK, MOE_FFN_HIDDEN_SIZE for a mixture of experts; on CPU it adds MOE_GROUPED_GEMM=0)
+# and its defaults for the layout and batch, sources this file and calls
+# `qwen3_recipe_main "$@"` (a CPU recipe: `qwen3_cpu_main "$@"`). Arguments go to
+# pretrain_gpt.py last, so they win over every flag below.
 #
 # Environment (all optional):
 #   VARIANT        canzona (default): --optimizer $OPTIMIZER --canzona, asynchronous TP compute
@@ -78,7 +77,24 @@ qwen3_optimizer_args() {
     esac
 }
 
+# The architecture of MODEL, from the catalog (its one definition), as shell variables.
+qwen3_architecture() {
+    local assignments name value
+    assignments="$("$PYTHON" -c 'import sys
+from megatron.canzona.planning.qwen3 import get_qwen3_config, recipe_variables
+for name, value in recipe_variables(get_qwen3_config(sys.argv[1])).items():
+    print(f"{name}={value}")' "$MODEL")" \
+        || qwen3_die "cannot read MODEL=$MODEL from the catalog with $PYTHON: name a model of" \
+            "megatron/canzona/planning/qwen3.py, and install the repository (make venv, or pip install -e .)"
+    unset NUM_LAYERS NUM_EXPERTS MOE_TOPK MOE_FFN_HIDDEN_SIZE  # the catalog's only, whatever the environment says
+    while IFS='=' read -r name value; do
+        [[ -n "$name" ]] && printf -v "$name" '%s' "$value"
+    done <<< "$assignments"
+    [[ -n "${NUM_LAYERS:-}" ]] || qwen3_die "$PYTHON printed no architecture for MODEL=$MODEL"
+}
+
 qwen3_model_args() {
+    qwen3_architecture
     # Megatron pads the tokenizer's vocabulary to a multiple of this times TP. Qwen3's
     # embedding has VOCAB_SIZE rows, a multiple of 128; with VOCAB_SIZE/128 as the divisor
     # the padded size is VOCAB_SIZE itself for every TP size that divides 128.
@@ -87,11 +103,11 @@ qwen3_model_args() {
         --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --ffn-hidden-size "$FFN_HIDDEN_SIZE"
         --num-attention-heads "$NUM_HEADS" --group-query-attention
         --num-query-groups "$NUM_QUERY_GROUPS" --kv-channels "$KV_CHANNELS"
-        --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --qk-layernorm --disable-bias-linear
-        --position-embedding-type rope --rotary-base 1000000
+        --normalization RMSNorm --norm-epsilon "$NORM_EPSILON" --swiglu --qk-layernorm --disable-bias-linear
+        --position-embedding-type rope --rotary-base "$ROTARY_BASE"
         --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
         --make-vocab-size-divisible-by "$vocab_divisor"
-        --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02
+        --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std "$INIT_METHOD_STD"
     )
     if [[ "$TIED_EMBEDDINGS" != 1 ]]; then
         MODEL_ARGS+=(--untie-embeddings-and-output-weights)

@@ -10,13 +10,6 @@
 #
 # VARIANT=canzona|sync|layerwise|adamw and the other settings: see common.sh beside this file.
 set -euo pipefail
-
-MODEL=qwen3-1.7b
-NUM_LAYERS=28 HIDDEN_SIZE=2048 FFN_HIDDEN_SIZE=6144 NUM_HEADS=16
-NUM_QUERY_GROUPS=8 KV_CHANNELS=128 VOCAB_SIZE=151936 TIED_EMBEDDINGS=1
-TP="${TP:-1}"
-MICRO_BATCH="${MICRO_BATCH:-2}"
-
+MODEL=qwen3-1.7b TP="${TP:-1}" MICRO_BATCH="${MICRO_BATCH:-2}"
 # shellcheck source-path=SCRIPTDIR source=common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-qwen3_recipe_main "$@"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh" && qwen3_recipe_main "$@"

@@ -10,13 +10,6 @@
 #
 # VARIANT=canzona|sync|layerwise|adamw and the other settings: see common.sh beside this file.
 set -euo pipefail
-
-MODEL=qwen3-14b
-NUM_LAYERS=40 HIDDEN_SIZE=5120 FFN_HIDDEN_SIZE=17408 NUM_HEADS=40
-NUM_QUERY_GROUPS=8 KV_CHANNELS=128 VOCAB_SIZE=151936 TIED_EMBEDDINGS=0
-TP="${TP:-4}"
-MICRO_BATCH="${MICRO_BATCH:-1}"
-
+MODEL=qwen3-14b TP="${TP:-4}" MICRO_BATCH="${MICRO_BATCH:-1}"
 # shellcheck source-path=SCRIPTDIR source=common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-qwen3_recipe_main "$@"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh" && qwen3_recipe_main "$@"

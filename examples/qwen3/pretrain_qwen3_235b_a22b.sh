@@ -18,10 +18,6 @@
 set -euo pipefail
 
 MODEL=qwen3-235b-a22b
-# FFN_HIDDEN_SIZE is config.json's intermediate_size; no layer has a dense MLP, so none uses it.
-NUM_LAYERS=94 HIDDEN_SIZE=4096 FFN_HIDDEN_SIZE=12288 NUM_HEADS=64
-NUM_QUERY_GROUPS=4 KV_CHANNELS=128 VOCAB_SIZE=151936 TIED_EMBEDDINGS=0
-NUM_EXPERTS=128 MOE_TOPK=8 MOE_FFN_HIDDEN_SIZE=1536
 TP="${TP:-4}"
 PP="${PP:-8}"
 # 94 layers do not split into 8 equal stages: 11 + 6 x 12 + 11.

@@ -14,10 +14,6 @@
 set -euo pipefail
 
 MODEL=qwen3-moe-tiny
-# FFN_HIDDEN_SIZE is qwen3-tiny's dense width; no layer has a dense MLP, so none uses it.
-NUM_LAYERS=2 HIDDEN_SIZE=64 FFN_HIDDEN_SIZE=176 NUM_HEADS=4
-NUM_QUERY_GROUPS=2 KV_CHANNELS=16 VOCAB_SIZE=1024 TIED_EMBEDDINGS=0
-NUM_EXPERTS=4 MOE_TOPK=2 MOE_FFN_HIDDEN_SIZE=32
 # The local transformer layers of the CPU path have no grouped GEMM: experts run one by one.
 MOE_GROUPED_GEMM=0
 EP="${EP:-2}"

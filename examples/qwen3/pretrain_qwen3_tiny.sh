@@ -16,8 +16,6 @@
 set -euo pipefail
 
 MODEL=qwen3-tiny
-NUM_LAYERS=2 HIDDEN_SIZE=64 FFN_HIDDEN_SIZE=176 NUM_HEADS=4
-NUM_QUERY_GROUPS=2 KV_CHANNELS=16 VOCAB_SIZE=1024 TIED_EMBEDDINGS=0
 
 # shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

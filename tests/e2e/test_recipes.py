@@ -389,12 +389,16 @@ def test_cluster_settings_follow_the_environment() -> None:
 
 
 def launch_checks(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    """The 8B recipe for real up to its launch, with ``true`` as the interpreter that torchrun
-    would be: exit status 0 once the dataset and tokenizer checks pass."""
+    """The 8B recipe for real up to its launch, with an interpreter that reads the catalog
+    (``python -c``) but launches nothing (exits 0 in place of torchrun): exit status 0 once
+    the dataset and tokenizer checks pass."""
     prefix = tmp_path / "corpus_text_document"
     for suffix in (".bin", ".idx"):
         prefix.with_name(prefix.name + suffix).touch()
-    full_env = {"PATH": os.environ["PATH"], "PYTHON": "true", "DATA_PATH": str(prefix),
+    python = tmp_path / "python"
+    python.write_text(f'#!/usr/bin/env bash\n[[ "$1" == -c ]] && exec {shlex.quote(sys.executable)} "$@"\nexit 0\n')
+    python.chmod(0o755)
+    full_env = {"PATH": os.environ["PATH"], "PYTHON": str(python), "DATA_PATH": str(prefix),
                 "LOG_DIR": str(tmp_path / "log"), **env}
     return subprocess.run(["bash", str(RECIPES_DIR / RECIPES["qwen3-8b"])], env=full_env, capture_output=True,
                           text=True, timeout=30, check=False)

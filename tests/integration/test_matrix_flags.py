@@ -10,7 +10,12 @@ import dataclasses
 
 import pytest
 
-from canzona_patches.integration.arguments import MATRIX_FLAGS, add_canzona_args, canzona_config_from_args
+from canzona_patches.integration.arguments import (
+    CANZONA_FLAG_FIELDS,
+    MATRIX_FLAGS,
+    add_canzona_args,
+    canzona_config_from_args,
+)
 from megatron.canzona.optim import ShampooConfig, SOAPConfig
 
 
@@ -72,6 +77,5 @@ def test_the_canzona_flags_default_to_the_config():
     from megatron.canzona.runtime.config import CanzonaConfig
 
     parsed, stock = canzona_config_from_args(parse("--optimizer", "muon")), CanzonaConfig()
-    for name in ("alpha", "cost", "layout", "cluster", "split_qkv", "split_gate_up", "tp_mode", "tp_group_budget",
-                 "early_gather"):
+    for name in CANZONA_FLAG_FIELDS:
         assert getattr(parsed, name) == getattr(stock, name), name

@@ -125,6 +125,22 @@ def get_qwen3_config(model: str) -> Qwen3Config:
     return QWEN3_MODELS[key]
 
 
+def recipe_variables(cfg: Qwen3Config) -> dict[str, str]:
+    """The architecture as the shell variables of the Qwen3 recipes (``examples/qwen3/common.sh``
+    reads them from here: the catalog is their one definition)."""
+    out = {
+        "NUM_LAYERS": cfg.num_layers, "HIDDEN_SIZE": cfg.hidden_size, "FFN_HIDDEN_SIZE": cfg.ffn_hidden_size,
+        "NUM_HEADS": cfg.num_attention_heads, "NUM_QUERY_GROUPS": cfg.num_query_groups,
+        "KV_CHANNELS": cfg.kv_channels, "VOCAB_SIZE": cfg.vocab_size, "TIED_EMBEDDINGS": int(cfg.tied_embeddings),
+        "NORM_EPSILON": repr(cfg.norm_epsilon), "ROTARY_BASE": int(cfg.rotary_base),
+        "INIT_METHOD_STD": repr(cfg.init_method_std),
+    }
+    if cfg.is_moe:
+        out |= {"NUM_EXPERTS": cfg.num_experts, "MOE_TOPK": cfg.moe_router_topk,
+                "MOE_FFN_HIDDEN_SIZE": cfg.moe_ffn_hidden_size}
+    return {name: str(value) for name, value in out.items()}
+
+
 def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
     """Megatron pads the vocabulary to a multiple of divisible_by × tp_size."""
     return round_up(vocab_size, divisible_by * tp_size)
