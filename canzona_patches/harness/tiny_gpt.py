@@ -291,7 +291,7 @@ def _sync_muon(run: TinyRun, ddp_model, optimizer_config):
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
     from canzona_patches.integration.layout import is_matrix_param
-    from canzona_patches.integration.optimizer import fused_layout
+    from canzona_patches.integration.setup import fused_layout
     from megatron.canzona.optim import Muon
 
     cfg = canzona_config(run)

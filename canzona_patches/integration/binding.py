@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, tp_stride
+from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR
 from canzona_patches.integration.names import global_param_names
 from megatron.canzona.optim.split import FusedLayout
 from megatron.canzona.planning import CanzonaPlan
@@ -62,11 +62,13 @@ class Binding:
 
 
 def bind_plan(
-    plan: CanzonaPlan, optimizer: Any, model_chunks: list, *, full_layout: Any, coord: Coord,
+    plan: CanzonaPlan, optimizer: Any, model_chunks: list, *, coord: Coord,
+    fused_layouts: dict[tuple[int, str], FusedLayout | None], tp_strides: dict[tuple[int, str], int],
 ) -> Binding:
     """Tasks, pieces and layouts of ``plan`` on this rank (``coord`` = (DP rank, TP rank))
     of a DistributedOptimizer built over DDP chunks laid out by the plan's layouts.
-    ``full_layout(name, module)`` gives a matrix's fused layout at full (TP-global) size.
+    ``fused_layouts`` and ``tp_strides`` give each matrix parameter's fused layout at full
+    (TP-global) size and its TP stride, by (chunk, name) (the run's ``CanzonaSetup``).
     The tasks are the plan's schedule (:func:`~megatron.canzona.planning.schedule.plan_schedule`);
     this only attaches each one's local tensor and checks the model agrees with the plan."""
     modules = [chunk.module for chunk in model_chunks]
@@ -84,7 +86,6 @@ def bind_plan(
         if task.tp_sharded != (bool(getattr(param, "tensor_model_parallel", False)) and plan.tp_size > 1):
             raise RuntimeError(f"the plan treats {task.name} as {'' if task.tp_sharded else 'not '}TP-sharded, the "
                                f"model does not; re-plan with this model's tensor-parallel layout")
-        module = modules[task.chunk]
         shape = tuple(param.shape)
         if task.span is not None:  # a part hosted apart: a block of whole rows of every TP shard
             rows, cols = shape
@@ -95,9 +96,8 @@ def bind_plan(
             counts[(task.chunk, task.name)] = max(counts.get((task.chunk, task.name), 0), task.part + 1)
         tasks.append(MatrixTask(task=task, local_shape=shape,
                                 tp_dim=param.partition_dim if task.tp_sharded else None,
-                                stride=(tp_stride(task.name, module.config.gated_linear_unit)
-                                        if task.tp_sharded and task.span is None else 1)))
-        layouts[task.key] = None if task.span is not None else full_layout(task.name, module)
+                                stride=tp_strides[(task.chunk, task.name)] if task.tp_sharded and task.span is None else 1))
+        layouts[task.key] = None if task.span is not None else fused_layouts[(task.chunk, task.name)]
         names[task.key], task_params[task.key] = global_names[param], param
         keys_of.setdefault((task.chunk, task.name), []).append(
             (None if task.tp_sharded else task.column, task.span, task.key))

@@ -30,13 +30,11 @@ from canzona_patches.checkpoints.state import common_state, load_optimizer_state
 from canzona_patches.integration.arguments import CanzonaArgumentError
 from canzona_patches.integration.binding import bind_plan, group_coordinates
 from canzona_patches.integration.early_gather import attach as attach_early_gathers
-from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, is_expert_param, stacked_expert_blocks
+from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, is_expert_param
 from canzona_patches.integration.setup import CanzonaPart, CanzonaSetup
 from canzona_patches.integration.uneven import SHARD_BOUNDS_ATTR
 from canzona_patches.version import require_pinned_megatron
-from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, QKVLayout
 from megatron.canzona.planning.schedule import Coord
-from megatron.canzona.runtime.config import CanzonaConfig
 from megatron.canzona.runtime.host_groups import HostGroupEngine
 from megatron.canzona.runtime.optimizer import CanzonaOptimizer
 
@@ -77,8 +75,8 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         )
         self.grad_stats_parallel_group = ranks.grad_stats  # what get_megatron_optimizer sets on its own
         plan = setup.plan.experts if ranks.expert else setup.plan
-        binding = bind_plan(plan, self, model_chunks, coord=ranks.coord,
-                            full_layout=lambda name, module: fused_layout(name, module, setup.config))
+        binding = bind_plan(plan, self, model_chunks, coord=ranks.coord, fused_layouts=setup.fused_layouts,
+                            tp_strides=setup.tp_strides)
         engine = HostGroupEngine(binding.tasks, group=ranks.host, rank_of=ranks.rank_of, coord=ranks.coord,
                                  tp_size=plan.tp_size, mode=setup.config.tp_mode)
         inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts)
@@ -241,22 +239,6 @@ class CanzonaChainedOptimizer(ChainedOptimizer):
 def _collective_device() -> torch.device:
     """Where a rank's small collective tensors live: its CUDA device (NCCL) or the CPU (gloo)."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def fused_layout(name: str, module: torch.nn.Module, cfg: CanzonaConfig):
-    """How a full (TP-global) fused weight splits into the matrices optimized separately."""
-    tc = module.config
-    groups = tc.num_query_groups or tc.num_attention_heads
-    if cfg.split_qkv and name.endswith("linear_qkv.weight"):
-        return QKVLayout(num_query_groups=groups, heads_per_group=tc.num_attention_heads // groups, head_dim=tc.kv_channels)
-    if cfg.split_gate_up and tc.gated_linear_unit and name.endswith("linear_fc1.weight"):
-        return GateUpLayout(num_partitions=1)
-    if name.endswith(("experts.weight1", "experts.weight2")):  # legacy GroupedMLP: one matrix per expert
-        shape = tuple(module.get_parameter(name).shape)
-        num_local = tc.num_moe_experts // tc.expert_model_parallel_size
-        blocks = stacked_expert_blocks(name, shape, num_local)
-        return ExpertStackLayout(num_experts=num_local, expert_shape=blocks[0], shape=shape)
-    return None
 
 
 def _route_groups(groups: list[dict], weight_decay: float) -> list[dict]:

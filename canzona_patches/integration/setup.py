@@ -22,8 +22,18 @@ import torch
 from canzona_patches.integration.arguments import canzona_config_from_args, check_expert_sizes
 from canzona_patches.integration.binding import Binding
 from canzona_patches.integration.early_gather import EarlyGathers
-from canzona_patches.integration.layout import build_canzona_plan, full_param_layouts, node_note, wire_config
+from canzona_patches.integration.layout import (
+    BUFFER_ROUTING_ATTR,
+    build_canzona_plan,
+    full_param_layouts,
+    node_note,
+    stacked_expert_blocks,
+    tp_stride,
+    wire_config,
+)
 from canzona_patches.version import require_pinned_megatron
+from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, QKVLayout
+from megatron.canzona.optim.split import FusedLayout
 from megatron.canzona.planning import CanzonaPlan, CostModel, summarize_canzona
 from megatron.canzona.planning.schedule import Coord
 from megatron.canzona.planning.sim import Workload
@@ -51,6 +61,12 @@ class CanzonaSetup:
     summary: dict | None
     """:func:`~megatron.canzona.planning.summarize_canzona` of the plan, where it was logged
     or asked for; else ``None``."""
+    fused_layouts: dict[tuple[int, str], FusedLayout | None]
+    """Per matrix parameter (model chunk, name): how its host splits the full (TP-global)
+    matrix into the matrices optimized apart (:func:`fused_layout`)."""
+    tp_strides: dict[tuple[int, str], int]
+    """Per matrix parameter (model chunk, name): blocks per TP shard along its TP dim
+    (:func:`~canzona_patches.integration.layout.tp_stride`)."""
     host_ranks: dict[Coord, int] | None = None
     """(DP rank, TP rank) -> rank in the tensor-and-data-parallel group; ``None``: the ranks
     tell each other when the optimizer is built (one collective)."""
@@ -103,8 +119,30 @@ def make_setup(
         note = node_note(tp_size, ep_size, plan.experts.tp_size if plan.experts is not None else 1)
         if note is not None:
             print(note, flush=True)
-    return CanzonaSetup(config=config, plan=plan, layouts=tuple(full_param_layouts(plan, model_chunks, ddp_config)),
-                        specs=tuple(specs), summary=summary, host_ranks=host_ranks)
+    matrices = [(c, name, chunk) for c, chunk in enumerate(model_chunks) for name, p in chunk.named_parameters()
+                 if getattr(p, BUFFER_ROUTING_ATTR, False)]
+    return CanzonaSetup(
+        config=config, plan=plan, layouts=tuple(full_param_layouts(plan, model_chunks, ddp_config)),
+        specs=tuple(specs), summary=summary, host_ranks=host_ranks,
+        fused_layouts={(c, name): fused_layout(name, chunk, config) for c, name, chunk in matrices},
+        tp_strides={(c, name): tp_stride(name, chunk.config.gated_linear_unit) for c, name, chunk in matrices},
+    )
+
+
+def fused_layout(name: str, module: torch.nn.Module, cfg: CanzonaConfig) -> FusedLayout | None:
+    """How a full (TP-global) fused weight splits into the matrices optimized separately."""
+    tc = module.config
+    groups = tc.num_query_groups or tc.num_attention_heads
+    if cfg.split_qkv and name.endswith("linear_qkv.weight"):
+        return QKVLayout(num_query_groups=groups, heads_per_group=tc.num_attention_heads // groups, head_dim=tc.kv_channels)
+    if cfg.split_gate_up and tc.gated_linear_unit and name.endswith("linear_fc1.weight"):
+        return GateUpLayout(num_partitions=1)
+    if name.endswith(("experts.weight1", "experts.weight2")):  # legacy GroupedMLP: one matrix per expert
+        shape = tuple(module.get_parameter(name).shape)
+        num_local = tc.num_moe_experts // tc.expert_model_parallel_size
+        blocks = stacked_expert_blocks(name, shape, num_local)
+        return ExpertStackLayout(num_experts=num_local, expert_shape=blocks[0], shape=shape)
+    return None
 
 
 def setup_from_args(model_chunks: list[torch.nn.Module], ddp_config: Any, args: Any, *,
