@@ -48,10 +48,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-LISTENERS_ATTR = "canzona_reduced_listeners"
-"""Bucket-group attribute: objects told ``on_dispatched(bucket_group)`` once its reduce-scatter
-is dispatched asynchronously and ``on_reduced(bucket_group)`` once it has completed."""
+_LISTENERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Bucket group -> the objects told ``on_dispatched(bucket_group)`` once its reduce-scatter is
+dispatched asynchronously and ``on_reduced(bucket_group)`` once it has completed. A table of
+Canzona's own, by identity (nothing is set on Megatron's bucket groups); an entry goes with
+its bucket group."""
 
 
 def announcing_dispatched_grads(original: Callable, run: Any) -> Callable:
@@ -63,7 +66,7 @@ def announcing_dispatched_grads(original: Callable, run: Any) -> Callable:
         before = self.grad_reduce_handle
         result = original(self, *args, **kwargs)
         if before is None and self.grad_reduce_handle is not None:
-            for listener in getattr(self, LISTENERS_ATTR, ()):
+            for listener in _LISTENERS.get(self, ()):
                 listener.on_dispatched(self)
         return result
 
@@ -78,7 +81,7 @@ def announcing_reduced_grads(original: Callable, run: Any) -> Callable:
         already = bool(self.ddp_config.overlap_grad_reduce and getattr(self, "grad_reduce_finished", False))
         result = original(self, *args, **kwargs)
         if not already:
-            for listener in getattr(self, LISTENERS_ATTR, ()):
+            for listener in _LISTENERS.get(self, ()):
                 listener.on_reduced(self)
         return result
 
@@ -186,10 +189,7 @@ def attach(engine: Any, binding: Any, model_chunks: Sequence[Any]) -> EarlyGathe
     early = EarlyGathers(engine, raw, needs, stream=stream)
     for groups in needs:
         for group in groups:
-            listeners = getattr(group, LISTENERS_ATTR, None)
-            if listeners is None:
-                listeners = []
-                setattr(group, LISTENERS_ATTR, listeners)
+            listeners = _LISTENERS.setdefault(group, [])
             if early not in listeners:
                 listeners.append(early)
     return early

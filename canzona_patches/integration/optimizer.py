@@ -32,7 +32,7 @@ from canzona_patches.integration.binding import bind_plan, group_coordinates
 from canzona_patches.integration.early_gather import attach as attach_early_gathers
 from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, is_expert_param
 from canzona_patches.integration.setup import CanzonaPart, CanzonaSetup
-from canzona_patches.integration.uneven import SHARD_BOUNDS_ATTR
+from canzona_patches.integration.uneven import shard_bounds
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.planning.schedule import Coord
 from megatron.canzona.runtime.host_groups import HostGroupEngine
@@ -90,7 +90,7 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
     def _build_model_gbuf_range(cls, param_and_grad_buffer: Any, bucket_index: int) -> dict:
         """This rank's parameter ranges in a bucket: its planned shard where the bucket has one."""
         bucket = param_and_grad_buffer.buckets[bucket_index]
-        bounds = getattr(bucket, SHARD_BOUNDS_ATTR, None)
+        bounds = shard_bounds(bucket)
         if bounds is None:
             return super()._build_model_gbuf_range(param_and_grad_buffer, bucket_index)
         rank = param_and_grad_buffer.data_parallel_group.rank()

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from canzona_patches.version import require_pinned_megatron
 
@@ -44,10 +45,12 @@ require_pinned_megatron()
 
 from megatron.core.optimizer.param_layout import PerBufferParamLayout  # noqa: E402
 
-SHARD_SIZES_ATTR = "canzona_shard_sizes"
-"""Attribute of a bucket's ``grad_data``/``param_data`` view: its shards' sizes, in DP rank order."""
-SHARD_BOUNDS_ATTR = "canzona_shard_bounds"
-"""Attribute of a bucket: its ``dp_size + 1`` shard offsets from the bucket's start."""
+_SHARD_SIZES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""A bucket's ``grad_data``/``param_data`` view -> its shards' sizes, in DP rank order (only
+where they differ). Canzona's own tables, by identity: nothing is set on Megatron's buckets
+or tensors, and an entry goes with its object."""
+_SHARD_BOUNDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""A bucket -> its ``dp_size + 1`` shard offsets from the bucket's start."""
 
 _pending: list[list[Any]] = []
 """Works of list-form collectives issued inside each open coalescing manager (innermost last)."""
@@ -75,7 +78,13 @@ class _Works:
 
 
 def shard_sizes(tensor: torch.Tensor) -> tuple[int, ...] | None:
-    return getattr(tensor, SHARD_SIZES_ATTR, None)
+    """The unequal shard sizes of a tagged bucket view; ``None`` for any other tensor."""
+    return _SHARD_SIZES.get(tensor)
+
+
+def shard_bounds(bucket: Any) -> tuple[int, ...] | None:
+    """The planned shard offsets of a tagged bucket; ``None`` for any other bucket."""
+    return _SHARD_BOUNDS.get(bucket)
 
 
 def tag_buckets(buffer: Any, shard_bounds: list[tuple[int, ...]]) -> None:
@@ -88,12 +97,12 @@ def tag_buckets(buffer: Any, shard_bounds: list[tuple[int, ...]]) -> None:
         if bounds[0] != 0 or bounds[-1] != bucket.grad_data.numel() or min(sizes) < 0:
             raise ValueError(f"bucket {bucket.bucket_id}: shard bounds {bounds[:3]}... do not cut its "
                              f"{bucket.grad_data.numel()} elements; re-plan for this model")
-        setattr(bucket, SHARD_BOUNDS_ATTR, tuple(bounds))
+        _SHARD_BOUNDS[bucket] = tuple(bounds)
         if len(set(sizes)) == 1:
             continue
         for data in (bucket.grad_data, bucket.param_data):
             if data is not None:
-                setattr(data, SHARD_SIZES_ATTR, sizes)
+                _SHARD_SIZES[data] = sizes
 
 
 # --------------------------------------------------------------------------- patches

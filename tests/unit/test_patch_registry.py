@@ -190,3 +190,24 @@ def test_the_product_reaches_no_test_code():
         text = path.read_text()
         assert not any(m.split(".")[0] in ("tests", "checkpoint_faults", "conftest") for m in imports_of(path)), name
         assert not re.search(r"\bfault|SIGKILL|os\.kill\(", text, re.IGNORECASE), name
+
+
+def test_canzona_keeps_its_state_off_megatron_objects():
+    """Canzona's own state lives in its own objects (``CanzonaSetup``, the optimizer's
+    ``canzona`` part) and tables keyed by identity (``uneven``'s shard tables, the early
+    gathers' listeners), never as attributes set on Megatron's buckets, groups or tensors. The
+    one ``setattr`` is Megatron's own routing tag (``is_managed_by_layer_wise_optimizer``),
+    which its DDP reads to give the matrices a buffer of their own."""
+    found = {}
+    for name, path in _modules(harness=False).items():
+        if name == "canzona_patches.registry":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr":
+                found.setdefault(name, []).append(ast.unparse(node.args[1]))
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                for target in getattr(node, "targets", [getattr(node, "target", None)]):
+                    if isinstance(target, ast.Attribute) and target.attr.startswith("canzona"):
+                        if ast.unparse(target.value) != "self":
+                            found.setdefault(name, []).append(ast.unparse(target))
+    assert found == {"canzona_patches.integration.layout": ["BUFFER_ROUTING_ATTR"]}, found
