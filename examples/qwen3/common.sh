@@ -77,20 +77,37 @@ qwen3_optimizer_args() {
     esac
 }
 
-# The architecture of MODEL, from the catalog (its one definition), as shell variables.
+# The architecture of MODEL, from the catalog (its one definition), as shell variables. Without
+# MODEL, an architecture of one's own comes from the environment (NUM_LAYERS, HIDDEN_SIZE, ...),
+# and only what every Qwen3 shares (norm epsilon, RoPE base, init std) from the catalog.
 qwen3_architecture() {
     local assignments name value
+    qwen3_python
     assignments="$("$PYTHON" -c 'import sys
-from megatron.canzona.planning.qwen3 import get_qwen3_config, recipe_variables
-for name, value in recipe_variables(get_qwen3_config(sys.argv[1])).items():
-    print(f"{name}={value}")' "$MODEL")" \
-        || qwen3_die "cannot read MODEL=$MODEL from the catalog with $PYTHON: name a model of" \
+from megatron.canzona.planning.qwen3 import recipe_variables
+for name, value in recipe_variables(sys.argv[1] or None).items():
+    print(f"{name}={value}")' "${MODEL:-}")" \
+        || qwen3_die "cannot read MODEL=${MODEL:-} from the catalog with $PYTHON: name a model of" \
             "megatron/canzona/planning/qwen3.py, and install the repository (make venv, or pip install -e .)"
-    unset NUM_LAYERS NUM_EXPERTS MOE_TOPK MOE_FFN_HIDDEN_SIZE  # the catalog's only, whatever the environment says
+    if [[ -n "${MODEL:-}" ]]; then  # the catalog's architecture, whatever the environment says
+        unset NUM_LAYERS NUM_EXPERTS MOE_TOPK MOE_FFN_HIDDEN_SIZE
+    fi
     while IFS='=' read -r name value; do
         [[ -n "$name" ]] && printf -v "$name" '%s' "$value"
     done <<< "$assignments"
-    [[ -n "${NUM_LAYERS:-}" ]] || qwen3_die "$PYTHON printed no architecture for MODEL=$MODEL"
+    [[ -n "${NUM_LAYERS:-}" ]] || qwen3_die "no architecture: set MODEL to a model of" \
+        "megatron/canzona/planning/qwen3.py, or NUM_LAYERS, HIDDEN_SIZE, ... for one of your own"
+}
+
+# PYTHON, unless set: the repository's .venv/bin/python, else python3.
+qwen3_python() {
+    if [[ -z "${PYTHON:-}" ]]; then
+        if [[ -x "$QWEN3_ROOT/.venv/bin/python" ]]; then
+            PYTHON="$QWEN3_ROOT/.venv/bin/python"
+        else
+            PYTHON=python3
+        fi
+    fi
 }
 
 qwen3_model_args() {
@@ -320,13 +337,7 @@ qwen3_defaults() {
     DIST_TIMEOUT_MINUTES="${DIST_TIMEOUT_MINUTES:-30}"
     GC_INTERVAL="${GC_INTERVAL:-100}"
     SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-150}"
-    if [[ -z "${PYTHON:-}" ]]; then
-        if [[ -x "$QWEN3_ROOT/.venv/bin/python" ]]; then
-            PYTHON="$QWEN3_ROOT/.venv/bin/python"
-        else
-            PYTHON=python3
-        fi
-    fi
+    qwen3_python
 }
 
 # The whole command of this node, in CMD.

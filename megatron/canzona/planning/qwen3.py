@@ -125,9 +125,23 @@ def get_qwen3_config(model: str) -> Qwen3Config:
     return QWEN3_MODELS[key]
 
 
-def recipe_variables(cfg: Qwen3Config) -> dict[str, str]:
-    """The architecture as the shell variables of the Qwen3 recipes (``examples/qwen3/common.sh``
-    reads them from here: the catalog is their one definition)."""
+SHARED_RECIPE_VARIABLES = ("NORM_EPSILON", "ROTARY_BASE", "INIT_METHOD_STD")
+"""The recipe variables every Qwen3 shares (:class:`Qwen3Config`'s defaults)."""
+
+
+def recipe_variables(model: str | None) -> dict[str, str]:
+    """The architecture of catalog ``model`` as the shell variables of the Qwen3 recipes
+    (``examples/qwen3/common.sh`` reads them from here: the catalog is their one definition).
+    ``None``: only :data:`SHARED_RECIPE_VARIABLES`, for an architecture of one's own given
+    in the environment."""
+    if model is None:
+        shared = Qwen3Config(num_layers=1, hidden_size=1, ffn_hidden_size=1, num_attention_heads=1)
+        return {name: value for name, value in recipe_variables_of(shared).items() if name in SHARED_RECIPE_VARIABLES}
+    return recipe_variables_of(get_qwen3_config(model))
+
+
+def recipe_variables_of(cfg: Qwen3Config) -> dict[str, str]:
+    """:func:`recipe_variables` of one architecture."""
     out = {
         "NUM_LAYERS": cfg.num_layers, "HIDDEN_SIZE": cfg.hidden_size, "FFN_HIDDEN_SIZE": cfg.ffn_hidden_size,
         "NUM_HEADS": cfg.num_attention_heads, "NUM_QUERY_GROUPS": cfg.num_query_groups,
