@@ -27,7 +27,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
 import time
 

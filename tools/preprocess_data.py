@@ -16,7 +16,6 @@ than SentencePiece (no tokenizer hub is reachable offline).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 

@@ -13,7 +13,6 @@ one document per blank-line-separated block. Special ids: unk 0, bos 1, eos/eod 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 

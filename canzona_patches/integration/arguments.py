@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import re
 import typing
@@ -35,14 +36,11 @@ require_pinned_megatron()
 
 from megatron.canzona.optim import ShampooConfig, SOAPConfig  # noqa: E402
 from megatron.canzona.planning import OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
-from megatron.training.argument_utils import ArgumentGroupFactory  # noqa: E402
 from megatron.canzona.runtime.config import COSTS, LAYOUT_CHOICES, TP_MODES, CanzonaConfig  # noqa: E402
-
+from megatron.training.argument_utils import ArgumentGroupFactory  # noqa: E402
 
 CANZONA_ONLY_OPTIMIZERS = ("shampoo",)
 """Choices of ``--optimizer`` that only Canzona implements (Megatron 0.19.2 has no Shampoo)."""
-
-
 
 CANZONA_FLAG_FIELDS = ("alpha", "cost", "split_qkv", "split_gate_up", "tp_mode", "tp_group_budget", "early_gather",
                        "layout", "cluster")
@@ -137,7 +135,12 @@ class ConfigFlags(ArgumentGroupFactory):
 
     def __init__(self, config_class: type, prefix: str, *, renames: dict[str, Any] | None = None,
                  exclude: tuple[str, ...] = ()) -> None:
-        super().__init__(config_class, exclude=list(exclude))
+        fields = [f for f in dataclasses.fields(config_class) if f.init and f.name not in exclude]
+        self.pairs = [f for f in fields if isinstance(f.default, tuple)]
+        """Fields the factory cannot type (a tuple): one flag per element, added by :meth:`build_group`."""
+        self.singles = [f for f in fields if not isinstance(f.default, tuple)]
+        """Fields the factory makes one flag of."""
+        super().__init__(config_class, exclude=[*exclude, *(f.name for f in self.pairs)])
         self.prefix, self.renames = prefix, dict(renames or {})
 
     def _flag_name(self, name: str) -> str:
@@ -155,14 +158,9 @@ class ConfigFlags(ArgumentGroupFactory):
         return kwargs
 
     def build_group(self, parser: argparse.ArgumentParser, title: str | None = None) -> argparse._ArgumentGroup:
-        pairs = [f for f in self._fields() if isinstance(f.default, tuple)]
-        self.exclude |= {f.name for f in pairs}
-        try:
-            group = super().build_group(parser, title)
-        finally:
-            self.exclude -= {f.name for f in pairs}
+        group = super().build_group(parser, title)
         group.description = None  # the class docstring: the help's group title says enough
-        for field in pairs:
+        for field in self.pairs:
             doc = self.field_docstrings.get(field.name, "")
             for index, (name, default) in enumerate(zip(self.renames[field.name], field.default)):
                 group.add_argument(f"--{self.prefix}-{name}".replace("_", "-"), dest=f"{self.prefix}_{name}",
@@ -171,19 +169,10 @@ class ConfigFlags(ArgumentGroupFactory):
                                    f"{field.name}: {doc}".replace("%", "%%"))
         return group
 
-    def _fields(self) -> list[Any]:
-        import dataclasses
-
-        return [f for f in dataclasses.fields(self.src_cfg_class) if f.init and f.name not in self.exclude]
-
     def config(self, args: argparse.Namespace, **given: Any) -> Any:
         """The config dataclass the parsed flags describe (``given`` fields as passed)."""
-        values = {}
-        for field in self._fields():
-            if isinstance(field.default, tuple):
-                values[field.name] = tuple(getattr(args, f"{self.prefix}_{n}") for n in self.renames[field.name])
-            else:
-                values[field.name] = getattr(args, self._flag_name(field.name))
+        values = {f.name: getattr(args, self._flag_name(f.name)) for f in self.singles}
+        values |= {f.name: tuple(getattr(args, f"{self.prefix}_{n}") for n in self.renames[f.name]) for f in self.pairs}
         return self.src_cfg_class(**{**values, **given})
 
 

@@ -81,7 +81,7 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
                                  tp_size=plan.tp_size, mode=setup.config.tp_mode)
         inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts)
         early = attach_early_gathers(engine, binding, model_chunks) if setup.config.early_gather else None
-        self.canzona = CanzonaPart(plan=plan, binding=binding, engine=engine, tp_group=ranks.tp, early_gathers=early)
+        self.canzona = CanzonaPart(binding=binding, engine=engine, tp_group=ranks.tp, early_gathers=early)
 
     canzona: CanzonaPart
     """This optimizer's part of the run's :class:`~canzona_patches.integration.setup.CanzonaSetup`."""

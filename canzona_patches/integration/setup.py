@@ -77,8 +77,6 @@ class CanzonaPart:
     """One Canzona DistributedOptimizer's share of a setup (the dense buffers, or the experts'),
     bound to its shards when it is built; the checkpoint code and the early gathers read it."""
 
-    plan: CanzonaPlan
-    """``setup.plan``, or ``setup.plan.experts`` for the expert buffers."""
     binding: Binding
     """The plan's tasks, pieces and layouts found in this optimizer's shards."""
     engine: HostGroupEngine

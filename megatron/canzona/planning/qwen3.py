@@ -125,34 +125,28 @@ def get_qwen3_config(model: str) -> Qwen3Config:
     return QWEN3_MODELS[key]
 
 
-SHARED_RECIPE_VARIABLES = ("NORM_EPSILON", "ROTARY_BASE", "INIT_METHOD_STD")
-"""The recipe variables every Qwen3 shares (:class:`Qwen3Config`'s defaults)."""
-
-
 def recipe_variables(model: str | None) -> dict[str, str]:
     """The architecture of catalog ``model`` as the shell variables of the Qwen3 recipes
     (``examples/qwen3/common.sh`` reads them from here: the catalog is their one definition).
-    ``None``: only :data:`SHARED_RECIPE_VARIABLES`, for an architecture of one's own given
-    in the environment."""
+    ``None``: only what every Qwen3 shares (norm epsilon, RoPE base, init std: the
+    :class:`Qwen3Config` defaults), for an architecture of one's own given in the environment."""
     if model is None:
-        shared = Qwen3Config(num_layers=1, hidden_size=1, ffn_hidden_size=1, num_attention_heads=1)
-        return {name: value for name, value in recipe_variables_of(shared).items() if name in SHARED_RECIPE_VARIABLES}
-    return recipe_variables_of(get_qwen3_config(model))
-
-
-def recipe_variables_of(cfg: Qwen3Config) -> dict[str, str]:
-    """:func:`recipe_variables` of one architecture."""
+        return _shared_variables(Qwen3Config)  # a dataclass's class attributes are its defaults
+    cfg = get_qwen3_config(model)
     out = {
         "NUM_LAYERS": cfg.num_layers, "HIDDEN_SIZE": cfg.hidden_size, "FFN_HIDDEN_SIZE": cfg.ffn_hidden_size,
         "NUM_HEADS": cfg.num_attention_heads, "NUM_QUERY_GROUPS": cfg.num_query_groups,
         "KV_CHANNELS": cfg.kv_channels, "VOCAB_SIZE": cfg.vocab_size, "TIED_EMBEDDINGS": int(cfg.tied_embeddings),
-        "NORM_EPSILON": repr(cfg.norm_epsilon), "ROTARY_BASE": int(cfg.rotary_base),
-        "INIT_METHOD_STD": repr(cfg.init_method_std),
     }
     if cfg.is_moe:
         out |= {"NUM_EXPERTS": cfg.num_experts, "MOE_TOPK": cfg.moe_router_topk,
                 "MOE_FFN_HIDDEN_SIZE": cfg.moe_ffn_hidden_size}
-    return {name: str(value) for name, value in out.items()}
+    return {**{name: str(value) for name, value in out.items()}, **_shared_variables(cfg)}
+
+
+def _shared_variables(cfg: Qwen3Config | type[Qwen3Config]) -> dict[str, str]:
+    return {"NORM_EPSILON": repr(cfg.norm_epsilon), "ROTARY_BASE": str(int(cfg.rotary_base)),
+            "INIT_METHOD_STD": repr(cfg.init_method_std)}
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
