@@ -54,21 +54,8 @@ import tempfile
 import time
 from typing import Any
 
-from megatron.canzona.planning import (
-    Calibration,
-    CostModel,
-    Qwen3Config,
-    WireConfig,
-    qwen3_specs,
-)
-from megatron.canzona.planning.sim import (
-    ClusterSpec,
-    StrategyResult,
-    Workload,
-    load_calibration,
-    load_cluster,
-    simulate,
-)
+from megatron.canzona.planning import Calibration, CostModel, Qwen3Config, WireConfig, qwen3_specs
+from megatron.canzona.planning.sim import ClusterSpec, StrategyResult, Workload, load_calibration, load_cluster, simulate
 from megatron.canzona.planning.sim.cluster import PRESET_DIR
 from megatron.canzona.planning.specs import ParamSpec
 from megatron.canzona.provenance import ROOT, wait_for_quiet

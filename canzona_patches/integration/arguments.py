@@ -97,27 +97,26 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
                        help="Cluster the auto layout is projected on: a preset (h100-ib400, h800-ib400, "
                        "gb300-nvl72, ...) or a TOML/JSON file (tools/simulate.py's schema). Default: "
                        "h100-ib400 on CUDA, this machine's gloo probe on CPU.")
-    group.add_argument("--canzona-split-qkv", action="store_true", dest="canzona_split_qkv",
-                       default=defaults.split_qkv,
-                       help="Treat Q, K and V of the fused QKV weight as separate matrices "
-                       "(default, as Megatron's Muon).")
-    group.add_argument("--canzona-no-split-qkv", action="store_false", dest="canzona_split_qkv",
-                       help="Treat the fused QKV weight as one matrix.")
-    group.add_argument("--canzona-split-gate-up", action="store_true", default=defaults.split_gate_up,
-                       help="Treat gate and up halves of the fused SwiGLU fc1 weight as separate "
-                       "matrices, each its own task with its own host (under TP, two TP ranks of "
-                       "the owner compute them side by side).")
-    group.add_argument("--canzona-no-stagger-refresh", action="store_false", dest="canzona_stagger_refresh",
-                       help="Refresh every Shampoo/SOAP preconditioner in the same steps (1, 1+f, ...) "
-                       "instead of from an offset per matrix, taken from its name.")
+    switch = functools.partial(_add_switch, group)
+    switch("split-qkv", defaults.split_qkv,
+           on="Treat Q, K and V of the fused QKV weight as separate matrices (default, as Megatron's Muon).",
+           off="Treat the fused QKV weight as one matrix.")
+    switch("split-gate-up", defaults.split_gate_up,
+           on="Treat gate and up halves of the fused SwiGLU fc1 weight as separate matrices, each its own "
+           "task with its own host (under TP, two TP ranks of the owner compute them side by side).",
+           off="Treat the fused fc1 weight as one matrix (default).")
+    switch("stagger-refresh", ShampooConfig.stagger_refresh,  # Shampoo's and SOAP's alike
+           on="Refresh each Shampoo/SOAP preconditioner from an offset per matrix, taken from its name "
+           "(default), so refreshes spread over steps.",
+           off="Refresh every Shampoo/SOAP preconditioner in the same steps (1, 1+f, ...).")
     group.add_argument("--canzona-tp-mode", choices=TP_MODES, default=defaults.tp_mode,
                        help="How matrices that cross ranks are updated: async = one host rank per matrix "
                        "with pipelined micro-grouped all-to-alls; sync = every rank holding a piece "
                        "gathers and computes it (synchronous-compute baseline).")
-    group.add_argument("--canzona-no-early-gather", action="store_false", dest="canzona_early_gather",
-                       default=defaults.early_gather,
-                       help="Issue the host-group gathers in the optimizer step instead of as each bucket's "
-                       "gradients finish reducing (the default: they overlap the rest of backward).")
+    switch("early-gather", defaults.early_gather,
+           on="Issue the host-group gathers as each bucket's gradients finish reducing, so they overlap "
+           "the rest of backward (default).",
+           off="Issue the host-group gathers in the optimizer step.")
     group.add_argument("--canzona-tp-group-budget", type=float, default=defaults.tp_group_budget,
                        help="Most cost one host takes in one micro-group (default: about a quarter of "
                        "the busiest host's work, two groups at least on a host with two matrices).")
@@ -125,6 +124,13 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
                        help="Append one JSON line per --log-interval (iteration, loss, grad norm, "
                        "learning rate, optimizer step time, tokens/s) to this file; plot with "
                        "tools/plot_loss.py.")
+
+
+def _add_switch(group: argparse._ArgumentGroup, name: str, default: bool, *, on: str, off: str) -> None:
+    """``--canzona-<name>`` and ``--canzona-no-<name>``, both setting ``canzona_<name>``."""
+    dest = f"canzona_{name.replace('-', '_')}"
+    group.add_argument(f"--canzona-{name}", action="store_true", dest=dest, default=default, help=on)
+    group.add_argument(f"--canzona-no-{name}", action="store_false", dest=dest, help=off)
 
 
 class ConfigFlags(ArgumentGroupFactory):

@@ -30,11 +30,9 @@ from megatron.canzona.runtime import LaunchConfig, launch
 from canzona_patches.harness import tiny_gpt
 from canzona_patches.harness.tiny_checkpoint import ResumeJob, run_resume_job
 from canzona_patches.harness.tiny_gpt import TinyRun
+from . import CPU_RANKS
 
-pytestmark = [
-    pytest.mark.multirank,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo runs of the CUDA->CPU redirect"),
-]
+pytestmark = CPU_RANKS
 
 LR = 2e-3
 STEPS = 4  # Shampoo and SOAP (frequency 2) refresh their preconditioners twice

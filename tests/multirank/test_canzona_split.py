@@ -19,11 +19,9 @@ from megatron.canzona.runtime import LaunchConfig, launch
 
 from .test_canzona_dp import PARAM_ATOL, SPLITS
 from canzona_patches.harness.tiny_gpt import TinyRun, planned_tasks, train_tiny_gpts
+from . import CPU_RANKS
 
-pytestmark = [
-    pytest.mark.multirank,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo runs of the CUDA->CPU redirect"),
-]
+pytestmark = CPU_RANKS
 
 LR = 2e-3
 STEPS = 4

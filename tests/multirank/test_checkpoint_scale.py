@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from megatron.canzona.runtime import LaunchConfig, launch
+from . import CPU_RANKS
 
 LAUNCH_TIMEOUT_S = 120.0
 SLOW_RMTREE_S = 6.0
@@ -34,8 +35,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 DAMAGES = ("intact", "truncated", "missing_file", "missing_dir", "bad_tracker", "no_tracker")
 
 pytestmark = [
-    pytest.mark.multirank,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo runs of the CUDA->CPU redirect"),
+    *CPU_RANKS,
     pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S),
 ]
 

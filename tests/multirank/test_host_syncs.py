@@ -11,16 +11,13 @@ norm.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatron.canzona.runtime import LaunchConfig, launch
 
 from canzona_patches.harness.tiny_gpt import TinyRun, train_tiny_gpts
+from . import CPU_RANKS
 
-pytestmark = [
-    pytest.mark.multirank,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo runs of the CUDA->CPU redirect"),
-]
+pytestmark = CPU_RANKS
 
 MAX_SYNCS_PER_STEP = 2
 """The found-inf flag (one all-reduced value) and the global gradient norm."""

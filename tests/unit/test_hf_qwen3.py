@@ -19,20 +19,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron.canzona.hf import (
-    ConversionError,
-    arch_from_hf_config,
-    arch_from_megatron_args,
-    checkpoint_name,
-    from_hf,
-    hf_config,
-    hf_names,
-    megatron_flags,
-    megatron_shapes,
-    num_parameters,
-    to_hf,
-    vocab_divisor,
-)
+from megatron.canzona.hf import ConversionError, arch_from_hf_config, arch_from_megatron_args, checkpoint_name
+from megatron.canzona.hf import from_hf, hf_config, hf_names, megatron_flags, megatron_shapes, num_parameters
+from megatron.canzona.hf import to_hf, vocab_divisor
 from megatron.canzona.planning import Qwen3Config
 
 ROOT = Path(__file__).resolve().parents[2]

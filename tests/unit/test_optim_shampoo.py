@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optim_reference import make_grads, max_rel_err
+from optim_reference import batched_and_looped, batched_minus_looped, make_grads, max_rel_err
 
 from megatron.canzona.optim import ShampooConfig, ShampooState, inverse_root, shampoo_update
 
@@ -159,11 +159,7 @@ def test_batched_equals_looped(rows, cols, stack, max_dim, seed):
     cfg = ShampooConfig(eps=EPS, precondition_frequency=2, max_precond_dim=max_dim, root_dtype="float64")
     gen = torch.Generator().manual_seed(seed)
     grads = [torch.randn(stack, rows, cols, generator=gen, dtype=torch.float64) for _ in range(4)]
-    batched_state = ShampooState.create((stack, rows, cols), cfg, grad_dtype=torch.float64)
-    looped_states = [ShampooState.create((rows, cols), cfg, grad_dtype=torch.float64) for _ in range(stack)]
-    for g in grads:
-        batched = shampoo_update(g, batched_state, cfg)
-        looped = torch.stack([shampoo_update(g[i], s, cfg) for i, s in enumerate(looped_states)])
+    for batched, looped in batched_and_looped(shampoo_update, ShampooState, cfg, grads):
         assert torch.allclose(batched, looped, rtol=SHAMPOO_RTOL_FP64, atol=SHAMPOO_RTOL_FP64)
 
 
@@ -172,15 +168,7 @@ def test_batched_equals_looped_in_fp32(shape):
     # Batched and single fp32 GEMMs may round differently; the inverse root of eigenvalues
     # near eps amplifies that like any fp32 rounding (same bound as against the reference).
     cfg = ShampooConfig(eps=EPS, precondition_frequency=2, max_precond_dim=20)
-    gen = torch.Generator().manual_seed(5)
-    batched_state = ShampooState.create(shape, cfg)
-    looped_states = [ShampooState.create(shape[1:], cfg) for _ in range(shape[0])]
-    for _ in range(4):
-        g = torch.randn(shape, generator=gen)
-        batched = shampoo_update(g, batched_state, cfg)
-        looped = torch.stack([shampoo_update(g[i], s, cfg) for i, s in enumerate(looped_states)])
-        error = torch.linalg.matrix_norm(batched - looped) / torch.linalg.matrix_norm(looped)
-        assert float(error.max()) < SHAMPOO_RTOL_FP32
+    assert batched_minus_looped(shampoo_update, ShampooState, cfg, shape, steps=4, seed=5) < SHAMPOO_RTOL_FP32
 
 
 def test_update_is_scale_invariant_with_grafting():

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optim_reference import make_grads, max_rel_err
+from optim_reference import batched_and_looped, batched_minus_looped, make_grads, max_rel_err
 
 from megatron.canzona.optim import AdamWConfig, AdamWState, SOAPConfig, SOAPState, adamw_update, soap_update
 
@@ -176,26 +176,14 @@ def test_batched_equals_looped(size, extra, stack, refresh, seed):
     cfg = SOAPConfig(precondition_frequency=2, refresh=refresh, max_precond_dim=size, eigh_dtype="float64")
     gen = torch.Generator().manual_seed(seed)
     grads = [torch.randn(stack, rows, cols, generator=gen, dtype=torch.float64) for _ in range(5)]
-    batched_state = SOAPState.create((stack, rows, cols), cfg, grad_dtype=torch.float64)
-    looped_states = [SOAPState.create((rows, cols), cfg, grad_dtype=torch.float64) for _ in range(stack)]
-    for g in grads:
-        batched = soap_update(g, batched_state, cfg)
-        looped = torch.stack([soap_update(g[i], s, cfg) for i, s in enumerate(looped_states)])
+    for batched, looped in batched_and_looped(soap_update, SOAPState, cfg, grads):
         assert torch.allclose(batched, looped, rtol=SOAP_RTOL_FP64_DEFAULT_EPS, atol=SOAP_RTOL_FP64_DEFAULT_EPS)
 
 
 @pytest.mark.parametrize("shape", [(3, 16, 16), (4, 8, 24)])
 def test_batched_equals_looped_in_fp32(shape):
     cfg = SOAPConfig(precondition_frequency=2, max_precond_dim=16, eps=FP32_EPS)
-    gen = torch.Generator().manual_seed(4)
-    batched_state = SOAPState.create(shape, cfg)
-    looped_states = [SOAPState.create(shape[1:], cfg) for _ in range(shape[0])]
-    for _ in range(5):
-        g = torch.randn(shape, generator=gen)
-        batched = soap_update(g, batched_state, cfg)
-        looped = torch.stack([soap_update(g[i], s, cfg) for i, s in enumerate(looped_states)])
-        error = torch.linalg.matrix_norm(batched - looped) / torch.linalg.matrix_norm(looped)
-        assert float(error.max()) < SOAP_RTOL_FP32
+    assert batched_minus_looped(soap_update, SOAPState, cfg, shape, steps=5, seed=4) < SOAP_RTOL_FP32
 
 
 @pytest.mark.parametrize(

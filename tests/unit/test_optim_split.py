@@ -7,16 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron.canzona.optim import (
-    ExpertStackLayout,
-    GateUpLayout,
-    ParamRouting,
-    QKVLayout,
-    build_param_groups,
-    classify_parameter,
-    merge_pieces,
-    split_pieces,
-)
+from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, ParamRouting, QKVLayout
+from megatron.canzona.optim import build_param_groups, classify_parameter, merge_pieces, split_pieces
 
 
 def megatron_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:

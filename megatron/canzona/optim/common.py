@@ -15,8 +15,10 @@ Conventions every update function follows:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import zlib
+from collections.abc import Callable
 from typing import Any, Self
 
 import torch
@@ -99,6 +101,20 @@ def part_start(part: slice | None) -> int:
     return 0 if part is None else part.start
 
 
+def refresh_members(
+    state: OptimizerState, refresh: Refresh | None, step: int, frequency: int, *, stacked: bool,
+    recompute: Callable[[Any], list[int]],
+) -> None:
+    """Run ``recompute`` on each part of ``state`` due at ``step`` (as views of the stack,
+    with the tensors it replaced copied back) and hand the members it reports failed, as
+    indices of the whole stack, to ``refresh`` (or the log)."""
+    for part in refresh_parts(refresh, step, frequency, stacked=stacked):
+        sub = state.select(part)
+        failed = recompute(sub)
+        state.write_back(part, sub)
+        report_failures(refresh, [part_start(part) + index for index in failed], step)
+
+
 @dataclasses.dataclass
 class OptimizerState:
     """Base of the per-optimizer state dataclasses; ``None`` marks an absent tensor."""
@@ -141,6 +157,34 @@ class OptimizerState:
             target = getattr(self, name)[part]
             if value.data_ptr() != target.data_ptr():  # replaced, not updated in place
                 target.copy_(value)
+
+
+@dataclasses.dataclass
+class KroneckerState(OptimizerState):
+    """Base of the states with a statistic per side of a ``(..., m, n)`` matrix, ``left``
+    ``(..., m, m)`` and ``right`` ``(..., n, n)`` (or smaller, per optimizer), and Adam's
+    moments of the matrix's shape."""
+
+    left: torch.Tensor | None = None
+    right: torch.Tensor | None = None
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+
+    @classmethod
+    def create(
+        cls, shape: torch.Size | tuple[int, ...], config: Any, *,
+        device: torch.device | str | None = None, grad_dtype: torch.dtype = torch.float32,
+    ) -> Self:
+        """The state of a fresh matrix (or stack) of ``shape``, in :func:`state_dtype_for`."""
+        *lead, rows, cols = shape
+        dtype = state_dtype_for(grad_dtype)
+        return cls.fresh(tuple(lead), rows, cols, config, functools.partial(torch.zeros, device=device, dtype=dtype))
+
+    @classmethod
+    def fresh(cls, lead: tuple[int, ...], rows: int, cols: int, config: Any, zeros: Callable[..., torch.Tensor]) -> Self:
+        """Each optimizer's fresh state for a stack ``lead`` of ``(rows, cols)`` matrices;
+        ``zeros(*dims)`` makes a tensor on the state's device and dtype."""
+        raise NotImplementedError
 
 
 @torch.no_grad()

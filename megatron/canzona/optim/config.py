@@ -8,8 +8,10 @@ only the math that turns a gradient into an update direction.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -19,7 +21,7 @@ ComputeDtype = Literal["bfloat16", "float32", "float64"]
 RootDtype = Literal["float32", "float64"]
 MuonScaleMode = Literal["moonlight", "spectral", "shape_scaling", "unit_rms_norm", "none"]
 
-MUON_SCALE_MODES: tuple[str, ...] = ("moonlight", "spectral", "shape_scaling", "unit_rms_norm", "none")
+MUON_SCALE_MODES: tuple[str, ...] = typing.get_args(MuonScaleMode)
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -33,22 +35,35 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _check_beta(owner: str, name: str, value: float, *, allow_one: bool = False) -> None:
-    upper_ok = value <= 1.0 if allow_one else value < 1.0
-    if not (0.0 <= value and upper_ok):
-        bound = "[0, 1]" if allow_one else "[0, 1)"
-        raise ValueError(f"{owner}.{name}={value} is outside {bound}; pick e.g. 0.9 or 0.95.")
+def _check_beta(owner: str, name: str, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{owner}.{name}={value} is outside [0, 1); pick e.g. 0.9 or 0.95.")
 
 
-def _check_choice(owner: str, name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{owner}.{name}={value!r} is not supported; use one of {choices}.")
-
-
-def _check_positive(owner: str, name: str, value: float, *, strict: bool = True) -> None:
-    if value < 0 or (strict and value == 0):
-        sign = "> 0" if strict else ">= 0"
-        raise ValueError(f"{owner}.{name}={value} must be {sign}.")
+def check_fields(config: Any) -> None:
+    """Check every field of a config dataclass by its type and name, with one message
+    naming the field and the fix: a ``Literal`` is one of its values; an ``int`` (step
+    counts, frequencies, sizes) is >= 1; a ``float`` is a decay rate in [0, 1) when it is
+    ``momentum`` or named ``*beta*``, else (epsilons, scales) > 0; a float pair ``betas``
+    holds two decay rates."""
+    owner = type(config).__name__
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        name, value, kind = field.name, getattr(config, field.name), hints[field.name]
+        if typing.get_origin(kind) is Literal:
+            if value not in typing.get_args(kind):
+                raise ValueError(f"{owner}.{name}={value!r} is not supported; use one of {typing.get_args(kind)}.")
+        elif kind is int and value < 1:
+            raise ValueError(f"{owner}.{name}={value} must be >= 1 ({field.default} is usual).")
+        elif kind is float and (name == "momentum" or "beta" in name):
+            _check_beta(owner, name, value)
+        elif kind is float and not value > 0:
+            raise ValueError(f"{owner}.{name}={value} must be > 0.")
+        elif kind == tuple[float, float]:
+            if len(value) != 2:
+                raise ValueError(f"{owner}.{name}={value} must be a pair (beta1, beta2).")
+            for index, beta in enumerate(value):
+                _check_beta(owner, f"{name}[{index}]", beta)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,13 +89,7 @@ class MuonConfig:
     """Multiplies the scale above (Megatron's ``--muon-extra-scale-factor``)."""
 
     def __post_init__(self) -> None:
-        _check_beta("MuonConfig", "momentum", self.momentum)
-        if self.num_ns_steps < 1:
-            raise ValueError(f"MuonConfig.num_ns_steps={self.num_ns_steps} must be >= 1 (5 is usual).")
-        _check_choice("MuonConfig", "ns_dtype", self.ns_dtype, tuple(_DTYPES))
-        _check_choice("MuonConfig", "scale_mode", self.scale_mode, MUON_SCALE_MODES)
-        _check_positive("MuonConfig", "eps", self.eps)
-        _check_positive("MuonConfig", "extra_scale_factor", self.extra_scale_factor)
+        check_fields(self)
         if self.coefficients not in NS_COEFFICIENTS:
             raise ValueError(
                 f"MuonConfig.coefficients={self.coefficients!r} is unknown; use one of "
@@ -123,23 +132,7 @@ class ShampooConfig:
     """Epsilon of the grafting Adam denominator."""
 
     def __post_init__(self) -> None:
-        _check_beta("ShampooConfig", "momentum", self.momentum)
-        _check_beta("ShampooConfig", "shampoo_beta", self.shampoo_beta)
-        _check_beta("ShampooConfig", "graft_beta2", self.graft_beta2)
-        _check_choice("ShampooConfig", "statistics", self.statistics, ("ema", "sum"))
-        _check_choice("ShampooConfig", "eps_mode", self.eps_mode, ("absolute", "relative"))
-        _check_choice("ShampooConfig", "root_dtype", self.root_dtype, ("float32", "float64"))
-        _check_choice("ShampooConfig", "grafting", self.grafting, ("adam", "none"))
-        _check_positive("ShampooConfig", "eps", self.eps)
-        _check_positive("ShampooConfig", "graft_eps", self.graft_eps)
-        if self.inverse_root < 1:
-            raise ValueError(f"ShampooConfig.inverse_root={self.inverse_root} must be >= 1 (4 is usual).")
-        if self.precondition_frequency < 1:
-            raise ValueError(
-                f"ShampooConfig.precondition_frequency={self.precondition_frequency} must be >= 1."
-            )
-        if self.max_precond_dim < 1:
-            raise ValueError(f"ShampooConfig.max_precond_dim={self.max_precond_dim} must be >= 1.")
+        check_fields(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,22 +163,7 @@ class SOAPConfig:
     """Dtype of the eigendecompositions."""
 
     def __post_init__(self) -> None:
-        if len(self.betas) != 2:
-            raise ValueError(f"SOAPConfig.betas={self.betas} must be a pair (beta1, beta2).")
-        _check_beta("SOAPConfig", "betas[0]", self.betas[0])
-        _check_beta("SOAPConfig", "betas[1]", self.betas[1])
-        _check_beta("SOAPConfig", "shampoo_beta", self.shampoo_beta)
-        _check_positive("SOAPConfig", "eps", self.eps)
-        _check_choice("SOAPConfig", "refresh", self.refresh, ("qr", "eigh"))
-        _check_choice("SOAPConfig", "eigh_dtype", self.eigh_dtype, ("float32", "float64"))
-        if self.precondition_frequency < 1:
-            raise ValueError(
-                f"SOAPConfig.precondition_frequency={self.precondition_frequency} must be >= 1."
-            )
-        if self.power_iter_steps < 1:
-            raise ValueError(f"SOAPConfig.power_iter_steps={self.power_iter_steps} must be >= 1.")
-        if self.max_precond_dim < 1:
-            raise ValueError(f"SOAPConfig.max_precond_dim={self.max_precond_dim} must be >= 1.")
+        check_fields(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,8 +176,4 @@ class AdamWConfig:
     """Added to the square root of the bias-corrected second moment."""
 
     def __post_init__(self) -> None:
-        if len(self.betas) != 2:
-            raise ValueError(f"AdamWConfig.betas={self.betas} must be a pair (beta1, beta2).")
-        _check_beta("AdamWConfig", "betas[0]", self.betas[0])
-        _check_beta("AdamWConfig", "betas[1]", self.betas[1])
-        _check_positive("AdamWConfig", "eps", self.eps)
+        check_fields(self)

@@ -24,54 +24,37 @@ Per step, for ``G`` of shape ``(m, n)`` (``t`` is the 1-based step):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from megatron.canzona.optim.adamw import adam_direction
-from megatron.canzona.optim.common import (
-    OptimizerState,
-    Refresh,
-    keep_failed,
-    part_start,
-    refresh_parts,
-    report_failures,
-    robust_eigh,
-    state_dtype_for,
-)
+from megatron.canzona.optim.common import KroneckerState, Refresh, keep_failed, refresh_members, robust_eigh
 from megatron.canzona.optim.config import ShampooConfig, resolve_dtype
 
+
 @dataclasses.dataclass
-class ShampooState(OptimizerState):
+class ShampooState(KroneckerState):
     """Statistics, their inverse roots, and the (grafting) Adam moments.
 
     ``left``/``left_root`` are ``(..., m, m)``, or ``(..., m)`` when ``m`` exceeds
-    ``max_precond_dim`` (diagonal fallback); likewise ``right`` with ``n``.
+    ``max_precond_dim`` (diagonal fallback); likewise ``right`` with ``n``; ``exp_avg_sq``
+    only with Adam grafting.
     """
 
-    left: torch.Tensor | None = None
-    right: torch.Tensor | None = None
     left_root: torch.Tensor | None = None
     right_root: torch.Tensor | None = None
-    exp_avg: torch.Tensor | None = None
-    exp_avg_sq: torch.Tensor | None = None
 
     @classmethod
-    def create(
-        cls, shape: torch.Size | tuple[int, ...], config: ShampooConfig, *,
-        device: torch.device | str | None = None, grad_dtype: torch.dtype = torch.float32,
-    ) -> ShampooState:
-        """Zero statistics and moments for a matrix (or stack) of ``shape``."""
-        dtype = state_dtype_for(grad_dtype)
-        *lead, rows, cols = shape
+    def fresh(cls, lead: tuple[int, ...], rows: int, cols: int, config: ShampooConfig, zeros: Callable) -> ShampooState:
+        """Zero statistics, roots and moments; a side past ``max_precond_dim`` is a diagonal."""
 
         def side(size: int) -> torch.Tensor:
-            dims = (size,) if size > config.max_precond_dim else (size, size)
-            return torch.zeros(*lead, *dims, device=device, dtype=dtype)
+            return zeros(*lead, size) if size > config.max_precond_dim else zeros(*lead, size, size)
 
-        zeros = torch.zeros(shape, device=device, dtype=dtype)
         return cls(
             left=side(rows), right=side(cols), left_root=side(rows), right_root=side(cols),
-            exp_avg=zeros, exp_avg_sq=zeros.clone() if config.grafting == "adam" else None,
+            exp_avg=zeros(*lead, rows, cols), exp_avg_sq=zeros(*lead, rows, cols) if config.grafting == "adam" else None,
         )
 
 
@@ -151,9 +134,10 @@ def shampoo_update(
     step = state.step + 1
     _accumulate(state.left, grad, config)
     _accumulate(state.right, grad.mT, config)
-    for part in refresh_parts(refresh, step, config.precondition_frequency, stacked=grad.ndim > 2):
-        failed = _refresh_roots(state.select(part), config, grad.ndim)
-        report_failures(refresh, [part_start(part) + index for index in failed], step)
+    refresh_members(
+        state, refresh, step, config.precondition_frequency, stacked=grad.ndim > 2,
+        recompute=lambda part: _refresh_roots(part, config, grad.ndim),
+    )
     beta1 = config.momentum
     if config.grafting == "adam":
         assert state.exp_avg_sq is not None

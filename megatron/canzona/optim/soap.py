@@ -32,56 +32,39 @@ the second moment differently at the next refresh.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from megatron.canzona.optim.adamw import adam_direction
-from megatron.canzona.optim.common import (
-    OptimizerState,
-    Refresh,
-    keep_failed,
-    part_start,
-    refresh_parts,
-    report_failures,
-    robust_eigh,
-    state_dtype_for,
-)
+from megatron.canzona.optim.common import KroneckerState, Refresh, keep_failed, refresh_members, robust_eigh
 from megatron.canzona.optim.config import SOAPConfig, resolve_dtype
 
 
 @dataclasses.dataclass
-class SOAPState(OptimizerState):
+class SOAPState(KroneckerState):
     """Statistics and eigenbases per side (``None`` for a side past ``max_precond_dim``)
     and Adam's moments in the rotated space, shape ``(..., m, n)``."""
 
-    left: torch.Tensor | None = None
-    right: torch.Tensor | None = None
     basis_left: torch.Tensor | None = None
     basis_right: torch.Tensor | None = None
-    exp_avg: torch.Tensor | None = None
-    exp_avg_sq: torch.Tensor | None = None
 
     @classmethod
-    def create(
-        cls, shape: torch.Size | tuple[int, ...], config: SOAPConfig, *,
-        device: torch.device | str | None = None, grad_dtype: torch.dtype = torch.float32,
-    ) -> SOAPState:
-        """Zero statistics, identity bases and zero moments for ``shape`` ``(..., m, n)``."""
-        dtype = state_dtype_for(grad_dtype)
-        *lead, rows, cols = shape
+    def fresh(cls, lead: tuple[int, ...], rows: int, cols: int, config: SOAPConfig, zeros: Callable) -> SOAPState:
+        """Zero statistics and moments and identity bases; none for a side past ``max_precond_dim``."""
 
-        def square(size: int, eye: bool) -> torch.Tensor | None:
+        def square(size: int, identity: bool) -> torch.Tensor | None:
             if size > config.max_precond_dim:
                 return None
-            if eye:
-                return torch.eye(size, device=device, dtype=dtype).expand(*lead, size, size).clone()
-            return torch.zeros(*lead, size, size, device=device, dtype=dtype)
+            matrix = zeros(*lead, size, size)
+            if identity:
+                matrix.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+            return matrix
 
         return cls(
             left=square(rows, False), right=square(cols, False),
             basis_left=square(rows, True), basis_right=square(cols, True),
-            exp_avg=torch.zeros(shape, device=device, dtype=dtype),
-            exp_avg_sq=torch.zeros(shape, device=device, dtype=dtype),
+            exp_avg=zeros(*lead, rows, cols), exp_avg_sq=zeros(*lead, rows, cols),
         )
 
 
@@ -179,11 +162,10 @@ def soap_update(
         state.left.lerp_(grad @ grad.mT, 1 - beta)
     if state.right is not None:
         state.right.lerp_(grad.mT @ grad, 1 - beta)
-    for part in refresh_parts(refresh, step, config.precondition_frequency, stacked=grad.ndim > 2):
-        sub = state.select(part)
-        failed = _refresh(sub, config, first=step == 1)
-        state.write_back(part, sub)
-        report_failures(refresh, [part_start(part) + index for index in failed], step)
+    refresh_members(
+        state, refresh, step, config.precondition_frequency, stacked=grad.ndim > 2,
+        recompute=lambda part: _refresh(part, config, first=step == 1),
+    )
     rotated = rotate(grad, state.basis_left, state.basis_right)
     adam = adam_direction(
         rotated, state.exp_avg, state.exp_avg_sq,

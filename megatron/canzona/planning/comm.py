@@ -20,7 +20,7 @@ host groups and one per ring step of a bucket collective.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .plan import BufferPlan
 from .schedule import Task
@@ -55,24 +55,28 @@ class WireConfig:
 
 @dataclass
 class RankTraffic:
-    """What one rank sends in one step."""
+    """What one rank sends in one step: bytes by kind, and the collective calls."""
 
     reduce_scatter: float = 0.0
+    """Gradient reduce-scatter."""
     all_gather: float = 0.0
+    """Parameter all-gather."""
     host_gather: float = 0.0
+    """Pieces of matrices split across ranks, sent to their host ranks (``--canzona-tp-mode async``)."""
     host_scatter: float = 0.0
+    """Updates a host sends back to the holders of its matrices' pieces."""
     sync_gather: float = 0.0
+    """Pieces every holder gathers (``--canzona-tp-mode sync``)."""
     messages: int = 0
+    """Point-to-point messages and collective rounds, for the latency term."""
+
+    def as_dict(self) -> dict[str, float]:
+        """Bytes by kind."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "messages"}
 
     @property
     def total(self) -> float:
-        return self.reduce_scatter + self.all_gather + self.host_gather + self.host_scatter + self.sync_gather
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "reduce_scatter": self.reduce_scatter, "all_gather": self.all_gather, "host_gather": self.host_gather,
-            "host_scatter": self.host_scatter, "sync_gather": self.sync_gather,
-        }
+        return sum(self.as_dict().values())
 
 
 def rank_index(dp_rank: int, tp_rank: int, tp_size: int) -> int:
