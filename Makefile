@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv test test-unit test-multirank demo compare plan clean
+.PHONY: all venv test test-unit test-multirank demo compare plan gpu-check clean
 
 all: venv
 
@@ -31,6 +31,15 @@ demo: venv
 # tokens and learning rate; plots the losses to build/compare/ and prints a table (about 6 min on 2 cores).
 compare: venv
 	$(PY) tools/compare_optimizers.py
+
+# Every GPU measurement in one command, on a machine with torch and a CUDA device, no network:
+# the CUDA tests, Newton-Schulz benchmarks and calibration, TP 2 x DP 2 on CUDA against CPU,
+# one-GPU Qwen3-8B runs; writes build/gpu-check/ and docs/gpu_check.md (docs/gpu_check.md says
+# how to bring the packages to an offline machine). GPU_PYTHON: an interpreter with torch
+# and megatron-core (default: the venv's, else python3).
+GPU_PYTHON ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) tools/gpu_check.py
 
 plan: venv
 	$(PY) tools/plan.py --model qwen3-32b --tp 8 --dp 32 --compare --plot plan_qwen3-32b_tp8_dp32.png

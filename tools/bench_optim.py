@@ -8,6 +8,8 @@ batched (one call on a stack of same-shape matrices) against looped (one call ea
     python tools/bench_optim.py --optimizer muon --json bench.json --calibration-dir calib/
     python tools/bench_optim.py --optimizer muon --tiny-gpt 384 --ns-dtype float32 --threads 1 \
         --calibrate tools/calibrations/cpu-tiny-gpt-muon.json   # what tools/validate_simulate.py uses
+    python tools/bench_optim.py --optimizer muon --models qwen3-32b --ns-dtype float32 \
+        --muon-ns-method standard gram                           # gram against standard, per shape
 
 Shapes are the TP=1 matrices of each layer: fused QKV, attention output projection, fused
 gate/up (fc1) and fc2; ``--shrink k`` divides every dimension by k (keeps aspect ratios)
@@ -15,9 +17,11 @@ so that CPU runs stay short. ``--tiny-gpt HIDDEN`` adds the Muon matrices of
 tools/bench_step.py's tiny GPT (Q, K, V split as it splits them; never shrunk). Shampoo
 and SOAP recompute their preconditioner every ``f`` steps; their steady-state time is
 measured as ``plain + (refresh - plain) / f`` from a plain step and a refresh step timed
-separately. FLOPs come from the project's cost model (megatron.canzona.planning.cost); on
-CUDA the bf16 matmul peak of the card is measured first and Muon's Newton-Schulz rate is
-reported as a fraction of it.
+separately. FLOPs come from the project's cost model (megatron.canzona.planning.cost). The
+matmul rate of the device is measured first, in every Newton-Schulz dtype of the run, and
+Muon's rate is reported as a fraction of it. ``--muon-ns-method standard gram`` (and
+several ``--ns-dtype``) times each Newton-Schulz method and dtype on the same matrices and
+ends with a table of gram's time over standard's per shape, and the method ``auto`` picks.
 
 ``--calibrate FILE`` writes one calibration holding seconds per (optimizer, shape, dtype):
 the first optimizer measured is the file's top level, a planning.cost.Calibration JSON
@@ -61,7 +65,9 @@ from megatron.canzona.planning import Calibration, get_qwen3_config
 from megatron.canzona.provenance import git_revision, machine
 from megatron.canzona.planning.cost import (
     ADAMW_FLOPS_PER_ELEMENT,
+    NS_METHODS,
     muon_flops,
+    ns_method_for,
     shampoo_flops,
     soap_flops,
 )
@@ -80,17 +86,24 @@ class Kind:
     refresh_every: int  # 0: no periodic refresh
 
 
+def muon_variants(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(Newton-Schulz method, dtype) pairs Muon is timed with, in the order given."""
+    return [(method, dtype) for dtype in args.ns_dtype for method in args.muon_ns_method]
+
+
+def muon_kind(method: str, ns_dtype: str) -> Kind:
+    config = MuonConfig(ns_dtype=ns_dtype, ns_method=method)
+    return Kind(config, lambda s, d: MuonState.create(s, device=d), muon_update,
+                lambda m, n: muon_flops(m, n, config.num_ns_steps, method, ns_dtype), 0)
+
+
 def make_kinds(args: argparse.Namespace) -> dict[str, Kind]:
-    muon = MuonConfig(ns_dtype=args.ns_dtype)
     shampoo = ShampooConfig(precondition_frequency=args.precondition_frequency)
     soap = SOAPConfig(precondition_frequency=args.precondition_frequency)
     adamw = AdamWConfig()
     f = args.precondition_frequency
     return {
-        "muon": Kind(
-            muon, lambda s, d: MuonState.create(s, device=d), muon_update,
-            lambda m, n: muon_flops(m, n, muon.num_ns_steps), 0,
-        ),
+        "muon": muon_kind(*muon_variants(args)[0]),
         "shampoo": Kind(
             shampoo, lambda s, d: ShampooState.create(s, shampoo, device=d), shampoo_update,
             lambda m, n: shampoo_flops(m, n, precond_every=f, max_precond_dim=shampoo.max_precond_dim), f,
@@ -190,10 +203,11 @@ def time_variant(kind: Kind, grads: torch.Tensor, batched: bool, args: argparse.
     return result
 
 
-def measure_matmul_peak(device: torch.device, size: int = 8192, repeats: int = 10) -> float:
-    """Best bf16 GEMM rate of this card in FLOP/s."""
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+def measure_matmul_rate(device: torch.device, dtype: torch.dtype, size: int | None = None, repeats: int = 10) -> float:
+    """Best square GEMM rate of this device in ``dtype``, FLOP/s (8192² on CUDA, 1024² on CPU)."""
+    size = size or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
     best = min(median_seconds(lambda: a @ b, 1, device) for _ in range(repeats))
@@ -211,13 +225,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--models is not given)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="gradient dtype")
-    p.add_argument("--ns-dtype", choices=("bfloat16", "float32"), default="bfloat16", help="Muon Newton-Schulz dtype")
+    p.add_argument("--ns-dtype", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16"],
+                   help="Muon Newton-Schulz dtype(s); several are timed in turn")
+    p.add_argument("--muon-ns-method", nargs="+", choices=NS_METHODS, default=["standard"],
+                   help="Muon Newton-Schulz method(s), the runtime's --muon-ns-method; several are timed in turn")
     p.add_argument("--stack", type=int, default=None, help="matrices per batched call (default: 4 on CPU, 8 on CUDA)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats, median reported (default: 3 CPU, 10 CUDA)")
     p.add_argument("--warmup", type=int, default=1, help="untimed plain steps before timing")
     p.add_argument("--shrink", type=int, default=None, help="divide every dimension by this (default: 8 on CPU, 1 on CUDA)")
     p.add_argument("--precondition-frequency", type=int, default=10, help="Shampoo/SOAP refresh every f steps")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--matmul-size", type=int, default=None,
+                   help="side of the square GEMM the matmul rate is measured on (default: 8192 on CUDA, 1024 on CPU)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout only)")
     p.add_argument("--calibration-dir", metavar="DIR",
                    help="write <optimizer>.json calibrations (batched seconds per matrix) for tools/plan.py")
@@ -251,17 +270,29 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "optimizer_configs": {name: repr(kind.config) for name, kind in kinds.items() if name in args.optimizer},
         "rows": [],
     }
-    if device.type == "cuda":
-        print("measuring bf16 matmul peak ...", file=sys.stderr)
-        report["bf16_matmul_peak_flops"] = measure_matmul_peak(device)
+    report["matmul_flops_per_s"] = {}
+    for ns_dtype in dict.fromkeys(["bfloat16", *args.ns_dtype] if device.type == "cuda" else args.ns_dtype):
+        print(f"measuring the {ns_dtype} matmul rate ...", file=sys.stderr, flush=True)
+        report["matmul_flops_per_s"][ns_dtype] = measure_matmul_rate(device, getattr(torch, ns_dtype), args.matmul_size)
+    if "bfloat16" in report["matmul_flops_per_s"] and device.type == "cuda":
+        report["bf16_matmul_peak_flops"] = report["matmul_flops_per_s"]["bfloat16"]
     gen = torch.Generator(device=device).manual_seed(0)
     dtype = getattr(torch, args.dtype)
     for model, shapes in shape_sources(args):
         for shape_name, m, n in shapes:
             grads = torch.randn(args.stack, m, n, device=device, generator=gen).to(dtype)
             for name in args.optimizer:
-                print(f"{model} {shape_name} {m}x{n} {name} ...", file=sys.stderr, flush=True)
-                report["rows"].append(bench_one(kinds[name], name, model, shape_name, grads, args, report))
+                for method, ns_dtype in muon_variants(args) if name == "muon" else [(None, None)]:
+                    kind = muon_kind(method, ns_dtype) if name == "muon" else kinds[name]
+                    label = f"{name} ({method}, {ns_dtype})" if name == "muon" else name
+                    print(f"{model} {shape_name} {m}x{n} {label} ...", file=sys.stderr, flush=True)
+                    row = bench_one(kind, name, model, shape_name, grads, args, report)
+                    if name == "muon":
+                        row.update(ns_method=method, ns_dtype=ns_dtype,
+                                   ran=ns_method_for(m, n, kind.config.num_ns_steps, method, ns_dtype))
+                        rate = report["matmul_flops_per_s"][ns_dtype]
+                        row["fraction_of_matmul_rate"] = row["achieved_flops_per_s"] / rate
+                    report["rows"].append(row)
     return report
 
 
@@ -291,7 +322,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"git {report['git']}  " + "  ".join(f"{k}={v}" for k, v in report["machine"].items()),
         f"models={cfg['models']} tiny_gpt={cfg['tiny_gpt']} shrink={cfg['shrink']} stack={cfg['stack']} "
         f"repeats={cfg['repeats']} "
-        f"grad dtype={cfg['dtype']} muon ns_dtype={cfg['ns_dtype']} "
+        f"grad dtype={cfg['dtype']} muon ns_dtype={','.join(cfg['ns_dtype'])} "
+        f"ns_method={','.join(cfg['muon_ns_method'])} "
         f"precondition_frequency={cfg['precondition_frequency']}",
     ]
     if peak:
@@ -306,16 +338,65 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{r['model_flops'] / 1e9:>10.3g} {r['achieved_flops_per_s'] / 1e9:>9.1f}")
         if "fraction_of_bf16_peak" in r:
             line += f" {100 * r['fraction_of_bf16_peak']:>6.1f}%"
+        if "ns_method" in r:
+            line += f"  {r['ns_method']}{'→' + r['ran'] if r['ns_method'] == 'auto' else ''}, {r['ns_dtype']}: " \
+                    f"{100 * r['fraction_of_matmul_rate']:.0f}% of the {r['ns_dtype']} matmul rate"
         lines.append(line)
     lines.append("s = seconds per matrix update (steady state, refreshes amortised); "
                  "GFLOP/s = cost-model FLOPs / batched seconds")
+    lines.append("matmul rate (square GEMM, this device): " + ", ".join(
+        f"{dtype} {rate / 1e9:.1f} GFLOP/s" for dtype, rate in report.get("matmul_flops_per_s", {}).items()))
+    lines += format_methods(report)
     return "\n".join(lines)
+
+
+def method_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per Muon shape and dtype timed with both methods: gram's batched time over standard's,
+    the FLOP ratio of the cost model and the method ``auto`` picks."""
+    muon = {(r["model"], r["matrix"], r["ns_dtype"], r["ns_method"]): r for r in report["rows"] if "ns_method" in r}
+    out = []
+    for (model, matrix, ns_dtype, method), standard in muon.items():
+        gram = muon.get((model, matrix, ns_dtype, "gram"))
+        if method != "standard" or gram is None:
+            continue
+        m, n = standard["m"], standard["n"]
+        out.append({"model": model, "matrix": matrix, "m": m, "n": n, "ns_dtype": ns_dtype,
+                    "standard_s": standard["batched_s"], "gram_s": gram["batched_s"],
+                    "time_ratio": gram["batched_s"] / standard["batched_s"],
+                    "flop_ratio": gram["model_flops"] / standard["model_flops"],
+                    "auto": ns_method_for(m, n, 5, "auto", ns_dtype)})
+    return out
+
+
+def format_methods(report: dict[str, Any]) -> list[str]:
+    rows = method_rows(report)
+    if not rows:
+        return []
+    lines = ["", "Newton-Schulz: gram against standard (batched seconds per matrix, one run)",
+             f"{'model':<13} {'matrix':<7} {'shape':>11} {'dtype':<9} {'standard s':>11} {'gram s':>10} "
+             f"{'gram/std':>8} {'FLOPs':>6}  auto"]
+    for r in rows:
+        lines.append(f"{r['model']:<13} {r['matrix']:<7} {r['m']:>5}x{r['n']:<5} {r['ns_dtype']:<9} "
+                     f"{r['standard_s']:>11.4g} {r['gram_s']:>10.4g} {r['time_ratio']:>8.2f} {r['flop_ratio']:>6.2f}  "
+                     f"{r['auto']}")
+    chosen = [r["time_ratio"] for r in rows if r["auto"] == "gram"]
+    if chosen:
+        lines.append(f"where auto picks gram: gram/standard {min(chosen):.2f} to {max(chosen):.2f}")
+    return lines
+
+
+def calibrated_rows(report: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """The rows a calibration of ``name`` holds: Muon's of its first method and dtype."""
+    cfg = report["config"]
+    first = (cfg["muon_ns_method"][0], cfg["ns_dtype"][0])
+    return [r for r in report["rows"] if r["optimizer"] == name
+            and (name != "muon" or (r.get("ns_method"), r.get("ns_dtype")) == first)]
 
 
 def write_calibrations(report: dict[str, Any], directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     for name in MATRIX_OPTIMIZER_NAMES:
-        rows = [r for r in report["rows"] if r["optimizer"] == name]
+        rows = calibrated_rows(report, name)
         if not rows:
             continue
         seconds = {(r["m"], r["n"]): r["batched_s"] for r in rows}
@@ -329,13 +410,14 @@ def calibration_document(report: dict[str, Any]) -> dict[str, Any]:
     cfg = report["config"]
     entries: dict[str, Any] = {}
     for name in cfg["optimizer"]:
-        rows = {(r["m"], r["n"]): r for r in report["rows"] if r["optimizer"] == name}
+        rows = {(r["m"], r["n"]): r for r in calibrated_rows(report, name)}
         if name == "adamw" or not rows:
             continue
         timings = [{"m": m, "n": n, "dtype": cfg["dtype"], "seconds": r["batched_s"], "looped_seconds": r["looped_s"],
                     "stack": r["stack"]} for (m, n), r in sorted(rows.items())]
         entries[name] = {"optimizer": name, "dtype": cfg["dtype"],
-                         "ns_dtype": cfg["ns_dtype"] if name == "muon" else None, "timings": timings}
+                         "ns_dtype": cfg["ns_dtype"][0] if name == "muon" else None,
+                         "ns_method": cfg["muon_ns_method"][0] if name == "muon" else None, "timings": timings}
     measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "command": report["command"], "git": report["git"], "machine": report["machine"],
                 "repeats": cfg["repeats"], "warmup": cfg["warmup"],

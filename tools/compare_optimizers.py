@@ -19,7 +19,10 @@ and vectors take AdamW in every run. All use one learning rate, 3e-3 (the demo's
   at the same ``--lr``;
 * ``shampoo``: ``--canzona`` Shampoo grafted to Adam's per-matrix update norm, which is why
   it takes Adam's learning rate;
-* ``soap``: ``--canzona`` SOAP, Adam in Shampoo's eigenbasis, again Adam's learning rate.
+* ``soap``: ``--canzona`` SOAP, Adam in Shampoo's eigenbasis, again Adam's learning rate;
+* ``muon_gram``: Muon with ``--muon-ns-method gram``, and ``muon_seed``: Muon with another
+  ``--seed`` (other initial weights, other data order), the run-to-run noise gram's gap to
+  Muon is held against (the runs are otherwise deterministic).
 
 Shampoo's and SOAP's other hyperparameters are the flags' defaults. Validation loss is
 Megatron's, every ``--eval-interval`` iterations over ``--eval-iters`` batches (20 batches
@@ -80,6 +83,11 @@ RUNS: dict[str, RunSpec] = {
     "adam": RunSpec(label="AdamW", optimizer="adam", canzona=False),
     "muon": RunSpec(label="Muon", optimizer="muon", canzona=True,
                     flags=("--muon-scale-mode", "spectral", "--muon-extra-scale-factor", "0.2")),
+    "muon_gram": RunSpec(label="Muon, gram Newton-Schulz", optimizer="muon", canzona=True,
+                         flags=("--muon-scale-mode", "spectral", "--muon-extra-scale-factor", "0.2",
+                                "--muon-ns-method", "gram")),
+    "muon_seed": RunSpec(label="Muon, seed 1235", optimizer="muon", canzona=True,
+                         flags=("--muon-scale-mode", "spectral", "--muon-extra-scale-factor", "0.2", "--seed", "1235")),
     "shampoo": RunSpec(label="Shampoo", optimizer="shampoo", canzona=True),
     "soap": RunSpec(label="SOAP", optimizer="soap", canzona=True),
 }
@@ -306,6 +314,33 @@ def markdown_table(rows: list[dict], lr: str = LEARNING_RATE_TEXT) -> str:
     return "\n".join(lines)
 
 
+def curve_gap(a: RunResult, b: RunResult) -> dict[str, float]:
+    """How far apart two runs' validation curves are: the mean and largest absolute
+    difference over the evaluations both made, and the difference of the final ones."""
+    b_losses = dict(zip(b.valid_iterations, b.valid_losses))
+    gaps = [abs(loss - b_losses[i]) for i, loss in zip(a.valid_iterations, a.valid_losses) if i in b_losses]
+    return {"mean_abs": sum(gaps) / len(gaps), "max_abs": max(gaps), "final": a.valid_losses[-1] - b.valid_losses[-1]}
+
+
+NOISE_PAIRS = (("muon_gram", "muon"), ("muon_seed", "muon"))
+"""Pairs whose curve gap is printed: gram against standard Newton-Schulz, and the run-to-run
+noise it is held against (the same Muon run with another seed, so other initial weights and
+another data order; the runs are otherwise deterministic)."""
+
+
+def noise_lines(results: list[RunResult]) -> list[str]:
+    """One line per pair of :data:`NOISE_PAIRS` that ran: the validation curves' gap."""
+    by_name = {r.name: r for r in results}
+    lines = []
+    for a, b in NOISE_PAIRS:
+        if a in by_name and b in by_name:
+            gap = curve_gap(by_name[a], by_name[b])
+            lines.append(f"{by_name[a].label} against {by_name[b].label}: validation loss differs by "
+                         f"{gap['mean_abs']:.4f} on average (at most {gap['max_abs']:.4f}) over the evaluations, "
+                         f"{gap['final']:+.4f} at the end")
+    return lines
+
+
 def load_average() -> float | None:
     """The 1-minute load average (other jobs on a shared machine slow every run down)."""
     try:
@@ -363,13 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(results)
     summary = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "learning_rate": LEARNING_RATE, "tokens": tokens, "machine": {**machine(), "git_revision": git_revision(), "cpu_count": os.cpu_count()},
-               "runs": {name: asdict(RUNS[name]) for name in args.runs}, "results": rows,
+               "runs": {name: asdict(RUNS[name]) for name in args.runs}, "results": rows, "gaps": noise_lines(results),
                "total_s": None if args.no_train else time.perf_counter() - begin,
                "load_average": {"start": load_at_start, "end": load_average()}}
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print()
     print(markdown_table(rows))
     print()
+    for line in noise_lines(results):
+        print(line)
     if summary["total_s"] is not None:
         loads = " to ".join("?" if load is None else f"{load:.1f}" for load in summary["load_average"].values())
         print(f"total wall time: {summary['total_s']:.0f} s on {os.cpu_count()} CPUs "

@@ -19,6 +19,7 @@ import sys
 import time
 
 from megatron.canzona.planning import (
+    NS_METHODS,
     OPTIMIZERS,
     DEFAULT_ALPHA,
     EXPERT_LAYOUTS,
@@ -84,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="plan dense and expert buffers each on its own (for comparison)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer whose cost is balanced")
     p.add_argument("--cost", choices=("flops", "numel"), default="flops", help="balance optimizer FLOPs or element counts")
+    p.add_argument("--muon-ns-method", choices=NS_METHODS, default="standard",
+                   help="Muon's Newton-Schulz whose FLOPs are balanced (the runtime's --muon-ns-method)")
+    p.add_argument("--muon-ns-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="dtype Muon's Newton-Schulz iterates in (gram restarts every 2 steps in bf16)")
     p.add_argument("--calibration", metavar="FILE", help="JSON of measured seconds per shape (replaces the FLOP formulas)")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="0 favours equal chunk sizes, 1 equal compute")
     p.add_argument("--layout", "--canzona-layout", dest="layout", choices=LAYOUTS, default="whole",
@@ -110,7 +115,7 @@ def cost_model(args: argparse.Namespace) -> CostModel:
     if args.calibration:
         with open(args.calibration) as f:
             calibration = Calibration.from_json(f.read())
-    return CostModel(kind=kind, calibration=calibration)
+    return CostModel(kind=kind, calibration=calibration, ns_method=args.muon_ns_method, ns_dtype=args.muon_ns_dtype)
 
 
 def wire_config(args: argparse.Namespace) -> WireConfig:
@@ -236,7 +241,7 @@ def report(args: argparse.Namespace) -> dict:
             "model": args.model, "tp": args.tp, "dp": args.dp, "ep": args.ep, "etp": args.etp, "pp": args.pp,
             "expert_dp": expert_dp_size(dp_size=args.dp, tp_size=args.tp, ep_size=args.ep, expert_tp_size=args.etp),
             "expert_layout": args.expert_layout, "joint_balance": args.joint_balance,
-            "optimizer": args.optimizer, "cost": cm.kind,
+            "optimizer": args.optimizer, "cost": cm.kind if cm.kind != "muon" else f"muon, {cm.ns_method} Newton-Schulz in {cm.ns_dtype}",
             "cost_unit": cm.unit, "alpha": args.alpha, "bucket_size": plan.dp.bucket_size,
             "params_dtype": args.params_dtype, "grad_reduce_in_fp32": args.grad_reduce_in_fp32,
             "split_qkv": args.split_qkv, "split_gate_up": args.split_gate_up,

@@ -31,6 +31,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from megatron.canzona.planning import (  # noqa: E402
+    NS_METHODS,
     OPTIMIZERS,
     QWEN3_MODELS,
     CostModel,
@@ -101,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decoder-first-pipeline-num-layers", dest="first_stage_layers", type=int)
     p.add_argument("--decoder-last-pipeline-num-layers", dest="last_stage_layers", type=int)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon")
+    p.add_argument("--muon-ns-method", choices=NS_METHODS, default="standard",
+                   help="Newton-Schulz of Canzona's Muon (the runtime's --muon-ns-method); the other strategies "
+                   "run Megatron's standard one")
     p.add_argument("--cluster", default=DEFAULT_CLUSTER,
                    help=f"a TOML/JSON file or a preset of megatron/canzona/planning/sim/clusters/ ({', '.join(presets())})")
     p.add_argument("--calibration", metavar="FILE", help="measured seconds per shape (tools/bench_optim.py --calibration-dir)")
@@ -154,7 +158,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             note = (f"global batch raised from the recipe's {recipe['global_batch']} to {global_batch}: "
                     f"DP {dp} x micro batch {sizes['micro_batch']} needs a multiple of {per_step}")
     return {"model": cfg.name, "gpus": args.gpus, "dp": dp, **sizes, "global_batch": global_batch, "note": note,
-            "optimizer": args.optimizer, "split_qkv": args.split_qkv,
+            "optimizer": args.optimizer, "ns_method": args.muon_ns_method, "split_qkv": args.split_qkv,
             "split_gate_up": getattr(args, "split_gate_up", False), "alpha": args.alpha,
             "grad_reduce_in_fp32": not args.grad_reduce_in_bf16, "overlap": args.overlap,
             "bucket_size": args.bucket_size or default_bucket_size(dp)}
@@ -199,7 +203,7 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
             specs if name.startswith("canzona") else fused, strategy=name, cluster=cluster, dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"],
             expert_tp_size=run["etp"], pp_size=run["pp"], optimizer=run["optimizer"], calibration=calibration,
             workload=workload, plan=plan, expert_plan=expert_plan, wire=wire, overlap=run["overlap"],
-            alpha=run["alpha"], bucket_size=run["bucket_size"],
+            alpha=run["alpha"], bucket_size=run["bucket_size"], ns_method=run["ns_method"],
         )
     return out
 
@@ -208,7 +212,8 @@ def physical_limit(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
     """No layout's optimizer step on this stage beats L = max(matrix work / GPUs, largest
     matrix, or part hosted apart) + a GPU's share of applying the updates and of AdamW: the work spread perfectly,
     with no communication at all. Expert matrices count per EP rank, over expert DP x expert TP."""
-    seconds = seconds_per_update(CostModel(kind=run["optimizer"], calibration=calibration), cluster)
+    cost = CostModel(kind=run["optimizer"], calibration=calibration, ns_method=run["ns_method"], ns_dtype=cluster.gpu.ns_dtype)
+    seconds = seconds_per_update(cost, cluster)
     gpus = run["dp"] * run["tp"]
     expert_gpus = gpus // (run["ep"] * run["etp"])
     work, largest, applied, adamw = 0.0, 0.0, 0.0, 0.0
@@ -350,7 +355,8 @@ def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     (``a / b / ...`` in CASE_STRATEGIES order) and Canzona's speed-ups over Megatron's layer-wise."""
     header = ("| model | GPUs | TP, EP, DP | global batch | optimizer step (ms): " + " / ".join(CASE_STRATEGIES)
               + " | iteration (ms): " + " / ".join(CASE_STRATEGIES) + " | limit L (ms) | step / L "
-              "| step / best peer | iteration / best peer | step speed-up | iteration speed-up |")
+              "| step / best peer | iteration / best peer | step speed-up | iteration speed-up "
+              "| canzona step, `--muon-ns-method auto` (ms) | its step speed-up |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     rows = []
@@ -360,6 +366,8 @@ def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                                          "ep": None, "global_batch": None, "strategies": list(CASE_STRATEGIES),
                                          "plot": None})
             report, _ = project(case)
+            auto, _ = project(argparse.Namespace(**{**vars(case), "muon_ns_method": "auto", "strategies": []}))
+            report["canzona_auto_ns"] = auto["strategies"]["canzona"]
             c, s = report["config"], report["strategies"]
             steps = " / ".join(short_ms(s[n]["optimizer_step_seconds"]) for n in CASE_STRATEGIES)
             iters = " / ".join(f"{1e3 * s[n]['iteration_seconds']:.0f}" for n in CASE_STRATEGIES)
@@ -370,7 +378,9 @@ def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                   f"{short_ms(report['physical_limit_seconds'])} | {canzona['step_over_limit']:.2f} | "
                   f"{canzona['optimizer_step_seconds'] / peer_step:.2f} | "
                   f"{canzona['iteration_seconds'] / peer_iteration:.3f} | "
-                  f"{layerwise['step_ratio_to_canzona']:.2f}× | {layerwise['iteration_ratio_to_canzona']:.2f}× |",
+                  f"{layerwise['step_ratio_to_canzona']:.2f}× | {layerwise['iteration_ratio_to_canzona']:.2f}× | "
+                  f"{short_ms(report['canzona_auto_ns']['optimizer_step_seconds'])} | "
+                  f"{layerwise['optimizer_step_seconds'] / report['canzona_auto_ns']['optimizer_step_seconds']:.2f}× |",
                   flush=True)
             rows.append(report)
     return rows

@@ -23,7 +23,7 @@ import torch
 
 from canzona_patches import registry
 from canzona_patches.version import require_pinned_megatron
-from megatron.canzona.planning import LAYOUTS, CanzonaPlan, CostModel, DPPlan, ParamSpec, WireConfig, make_plan
+from megatron.canzona.planning import LAYOUTS, CanzonaPlan, DPPlan, ParamSpec, WireConfig, make_plan
 from megatron.canzona.planning.geometry import default_bucket_size
 from megatron.canzona.planning.plan import BufferPlan
 from megatron.canzona.planning.sim import Workload, load_cluster
@@ -218,7 +218,7 @@ def build_canzona_plan(
     wire = wire_config(named_all, ddp_config)
     plans = {
         layout: make_plan(
-            specs, dp_size=dp_size, tp_size=tp_size, cost_model=CostModel(kind=cfg.cost_kind), alpha=cfg.alpha,
+            specs, dp_size=dp_size, tp_size=tp_size, cost_model=cfg.cost_model(), alpha=cfg.alpha,
             bucket_size=plan_bucket_size(ddp_config, dp_size), tp_budget=cfg.tp_group_budget, wire=wire,
             ep_size=ep_size, expert_tp_size=expert_tp_size, layout=layout,
         )
@@ -231,7 +231,8 @@ def build_canzona_plan(
         node = local_world_size() or (None if torch.cuda.is_available() else dp_size * tp_size)
         if node is not None:
             cluster = dataclasses.replace(cluster, gpus_per_node=node)
-    results = project_layouts(specs, plans, cluster=cluster, optimizer=cfg.optimizer, wire=wire, workload=workload)
+    results = project_layouts(specs, plans, cluster=cluster, optimizer=cfg.optimizer, wire=wire, workload=workload,
+                              ns_method=cfg.cost_model().ns_method)
     choice = faster_layout(results)
     return plans[choice], specs, layout_line(choice, results, cluster, iteration=workload is not None)
 

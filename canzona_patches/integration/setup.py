@@ -34,7 +34,7 @@ from canzona_patches.integration.layout import (
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, QKVLayout
 from megatron.canzona.optim.split import FusedLayout
-from megatron.canzona.planning import CanzonaPlan, CostModel, summarize_canzona
+from megatron.canzona.planning import CanzonaPlan, summarize_canzona
 from megatron.canzona.planning.schedule import Coord
 from megatron.canzona.planning.sim import Workload
 from megatron.canzona.runtime.config import CanzonaConfig
@@ -109,7 +109,7 @@ def make_setup(
     summary = None
     if first or summarize_here:
         named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
-        summary = summarize_canzona(plan, specs, CostModel(kind=config.cost_kind), wire_config(named, ddp_config))
+        summary = summarize_canzona(plan, specs, config.cost_model(), wire_config(named, ddp_config))
     if first:
         if choice is not None:
             print(choice if stage is None else choice.replace("[canzona]", f"[canzona] stage {stage}:"), flush=True)

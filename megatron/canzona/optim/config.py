@@ -16,10 +16,12 @@ from typing import Any, Literal
 import torch
 
 from megatron.canzona.optim.newton_schulz import NS_COEFFICIENTS
+from megatron.canzona.planning.cost import NS_METHODS
 
 ComputeDtype = Literal["bfloat16", "float32", "float64"]
 RootDtype = Literal["float32", "float64"]
 MuonScaleMode = Literal["moonlight", "spectral", "shape_scaling", "unit_rms_norm", "none"]
+NSMethod = Literal[NS_METHODS]  # type: ignore[valid-type]  (the cost model's one list)
 
 MUON_SCALE_MODES: tuple[str, ...] = typing.get_args(MuonScaleMode)
 
@@ -80,6 +82,9 @@ class MuonConfig:
     """Number of Newton-Schulz iterations."""
     ns_dtype: ComputeDtype = "bfloat16"
     """Dtype of the Newton-Schulz matmuls; normalisation and state stay in fp32 (or fp64)."""
+    ns_method: NSMethod = "standard"
+    """Newton-Schulz iterated on the matrix (standard), on its Gram matrix (gram: fewer FLOPs
+    for rectangular matrices), or whichever the cost model finds cheaper per shape (auto)."""
     eps: float = 1e-7
     """Floor on the Frobenius norm used to normalise the input of Newton-Schulz."""
     scale_mode: MuonScaleMode = "moonlight"

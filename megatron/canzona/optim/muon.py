@@ -99,6 +99,7 @@ def muon_update(
         coefficients=config.coefficients,
         dtype=resolve_dtype(config.ns_dtype),
         eps=config.eps,
+        method=config.ns_method,
     )
     state.step += 1
     rows, cols = grad.shape[-2:]

@@ -18,6 +18,8 @@ from typing import Literal
 
 import torch
 
+from megatron.canzona.planning.cost import gram_runs, ns_method_for
+
 Coefficients = tuple[float, float, float]
 
 
@@ -128,13 +130,17 @@ def newton_schulz(
     coefficients: str = "quintic",
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
+    method: str = "standard",
 ) -> torch.Tensor:
     """Approximately orthogonalise each trailing ``(m, n)`` matrix of ``x``.
 
     Leading dimensions are a stack of independent matrices, computed in one batched
     matmul per product. The input is normalised by its Frobenius norm (floored at
     ``eps``) in at least fp32, transposed when ``m > n`` so that the Gram matrix is the
-    small ``min(m, n)`` square, then iterated in ``dtype``.
+    small ``min(m, n)`` square, then iterated in ``dtype``: on the matrix (``method``
+    ``"standard"``), on its Gram matrix (``"gram"``, :func:`gram_iterations`), or by the one
+    the cost model finds cheaper for the shape (``"auto"``,
+    :func:`~megatron.canzona.planning.cost.ns_method_for`).
 
     Returns:
         A tensor of the same shape in ``float32`` (``float64`` when ``dtype`` is float64).
@@ -142,6 +148,8 @@ def newton_schulz(
     if x.ndim < 2:
         raise ValueError(f"newton_schulz needs a (..., m, n) tensor, got shape {tuple(x.shape)}.")
     schedule = NS_COEFFICIENTS[coefficients]
+    dtype_name = str(dtype).removeprefix("torch.")
+    method = ns_method_for(x.shape[-2], x.shape[-1], num_steps, method, dtype_name)
     out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     transpose = x.shape[-2] > x.shape[-1]
     if transpose:
@@ -150,18 +158,81 @@ def newton_schulz(
     stack = x.to(out_dtype).reshape(-1, rows, cols)
     norm = torch.linalg.matrix_norm(stack, keepdim=True).clamp_min(eps)
     X = (stack / norm).to(dtype)
-    for a, b, c in schedule.iterate(num_steps):
-        # The same three batched GEMMs whether the stack holds one matrix or many, so a
-        # batched call reproduces the looped result kernel for kernel.
-        gram = torch.bmm(X, X.mT)
-        if c != 0.0:
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        else:
-            # torch 2.14's CPU bf16 baddbmm with alpha=0 returns garbage for k > 16.
-            poly = gram * b
-        X = torch.baddbmm(X, poly, X, beta=a, alpha=1.0)
+    steps = list(schedule.iterate(num_steps))
+    if method == "gram":
+        X = gram_iterations(X, steps, gram_runs(num_steps, dtype_name))
+    else:
+        X = _standard_iterations(X, steps)
     out = X.to(out_dtype).reshape(*x.shape[:-2], rows, cols)
     return out.mT if transpose else out
+
+
+def _polynomial(gram: torch.Tensor, b: float, c: float) -> torch.Tensor:
+    """``b A + c A²`` of a stack of Gram matrices, one batched product."""
+    if c != 0.0:
+        return torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+    # torch 2.14's CPU bf16 baddbmm with alpha=0 returns garbage for k > 16.
+    return gram * b
+
+
+def _standard_iterations(X: torch.Tensor, steps: list[Coefficients]) -> torch.Tensor:
+    for a, b, c in steps:
+        # The same three batched GEMMs whether the stack holds one matrix or many, so a
+        # batched call reproduces the looped result kernel for kernel.
+        X = torch.baddbmm(X, _polynomial(torch.bmm(X, X.mT), b, c), X, beta=a, alpha=1.0)
+    return X
+
+
+def _symmetric(matrix: torch.Tensor) -> torch.Tensor:
+    """``(M + Mᵀ) / 2``: what is symmetric in exact arithmetic stays so after rounding."""
+    return torch.add(matrix, matrix.mT).mul_(0.5)
+
+
+def gram_iterations(X: torch.Tensor, steps: list[Coefficients], runs: list[int]) -> torch.Tensor:
+    """Newton-Schulz on the Gram matrix of the ``(k, n, m)`` stack ``X`` (``n <= m``).
+
+    Every iterate is a polynomial in the first Gram matrix times the input,
+    ``X_j = Q_j X_0``, and ``Q_j`` commutes with every Gram matrix ``A_j = X_j X_jᵀ``. So a
+    step ``X -> (a I + b A + c A²) X`` is, with ``P = a I + b A + c A²``, the n×n updates
+    ``Q <- P Q`` and ``A <- P A P``, and ``X_0`` is multiplied by ``Q`` once at the end of a
+    run. Between ``runs`` of steps (reduced precision,
+    :data:`~megatron.canzona.planning.cost.GRAM_RESTART_EVERY`) the iterate is formed and its Gram
+    matrix taken again, which bounds the growth of ``Q`` and so its rounding. ``A`` and ``Q``
+    are symmetrised after each product.
+    """
+    starts = [sum(runs[:i]) for i in range(len(runs))]
+    for run in (steps[start:start + length] for start, length in zip(starts, runs)):
+        gram = _symmetric(torch.bmm(X, X.mT))
+        accumulated = None
+        for index, (a, b, c) in enumerate(run):
+            poly = _polynomial(gram, b, c)
+            poly.diagonal(dim1=-2, dim2=-1).add_(a)
+            accumulated = poly if accumulated is None else _symmetric(torch.bmm(poly, accumulated))
+            if index + 1 < len(run):
+                gram = _symmetric(torch.bmm(torch.bmm(poly, gram), poly))
+        X = torch.bmm(accumulated, X)
+    return X
+
+
+SPECTRUM_KINDS: tuple[str, ...] = ("random", "ill", "rank_deficient")
+
+
+def spectrum_matrix(rows: int, cols: int, kind: str, seed: int) -> torch.Tensor:
+    """A float64 test input for Newton-Schulz: Gaussian (``random``), ill-conditioned
+    (``ill``: singular values log-spaced from 1 down to 1e-4) or rank-deficient
+    (``rank_deficient``: from 1 to 1e-2, the lower half zero), reproducible from ``seed``."""
+    if kind not in SPECTRUM_KINDS:
+        raise ValueError(f"unknown input kind {kind!r}; choose one of {SPECTRUM_KINDS}")
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        return torch.randn(rows, cols, dtype=torch.float64, generator=gen)
+    k = min(rows, cols)
+    u, _ = torch.linalg.qr(torch.randn(rows, k, dtype=torch.float64, generator=gen))
+    v, _ = torch.linalg.qr(torch.randn(cols, k, dtype=torch.float64, generator=gen))
+    s = torch.logspace(0, -4 if kind == "ill" else -2, k, dtype=torch.float64)
+    if kind == "rank_deficient":
+        s[k // 2:] = 0.0
+    return (u * s) @ v.T
 
 
 def singular_value_band(

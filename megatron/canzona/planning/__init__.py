@@ -5,7 +5,10 @@ Imports neither ``torch.distributed`` nor Megatron-Core nor ``canzona_patches``.
 
 from .balance import LAYOUTS, plan_canzona, plan_hosts
 from .comm import RankTraffic, WireConfig, traffic
-from .cost import COST_KINDS, OPTIMIZERS, Calibration, CostModel, muon_flops, shampoo_flops, soap_flops
+from .cost import (
+    COST_KINDS, NS_METHODS, OPTIMIZERS, Calibration, CostModel, muon_flops, ns_flops, ns_method_for, shampoo_flops,
+    soap_flops,
+)
 from .experts import plan_with_experts, split_experts
 from .grid import dense_to_expert, expert_coordinates, expert_dp_size
 from .hosts import GROUPS_PER_HOST, schedule_groups
@@ -34,7 +37,8 @@ __all__ = [
     "BufferPlan", "Calibration", "CanzonaPlan", "CostModel", "DPPlan", "Host", "ParamSpec", "Placement", "Qwen3Config",
     "RankTraffic", "Task", "WireConfig", "check_inputs", "combined_lower_bound", "dense_to_expert",
     "elementwise_specs", "expert_coordinates", "expert_dp_size", "get_qwen3_config", "lower_bound", "make_plan",
-    "makespan_over_lower_bound", "matrix_specs", "muon_flops", "padding_overhead", "plan_canzona", "plan_eq1",
+    "makespan_over_lower_bound", "matrix_specs", "muon_flops", "NS_METHODS", "ns_flops", "ns_method_for",
+    "padding_overhead", "plan_canzona", "plan_eq1",
     "plan_hosts", "plan_schedule", "plan_with_experts", "plan_zero1", "qwen3_specs", "schedule_groups", "shampoo_flops",
     "soap_flops", "split_experts", "split_params", "stage_layer_counts", "suggest_uneven_split", "summarize_canzona",
     "summarize_plan", "summarize_sync", "buffer_schedule", "Schedule", "traffic", "with_experts",

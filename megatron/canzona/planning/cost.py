@@ -3,7 +3,11 @@
 Formulas follow the operation counts of each algorithm (m×n matrix, a = min, b = max):
 
 * Muon, k Newton-Schulz steps: each step forms A = X Xᵀ (2a²b), B = cA + dA² (2a³) and
-  B X (2a²b), so k·(4a²b + 2a³).
+  B X (2a²b), so k·(4a²b + 2a³). Gram Newton-Schulz (:func:`ns_flops`) iterates on a×a
+  matrices alone: per run of L steps between restarts, the Gram matrix (2a²b), L squares,
+  L − 1 updates of the accumulated polynomial and 2(L − 1) of the Gram matrix (2a³ each),
+  and the accumulated polynomial applied to the input (2a²b); over s runs
+  4s·a²b + 2a³(4k − 3s).
 * Shampoo: statistics G Gᵀ and Gᵀ G (2m²n + 2mn²) and preconditioning L^-¼ G R^-¼
   (2m²n + 2mn²) every step; eigendecompositions (≈ EIGH_FLOPS_PER_CUBE · d³ per side)
   every ``precond_every`` steps.
@@ -38,10 +42,66 @@ OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap")
 COST_KINDS: tuple[str, ...] = (*OPTIMIZERS, "numel")
 
 
-def muon_flops(m: int, n: int, ns_steps: int = 5) -> float:
-    """FLOPs of ``ns_steps`` Newton-Schulz iterations on an m×n matrix."""
+NS_METHODS: tuple[str, ...] = ("standard", "gram", "auto")
+"""Newton-Schulz methods (``--muon-ns-method``): ``standard`` iterates on the matrix, ``gram``
+on its Gram matrix, ``auto`` takes gram where :func:`ns_method_for` finds it cheaper."""
+GRAM_RESTART_EVERY: dict[str, int | None] = {"float64": None, "float32": 5, "bfloat16": 2, "float16": 2}
+"""Steps between restarts of Gram Newton-Schulz (the iterate formed and its Gram matrix
+taken again), by the dtype of the iteration; ``None``: never. Gram Newton-Schulz evaluates
+a run's composed polynomial on its iterated Gram matrix, not on the iterate, so the
+rounding of that matrix is amplified by the slope of the composed polynomial (which grows
+about 4x a step once the singular values oscillate around 1). Measured on random,
+ill-conditioned and rank-deficient inputs (docs/newton_schulz.md): in bf16 runs of 2 steps
+keep the singular values in the band as closely as standard Newton-Schulz does, runs of 3
+leave it by 0.46 (Polar Express) and 5 by 10⁴; in fp32 a run of 5 steps holds (slack
+< 2e-3), one of 8 leaves the band by 5."""
+AUTO_GRAM_FLOP_RATIO = 0.8
+"""``auto`` takes gram where its FLOPs are at most this fraction of standard's: the a×a
+products and the restarts run at a lower rate than the large products, so a gram that
+saves less than 20% of the FLOPs is not reliably faster."""
+AUTO_GRAM_MIN_SIDE = 256
+"""``auto`` keeps standard for a matrix whose short side is below this: there the time
+goes to launching kernels and elementwise passes, and gram runs more of both (tools/
+bench_optim.py on CPU: gram 1.6x slower on a 64 × 176 matrix whose FLOPs it cuts by 30%)."""
+
+
+def gram_runs(ns_steps: int, dtype: str) -> list[int]:
+    """The steps of each run of Gram Newton-Schulz between restarts (:data:`GRAM_RESTART_EVERY`)."""
+    every = GRAM_RESTART_EVERY[dtype] or ns_steps
+    return [min(every, ns_steps - start) for start in range(0, ns_steps, every)]
+
+
+def ns_flops(m: int, n: int, ns_steps: int = 5, method: str = "standard", dtype: str = "bfloat16") -> float:
+    """FLOPs of ``ns_steps`` Newton-Schulz iterations on an m×n matrix by ``method``
+    (``auto`` counts the method :func:`ns_method_for` picks), iterated in ``dtype``."""
     a, b = min(m, n), max(m, n)
-    return float(ns_steps * (4 * a * a * b + 2 * a**3))
+    method = ns_method_for(m, n, ns_steps, method, dtype)
+    if method == "standard":
+        return float(ns_steps * (4 * a * a * b + 2 * a**3))
+    runs = len(gram_runs(ns_steps, dtype))
+    return float(4 * runs * a * a * b + 2 * a**3 * (4 * ns_steps - 3 * runs))
+
+
+def ns_method_for(m: int, n: int, ns_steps: int, method: str, dtype: str) -> str:
+    """``standard`` or ``gram``: ``method`` itself, or for ``auto`` gram where its FLOPs are
+    at most :data:`AUTO_GRAM_FLOP_RATIO` of standard's (aspect ratio above about 2.2 in fp32,
+    3.5 in bf16 with its restarts, for 5 steps) on a matrix whose short side is at least
+    :data:`AUTO_GRAM_MIN_SIDE`."""
+    if method not in NS_METHODS:
+        raise ValueError(f"unknown Newton-Schulz method {method!r}; choose one of {NS_METHODS}")
+    if dtype not in GRAM_RESTART_EVERY:
+        raise ValueError(f"unknown Newton-Schulz dtype {dtype!r}; choose one of {tuple(GRAM_RESTART_EVERY)}")
+    if method != "auto":
+        return method
+    if min(m, n) < AUTO_GRAM_MIN_SIDE:
+        return "standard"
+    gram = ns_flops(m, n, ns_steps, "gram", dtype)
+    return "gram" if gram <= AUTO_GRAM_FLOP_RATIO * ns_flops(m, n, ns_steps, "standard", dtype) else "standard"
+
+
+def muon_flops(m: int, n: int, ns_steps: int = 5, method: str = "standard", dtype: str = "bfloat16") -> float:
+    """FLOPs of one Muon update of an m×n matrix: its Newton-Schulz iterations."""
+    return ns_flops(m, n, ns_steps, method, dtype)
 
 
 def _side_flops(d: int, other: int, *, per_step: int, refresh: float, max_dim: int) -> float:
@@ -109,6 +169,10 @@ class CostModel:
     """``muon``, ``shampoo``, ``soap`` (FLOP formulas) or ``numel`` (element count)."""
     ns_steps: int = 5
     """Newton-Schulz iterations per Muon update."""
+    ns_method: str = "standard"
+    """Newton-Schulz method of Muon's updates (:data:`NS_METHODS`)."""
+    ns_dtype: str = "bfloat16"
+    """Dtype Muon's Newton-Schulz iterates in (gram's restarts depend on it)."""
     precond_every: int = 10
     """Steps between Shampoo inverse-root / SOAP eigenbasis refreshes."""
     max_precond_dim: int = 10000
@@ -121,6 +185,7 @@ class CostModel:
             raise ValueError(f"cost kind must be one of {COST_KINDS}, got {self.kind!r}")
         if self.ns_steps < 1 or self.precond_every < 1 or self.max_precond_dim < 1:
             raise ValueError("ns_steps, precond_every and max_precond_dim must be >= 1")
+        ns_method_for(1, 1, self.ns_steps, self.ns_method, self.ns_dtype)  # names checked
         if self.calibration is not None and self.calibration.optimizer != self.kind:
             raise ValueError(
                 f"calibration was measured for {self.calibration.optimizer!r} but the cost "
@@ -136,7 +201,7 @@ class CostModel:
     def flops(self, m: int, n: int) -> float:
         """Formula cost of one m×n matrix update (elements for ``numel``)."""
         if self.kind == "muon":
-            return muon_flops(m, n, self.ns_steps)
+            return muon_flops(m, n, self.ns_steps, self.ns_method, self.ns_dtype)
         if self.kind == "shampoo":
             return shampoo_flops(m, n, precond_every=self.precond_every, max_precond_dim=self.max_precond_dim)
         if self.kind == "soap":

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron.canzona.optim import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
-from megatron.canzona.planning import DEFAULT_ALPHA, LAYOUTS, OPTIMIZERS
+from megatron.canzona.planning import DEFAULT_ALPHA, LAYOUTS, OPTIMIZERS, CostModel
 from megatron.canzona.runtime.host_groups import MODES as TP_MODES
 MatrixConfig = MuonConfig | ShampooConfig | SOAPConfig
 COSTS = ("flops", "numel")
@@ -69,3 +69,12 @@ class CanzonaConfig:
     def cost_kind(self) -> str:
         """Planner cost kind: the optimizer's FLOP formula, or ``numel``."""
         return "numel" if self.cost == "numel" else self.optimizer
+
+    def cost_model(self) -> CostModel:
+        """The planner's cost model of this optimizer as configured (Newton-Schulz steps,
+        method and dtype; refresh frequency and largest preconditioned side)."""
+        if isinstance(self.matrix, MuonConfig):
+            return CostModel(kind=self.cost_kind, ns_steps=self.matrix.num_ns_steps,
+                             ns_method=self.matrix.ns_method, ns_dtype=self.matrix.ns_dtype)
+        return CostModel(kind=self.cost_kind, precond_every=self.matrix.precondition_frequency,
+                         max_precond_dim=self.matrix.max_precond_dim)

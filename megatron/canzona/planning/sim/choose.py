@@ -15,15 +15,16 @@ from .simulate import Workload, simulate
 
 def project_layouts(
     specs: Sequence[ParamSpec], plans: Mapping[str, CanzonaPlan], *, cluster: ClusterSpec, optimizer: str,
-    wire: WireConfig | None = None, workload: Workload | None = None,
+    wire: WireConfig | None = None, workload: Workload | None = None, ns_method: str = "standard",
 ) -> dict[str, StrategyResult]:
-    """The projected iteration of each layout's plan of one pipeline stage (``specs``)."""
+    """The projected iteration of each layout's plan of one pipeline stage (``specs``), Muon's
+    Newton-Schulz by ``ns_method``."""
     out = {}
     for name, plan in plans.items():
         out[name] = simulate(
             specs, strategy="canzona", cluster=cluster, dp_size=plan.dp_size, tp_size=plan.tp_size,
             ep_size=plan.ep_size, expert_tp_size=plan.experts.tp_size if plan.experts is not None else 1,
-            optimizer=optimizer, workload=workload, plan=plan, wire=wire,
+            optimizer=optimizer, workload=workload, plan=plan, wire=wire, ns_method=ns_method,
         )
     return out
 

@@ -44,6 +44,11 @@ class GPUSpec:
         return peak * 1e12 * self.matmul_efficiency
 
     @property
+    def ns_dtype(self) -> str:
+        """The optimizer's matmul dtype as Muon's ``ns_dtype`` names it."""
+        return "bfloat16" if self.optimizer_dtype == "bf16" else "float32"
+
+    @property
     def memory_bytes_per_s(self) -> float:
         """Bytes/s elementwise kernels move."""
         return self.memory_gb_per_s * 1e9 * self.memory_efficiency

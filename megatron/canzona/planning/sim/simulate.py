@@ -41,6 +41,8 @@ STRATEGIES: tuple[str, ...] = (
 """Strategies :func:`simulate` knows (package docstring). To add one, write a builder that
 returns a :class:`~.layouts.Work` and register it in :data:`BUILDERS`."""
 NEEDS_LAYERWISE_PLAN = ("megatron_layerwise", "layer_sharded")
+CANZONA_STRATEGIES = ("canzona", "canzona_lean", "canzona_tp_sync")
+"""Canzona's own strategies: the ones that run its Newton-Schulz method."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,14 +323,20 @@ def simulate(
     overlap: bool = True,
     alpha: float = DEFAULT_ALPHA,
     bucket_size: int | None = None,
+    ns_method: str = "standard",
 ) -> StrategyResult:
-    """One iteration of the pipeline stage whose parameters are ``specs`` (package docstring)."""
+    """One iteration of the pipeline stage whose parameters are ``specs`` (package docstring).
+
+    ``ns_method`` is the Newton-Schulz of Canzona's Muon (``--muon-ns-method``), iterated in
+    the cluster's ``optimizer_dtype``; the other strategies run Megatron's, standard."""
     grid = _check(strategy, dp_size, tp_size, ep_size, expert_tp_size, pp_size)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be muon, shampoo or soap, got {optimizer!r}")
     wire = wire or WireConfig()
-    planning_cost = CostModel(kind=optimizer)  # the runtime plans with the FLOP formulas
-    timing_cost = CostModel(kind=optimizer, calibration=calibration) if calibration else planning_cost
+    ns = {"ns_method": ns_method if strategy in CANZONA_STRATEGIES else "standard",
+          "ns_dtype": cluster.gpu.ns_dtype}
+    planning_cost = CostModel(kind=optimizer, **ns)  # the runtime plans with the FLOP formulas
+    timing_cost = CostModel(kind=optimizer, calibration=calibration, **ns) if calibration else planning_cost
     ctx = _Context(list(specs), grid, seconds_per_update(timing_cost, cluster), planning_cost, bucket_size, plan,
                    expert_plan, wire, overlap, alpha)
     work = BUILDERS[strategy](ctx)

@@ -1,0 +1,55 @@
+"""`make gpu-check`'s plumbing on CPU: every step is listed, the CUDA ones skipped with their
+reason and the commands they would run, and the CPU forms run for real (the Newton-Schulz
+benchmark of both methods and its calibration; each one-GPU recipe's command), so the tool
+cannot rot between the rare sessions with a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.canzona.planning.sim import load_calibration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU `make gpu-check` runs the real thing")
+@pytest.mark.timeout(300)
+def test_gpu_check_plumbing_on_cpu(tmp_path: Path) -> None:
+    docs = (ROOT / "docs" / "gpu_check.md").read_text()
+    done = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    steps = report["steps"]
+    assert list(steps) == ["environment", "cuda_tests", "bench", "tp2dp2", "one_gpu"]
+    assert steps["environment"]["status"] == "ran" and steps["environment"]["details"]["megatron_core"] == "0.19.2"
+    for name in ("cuda_tests", "tp2dp2"):
+        assert steps[name]["status"] == "skipped" and steps[name]["summary"] == "no CUDA device"
+    assert "-m gpu" in steps["cuda_tests"]["commands"][0]
+    assert [("CUDA_VISIBLE_DEVICES=''" in c) for c in steps["tp2dp2"]["commands"]] == [True, False]
+
+    bench = steps["bench"]
+    assert bench["status"] == "skipped" and bench["summary"].startswith("no CUDA device (its CPU form ran")
+    rows = bench["details"]["rows"]
+    assert {r["matrix"] for r in rows} == {"qkv", "proj", "fc1", "fc2"}
+    assert all(r["gram_ms"] > 0 and r["standard_ms"] > 0 for r in rows)
+    calibration = load_calibration(bench["details"]["calibration"], "muon")
+    assert (352, 64) in calibration.seconds  # qwen3-tiny's fc1
+
+    one_gpu = steps["one_gpu"]
+    assert len(one_gpu["commands"]) == 3
+    for variant in ("adamw", "layerwise", "canzona"):
+        printed = (tmp_path / f"one_gpu_{variant}.log").read_text()
+        assert "pretrain_gpt.py" in printed and printed.rstrip().endswith("--num-layers 4 --transformer-impl local")
+        assert ("--canzona " in printed) == (variant == "canzona")
+        assert "--bf16" in printed and "--nproc-per-node 1" in printed
+
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert table.count("| skipped |") == 4 and "| qwen3-tiny | fc1 | 352x64 |" in table
+    assert (ROOT / "docs" / "gpu_check.md").read_text() == docs  # published only from a GPU run
