@@ -120,6 +120,8 @@ class TinyRun:
     """Canzona (async): issue host-group gathers as buckets reduce (``--canzona-no-early-gather``: False)."""
     muon_ns_dtype: str = "float32"
     """Canzona's Muon: the Newton-Schulz dtype (``bfloat16`` is Megatron's default precision)."""
+    muon_ns_method: str = "standard"
+    """Canzona's Muon: the Newton-Schulz method (``--muon-ns-method``)."""
     early_gather_at_dispatch: bool = False
     """Issue them from the reduce-scatters' dispatch, in backward, as on CUDA (on gloo each
     waits for its reduce-scatter there: exact, slower)."""
@@ -326,7 +328,8 @@ def canzona_config(run: TinyRun):
     from megatron.canzona.runtime.config import CanzonaConfig
 
     matrix = {
-        "muon": MuonConfig(ns_dtype=run.muon_ns_dtype, scale_mode="spectral", coefficients="quintic"),
+        "muon": MuonConfig(ns_dtype=run.muon_ns_dtype, ns_method=run.muon_ns_method, scale_mode="spectral",
+                           coefficients="quintic"),
         "shampoo": ShampooConfig(precondition_frequency=2, root_dtype="float64", eps=1e-4, eps_mode="relative"),
         # Shampoo's refreshes are staggered by name (the default) in every distributed run.
         # SOAP's are not: a staggered matrix refreshes again at step 2, from statistics of

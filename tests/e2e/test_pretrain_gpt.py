@@ -117,8 +117,9 @@ def test_canzona_dp2_trains(demo_data: DemoData, tmp_path: Path, run: str) -> No
 
 def test_canzona_tp2_dp2_trains(demo_data: DemoData, tmp_path: Path) -> None:
     """The README's main job in small: Muon with --canzona at TP 2 x DP 2 (4 processes), logging to
-    TensorBoard and to W&B (offline) as Megatron users do."""
+    TensorBoard and to W&B (offline) as Megatron users do; Newton-Schulz on the Gram matrix."""
     args = pretrain_args(demo_data, tmp_path, "--optimizer", "muon", "--canzona", "--use-distributed-optimizer",
+                         "--muon-ns-method", "gram",
                          "--tensor-model-parallel-size", "2", "--overlap-grad-reduce", "--overlap-param-gather",
                          "--tensorboard-dir", str(tmp_path / "tb"), "--tensorboard-log-interval", "1",
                          "--wandb-project", "canzona-test", "--wandb-exp-name", "tp2-dp2",

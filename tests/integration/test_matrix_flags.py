@@ -13,8 +13,10 @@ import pytest
 from canzona_patches.integration.arguments import (
     CANZONA_FLAG_FIELDS,
     MATRIX_FLAGS,
+    CanzonaArgumentError,
     add_canzona_args,
     canzona_config_from_args,
+    validate_canzona_args,
 )
 from megatron.canzona.optim import ShampooConfig, SOAPConfig
 
@@ -79,3 +81,18 @@ def test_the_canzona_flags_default_to_the_config():
     parsed, stock = canzona_config_from_args(parse("--optimizer", "muon")), CanzonaConfig()
     for name in CANZONA_FLAG_FIELDS:
         assert getattr(parsed, name) == getattr(stock, name), name
+
+
+@pytest.mark.parametrize("method", ["standard", "gram", "auto"])
+def test_muon_ns_method_reaches_the_config_and_the_cost_model(method):
+    config = canzona_config_from_args(parse("--optimizer", "muon", "--canzona", "--muon-ns-method", method))
+    assert config.matrix.ns_method == method
+    cost = config.cost_model()
+    assert (cost.ns_method, cost.ns_dtype, cost.ns_steps) == (method, config.matrix.ns_dtype, config.matrix.num_ns_steps)
+
+
+@pytest.mark.parametrize("flags", [["--optimizer", "muon"], ["--optimizer", "shampoo", "--canzona"]])
+def test_muon_ns_method_other_than_standard_needs_canzonas_muon(flags):
+    args = parse(*flags, "--muon-ns-method", "gram", "--use-distributed-optimizer")
+    with pytest.raises(CanzonaArgumentError, match="--muon-ns-method gram is Canzona's Muon"):
+        validate_canzona_args(args)

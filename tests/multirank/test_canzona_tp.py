@@ -84,6 +84,11 @@ def _run(optimizer: str, split: str, tp_size: int) -> TinyRun:
     )
 
 
+def gram_run(tp_size: int) -> TinyRun:
+    """Muon (split) with Newton-Schulz on the Gram matrix (``--muon-ns-method gram``)."""
+    return dataclasses.replace(_run("muon", "split", tp_size), muon_ns_method="gram")
+
+
 def train_in_modes(cases: list[tuple[TinyRun, str]]) -> list[dict[str, Any]]:
     """Rank body: each run with ``tp_mode`` set, returning also the global rank."""
     original_config = tiny_gpt.canzona_config
@@ -107,15 +112,17 @@ def _launch(world_size: int, cases: list[tuple[TinyRun, str]]) -> list[list[dict
 def results() -> dict[tuple[str, str, int, str], list[dict]]:
     """(optimizer, split, world size, tp mode) -> per-rank results; one launch per world size."""
     launches = {
-        1: [(_run(opt, split, 1), "async") for opt, split in CASES],
+        1: [(_run(opt, split, 1), "async") for opt, split in CASES] + [(gram_run(1), "async")],
         2: [(_run(opt, split, TP), mode) for opt, split in CASES for mode in ("async", "sync")]
         + [(_run(opt, split, 1), "async") for opt, split in CASES if opt in YARDSTICK],  # TP 1 x DP 2
-        4: [(_run(opt, split, TP), "async") for opt, split in CASES] + [(_run(*SYNC_AT_DP2, TP), "sync")],
+        4: [(_run(opt, split, TP), "async") for opt, split in CASES] + [(_run(*SYNC_AT_DP2, TP), "sync")]
+        + [(gram_run(TP), "async")],
     }
     out = {}
     for world_size, cases in launches.items():
         for (run, mode), per_rank in zip(cases, _launch(world_size, cases)):
             split = "split" if SPLITS[run.optimizer]["split"] == (run.split_qkv, run.split_gate_up) else "fused"
+            split = "gram" if run.muon_ns_method == "gram" else split
             out[(run.optimizer, split, world_size, mode if run.tp_size > 1 or world_size == 1 else "dp")] = per_rank
     return out
 
@@ -149,6 +156,23 @@ def test_tp_equals_single_process(results, optimizer: str, split: str, world_siz
             )
             mean = float((result["params"][name] - expected).abs().mean())
             assert mean <= mean_atol, f"{where}: mean absolute difference {mean:.3g}"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_gram_newton_schulz_at_tp2_dp2_equals_single_process(results) -> None:
+    """``--muon-ns-method gram`` through the runtime: TP 2 x DP 2 against one process, Muon's
+    bounds; and gram's run is not standard's (the method reached the hosts)."""
+    (reference,) = results[("muon", "gram", 1, "async")]
+    (standard,) = results[("muon", "split", 1, "async")]
+    for rank, result in enumerate(results[("muon", "gram", 4, "async")]):
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=LOSS_RTOL, atol=0)
+        for name, expected in reference["params"].items():
+            atol = (MATRIX_ATOL if _is_matrix(name) else ELEMENTWISE_ATOL)["muon"]
+            torch.testing.assert_close(result["params"][name], expected, rtol=0, atol=atol,
+                                       msg=lambda m: f"gram rank {rank} {name}: {m}")
+    moved = max(float((reference["params"][n] - standard["params"][n]).abs().max())
+                for n in reference["params"] if _is_matrix(n))
+    assert moved > 0.0
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
