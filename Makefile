@@ -27,8 +27,9 @@ test: venv
 demo: venv
 	TP=2 PYTHON=$(abspath $(PY)) examples/qwen3/pretrain_qwen3_tiny_cpu.sh
 
-# The demo's model and data trained with AdamW, then Muon, Shampoo and SOAP under --canzona, same
-# tokens and learning rate; plots the losses to build/compare/ and prints a table (about 6 min on 2 cores).
+# The demo's model and data trained with AdamW, then Muon (standard, gram Newton-Schulz, another seed),
+# Shampoo and SOAP under --canzona, same tokens and learning rate; plots the losses to build/compare/
+# and prints a table (about 10 min on 2 cores).
 compare: venv
 	$(PY) tools/compare_optimizers.py
 
