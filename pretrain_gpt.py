@@ -38,6 +38,7 @@ from canzona_patches.registry import install as install_patches
 from canzona_patches.registry import install_group as install_patch_group
 from canzona_patches.integration.training import LOSS_KEY
 from megatron.canzona.data import GPTDataConfig, build_gpt_datasets, check_gpt_data, describe_datasets
+from megatron.canzona.runtime.lifetime import end_with_parent, launched_by_torchrun
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
@@ -261,6 +262,15 @@ def _transformer_engine_importable() -> bool:
     return bool(HAVE_TE)
 
 
+def check_launched_as_a_rank(environ: dict[str, str] | os._Environ = os.environ) -> None:
+    """One process per rank, started by torchrun (or a launcher that sets what it sets): a
+    plain ``python pretrain_gpt.py`` has no rendezvous and would fail deep in Megatron."""
+    if "MASTER_ADDR" not in environ and "RANK" not in environ:
+        raise CanzonaArgumentError(
+            "no RANK or MASTER_ADDR in the environment: launch one process per rank with torchrun, e.g. "
+            "torchrun --nproc-per-node 1 pretrain_gpt.py <flags> (or an examples/qwen3/ recipe)")
+
+
 def parse_and_validate() -> argparse.Namespace:
     """Megatron's flags + Canzona's, checked, and set as Megatron's global args.
 
@@ -285,8 +295,11 @@ def parse_and_validate() -> argparse.Namespace:
 
 def main() -> int:
     """Parse, validate, install the hooks and run ``megatron.training.pretrain``."""
+    if launched_by_torchrun():
+        end_with_parent()  # a rank whose torchrun was killed stops instead of training on
     try:
         args = parse_and_validate()
+        check_launched_as_a_rank()
     except CanzonaArgumentError as error:
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
         return 2

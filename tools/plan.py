@@ -106,7 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bar chart of per-GPU loads, one panel per strategy (with --cases: padding and bytes per case)")
     p.add_argument("--cases", action="store_true", help="run docs/planner.md's case matrix and print its table")
     p.add_argument("--moe-cases", action="store_true", help="run docs/planner.md's mixture-of-experts table")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("tp", "dp", "ep", "etp", "pp"):
+        if getattr(args, flag) < 1:
+            p.exit(2, f"plan.py: error: --{flag} {getattr(args, flag)}: a parallel size is --{flag} 1 or more\n")
+    return args
 
 
 def cost_model(args: argparse.Namespace) -> CostModel:

@@ -428,6 +428,13 @@ def staged_save_checkpoint(save_checkpoint: Callable[..., Any], run: Any = None)
         if bound.arguments["non_persistent_ckpt"] or bound.arguments["release"]:
             return save_checkpoint(*args, **kwargs)
         iteration, save_dir = int(bound.arguments["iteration"]), megatron_args.save
+        if save_dir is None:
+            # Megatron asks for a checkpoint before exiting (a NaN under --rerun-mode
+            # validate_results, a signal) whether or not there is a save directory.
+            if global_rank() == 0:
+                print(f"[canzona] iteration {iteration} asks for a checkpoint, but there is no --save directory: "
+                      "nothing saved", flush=True)
+            return None
         asynchronous = bool(megatron_args.async_save)
         if asynchronous:
             from megatron.training.async_utils import maybe_finalize_async_save

@@ -44,6 +44,7 @@ from canzona_patches.checkpoints.files import (
     commit_checkpoint,
     decided_on_rank_zero,
     enable_cpu_checkpointing,
+    global_rank,
     one_line_errors,
     prepare_staging,
     recover_replaced,
@@ -352,11 +353,29 @@ def checked_load_checkpoint(load_checkpoint: Callable[..., Any], run: Any = None
         path = None if load_dir is None else verified_checkpoint(
             load_dir, step=getattr(megatron_args, "ckpt_step", None), optimizer=optimizer if loads_optimizer else None)
         if path is None:
+            if load_dir is not None and load_arg == "load":
+                _check_nothing_to_resume(load_dir, megatron_args.save)
             return load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)
         with one_line_errors(path):
             return load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)
 
     return load_checkpoint_checked
+
+
+def _check_nothing_to_resume(load_dir: str, save_dir: str | None) -> None:
+    """``--load`` names no checkpoint. The same directory as ``--save`` is the requeue pattern:
+    start afresh, and say so; any other directory is a mistake (a typo would otherwise train
+    from scratch and exit 0): stop with one line, on every rank alike."""
+    same = save_dir is not None and Path(save_dir).resolve() == Path(load_dir).resolve()
+    if same:
+        if global_rank() == 0:
+            print(f"[canzona] --load {load_dir} holds no checkpoint yet: training starts from iteration 0 "
+                  "(it is also --save: a requeued job resumes from what this one saves)", flush=True)
+        return
+    what = "does not exist" if not Path(load_dir).exists() else "holds no checkpoint (no latest_checkpointed_iteration.txt)"
+    raise CanzonaCheckpointError(
+        f"--load {load_dir} {what}: fix the path, or drop --load to train from scratch "
+        "(or pass the same directory as --save, to resume whenever it holds one)")
 
 
 def with_canzona_metadata(build: Callable[..., dict], run: Any = None) -> Callable[..., dict]:

@@ -25,6 +25,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import os
 import re
 import typing
 from collections.abc import Callable
@@ -203,6 +204,7 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
 
     Runs before Megatron's ``validate_args``, on the parsed flags as given.
     """
+    check_common_args(args)
     if args.optimizer in CANZONA_ONLY_OPTIMIZERS and not args.canzona:
         raise CanzonaArgumentError(
             f"--optimizer {args.optimizer} is implemented by Canzona only: add --canzona "
@@ -232,6 +234,71 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
     _check_parallelism(args)
     _check_ranges(args)
     _check_cluster(args)
+
+
+def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._Environ = os.environ) -> None:
+    """The mistakes that Megatron's ``validate_args`` answers with a bare ``assert`` or a deep
+    traceback (or not at all), as one line naming the flag and the fix; every run, with or
+    without ``--canzona``."""
+    if args.train_iters is not None and args.lr_warmup_iters >= args.train_iters > 0:
+        raise CanzonaArgumentError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} is not below --train-iters {args.train_iters}: the learning "
+            "rate would never leave its warm-up; lower --lr-warmup-iters")
+    if args.kv_channels is None and args.hidden_size and args.num_attention_heads \
+            and args.hidden_size % args.num_attention_heads:
+        raise CanzonaArgumentError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}: "
+            "change one, or give the head size with --kv-channels")
+    world = int(environ.get("WORLD_SIZE", "1"))
+    model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                      * args.context_parallel_size)
+    if world % model_parallel == 0 and args.global_batch_size is not None and args.micro_batch_size:
+        dp = world // model_parallel
+        if args.global_batch_size % (args.micro_batch_size * dp):
+            raise CanzonaArgumentError(
+                f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                f"{args.micro_batch_size} x data-parallel size {dp}: pick a global batch that is "
+                f"(e.g. {args.micro_batch_size * dp * max(1, args.global_batch_size // (args.micro_batch_size * dp))})")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
+        raise CanzonaArgumentError(
+            f"--ddp-bucket-size {args.ddp_bucket_size} must be a positive number of elements (or omit it for "
+            "Megatron's default)")
+    tokenizer = getattr(args, "tokenizer_model", None)
+    if tokenizer and args.tokenizer_type != "HuggingFaceTokenizer" and not os.path.exists(tokenizer):
+        raise CanzonaArgumentError(f"--tokenizer-model {tokenizer} does not exist: fix the path")
+    if tokenizer and args.tokenizer_type == "HuggingFaceTokenizer" and os.sep in tokenizer \
+            and tokenizer.startswith((os.sep, ".")) and not os.path.exists(tokenizer):
+        raise CanzonaArgumentError(f"--tokenizer-model {tokenizer} does not exist: fix the path (a local directory)")
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        _check_blend(flag, getattr(args, flag, None))
+    metrics = getattr(args, "canzona_metrics_file", None)
+    if metrics:
+        parent = os.path.dirname(os.path.abspath(metrics))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if os.path.isfile(parent):
+            raise CanzonaArgumentError(
+                f"--canzona-metrics-file {metrics}: {parent} is a file, not a directory; pick another path")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_blend(flag: str, entries: list[str] | None) -> None:
+    """A blend is prefixes alone, or weight-prefix pairs: ``0.3 a 0.7 b``."""
+    if not entries or len(entries) == 1 or not any(_is_number(e) for e in entries):
+        return
+    weights, prefixes = entries[0::2], entries[1::2]
+    if len(entries) % 2 or not all(_is_number(w) for w in weights) or any(_is_number(p) for p in prefixes):
+        name = "--" + flag.replace("_", "-")
+        raise CanzonaArgumentError(
+            f"{name} {' '.join(entries)}: a blend is weight-prefix pairs (e.g. {name} 0.3 data/a_text_document "
+            "0.7 data/b_text_document) or prefixes alone")
 
 
 def _check_cluster(args: argparse.Namespace) -> None:

@@ -181,3 +181,75 @@ def test_nan_report_names_the_iteration_that_failed(nan_run: tuple[int, str]) ->
     reported = int(re.findall(NAN_REPORT, out)[0][1])
     assert logged == list(range(1, len(logged) + 1)), logged
     assert reported == logged[-1] + 1, (logged, reported)
+
+
+LAUNCHER_GONE_S = 10  # a rank must end within this of its torchrun's death
+RANK_TRACEBACK = re.compile(r'File "[^"]*(canzona_patches|megatron/canzona|megatron/training|megatron/core|pretrain_gpt\.py)')
+"""A frame of a rank's own code in a traceback (torchrun prints its own when a rank fails)."""
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ranks_end_when_their_launcher_is_killed(demo_data: DemoData, tmp_path: Path) -> None:
+    """SIGKILL torchrun itself mid-training: its ranks, re-parented, must not train on
+    (megatron.canzona.runtime.lifetime: each rank asks for a signal at its parent's death)."""
+    job = Job(recipe_env(demo_data, tmp_path, TRAIN_ITERS="100000"))
+    ranks: list[int] = []
+    try:
+        job.wait_for(r"iteration +3/ +100000 \|", START_TIMEOUT_S)
+        ranks = [pid for pid in children(job.process.pid) if local_rank_of(pid) is not None]
+        assert len(ranks) == 2, f"ranks of torchrun {job.process.pid}: {ranks}"
+        os.kill(job.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + LAUNCHER_GONE_S
+        while time.monotonic() < deadline and any(alive(pid) for pid in ranks):
+            time.sleep(0.2)
+        survivors = [pid for pid in ranks if alive(pid)]
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.kill()
+    assert not survivors, f"ranks {survivors} outlived their launcher by {LAUNCHER_GONE_S} s"
+
+
+def test_nan_without_a_save_directory_says_so_and_exits_with_megatrons_code(demo_data: DemoData,
+                                                                           tmp_path: Path) -> None:
+    """Under --rerun-mode validate_results a NaN makes Megatron checkpoint and exit; with no
+    --save that is one line, not a traceback from the staged save."""
+    job = Job(recipe_env(demo_data, tmp_path, TRAIN_ITERS="20", LR="1e6", MIN_LR="0"),
+              "--rerun-mode", "validate_results")
+    try:
+        code = job.wait(NAN_RUN_TIMEOUT_S)
+    finally:
+        job.kill()
+    out = job.output
+    assert code != 0, out[-6000:]
+    assert re.search(r"\[canzona\] iteration \d+ asks for a checkpoint, but there is no --save directory: "
+                     r"nothing saved", out), out[-6000:]
+    assert not RANK_TRACEBACK.search(out) and "TypeError" not in out, out[-6000:]
+    # torchrun reports the ranks' exit code: Megatron's, not a crash's 1.
+    assert re.search(r"exitcode\s*: (1[0-9])\b", out), out[-6000:]
+
+
+def test_a_load_directory_without_a_checkpoint_stops_the_job(demo_data: DemoData, tmp_path: Path) -> None:
+    """A typo in --load would train from scratch and exit 0: it stops with one line, unless
+    --load is --save (the requeue pattern), which starts afresh and says so."""
+    typo = tmp_path / "ckpt-typo"
+    job = Job(recipe_env(demo_data, tmp_path, CKPT_DIR=str(tmp_path / "ckpt"), TRAIN_ITERS="2", SAVE_INTERVAL="100"),
+              "--load", str(typo))
+    try:
+        code = job.wait(START_TIMEOUT_S)
+    finally:
+        job.kill()
+    out = job.output
+    assert code != 0, out[-6000:]
+    assert f"pretrain_gpt.py: error: --load {typo} does not exist: fix the path" in out, out[-6000:]
+    assert not RANK_TRACEBACK.search(out) and "iteration        1/" not in out, out[-6000:]

@@ -1,0 +1,51 @@
+"""A rank ends when its launcher does.
+
+torchrun's agent is the parent of every rank it starts. Killed with SIGKILL (an OOM killer,
+``kill -9``, a node agent), it cannot stop them: they are re-parented to init and go on
+training, holding the node's GPUs and writing checkpoints nobody waits for. Each rank
+therefore asks the kernel for a signal when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``)
+or, elsewhere, watches its parent from a thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1
+"""``prctl`` option: the signal this process gets when the thread that forked it exits."""
+WATCH_INTERVAL_S = 1.0
+"""How often the watchdog (systems without ``prctl``) looks at its parent."""
+
+
+def launched_by_torchrun(environ: dict[str, str] | os._Environ = os.environ) -> bool:
+    """Whether this process is a rank torchrun's agent started (it sets ``TORCHELASTIC_RUN_ID``)."""
+    return "TORCHELASTIC_RUN_ID" in environ
+
+
+def end_with_parent(signal_number: int = signal.SIGKILL) -> str:
+    """Deliver ``signal_number`` to this process when its parent dies; returns how: ``prctl``
+    or ``watchdog``. SIGKILL by default: a rank whose launcher is gone has no one to report to,
+    and a checkpoint it is writing stays staged (the previous one stays loadable).
+
+    ``prctl``'s signal follows the death of the *thread* that started this process; torchrun's
+    agent starts its ranks from its main thread, which lives as long as the agent."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal_number, 0, 0, 0) == 0:
+            if os.getppid() != parent:  # the parent died before the request took effect
+                os.kill(os.getpid(), signal_number)
+            return "prctl"
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_INTERVAL_S)
+        os.kill(os.getpid(), signal_number)
+
+    threading.Thread(target=watch, name="canzona-parent-watchdog", daemon=True).start()
+    return "watchdog"

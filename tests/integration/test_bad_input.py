@@ -1,0 +1,81 @@
+"""Bad input stops at parse time with one line naming the flag and the fix, where Megatron-Core
+0.19.2 would answer with a bare assert, a deep traceback, another flag's name or nothing."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from canzona_patches.integration.arguments import (
+    CanzonaArgumentError,
+    add_canzona_args,
+    check_common_args,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--train-iters", "10", "--lr", "1e-3"]
+
+
+def parse(*flags: str) -> argparse.Namespace:
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_canzona_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    return parser.parse_args([*BASE, *flags])
+
+
+def test_a_sound_command_line_passes(tmp_path: Path) -> None:
+    tokenizer = tmp_path / "tokenizer.model"
+    tokenizer.write_bytes(b"")
+    check_common_args(parse("--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tokenizer),
+                            "--data-path", "0.3", "a", "0.7", "b", "--canzona-metrics-file",
+                            str(tmp_path / "new" / "m.jsonl")), {"WORLD_SIZE": "4"})
+    check_common_args(parse("--data-path", "a", "b"), {"WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize(("flags", "world", "message"), [
+    (["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters 10 is not below --train-iters 10"),
+    (["--hidden-size", "66"], 1, "--hidden-size 66 is not divisible by --num-attention-heads 4"),
+    (["--global-batch-size", "12"], 4, "--global-batch-size 12 is not a multiple of --micro-batch-size 2 x "
+                                       "data-parallel size 4"),
+    (["--ddp-bucket-size", "0"], 1, "--ddp-bucket-size 0 must be a positive number"),
+    (["--ddp-bucket-size", "-5"], 4, "--ddp-bucket-size -5 must be a positive number"),
+    (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "/no/such/tokenizer.model"], 1,
+     "--tokenizer-model /no/such/tokenizer.model does not exist"),
+    (["--data-path", "0.5", "a", "0.5"], 1, "--data-path 0.5 a 0.5: a blend is weight-prefix pairs"),
+    (["--data-path", "a", "0.5", "b"], 1, "a blend is weight-prefix pairs"),
+])
+def test_bad_flags_are_one_line_naming_the_fix(flags: list[str], world: int, message: str) -> None:
+    with pytest.raises(CanzonaArgumentError, match=message.replace("(", r"\(")) as raised:
+        check_common_args(parse(*flags), {"WORLD_SIZE": str(world)})
+    assert "\n" not in str(raised.value)
+
+
+def test_a_metrics_file_under_a_regular_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(CanzonaArgumentError, match="is a file, not a directory"):
+        check_common_args(parse("--canzona-metrics-file", str(blocker / "sub" / "m.jsonl")), {})
+
+
+def test_pretrain_gpt_under_plain_python_says_how_to_launch_it() -> None:
+    done = subprocess.run([sys.executable, "pretrain_gpt.py", *BASE, "--mock-data", "--tokenizer-type", "NullTokenizer",
+                           "--vocab-size", "64"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR")})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "pretrain_gpt.py: error: no RANK or MASTER_ADDR in the environment: launch one process per rank with torchrun")
+
+
+def test_plan_rejects_a_negative_parallel_size() -> None:
+    done = subprocess.run([sys.executable, "tools/plan.py", "--tp", "-2"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "plan.py: error: --tp -2: a parallel size is --tp 1 or more")
