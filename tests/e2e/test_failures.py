@@ -78,6 +78,13 @@ class Job:
         self._reader.join(timeout=10)
         return code
 
+    def finish(self, timeout_s: float) -> tuple[int, str]:
+        """The exit status and the whole output; the process group is killed whatever happens."""
+        try:
+            return self.wait(timeout_s), self.output
+        finally:
+            self.kill()
+
     def kill(self) -> None:
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
@@ -148,11 +155,7 @@ def test_a_killed_rank_ends_the_job_naming_rank_and_signal(demo_data: DemoData, 
 def nan_run(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str]:
     """AdamW at lr 1e6: the weights blow up within a few steps and the gradients turn NaN."""
     job = Job(recipe_env(demo_data, tmp_path_factory.mktemp("nan"), TRAIN_ITERS="20", LR="1e6", MIN_LR="0"))
-    try:
-        code = job.wait(NAN_RUN_TIMEOUT_S)
-    finally:
-        job.kill()
-    return code, job.output
+    return job.finish(NAN_RUN_TIMEOUT_S)
 
 
 NAN_REPORT = r"Rank (\d+), node \S+, device \S+, iteration (\d+): Unexpected result nan \(message='([^']*)'\)"
@@ -224,13 +227,8 @@ def test_nan_without_a_save_directory_says_so_and_exits_with_megatrons_code(demo
                                                                            tmp_path: Path) -> None:
     """Under --rerun-mode validate_results a NaN makes Megatron checkpoint and exit; with no
     --save that is one line, not a traceback from the staged save."""
-    job = Job(recipe_env(demo_data, tmp_path, TRAIN_ITERS="20", LR="1e6", MIN_LR="0"),
-              "--rerun-mode", "validate_results")
-    try:
-        code = job.wait(NAN_RUN_TIMEOUT_S)
-    finally:
-        job.kill()
-    out = job.output
+    code, out = Job(recipe_env(demo_data, tmp_path, TRAIN_ITERS="20", LR="1e6", MIN_LR="0"),
+                    "--rerun-mode", "validate_results").finish(NAN_RUN_TIMEOUT_S)
     assert code != 0, out[-6000:]
     assert re.search(r"\[canzona\] iteration \d+ asks for a checkpoint, but there is no --save directory: "
                      r"nothing saved", out), out[-6000:]
@@ -243,13 +241,8 @@ def test_a_load_directory_without_a_checkpoint_stops_the_job(demo_data: DemoData
     """A typo in --load would train from scratch and exit 0: it stops with one line, unless
     --load is --save (the requeue pattern), which starts afresh and says so."""
     typo = tmp_path / "ckpt-typo"
-    job = Job(recipe_env(demo_data, tmp_path, CKPT_DIR=str(tmp_path / "ckpt"), TRAIN_ITERS="2", SAVE_INTERVAL="100"),
-              "--load", str(typo))
-    try:
-        code = job.wait(START_TIMEOUT_S)
-    finally:
-        job.kill()
-    out = job.output
+    code, out = Job(recipe_env(demo_data, tmp_path, CKPT_DIR=str(tmp_path / "ckpt"), TRAIN_ITERS="2",
+                               SAVE_INTERVAL="100"), "--load", str(typo)).finish(START_TIMEOUT_S)
     assert code != 0, out[-6000:]
     assert f"pretrain_gpt.py: error: --load {typo} does not exist: fix the path" in out, out[-6000:]
     assert not RANK_TRACEBACK.search(out) and "iteration        1/" not in out, out[-6000:]
