@@ -36,7 +36,7 @@ from canzona_patches.version import require_pinned_megatron
 require_pinned_megatron()
 
 from megatron.canzona.optim import MuonConfig, ShampooConfig, SOAPConfig  # noqa: E402
-from megatron.canzona.planning import NS_METHODS, OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
+from megatron.canzona.planning import OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
 from megatron.canzona.runtime.config import COSTS, LAYOUT_CHOICES, TP_MODES, CanzonaConfig  # noqa: E402
 from megatron.training.argument_utils import ArgumentGroupFactory  # noqa: E402
 
@@ -121,11 +121,6 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--canzona-tp-group-budget", type=float, default=defaults.tp_group_budget,
                        help="Most cost one host takes in one micro-group (default: about a quarter of "
                        "the busiest host's work, two groups at least on a host with two matrices).")
-    group.add_argument("--muon-ns-method", choices=NS_METHODS, default=MuonConfig.ns_method,
-                       help="Newton-Schulz of Canzona's Muon: standard iterates on the matrix; gram on its "
-                       "Gram matrix (5 steps on a 10:1 matrix: 0.35 of standard's FLOPs in fp32, 0.68 in "
-                       "bf16, where it restarts every 2 steps; more than standard on a square one); auto = "
-                       "gram where the cost model finds it at least 20%% cheaper.")
     group.add_argument("--canzona-metrics-file", type=str, default=None,
                        help="Append one JSON line per --log-interval (iteration, loss, grad norm, "
                        "learning rate, optimizer step time, tokens/s) to this file; plot with "
@@ -192,11 +187,15 @@ class ConfigFlags(ArgumentGroupFactory):
 # shampoo beta and preconditioner frequency also reach Megatron's own emerging-optimizers SOAP
 # through OptimizerConfig fields of the same names (soap_shampoo_beta, soap_precondition_frequency).
 MATRIX_FLAGS = {
+    # Muon's other fields are Megatron's own --muon-* flags (canzona_config_from_args).
+    "muon": ConfigFlags(MuonConfig, "muon", exclude=tuple(f.name for f in dataclasses.fields(MuonConfig)
+                                                          if f.name != "ns_method")),
     "shampoo": ConfigFlags(ShampooConfig, "shampoo", exclude=("stagger_refresh",),
                            renames={"momentum": "beta1", "shampoo_beta": "beta2", "eps": "epsilon"}),
     "soap": ConfigFlags(SOAPConfig, "soap", exclude=("stagger_refresh",), renames={"betas": ("beta1", "beta2")}),
 }
-"""The Shampoo and SOAP flags, generated from their config dataclasses (Muon keeps Megatron's ``--muon-*``)."""
+"""The Shampoo and SOAP flags, and Muon's ``--muon-ns-method``, generated from their config
+dataclasses (Muon's other settings are Megatron's ``--muon-*`` flags)."""
 
 
 def validate_canzona_args(args: argparse.Namespace) -> None:
@@ -264,11 +263,9 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
             f"--ddp-bucket-size {args.ddp_bucket_size} must be a positive number of elements (or omit it for "
             "Megatron's default)")
     tokenizer = getattr(args, "tokenizer_model", None)
+    # (a Hugging Face tokenizer may be a hub name; the recipes check their local directory)
     if tokenizer and args.tokenizer_type != "HuggingFaceTokenizer" and not os.path.exists(tokenizer):
         raise CanzonaArgumentError(f"--tokenizer-model {tokenizer} does not exist: fix the path")
-    if tokenizer and args.tokenizer_type == "HuggingFaceTokenizer" and os.sep in tokenizer \
-            and tokenizer.startswith((os.sep, ".")) and not os.path.exists(tokenizer):
-        raise CanzonaArgumentError(f"--tokenizer-model {tokenizer} does not exist: fix the path (a local directory)")
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         _check_blend(flag, getattr(args, flag, None))
     metrics = getattr(args, "canzona_metrics_file", None)
@@ -457,11 +454,11 @@ def canzona_config_from_args(args: argparse.Namespace):
     matrix = {
         # Megatron's coefficient names differ from ours ("quintic" is their tuned schedule);
         # fp32 matmul precision "high" keeps Newton-Schulz in fp32, lower ones run it in bf16.
-        "muon": lambda: MuonConfig(
-            momentum=args.muon_momentum, nesterov=args.muon_nesterov,
+        "muon": lambda: MATRIX_FLAGS["muon"].config(
+            args, momentum=args.muon_momentum, nesterov=args.muon_nesterov,
             coefficients=EMERGING_OPTIMIZERS_COEFFICIENTS.get(args.muon_coefficient_type, args.muon_coefficient_type),
             ns_dtype="float32" if args.muon_fp32_matmul_prec == "high" else "bfloat16",
-            num_ns_steps=args.muon_num_ns_steps, ns_method=args.muon_ns_method,
+            num_ns_steps=args.muon_num_ns_steps,
             scale_mode=args.muon_scale_mode, extra_scale_factor=args.muon_extra_scale_factor),
         "shampoo": lambda: MATRIX_FLAGS["shampoo"].config(args, stagger_refresh=args.canzona_stagger_refresh),
         "soap": lambda: MATRIX_FLAGS["soap"].config(args, stagger_refresh=args.canzona_stagger_refresh),
