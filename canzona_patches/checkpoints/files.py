@@ -380,7 +380,13 @@ def one_line_errors(path: Path) -> Iterator[None]:
         logger.info("loading %s failed", path, exc_info=True)  # the full story, for --log-level info
         text = str(error)
         shape = _SHAPE_MISMATCH.search(text)
-        if shape:
+        schedule = _SCHEDULE_MISMATCH.search(text)
+        if schedule:
+            message = (f"{path}: this run's {schedule['name']} is {schedule['ours']}, the checkpoint's "
+                       f"{schedule['saved']} (another --train-iters, --lr-decay-iters or --lr-warmup-iters?): pass "
+                       "--use-checkpoint-opt_param-scheduler to keep the saved schedule, or "
+                       "--override-opt_param-scheduler to take this run's")
+        elif shape:
             message = (f"{_file_of(path, shape['key'])}: {shape['key']} has shape {_shape(shape['saved'])} in the "
                        f"checkpoint, this run expects {_shape(shape['wanted'])}; the model or optimizer configuration "
                        "differs from the saved run")
@@ -392,6 +398,12 @@ def one_line_errors(path: Path) -> Iterator[None]:
             message = (f"{corrupt[0]} is corrupt: its SHA-256 differs from {path / 'integrity.json'} ({cause})"
                        if corrupt else f"{path}: cannot load ({cause})")
         raise CanzonaCheckpointError(message) from error
+
+
+_SCHEDULE_MISMATCH = re.compile(
+    r"OptimizerParamScheduler: class input value (?P<ours>\S+) and checkpoint\s*value (?P<saved>\S+) for "
+    r"(?P<name>.+?) do not match")
+"""Megatron's assert when a resumed run's learning-rate schedule differs from the saved one."""
 
 
 def _corrupt_files(path: Path) -> list[Path]:

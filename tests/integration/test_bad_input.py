@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from canzona_patches.checkpoints.files import CanzonaCheckpointError, one_line_errors
 from canzona_patches.integration.arguments import (
     CanzonaArgumentError,
     add_canzona_args,
@@ -79,3 +81,25 @@ def test_plan_rejects_a_negative_parallel_size() -> None:
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
         "plan.py: error: --tp -2: a parallel size is --tp 1 or more")
+
+
+def test_a_resumed_schedule_that_differs_names_megatrons_two_flags(tmp_path: Path) -> None:
+    """Resuming with another --train-iters: Megatron's bare assert becomes one line naming
+    --use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    def scheduler(decay_steps: int) -> OptimizerParamScheduler:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+        return OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2,
+                                       lr_decay_steps=decay_steps, lr_decay_style="cosine", start_wd=0.1,
+                                       end_wd=0.1, wd_incr_steps=decay_steps, wd_incr_style="constant",
+                                       use_checkpoint_opt_param_scheduler=False)
+
+    saved = scheduler(100).state_dict()
+    with pytest.raises(CanzonaCheckpointError) as raised:
+        with one_line_errors(tmp_path):
+            scheduler(200).load_state_dict(saved)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(f"{tmp_path}: this run's ")
+    assert "200" in message and "100" in message
+    assert "--use-checkpoint-opt_param-scheduler" in message and "--override-opt_param-scheduler" in message
