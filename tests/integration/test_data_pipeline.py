@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from megatron.canzona.data import (
     book_paragraphs,
     build_dataset_helpers,
     build_gpt_datasets,
+    check_gpt_data,
     dataset_helpers_available,
     ensure_dataset_helpers,
     group_paragraphs,
@@ -247,3 +249,17 @@ def test_bad_jsonl_names_the_line_and_leaves_no_output(tmp_path, tokenizer_model
         preprocess([bad], tmp_path / "out", tokenizer_model, PreprocessConfig(workers=2), log=lambda _: None)
     assert hint in str(error.value) and "\n" not in str(error.value)
     assert list(tmp_path.glob("out*")) == []
+
+
+def test_a_truncated_bin_is_named_before_training(eod_dataset, tmp_path):
+    """A .bin cut short (a copy interrupted) passes the file checks and fails at iteration 1 in
+    numpy; the data check compares it with its .idx and names it."""
+    prefix = str(tmp_path / "cut_text_document")
+    shutil.copyfile(eod_dataset + ".idx", prefix + ".idx")
+    data = Path(eod_dataset + ".bin").read_bytes()
+    Path(prefix + ".bin").write_bytes(data)
+    check_gpt_data(GPTDataConfig(seq_length=16, blend=([prefix], None), split="100,0,0"))
+    Path(prefix + ".bin").write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match=rf"{prefix}.bin holds {len(data) - 100} bytes, its index {prefix}.idx "
+                                         rf"points to {len(data)}: the file is truncated"):
+        check_gpt_data(GPTDataConfig(seq_length=16, blend=([prefix], None), split="100,0,0"))

@@ -184,6 +184,25 @@ def _check_files(prefix: str) -> None:
                 f"{prefix}{suffix} not found: pass the prefix without .bin/.idx "
                 "as written by tools/preprocess_data.py (e.g. data/demo/demo_text_document)"
             )
+    _check_bin_size(prefix)
+
+
+def _check_bin_size(prefix: str) -> None:
+    """The ``.bin`` holds every token its ``.idx`` points at: a truncated file (a copy cut short)
+    would otherwise pass and fail at iteration 1 with numpy's "offset must be non-negative"."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    size = Path(prefix + ".bin").stat().st_size
+    if size == 0:
+        return  # an empty dataset: the split checks name it
+    index = IndexedDataset(prefix).index  # reads the .idx; the .bin is only mapped
+    if not index.sequence_count:
+        return
+    needed = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
+    if size < needed:
+        raise ValueError(
+            f"{prefix}.bin holds {size} bytes, its index {prefix}.idx points to {needed}: the file is truncated; "
+            "copy it again or rewrite it with tools/preprocess_data.py")
 
 
 def _documents_if_empty(prefix: str, bound: tuple[float, float]) -> int | None:
