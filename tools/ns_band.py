@@ -20,21 +20,11 @@ import argparse
 
 import torch
 
-from megatron.canzona.optim.newton_schulz import NS_COEFFICIENTS, SPECTRUM_KINDS, gram_iterations, newton_schulz
-from megatron.canzona.optim.newton_schulz import singular_value_band, spectrum_matrix
+from megatron.canzona.optim.newton_schulz import NS_COEFFICIENTS, SPECTRUM_KINDS, newton_schulz, singular_value_band
+from megatron.canzona.optim.newton_schulz import spectrum_matrix
 from megatron.canzona.planning.cost import gram_runs
 
 SHAPES = ((48, 48), (32, 64), (32, 160), (24, 240), (240, 24))
-
-
-def orthogonalise(x: torch.Tensor, schedule: str, steps: int, dtype: torch.dtype, method: str,
-                  restart_every: int | None) -> torch.Tensor:
-    if method == "standard" or restart_every is None:
-        return newton_schulz(x, num_steps=steps, coefficients=schedule, dtype=dtype, method=method)
-    wide = x.mT if x.shape[0] > x.shape[1] else x
-    start = (wide / torch.linalg.matrix_norm(wide)).float().to(dtype)[None]
-    runs = [min(restart_every, steps - i) for i in range(0, steps, restart_every)]
-    return gram_iterations(start, list(NS_COEFFICIENTS[schedule].iterate(steps)), runs)[0]
 
 
 def worst_excess(schedule: str, steps: int, dtype: torch.dtype, method: str, restart_every: int | None,
@@ -47,7 +37,8 @@ def worst_excess(schedule: str, steps: int, dtype: torch.dtype, method: str, res
                 s_in = torch.linalg.svdvals(x) / torch.linalg.matrix_norm(x)
                 nonzero = s_in[s_in > 1e-10]
                 low, high = singular_value_band(schedule, steps, lower=float(nonzero.min()), upper=float(nonzero.max()))
-                out = orthogonalise(x, schedule, steps, dtype, method, restart_every).double()
+                out = newton_schulz(x, num_steps=steps, coefficients=schedule, dtype=dtype, method=method,
+                                    gram_restart_every=restart_every).double()
                 if not torch.isfinite(out).all():
                     return float("inf")
                 s_out = torch.linalg.svdvals(out)[: len(nonzero)]

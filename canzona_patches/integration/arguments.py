@@ -35,6 +35,7 @@ from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
 
+from megatron.canzona.data import check_blend_words  # noqa: E402
 from megatron.canzona.optim import MuonConfig, ShampooConfig, SOAPConfig  # noqa: E402
 from megatron.canzona.planning import OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
 from megatron.canzona.runtime.config import COSTS, LAYOUT_CHOICES, TP_MODES, CanzonaConfig  # noqa: E402
@@ -267,7 +268,10 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
     if tokenizer and args.tokenizer_type != "HuggingFaceTokenizer" and not os.path.exists(tokenizer):
         raise CanzonaArgumentError(f"--tokenizer-model {tokenizer} does not exist: fix the path")
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        _check_blend(flag, getattr(args, flag, None))
+        try:
+            check_blend_words(getattr(args, flag, None), "--" + flag.replace("_", "-"))
+        except ValueError as error:
+            raise CanzonaArgumentError(str(error)) from None
     metrics = getattr(args, "canzona_metrics_file", None)
     if metrics:
         parent = os.path.dirname(os.path.abspath(metrics))
@@ -276,26 +280,6 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
         if os.path.isfile(parent):
             raise CanzonaArgumentError(
                 f"--canzona-metrics-file {metrics}: {parent} is a file, not a directory; pick another path")
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _check_blend(flag: str, entries: list[str] | None) -> None:
-    """A blend is prefixes alone, or weight-prefix pairs: ``0.3 a 0.7 b``."""
-    if not entries or len(entries) == 1 or not any(_is_number(e) for e in entries):
-        return
-    weights, prefixes = entries[0::2], entries[1::2]
-    if len(entries) % 2 or not all(_is_number(w) for w in weights) or any(_is_number(p) for p in prefixes):
-        name = "--" + flag.replace("_", "-")
-        raise CanzonaArgumentError(
-            f"{name} {' '.join(entries)}: a blend is weight-prefix pairs (e.g. {name} 0.3 data/a_text_document "
-            "0.7 data/b_text_document) or prefixes alone")
 
 
 def _check_cluster(args: argparse.Namespace) -> None:

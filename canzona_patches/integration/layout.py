@@ -216,9 +216,10 @@ def build_canzona_plan(
         specs += chunk_specs
         named_all += named
     wire = wire_config(named_all, ddp_config)
+    cost_model = cfg.cost_model()
     plans = {
         layout: make_plan(
-            specs, dp_size=dp_size, tp_size=tp_size, cost_model=cfg.cost_model(), alpha=cfg.alpha,
+            specs, dp_size=dp_size, tp_size=tp_size, cost_model=cost_model, alpha=cfg.alpha,
             bucket_size=plan_bucket_size(ddp_config, dp_size), tp_budget=cfg.tp_group_budget, wire=wire,
             ep_size=ep_size, expert_tp_size=expert_tp_size, layout=layout,
         )
@@ -232,7 +233,7 @@ def build_canzona_plan(
         if node is not None:
             cluster = dataclasses.replace(cluster, gpus_per_node=node)
     results = project_layouts(specs, plans, cluster=cluster, optimizer=cfg.optimizer, wire=wire, workload=workload,
-                              ns_method=cfg.cost_model().ns_method)
+                              ns_method=cost_model.ns_method)
     choice = faster_layout(results)
     return plans[choice], specs, layout_line(choice, results, cluster, iteration=workload is not None)
 

@@ -10,7 +10,9 @@ from megatron.canzona.data.corpus import (
     iter_texts,
     write_jsonl,
 )
-from megatron.canzona.data.gpt import Blend, GPTDataConfig, build_gpt_datasets, check_gpt_data, describe_datasets
+from megatron.canzona.data.gpt import (
+    Blend, GPTDataConfig, build_gpt_datasets, check_blend_words, check_gpt_data, describe_datasets,
+)
 from megatron.canzona.data.helpers import build_dataset_helpers, dataset_helpers_available, ensure_dataset_helpers
 from megatron.canzona.data.indexed import DatasetSummary, PreprocessConfig, dataset_prefix, preprocess
 from megatron.canzona.data.tokenizer import (
@@ -32,6 +34,7 @@ __all__ = [
     "books_to_documents",
     "build_dataset_helpers",
     "build_gpt_datasets",
+    "check_blend_words",
     "check_gpt_data",
     "check_input_files",
     "check_tokenizer_type",

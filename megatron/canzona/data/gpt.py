@@ -116,6 +116,27 @@ def check_gpt_data(config: GPTDataConfig) -> None:
         _check_split_of_blend(config.resolved_blend(), config.split)
 
 
+def check_blend_words(words: Sequence[str] | None, flag: str) -> None:
+    """A data flag's words as given (``--data-path``, ``--train-data-path``, ...): prefixes
+    alone, or weight-prefix pairs (``0.3 A 0.7 B``). Megatron reads an odd-numbered list as
+    prefixes and fails later on a file named after a weight; raise ``ValueError`` here instead."""
+    if not words or len(words) == 1 or not any(_is_number(w) for w in words):
+        return
+    weights, prefixes = words[0::2], words[1::2]
+    if len(words) % 2 or not all(_is_number(w) for w in weights) or any(_is_number(p) for p in prefixes):
+        raise ValueError(
+            f"{flag} {' '.join(words)}: a blend is weight-prefix pairs (e.g. {flag} 0.3 data/a_text_document "
+            "0.7 data/b_text_document) or prefixes alone")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_per_split(blend_per_split: Sequence[Blend | None]) -> None:
     """Each split's datasets are used whole, so each must hold tokens."""
     if len(blend_per_split) != len(SPLIT_NAMES):

@@ -131,6 +131,7 @@ def newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
     method: str = "standard",
+    gram_restart_every: int | None = None,
 ) -> torch.Tensor:
     """Approximately orthogonalise each trailing ``(m, n)`` matrix of ``x``.
 
@@ -140,7 +141,8 @@ def newton_schulz(
     small ``min(m, n)`` square, then iterated in ``dtype``: on the matrix (``method``
     ``"standard"``), on its Gram matrix (``"gram"``, :func:`gram_iterations`), or by the one
     the cost model finds cheaper for the shape (``"auto"``,
-    :func:`~megatron.canzona.planning.cost.ns_method_for`).
+    :func:`~megatron.canzona.planning.cost.ns_method_for`). ``gram_restart_every`` overrides
+    the dtype's restart interval of gram (for measuring it: ``tools/ns_band.py``).
 
     Returns:
         A tensor of the same shape in ``float32`` (``float64`` when ``dtype`` is float64).
@@ -160,7 +162,7 @@ def newton_schulz(
     X = (stack / norm).to(dtype)
     steps = list(schedule.iterate(num_steps))
     if method == "gram":
-        X = gram_iterations(X, steps, gram_runs(num_steps, dtype_name))
+        X = gram_iterations(X, steps, gram_runs(num_steps, dtype_name, gram_restart_every))
     else:
         X = _standard_iterations(X, steps)
     out = X.to(out_dtype).reshape(*x.shape[:-2], rows, cols)
@@ -200,8 +202,9 @@ def gram_iterations(X: torch.Tensor, steps: list[Coefficients], runs: list[int])
     matrix taken again, which bounds the growth of ``Q`` and so its rounding. ``A`` and ``Q``
     are symmetrised after each product.
     """
-    starts = [sum(runs[:i]) for i in range(len(runs))]
-    for run in (steps[start:start + length] for start, length in zip(starts, runs)):
+    start = 0
+    for length in runs:
+        run, start = steps[start:start + length], start + length
         gram = _symmetric(torch.bmm(X, X.mT))
         accumulated = None
         for index, (a, b, c) in enumerate(run):

@@ -50,11 +50,11 @@ GRAM_RESTART_EVERY: dict[str, int | None] = {"float64": None, "float32": 5, "bfl
 taken again), by the dtype of the iteration; ``None``: never. Gram Newton-Schulz evaluates
 a run's composed polynomial on its iterated Gram matrix, not on the iterate, so the
 rounding of that matrix is amplified by the slope of the composed polynomial (which grows
-about 4x a step once the singular values oscillate around 1). Measured on random,
-ill-conditioned and rank-deficient inputs (docs/newton_schulz.md): in bf16 runs of 2 steps
-keep the singular values in the band as closely as standard Newton-Schulz does, runs of 3
-leave it by 0.46 (Polar Express) and 5 by 10⁴; in fp32 a run of 5 steps holds (slack
-< 2e-3), one of 8 leaves the band by 5."""
+about 4x a step once the singular values oscillate around 1). Measured with
+tools/ns_band.py on random, ill-conditioned and rank-deficient inputs (docs/newton_schulz.md):
+in bf16 runs of 2 steps keep the singular values in the band as closely as standard
+Newton-Schulz does, runs of 3 leave it by up to 10³ (Polar Express) and of 5 by up to 10¹³;
+in fp32 a run of 5 steps holds, one of 8 leaves the band by up to 8."""
 AUTO_GRAM_FLOP_RATIO = 0.8
 """``auto`` takes gram where its FLOPs are at most this fraction of standard's: the a×a
 products and the restarts run at a lower rate than the large products, so a gram that
@@ -65,9 +65,10 @@ goes to launching kernels and elementwise passes, and gram runs more of both (to
 bench_optim.py on CPU: gram 1.6x slower on a 64 × 176 matrix whose FLOPs it cuts by 30%)."""
 
 
-def gram_runs(ns_steps: int, dtype: str) -> list[int]:
-    """The steps of each run of Gram Newton-Schulz between restarts (:data:`GRAM_RESTART_EVERY`)."""
-    every = GRAM_RESTART_EVERY[dtype] or ns_steps
+def gram_runs(ns_steps: int, dtype: str, restart_every: int | None = None) -> list[int]:
+    """The steps of each run of Gram Newton-Schulz between restarts: every ``restart_every``
+    steps, by default the dtype's :data:`GRAM_RESTART_EVERY`."""
+    every = restart_every or GRAM_RESTART_EVERY[dtype] or ns_steps
     return [min(every, ns_steps - start) for start in range(0, ns_steps, every)]
 
 
