@@ -39,6 +39,7 @@ from canzona_patches.registry import install_group as install_patch_group
 from canzona_patches.integration.training import LOSS_KEY
 from megatron.canzona.data import GPTDataConfig, build_gpt_datasets, check_gpt_data, describe_datasets
 from megatron.canzona.runtime.lifetime import end_with_parent, launched_by_torchrun
+from megatron.canzona.runtime.save_lock import SaveDirectoryLocked, take_save_lock
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
@@ -271,6 +272,17 @@ def check_launched_as_a_rank(environ: dict[str, str] | os._Environ = os.environ)
             "torchrun --nproc-per-node 1 pretrain_gpt.py <flags> (or an examples/qwen3/ recipe)")
 
 
+def lock_save_directory(args: argparse.Namespace, environ: dict[str, str] | os._Environ = os.environ) -> None:
+    """The job's first rank takes ``--save``'s lock for the job's life (a second job saving
+    there stops here, naming the first); the other ranks follow its fate through torchrun."""
+    if args.save is None or int(environ.get("RANK", "0")) != 0:
+        return
+    lock = take_save_lock(args.save)
+    if lock.taken_over is not None:
+        print(f"[canzona] took over the lock of --save {args.save} from {lock.taken_over.describe()}: "
+              f"{lock.taken_over_because}", flush=True)
+
+
 def parse_and_validate() -> argparse.Namespace:
     """Megatron's flags + Canzona's, checked, and set as Megatron's global args.
 
@@ -300,8 +312,9 @@ def main() -> int:
     try:
         args = parse_and_validate()
         check_launched_as_a_rank()
-    except CanzonaArgumentError as error:
-        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
+        lock_save_directory(args)
+    except (CanzonaArgumentError, SaveDirectoryLocked) as error:
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     install_patches(args)  # every Megatron patch whose condition holds (python -m canzona_patches.registry)
     try:

@@ -201,13 +201,27 @@ def alive(pid: int) -> bool:
 
 def test_ranks_end_when_their_launcher_is_killed(demo_data: DemoData, tmp_path: Path) -> None:
     """SIGKILL torchrun itself mid-training: its ranks, re-parented, must not train on
-    (megatron.canzona.runtime.lifetime: each rank asks for a signal at its parent's death)."""
-    job = Job(recipe_env(demo_data, tmp_path, TRAIN_ITERS="100000"))
+    (megatron.canzona.runtime.lifetime: each rank asks for a signal at its parent's death).
+
+    Meanwhile a second job given the same --save stops at start naming the first
+    (megatron.canzona.runtime.save_lock); the first, whose --load is its --save and empty,
+    said it starts from iteration 0."""
+    ckpt = tmp_path / "ckpt"
+    env = recipe_env(demo_data, tmp_path, TRAIN_ITERS="100000", CKPT_DIR=str(ckpt), SAVE_INTERVAL="100000")
+    job = Job(env)
     ranks: list[int] = []
     try:
         job.wait_for(r"iteration +3/ +100000 \|", START_TIMEOUT_S)
+        assert f"[canzona] --load {ckpt} holds no checkpoint yet: training starts from iteration 0" in job.output
         ranks = [pid for pid in children(job.process.pid) if local_rank_of(pid) is not None]
         assert len(ranks) == 2, f"ranks of torchrun {job.process.pid}: {ranks}"
+        first = next(pid for pid in ranks if local_rank_of(pid) == "0")
+        code, second = Job({**env, "LOG_DIR": str(tmp_path / "second")}, "--train-iters", "2").finish(START_TIMEOUT_S)
+        assert code != 0, second[-6000:]
+        assert re.search(rf"pretrain_gpt.py: error: --save {re.escape(str(ckpt))} is in use by another job "
+                         rf"\(PID {first} on [^;]+; lock file {re.escape(str(ckpt))}/canzona.lock\): wait for it",
+                         second), second[-6000:]
+        assert not RANK_TRACEBACK.search(second) and "iteration        1/" not in second, second[-6000:]
         os.kill(job.process.pid, signal.SIGKILL)
         deadline = time.monotonic() + LAUNCHER_GONE_S
         while time.monotonic() < deadline and any(alive(pid) for pid in ranks):
