@@ -41,6 +41,7 @@ CPU_TRAINING = "cpu-training"  # cpu.enable_cpu_training_mode: megatron.training
 CPU_CHECKPOINT = "cpu-checkpoint"  # checkpoint_files.enable_cpu_checkpointing
 CPU_SYNC_SAVE = "cpu-sync-save"  # the same, for synchronous saves
 ARGUMENTS = "arguments"  # pretrain_gpt.py, before it parses the command line
+CHECKSUMS = "checksums"  # a checksum per checkpoint file (pretrain_gpt.py unless --canzona-no-checksums; save_distributed)
 PRETRAIN = "pretrain"  # pretrain_gpt.py's loop and checkpoints
 CANZONA = "canzona"  # --canzona: its layout, optimizer and checkpoint metadata
 UNEVEN = "uneven"  # layout.full_param_layouts, for a plan with variable-size DP shards (the whole layout)
@@ -98,6 +99,10 @@ def _never(args: Any) -> bool:
 
 def _no_cuda(args: Any) -> bool:
     return not torch.cuda.is_available()
+
+
+def _checksums(args: Any) -> bool:
+    return getattr(args, "canzona_checksums", True)
 
 
 def _synchronous_saves_on_cpu(args: Any) -> bool:
@@ -205,6 +210,7 @@ _ON_CPU_TRAINING = "no CUDA, `pretrain_gpt.py`: `cpu.enable_cpu_training_mode`"
 _EVERY_RUN = "every `pretrain_gpt.py` run"
 _DISTRIBUTED_OPTIMIZER = "Megatron's DistributedOptimizer: `--use-distributed-optimizer` without `--canzona`"
 _DURING_SAVE = "during each staged `save_checkpoint` call"
+_WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 _TRAINING = "megatron.training.training"
 _CHECKPOINTING = "megatron.training.checkpointing"
 _RANDOM = "megatron.core.tensor_parallel.random"
@@ -306,6 +312,14 @@ PATCHES: tuple[Patch, ...] = (
           condition=_EVERY_RUN, when=_always, group=PRETRAIN,
           reason="upstream writes `iter_N` in place and truncates the tracker before writing it: a killed save "
                  "tears the tracked checkpoint; saves are staged and committed by rename"),
+    Patch(targets=(f"{_WRITER}:_write_item",), make="canzona_patches.checkpoints.checksums:hashing_write_item",
+          condition="unless `--canzona-no-checksums`", when=_checksums, group=CHECKSUMS,
+          reason="records no checksum: each data file's bytes also feed a SHA-256 as they are written, recorded "
+                 "in `checksums/<file>.sha256` after its last item"),
+    Patch(targets=(f"{_WRITER}:FileSystemWriterAsync.write_preloaded_data",),
+          make="canzona_patches.checkpoints.checksums:hashing_preloaded_writes",
+          condition="unless `--canzona-no-checksums`", when=_checksums, group=CHECKSUMS,
+          reason="marks the file it writes (and its number of items) for the hashing `_write_item`"),
     Patch(targets=(f"{_TRAINING}:load_checkpoint",), make="canzona_patches.checkpoints.state:checked_load_checkpoint",
           condition=_EVERY_RUN, when=_always, group=PRETRAIN,
           reason="rank 0 checks the files and the optimizer state's kind and every rank gets its verdict; "
@@ -429,7 +443,9 @@ def _install(patch: Patch, run: Run) -> None:
             continue
         owner, name = _owner(target)
         replacement = make(getattr(owner, name), run)
-        setattr(owner, name, replacement)
+        # A static method stays one (the class's attribute reads back as the plain function).
+        static = isinstance(owner, type) and isinstance(owner.__dict__.get(name), staticmethod)
+        setattr(owner, name, staticmethod(replacement) if static else replacement)
         _installed[target] = replacement
 
 

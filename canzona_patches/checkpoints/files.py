@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 import torch
 
 from canzona_patches import registry
+from canzona_patches.checkpoints.checksums import record_small_files
 from canzona_patches.integration.arguments import CanzonaArgumentError
 from canzona_patches.version import require_pinned_megatron
 
@@ -145,6 +146,7 @@ def commit_checkpoint(save_dir: str | Path, iteration: int) -> Path:
     doomed: list[Path] = []
     if global_rank() == 0:
         staging = staging_dir(save_dir, iteration)
+        record_small_files(staging)
         if final.exists():  # re-saving an iteration: move the old copy aside, never mix the two
             replaced = _replaced_dir(final)
             os.replace(final, replaced)

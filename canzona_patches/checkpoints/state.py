@@ -37,6 +37,7 @@ import torch
 from canzona_patches.integration.binding import shard_entries
 from canzona_patches.integration.layout import tp_stride
 from canzona_patches.integration.names import global_param_names
+from canzona_patches.checkpoints.checksums import agreed_mismatch, record_checksums
 from canzona_patches.checkpoints.files import (
     TRACKER,
     CanzonaCheckpointError,
@@ -258,12 +259,16 @@ def _rank_and_size(group: Any) -> tuple[int, int]:
 
 
 def save_distributed(sharded_state_dict: dict, save_dir: str | Path, iteration: int, *,
-                     content_metadata: dict | None = None, verify_integrity: bool = False) -> Path:
+                     content_metadata: dict | None = None, verify_integrity: bool = False,
+                     checksums: bool = True) -> Path:
     """``dist_checkpointing.save`` of one iteration, staged and committed atomically (for
     callers that do not go through ``megatron.training``: the tests' harness, benchmarks).
     ``verify_integrity`` also writes SHA-256 hashes (``--verify-integrity``), so a corrupt
-    file can be named on load."""
+    file can be named on load. ``checksums`` records Canzona's per-file SHA-256s (once on, on
+    for the rest of the process: :func:`canzona_patches.checkpoints.checksums.record_checksums`)."""
     enable_cpu_checkpointing()
+    if checksums:
+        record_checksums()
     staging = prepare_staging(save_dir, iteration)
     dist_checkpointing.save(sharded_state_dict, str(staging), content_metadata=content_metadata,
                             verify_integrity=verify_integrity)
@@ -282,27 +287,35 @@ def load_distributed(sharded_state_dict: dict, load_dir: str | Path, *, optimize
 
 
 def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimizer: Any = None,
-                        group: Any = None) -> Path | None:
+                        group: Any = None, checksums: bool = True) -> Path | None:
     """The checkpoint ``--load`` resumes from, checked by one rank for all of them.
 
     The first rank of ``group`` (default: every rank) undoes a re-save killed between its
-    renames, reads the tracker (or takes ``step``), checks every file the index names and,
-    with ``optimizer``, that a ``torch_dist`` checkpoint's optimizer state is the kind this
-    run reads. Every rank returns its answer (``None``: nothing was saved) or raises its one
-    line (:func:`canzona_patches.checkpoints.files.decided_on_rank_zero`)."""
+    renames, reads the tracker (or takes ``step``) and checks every file the index names; with
+    ``checksums`` the ranks then re-hash the files, each its share, and agree on the first
+    mismatch (:func:`canzona_patches.checkpoints.checksums.agreed_mismatch`); with
+    ``optimizer``, the first rank checks that a ``torch_dist`` checkpoint's optimizer state is
+    the kind this run reads. Every rank returns the same answer (``None``: nothing was saved)
+    or raises the same line (:func:`canzona_patches.checkpoints.files.decided_on_rank_zero`)."""
 
-    def inspect() -> str | None:
+    def find() -> str | None:
         recover_replaced(Path(load_dir))
         path = resolve_checkpoint(load_dir, step)
         if path is None:
             return None
         check_checkpoint_files(path)
-        if optimizer is not None and (path / "metadata.json").is_file():
-            check_optimizer_compatible(path, optimizer)
         return str(path)
 
-    found = decided_on_rank_zero(inspect, group=group)
-    return None if found is None else Path(found)
+    found = decided_on_rank_zero(find, group=group)
+    if found is None:
+        return None
+    # Before anything unpickles the files (the optimizer check reads the saved common state).
+    mismatch = agreed_mismatch(Path(found), group=group) if checksums else None
+    if mismatch:
+        raise CanzonaCheckpointError(mismatch)
+    if optimizer is not None and (Path(found) / "metadata.json").is_file():
+        decided_on_rank_zero(lambda: check_optimizer_compatible(Path(found), optimizer), group=group)
+    return Path(found)
 
 
 def is_canzona_optimizer(optimizer: Any) -> bool:
@@ -351,7 +364,8 @@ def checked_load_checkpoint(load_checkpoint: Callable[..., Any], run: Any = None
         load_dir = getattr(megatron_args, load_arg, None)
         loads_optimizer = optimizer is not None and not megatron_args.no_load_optim and not megatron_args.finetune
         path = None if load_dir is None else verified_checkpoint(
-            load_dir, step=getattr(megatron_args, "ckpt_step", None), optimizer=optimizer if loads_optimizer else None)
+            load_dir, step=getattr(megatron_args, "ckpt_step", None), optimizer=optimizer if loads_optimizer else None,
+            checksums=getattr(megatron_args, "canzona_checksums", True))
         if path is None:
             if load_dir is not None and load_arg == "load":
                 _check_nothing_to_resume(load_dir, megatron_args.save)

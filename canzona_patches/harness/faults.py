@@ -8,7 +8,9 @@ rank SIGKILLs itself, after printing one line, at
   that writes: synchronous saves);
 * ``commit``: everything written, before the staging directory is renamed into place (the
   first ``os.replace`` to or from ``iter_<iteration>``);
-* ``tracker``: renamed, temporary tracker written, before it replaces the tracker.
+* ``tracker``: renamed, temporary tracker written, before it replaces the tracker;
+* ``full``: not a kill: the rank's data files of that iteration are created as links to
+  ``/dev/full``, so its writes fail with the kernel's ``ENOSPC`` (a full disk, without one).
 
 :func:`arm` installs the fault in this process; :func:`arm_from_environment` reads it from
 ``CANZONA_CKPT_FAULT`` (``tests/e2e/pretrain_with_fault.py`` arms a ``pretrain_gpt.py`` run).
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 FAULT_ENV = "CANZONA_CKPT_FAULT"
-PHASES = ("write", "commit", "tracker")
+PHASES = ("write", "commit", "tracker", "full")
 _TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -69,6 +71,8 @@ def arm(spec: str) -> Callable[[], None]:
     fault = Fault.parse(spec)
     if fault.phase == "write":
         return _arm_write(fault)
+    if fault.phase == "full":
+        return _arm_full_disk(fault)
     real_replace = os.replace
 
     def replace_or_die(source: Any, target: Any, *args: Any, **kwargs: Any) -> None:
@@ -102,6 +106,27 @@ def _arm_write(fault: Fault) -> Callable[[], None]:
 
     def disarm() -> None:
         FileSystemWriterAsync.write_preloaded_data_multithread = original
+
+    return disarm
+
+
+def _arm_full_disk(fault: Fault) -> Callable[[], None]:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = FileSystemWriterAsync.__dict__["write_preloaded_data"]
+
+    def write_to_a_full_disk(transform_list: Any, local_proc_idx: int, write_bucket: Any, *args: Any, **kwargs: Any):
+        file_name = Path(write_bucket[0])
+        if _rank() == fault.rank and _names_iteration(file_name.parent, fault.iteration):
+            print(f"[test fault] {FAULT_ENV}: rank {fault.rank} writes {file_name} onto /dev/full", flush=True)
+            file_name.unlink(missing_ok=True)
+            file_name.symlink_to("/dev/full")
+        return original.__func__(transform_list, local_proc_idx, write_bucket, *args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_to_a_full_disk)
+
+    def disarm() -> None:
+        FileSystemWriterAsync.write_preloaded_data = original
 
     return disarm
 

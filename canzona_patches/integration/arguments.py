@@ -122,6 +122,10 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--canzona-tp-group-budget", type=float, default=defaults.tp_group_budget,
                        help="Most cost one host takes in one micro-group (default: about a quarter of "
                        "the busiest host's work, two groups at least on a host with two matrices).")
+    switch("checksums", True,
+           on="Record a SHA-256 of every checkpoint file as it is written, and verify them (spread over the "
+           "ranks) before a load (default); a corrupt file is named in one line.",
+           off="Neither record nor verify checkpoint checksums.")
     group.add_argument("--canzona-metrics-file", type=str, default=None,
                        help="Append one JSON line per --log-interval (iteration, loss, grad norm, "
                        "learning rate, optimizer step time, tokens/s) to this file; plot with "

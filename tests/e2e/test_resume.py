@@ -31,6 +31,7 @@ resumes with dropout are not bitwise.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -136,6 +137,11 @@ def async_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) ->
     out["resumed_metrics"] = _train(demo_data, root / "resumed", "--load", str(ckpt), *save)
     out["after_resume"] = sorted(p.name for p in ckpt.iterdir())
     out["tracker_after_resume"] = (ckpt / TRACKER).read_text()
+    final = ckpt / f"iter_{ITERS:07d}"
+    out["files"] = sorted(p.name for p in final.iterdir() if p.is_file())
+    out["checksums"] = {line.split()[1]: line.split()[0] for listing in (final / "checksums").iterdir()
+                        for line in listing.read_text().splitlines()}
+    out["digests"] = {name: hashlib.sha256((final / name).read_bytes()).hexdigest() for name in out["files"]}
     return out
 
 
@@ -214,9 +220,10 @@ def test_an_async_save_killed_before_its_commit_keeps_the_previous_checkpoint(as
     assert f"killing rank 0 during 'commit' of iteration {ITERS}" in async_runs["killed"].stdout
     assert async_runs["tracker_after_kill"] == str(SAVE_INTERVAL)
     # Iteration 8 was written in full in the background but never renamed into place or tracked;
-    # Megatron's own tracker write went to a scratch file. Both are cleared by the next save.
-    assert async_runs["after_kill"] == [".staging-iter_0000008", f".staging-megatron-{TRACKER}", "iter_0000004",
-                                        TRACKER], async_runs["after_kill"]
+    # Megatron's own tracker write went to a scratch file. Both are cleared by the next save. The
+    # killed rank 0's save-directory lock stays, for the resume to take over (its PID is gone).
+    assert async_runs["after_kill"] == [".staging-iter_0000008", f".staging-megatron-{TRACKER}", "canzona.lock",
+                                        "iter_0000004", TRACKER], async_runs["after_kill"]
 
 
 def test_an_async_resume_repeats_the_uninterrupted_run_exactly(async_runs):
@@ -224,6 +231,13 @@ def test_an_async_resume_repeats_the_uninterrupted_run_exactly(async_runs):
     # The final save was committed when the job finalized it, and the torn attempt is gone.
     assert async_runs["tracker_after_resume"] == str(ITERS)
     assert async_runs["after_resume"] == ["iter_0000004", "iter_0000008", TRACKER]
+
+
+def test_an_async_save_records_a_checksum_of_every_file(async_runs):
+    """Each rank's data files are hashed as its background writer writes them; the first rank's
+    small files when it commits (canzona_patches/checkpoints/checksums.py)."""
+    assert any(name.endswith(".distcp") for name in async_runs["files"]), async_runs["files"]
+    assert async_runs["checksums"] == async_runs["digests"]
 
 
 def test_resume_at_pp2_from_a_pp2_checkpoint_is_exact(pp_runs):

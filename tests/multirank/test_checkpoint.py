@@ -93,15 +93,21 @@ def _damaged_copies(root: Path) -> dict[str, Path]:
     """Copies of the Shampoo checkpoint with one defect each."""
     source = root / "shampoo"
     cases: dict[str, Path] = {}
-    for case in ("missing_file", "truncated", "garbled", "bad_tracker", "missing_dir"):
+    for case in ("missing_file", "truncated", "garbled", "flipped", "garbled_unlisted", "bad_tracker", "missing_dir"):
         target = root / f"damaged_{case}"
         shutil.copytree(source, target)
         cases[case] = target
     (cases["missing_file"] / "iter_0000003" / "__1_0.distcp").unlink()
     truncated = cases["truncated"] / "iter_0000003" / "__0_0.distcp"
     os.truncate(truncated, truncated.stat().st_size // 2)
-    garbled = cases["garbled"] / "iter_0000003" / "__0_0.distcp"
-    garbled.write_bytes(bytes(garbled.stat().st_size))  # same length, every byte zero
+    for case in ("garbled", "garbled_unlisted"):
+        garbled = cases[case] / "iter_0000003" / "__0_0.distcp"
+        garbled.write_bytes(bytes(garbled.stat().st_size))  # same length, every byte zero
+    shutil.rmtree(cases["garbled_unlisted"] / "iter_0000003" / "checksums")  # only Megatron's integrity.json left
+    flipped = cases["flipped"] / "iter_0000003" / "__1_0.distcp"
+    with open(flipped, "r+b") as stream:  # 16 random bytes in the middle, the size kept
+        stream.seek(flipped.stat().st_size // 2)
+        stream.write(os.urandom(16))
     (cases["bad_tracker"] / "latest_checkpointed_iteration.txt").write_text("3\x00garbage")
     shutil.rmtree(cases["missing_dir"] / "iter_0000003")
     return cases
@@ -154,9 +160,14 @@ def results(tmp_path_factory) -> dict:
                           load_dir=str(root / "split")))
     tp_jobs[2].append(job(("resumed", "shampoo", "lean_dp2"), replace(split, canzona_layout="lean"),
                           load_dir=str(root / "shampoo")))
+    # The damaged copies load at DP 1, but the zeroed file at DP 2: its checksum is rank 1's share
+    # to re-hash, and rank 0 (whose error is kept) must report it too.
+    errors = _error_jobs(root)
+    error_jobs = {2: [j for j in errors if j.extra["key"] == ("error", "garbled")]}
+    error_jobs[1] = [j for j in errors if j not in error_jobs[2]]
     for dp in (2, 1, 4):
         resumes = [job(("resumed", o, dp), _run(o), load_dir=str(root / o)) for o in OPTIMIZERS]
-        collect(dp, resumes + tp_jobs.get(dp, []) + (_error_jobs(root) if dp == 1 else []))
+        collect(dp, resumes + tp_jobs.get(dp, []) + error_jobs.get(dp, []))
     return out
 
 
@@ -276,7 +287,10 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(results):
 @pytest.mark.parametrize("case, expected", [
     ("missing_file", r"__1_0\.distcp is missing"),
     ("truncated", r"__0_0\.distcp is truncated: \d+ bytes, the index needs \d+"),
-    ("garbled", r"iter_0000003/__0_0\.distcp is corrupt: its SHA-256 differs from .*integrity\.json"),
+    ("garbled", r"iter_0000003/__0_0\.distcp is corrupt: its SHA-256 is [0-9a-f]{16}\.\.\., the save recorded "
+                r"[0-9a-f]{16}\.\.\. \(.*checksums/__0_0\.distcp\.sha256\); restore the file"),
+    ("flipped", r"iter_0000003/__1_0\.distcp is corrupt: its SHA-256 is"),
+    ("garbled_unlisted", r"iter_0000003/__0_0\.distcp is corrupt: its SHA-256 differs from .*integrity\.json"),
     ("bad_tracker", r"latest_checkpointed_iteration\.txt holds .* not an iteration number"),
     ("missing_dir", r"iter_0000003 does not exist"),
     ("model_shape", r"has shape \(.*\) in the checkpoint, this run expects \(.*\)"),

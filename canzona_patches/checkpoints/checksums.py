@@ -1,0 +1,194 @@
+"""A SHA-256 per checkpoint file, hashed by the rank that writes it, verified at load by all ranks.
+
+A byte flipped inside a data file keeps its size, so the file checks pass and the load fails
+deep in unpickling on one rank (``UnicodeDecodeError``) while another sees gloo's "Connection
+closed by peer"; neither names the file. So:
+
+* **At save**, each rank hashes the bytes of its ``__<rank>_<n>.distcp`` files *as it writes
+  them* (``_write_item``'s stream is wrapped: no second read) and writes
+  ``checksums/<file>.sha256`` beside them before the write is reported done. The first rank
+  hashes the small files it wrote itself (``.metadata``, ``common.pt``, ``metadata.json``)
+  when it commits. The lines are ``sha256sum``'s: ``cd iter_N && sha256sum -c checksums/*``
+  checks a checkpoint by hand.
+* **At load**, before Megatron reads anything, rank ``r`` of ``W`` re-hashes the files of
+  checksum lists ``r, r + W, ...``: the checkpoint is read once, spread over the ranks, never
+  by one rank alone. The verdicts are gathered once (one ``all_gather_object`` of a short
+  string or ``None``); every rank raises the same one-line error naming the file.
+
+Cost: the hash runs on the writer's thread (``docs/checkpoints.md`` has the GB/s measured by
+``tools/bench_checkpoint.py --checksums``); a load reads ``checkpoint bytes / W`` per rank
+once more. ``--canzona-no-checksums`` turns both off (the save rows are not installed, the
+load skips the check); checkpoints saved without checksums load without it. ``--ckpt-format torch`` checkpoints are not covered.
+
+Hooks (rows of :data:`canzona_patches.registry.PATCHES`): ``filesystem_async._write_item`` and
+``FileSystemWriterAsync.write_preloaded_data`` (megatron-core 0.19.2).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+CHECKSUM_DIR = "checksums"
+"""Subdirectory of a checkpoint holding one ``<file>.sha256`` per file."""
+SUFFIX = ".sha256"
+CHUNK_BYTES = 16 << 20
+"""Read size when re-hashing at load."""
+
+_pending: dict[str, list[Any]] = {}
+"""Data file being written -> [items left, running hash] (one writer thread per file)."""
+_pending_lock = threading.Lock()
+
+
+def sidecar(data_file: Path) -> Path:
+    """Where the checksum of ``data_file`` is recorded."""
+    return data_file.parent / CHECKSUM_DIR / f"{data_file.name}{SUFFIX}"
+
+
+def record(data_file: Path, digest: str) -> None:
+    """Write ``data_file``'s checksum line (``sha256sum`` format), durably."""
+    path = sidecar(data_file)
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "w") as out:
+        out.write(f"{digest}  {data_file.name}\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file on disk, read in :data:`CHUNK_BYTES` pieces."""
+    with open(path, "rb") as source:
+        return hashlib.file_digest(source, "sha256").hexdigest()
+
+
+# --------------------------------------------------------------------------- at save
+
+
+def record_checksums() -> None:
+    """Make this process's ``torch_dist`` saves record checksums (the ``checksums`` rows;
+    ``pretrain_gpt.py`` installs them from its flags); idempotent."""
+    from canzona_patches import registry
+
+    registry.install_group(registry.CHECKSUMS)
+
+
+class _HashingStream:
+    """A file stream whose writes also feed a hash; everything else goes to the stream."""
+
+    def __init__(self, stream: Any, digest: Any) -> None:
+        self._stream, self._digest = stream, digest
+
+    def write(self, data: Any) -> int:
+        written = self._stream.write(data)
+        self._digest.update(data)
+        return written
+
+    def seek(self, *args: Any) -> int:  # noqa: ARG002 -- a non-sequential write would break the hash
+        raise OSError("checkpoint data files are written sequentially: a seek would void the running checksum")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def hashing_write_item(write_item: Any, run: Any = None) -> Any:
+    """``_write_item`` that routes the bytes of a data file being hashed through its hash; after
+    the file's last item, its checksum is recorded (before the writer reports the file done)."""
+
+    @functools.wraps(write_item)
+    def write_item_hashed(*args: Any, **kwargs: Any) -> Any:
+        # (transforms, stream, data, write_item, storage_key, ...): the stream is the first
+        # positional argument that has a name (the transforms object has none).
+        position = next((i for i, arg in enumerate(args) if hasattr(arg, "write") and hasattr(arg, "name")), None)
+        entry = None if position is None else _pending.get(str(args[position].name))
+        if entry is None:
+            return write_item(*args, **kwargs)
+        stream = args[position]
+        args = (*args[:position], _HashingStream(stream, entry[1]), *args[position + 1:])
+        result = write_item(*args, **kwargs)
+        entry[0] -= 1
+        if entry[0] == 0:
+            with _pending_lock:
+                del _pending[str(stream.name)]
+            record(Path(stream.name), entry[1].hexdigest())
+        return result
+
+    return write_item_hashed
+
+
+def hashing_preloaded_writes(write_preloaded_data: Any, run: Any = None) -> Any:
+    """``FileSystemWriterAsync.write_preloaded_data`` (a static method) that marks its file for hashing."""
+    original = write_preloaded_data
+
+    @functools.wraps(original)
+    def write_preloaded_data_hashed(transform_list: Any, local_proc_idx: int, write_bucket: Any, *args: Any,
+                                    **kwargs: Any) -> Any:
+        file_name, _, (bytes_data, tensor_data) = write_bucket
+        items = len(bytes_data) + len(tensor_data)
+        if items:
+            with _pending_lock:
+                _pending[str(file_name)] = [items, hashlib.sha256()]
+        try:
+            return original(transform_list, local_proc_idx, write_bucket, *args, **kwargs)
+        finally:
+            with _pending_lock:
+                _pending.pop(str(file_name), None)
+
+    return write_preloaded_data_hashed
+
+
+def record_small_files(checkpoint: Path) -> None:
+    """At commit, on the first rank: checksums of the files written without the hashing stream
+    (the index, ``common.pt``, ``metadata.json``: kilobytes), if the data files have theirs."""
+    if not (checkpoint / CHECKSUM_DIR).is_dir():
+        return
+    for file in sorted(checkpoint.iterdir()):
+        if file.is_file() and not sidecar(file).exists():
+            record(file, file_digest(file))
+
+
+# --------------------------------------------------------------------------- at load
+
+
+def first_mismatch(checkpoint: Path, rank: int, world_size: int) -> str | None:
+    """Re-hash this rank's share (checksum lists ``rank, rank + world_size, ...``); the first
+    mismatch as one line, or None."""
+    lists = sorted((checkpoint / CHECKSUM_DIR).glob(f"*{SUFFIX}"))
+    for listing in lists[rank::world_size]:
+        try:
+            expected, name = listing.read_text().split(maxsplit=1)
+        except (OSError, ValueError):
+            return f"{listing} is unreadable: the checkpoint's checksums are damaged"
+        file = checkpoint / name.strip()
+        if not file.is_file():
+            return f"{file} is missing (its checksum is recorded in {listing})"
+        actual = file_digest(file)
+        if actual != expected:
+            return (f"{file} is corrupt: its SHA-256 is {actual[:16]}..., the save recorded {expected[:16]}... "
+                    f"({listing}); restore the file, or resume from an earlier checkpoint "
+                    "(--ckpt-step, or point latest_checkpointed_iteration.txt at it)")
+    return None
+
+
+def agreed_mismatch(checkpoint: Path, *, group: Any = None) -> str | None:
+    """Every rank of ``group`` (default: all) checks its share of ``checkpoint``; all return the
+    first mismatch found anywhere (one ``all_gather_object``), or None. None at once when the checkpoint has no
+    checksums (saved with ``--canzona-no-checksums``, or before they existed)."""
+    import torch.distributed as dist
+
+    if not (checkpoint / CHECKSUM_DIR).is_dir():
+        return None
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
+    try:
+        verdict = first_mismatch(checkpoint, rank, world_size)
+    except OSError as error:
+        verdict = f"{checkpoint}: reading it failed ({type(error).__name__}: {error})"
+    verdicts = [verdict]
+    if distributed:
+        verdicts = [None] * world_size
+        dist.all_gather_object(verdicts, verdict, group=group)
+    return next((v for v in verdicts if v), None)
