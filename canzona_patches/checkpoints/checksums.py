@@ -10,6 +10,8 @@ closed by peer"; neither names the file. So:
   hashes the small files it wrote itself (``.metadata``, ``common.pt``, ``metadata.json``)
   when it commits. The lines are ``sha256sum``'s: ``cd iter_N && sha256sum -c checksums/*``
   checks a checkpoint by hand.
+* A write that fails (a full disk, a quota) is noted with its file and error, which
+  Megatron's own exception drops (:func:`take_write_failure`).
 * **At load**, before Megatron reads anything, rank ``r`` of ``W`` re-hashes the files of
   checksum lists ``r, r + W, ...``: the checkpoint is read once, spread over the ranks, never
   by one rank alone. The verdicts are gathered once (one ``all_gather_object`` of a short
@@ -42,6 +44,8 @@ CHUNK_BYTES = 16 << 20
 _pending: dict[str, list[Any]] = {}
 """Data file being written -> [items left, running hash] (one writer thread per file)."""
 _pending_lock = threading.Lock()
+_write_failures: list[tuple[str, OSError]] = []
+"""(data file, error) of writes that failed in this process, for :func:`take_write_failure`."""
 
 
 def sidecar(data_file: Path) -> Path:
@@ -132,12 +136,27 @@ def hashing_preloaded_writes(write_preloaded_data: Any, run: Any = None) -> Any:
             with _pending_lock:
                 _pending[str(file_name)] = [items, hashlib.sha256()]
         try:
-            return original(transform_list, local_proc_idx, write_bucket, *args, **kwargs)
+            result = original(transform_list, local_proc_idx, write_bucket, *args, **kwargs)
         finally:
             with _pending_lock:
                 _pending.pop(str(file_name), None)
+        # (worker index, results or the exception): Megatron passes on only the exception's
+        # type ("error: <class 'OSError'>"); keep the file and the reason for the error line.
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], OSError):
+            with _pending_lock:
+                _write_failures.append((str(file_name), result[1]))
+        return result
 
     return write_preloaded_data_hashed
+
+
+def take_write_failure() -> tuple[str, OSError] | None:
+    """The first data file this process failed to write since the last call (synchronous
+    saves write in the training process), and why; None if none failed."""
+    with _pending_lock:
+        failures = list(_write_failures)
+        _write_failures.clear()
+    return failures[0] if failures else None
 
 
 def record_small_files(checkpoint: Path) -> None:

@@ -32,6 +32,7 @@ Hooks (megatron-core 0.19.2; rows of :data:`canzona_patches.registry.PATCHES`):
 from __future__ import annotations
 
 import atexit
+import errno
 import functools
 import hashlib
 import inspect
@@ -51,7 +52,7 @@ from typing import Any, TypeVar
 import torch
 
 from canzona_patches import registry
-from canzona_patches.checkpoints.checksums import record_small_files
+from canzona_patches.checkpoints.checksums import record_small_files, take_write_failure
 from canzona_patches.integration.arguments import CanzonaArgumentError
 from canzona_patches.version import require_pinned_megatron
 
@@ -465,13 +466,36 @@ def staged_save_checkpoint(save_checkpoint: Callable[..., Any], run: Any = None)
                 _scratch_tracker(save_dir).unlink(missing_ok=True)
 
         committed_last = _committed_last(commit) if asynchronous else nullcontext()
-        with _redirected_names(save_dir, iteration, staging), committed_last:
-            result = save_checkpoint(*args, **kwargs)
+        try:
+            with _redirected_names(save_dir, iteration, staging), committed_last:
+                result = save_checkpoint(*args, **kwargs)
+        except (CheckpointException, OSError) as error:  # every rank: the write results are gathered
+            raise CanzonaCheckpointError(_save_failure(iteration, save_dir, staging, error)) from error
         if not asynchronous:
             commit()
         return result
 
     return save_checkpoint_staged
+
+
+def _save_failure(iteration: int, save_dir: str, staging: Path, error: BaseException) -> str:
+    """One line for a save that could not write: the file and the reason where this rank knows
+    them (a full disk names the path), what is still loadable, what to do."""
+    previous = _tracked(save_dir)
+    kept = (f"the previous checkpoint {previous} stays tracked and loadable" if previous is not None and previous.is_dir()
+            else "no earlier checkpoint exists")
+    failure = take_write_failure()
+    if failure is not None:
+        file, cause = failure
+        reason = (f"{os.strerror(cause.errno).lower()} ({errno.errorcode.get(cause.errno, cause.errno)})"
+                  if cause.errno else str(cause))
+        fix = (f"free space on the filesystem of --save {save_dir}, or point --save elsewhere"
+               if cause.errno in (errno.ENOSPC, errno.EDQUOT) else f"check --save {save_dir}")
+        return f"saving iteration {iteration} failed: {file}: {reason}; {kept}: {fix}, then resume"
+    ranks = sorted(getattr(error, "failures", {}) or [])
+    where = f"on rank {', '.join(map(str, ranks))}" if ranks else f"({type(error).__name__}: {str(error)[:200]})"
+    return (f"saving iteration {iteration} into {staging} failed {where} (that rank's line says why); {kept}: "
+            "fix the cause, then resume")
 
 
 @contextmanager

@@ -233,6 +233,28 @@ def test_an_async_resume_repeats_the_uninterrupted_run_exactly(async_runs):
     assert async_runs["after_resume"] == ["iter_0000004", "iter_0000008", TRACKER]
 
 
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(demo_data, tmp_path):
+    """Rank 1's files of iteration 4 are written onto /dev/full (the kernel's ENOSPC): every rank
+    stops with one line, rank 1's naming the file, and iteration 2 stays tracked and intact."""
+    ckpt = tmp_path / "ckpt"
+    result = run_with_deadline(
+        torchrun(2, FAULTY_ENTRY, *resume_args(demo_data, tmp_path, "--save", str(ckpt), "--save-interval", "2",
+                                               "--train-iters", "4")),
+        timeout_s=RUN_TIMEOUT_S, env={"CANZONA_CKPT_FAULT": "full@4:1"})
+    out = result.stdout + (result.stderr or "")
+    assert result.returncode != 0, out[-6000:]
+    staged = ckpt / ".staging-iter_0000004" / "__1_0.distcp"
+    assert (f"pretrain_gpt.py: error: saving iteration 4 failed: {staged}: no space left on device (ENOSPC); the "
+            f"previous checkpoint {ckpt / 'iter_0000002'} stays tracked and loadable: free space on the filesystem "
+            f"of --save {ckpt}, or point --save elsewhere, then resume") in out, out[-6000:]
+    assert not re.search(r'File "[^"]*(canzona_patches|megatron/canzona|pretrain_gpt\.py)', out), out[-6000:]
+    assert (ckpt / TRACKER).read_text() == "2"
+    saved = ckpt / "iter_0000002"
+    for listing in (saved / "checksums").iterdir():
+        digest, name = listing.read_text().split()
+        assert hashlib.sha256((saved / name).read_bytes()).hexdigest() == digest, name
+
+
 def test_an_async_save_records_a_checksum_of_every_file(async_runs):
     """Each rank's data files are hashed as its background writer writes them; the first rank's
     small files when it commits (canzona_patches/checkpoints/checksums.py)."""
