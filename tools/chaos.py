@@ -1,0 +1,469 @@
+#!/usr/bin/env python
+"""Chaos soak: kill ranks and the launcher at random moments, resume each time, and prove the
+end state is bitwise the uninterrupted run's.
+
+    python tools/chaos.py                                  # 56 faults over 4 scenarios
+    python tools/chaos.py --faults 2 --kinds rank,launcher-in-save --scenarios muon-async --train-iters 9   # short
+
+Each scenario (``muon``, ``muon-async``, ``shampoo``, ``shampoo-async``: the optimizer, with or
+without ``--async-save``) trains the tiny Qwen3 recipe (``examples/qwen3/pretrain_qwen3_tiny.sh``,
+``--canzona``, TP 2 x DP 2: four gloo ranks) twice from the same data:
+
+1. **reference**: once, uninterrupted, to ``--train-iters``;
+2. **chaos**: launched again and again on one ``--save``/``--load`` directory (the requeue
+   pattern) while faults are left; each launch gets one fault, one of
+
+   * ``rank``: SIGKILL a random rank at a random moment of a random iteration;
+   * ``launcher``: SIGKILL torchrun itself at such a moment (its ranks must end on their own);
+   * ``rank-in-save`` / ``launcher-in-save``: the same, as soon as a checkpoint's staging
+     directory appears (a save being written);
+   * ``rank-after-save``: a random rank, right after a save was committed (between saves);
+
+   after each, every rank must be gone within ``--exit-timeout`` seconds, and the tracked
+   checkpoint must exist and pass its checksums (else it counts as *lost*). Once the faults are
+   spent, the last launch runs to the end and must exit 0.
+
+Then the two final checkpoints are compared tensor by tensor (model weights, optimizer state,
+step counters): bitwise, since the layout is the same. Prints a table (faults by kind, resumes,
+iterations replayed, tensors compared, mismatches, lost checkpoints) and one JSON object with the
+configuration, git revision and machine; exits 1 on any mismatch, loss, hang or failed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron.canzona.provenance import git_revision, machine  # noqa: E402
+
+RECIPE = ROOT / "examples" / "qwen3" / "pretrain_qwen3_tiny.sh"
+TRACKER = "latest_checkpointed_iteration.txt"
+KINDS = ("rank", "launcher", "rank-in-save", "launcher-in-save", "rank-after-save")
+SCENARIOS = {"muon": ("muon", False), "muon-async": ("muon", True),
+             "shampoo": ("shampoo", False), "shampoo-async": ("shampoo", True)}
+ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \|")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", type=int, default=56, help="faults in all, spread over the scenarios")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    parser.add_argument("--train-iters", type=int, default=60)
+    parser.add_argument("--save-interval", type=int, default=3)
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated fault kinds, of {', '.join(KINDS)}")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the choice of faults, ranks and moments")
+    parser.add_argument("--data-path", help="dataset prefix (default: the recipe's demo data, made if missing)")
+    parser.add_argument("--tokenizer-model", help="SentencePiece model of --data-path")
+    parser.add_argument("--launch-timeout", type=float, default=600.0, help="seconds one launch may take")
+    parser.add_argument("--exit-timeout", type=float, default=30.0, help="seconds the ranks get to end after a fault")
+    parser.add_argument("--dir", help="where runs go (default: a temporary directory, removed)")
+    parser.add_argument("--json", metavar="FILE", help="also write the JSON result here")
+    args = parser.parse_args(argv)
+    args.scenario_names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = [s for s in args.scenario_names if s not in SCENARIOS]
+    if unknown or not args.scenario_names:
+        parser.error(f"--scenarios {args.scenarios!r}: choose from {', '.join(SCENARIOS)}")
+    args.kind_names = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not args.kind_names or any(k not in KINDS for k in args.kind_names):
+        parser.error(f"--kinds {args.kinds!r}: choose from {', '.join(KINDS)}")
+    if args.faults < 0 or args.train_iters < 2 or not 1 <= args.save_interval < args.train_iters:
+        parser.error("--faults must be at least 0, --train-iters at least 2, and --save-interval in [1, --train-iters)")
+    if (args.data_path is None) != (args.tokenizer_model is None):
+        parser.error("--data-path and --tokenizer-model go together")
+    return args
+
+
+# --------------------------------------------------------------------------- one launch
+
+
+class Launch:
+    """One run of the recipe in its own session; its output collected line by line."""
+
+    def __init__(self, env: dict[str, str], log: Path, extra: list[str]) -> None:
+        self.lines: list[str] = []
+        self.log = log
+        self.ranks: list[int] = []
+        """The ranks alive when a fault fired (they must all end)."""
+        self.process = subprocess.Popen(["bash", str(RECIPE), *extra], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        with open(self.log, "w") as out:
+            for line in self.process.stdout:
+                self.lines.append(line)
+                out.write(line)
+
+    def last_iteration(self) -> int:
+        found = [int(m[1]) for line in list(self.lines) for m in [ITERATION.search(line)] if m]
+        return max(found, default=0)
+
+    def rank_pids(self) -> list[int]:
+        """The ranks torchrun started (its children with a ``LOCAL_RANK``)."""
+        return [pid for pid in _children(self.process.pid) if _local_rank(pid) is not None]
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def kill_all(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self._reader.join(timeout=10)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+    return found
+
+
+def _local_rank(pid: int) -> str | None:
+    try:
+        for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if entry.startswith(b"LOCAL_RANK="):
+                return entry.split(b"=", 1)[1].decode()
+    except OSError:
+        pass
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- a scenario
+
+
+@dataclass
+class Tally:
+    faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    resumes: int = 0
+    replayed: int = 0
+    compared: int = 0
+    mismatches: list[str] = field(default_factory=list)
+    rng_differ: int = 0
+    """Saved RNG states (not model or optimizer state) that differ: reported, not a mismatch."""
+    planned: int = 0
+    lost: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    launches: int = 0
+
+
+class Scenario:
+    def __init__(self, name: str, args: argparse.Namespace, root: Path, rng: random.Random) -> None:
+        self.name, self.args, self.root, self.rng = name, args, root / name, rng
+        self.optimizer, self.asynchronous = SCENARIOS[name]
+        self.tally = Tally()
+
+    def env(self, run: str) -> dict[str, str]:
+        args = self.args
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TP": "2", "NPROC_PER_NODE": "4",
+               "OPTIMIZER": self.optimizer, "TRAIN_ITERS": str(args.train_iters),
+               "SAVE_INTERVAL": str(args.save_interval), "LOG_INTERVAL": "1", "EVAL_INTERVAL": "100000",
+               "EVAL_ITERS": "0", "WARMUP_ITERS": "2", "LOG_DIR": str(self.root / run),
+               "CKPT_DIR": str(self.root / run / "ckpt"), "MASTER_PORT": str(_free_port())}
+        if args.data_path:
+            env.update(DATA_PATH=args.data_path, TOKENIZER_MODEL=args.tokenizer_model, SPLIT="80,10,10")
+        return env
+
+    def launch(self, run: str) -> Launch:
+        self.tally.launches += 1
+        log = self.root / run / f"launch_{self.tally.launches:03d}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        return Launch(self.env(run), log, ["--async-save"] if self.asynchronous else [])
+
+    def reference(self) -> Path:
+        launch = self.launch("reference")
+        code = self._wait(launch, self.args.launch_timeout)
+        if code != 0:
+            raise RuntimeError(f"{self.name}: the uninterrupted run failed ({code}); see {launch.log}")
+        return self.root / "reference" / "ckpt"
+
+    def chaos(self, faults: list[str]) -> Path:
+        ckpt = self.root / "chaos" / "ckpt"
+        pending = list(faults)
+        while True:
+            launch = self.launch("chaos")
+            if not pending:
+                code = self._wait(launch, self.args.launch_timeout)
+                if code != 0:
+                    raise RuntimeError(f"{self.name}: the last chaos launch failed ({code}); see {launch.log}")
+                return ckpt
+            kind = pending[0]
+            fired = self._inject(launch, kind, ckpt)
+            if fired is None:  # the run ended before the fault's moment came
+                code = self._wait(launch, self.args.launch_timeout)
+                if code != 0:
+                    raise RuntimeError(f"{self.name}: a chaos launch failed without a fault ({code}); see {launch.log}")
+                return ckpt
+            pending.pop(0)
+            self.tally.faults[kind] += 1
+            self._after_fault(launch, fired, ckpt)
+            self.tally.resumes += 1
+
+    def _inject(self, launch: Launch, kind: str, ckpt: Path) -> int | None:
+        """Wait for the fault's moment and fire it; the iteration reached, or None if the run ended first."""
+        deadline = time.monotonic() + self.args.launch_timeout
+        start = None
+        target = None
+        committed_at = _mtime(ckpt / TRACKER)
+        stale = _staging_inodes(ckpt)  # a killed save's leftovers: not a save being written
+        while time.monotonic() < deadline:
+            if not launch.running():
+                return None
+            reached = launch.last_iteration()
+            if start is None and reached:
+                start = reached  # the first iteration this launch logged
+                target = self.rng.randint(start, min(start + 2 * self.args.save_interval, self.args.train_iters - 1))
+            if start is not None:
+                if kind.endswith("-in-save") and _staging_inodes(ckpt) - stale:
+                    return self._fire(launch, kind, reached)
+                if kind == "rank-after-save" and _mtime(ckpt / TRACKER) > committed_at:
+                    return self._fire(launch, kind, reached)
+                if kind in ("rank", "launcher") and reached >= target:
+                    time.sleep(self.rng.uniform(0.0, 1.0))  # somewhere in the next iteration
+                    return self._fire(launch, kind, launch.last_iteration())
+            time.sleep(0.005)
+        raise RuntimeError(f"{self.name}: no moment for a '{kind}' fault within {self.args.launch_timeout} s")
+
+    def _fire(self, launch: Launch, kind: str, reached: int) -> int:
+        ranks = launch.rank_pids()
+        victim = launch.process.pid if kind.startswith("launcher") else self.rng.choice(ranks)
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        launch.ranks = ranks
+        return reached
+
+    def _after_fault(self, launch: Launch, reached: int, ckpt: Path) -> None:
+        deadline = time.monotonic() + self.args.exit_timeout
+        ranks = launch.ranks
+        while time.monotonic() < deadline and (any(_alive(p) for p in ranks) or launch.running()):
+            time.sleep(0.05)
+        survivors = [p for p in ranks if _alive(p)]
+        if survivors or launch.running():
+            self.tally.failures.append(f"ranks {survivors} outlived the fault by {self.args.exit_timeout} s")
+        launch.kill_all()
+        resumed_from = _tracked_iteration(ckpt)
+        self.tally.replayed += max(0, reached - resumed_from)
+        if resumed_from:
+            problem = _checkpoint_problem(ckpt / f"iter_{resumed_from:07d}")
+            if problem:
+                self.tally.lost.append(problem)
+
+    def _wait(self, launch: Launch, timeout: float) -> int:
+        try:
+            code = launch.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            launch.kill_all()
+            raise RuntimeError(f"{self.name}: a launch hung for {timeout} s; see {launch.log}") from None
+        launch.kill_all()
+        return code
+
+
+def _staging_inodes(ckpt: Path) -> set[int]:
+    """The staging directories of saves in ``ckpt`` (by inode: a re-save reuses the name)."""
+    found = set()
+    try:
+        for path in ckpt.iterdir():
+            if path.name.startswith(".staging-iter_"):
+                found.add(path.stat().st_ino)
+    except OSError:
+        pass
+    return found
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _tracked_iteration(ckpt: Path) -> int:
+    try:
+        return int((ckpt / TRACKER).read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def _checkpoint_problem(path: Path) -> str | None:
+    from canzona_patches.checkpoints.checksums import first_mismatch
+
+    if not path.is_dir():
+        return f"{path} is tracked but missing"
+    if not (path / "checksums").is_dir():
+        return f"{path} has no checksums"
+    return first_mismatch(path, 0, 1)
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def compare(reference: Path, chaos: Path, tally: Tally) -> None:
+    """Every tensor of the two final checkpoints, bitwise. The saved RNG states are counted
+    apart: on CPU a resumed run's generator state drifts from the uninterrupted run's (see
+    tests/e2e/test_resume.py: CPU resumes with dropout are not bitwise), which the model and
+    optimizer state, compared here, do not depend on with dropout off."""
+    import torch
+
+    left, right = _tensors(reference), _tensors(chaos)
+    if left.keys() != right.keys():
+        tally.mismatches.append(f"keys differ: {sorted(left.keys() ^ right.keys())[:5]}")
+    for key in sorted(left.keys() & right.keys()):
+        a, b = left[key], right[key]
+        same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        if key.startswith("rng_state/"):
+            tally.rng_differ += not same
+            continue
+        tally.compared += 1
+        if not same:
+            tally.mismatches.append(key)
+
+
+def _tensors(ckpt: Path) -> dict:
+    """The tensors of the tracked checkpoint of ``ckpt``, by key."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = ckpt / f"iter_{_tracked_iteration(ckpt):07d}"
+    with tempfile.TemporaryDirectory() as scratch:
+        flat = Path(scratch) / "state.pt"
+        dcp_to_torch_save(str(path), str(flat))
+        state = torch.load(flat, weights_only=False)
+    found: dict = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            found[prefix] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}" if prefix else str(k), v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{prefix}/{i}", v)
+
+    walk("", state)
+    return found
+
+
+# --------------------------------------------------------------------------- main
+
+
+def plan_faults(total: int, scenarios: list[str], kinds_used: list[str], rng: random.Random) -> dict[str, list[str]]:
+    """``total`` faults dealt to the scenarios in turn; every kind as often as the others (± 1)."""
+    kinds = [kinds_used[i % len(kinds_used)] for i in range(total)]
+    rng.shuffle(kinds)
+    dealt: dict[str, list[str]] = {name: [] for name in scenarios}
+    for i, kind in enumerate(kinds):
+        dealt[scenarios[i % len(scenarios)]].append(kind)
+    return dealt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")  # Megatron's import-time notes (the checksum check imports it)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    rng = random.Random(args.seed)
+    root = Path(args.dir or tempfile.mkdtemp(prefix="chaos_"))
+    dealt = plan_faults(args.faults, args.scenario_names, args.kind_names, rng)
+    print(f"chaos: {args.faults} faults over {', '.join(args.scenario_names)}; TP 2 x DP 2, {args.train_iters} "
+          f"iterations, a save every {args.save_interval}; runs in {root}", flush=True)
+    started = time.perf_counter()
+    results: dict[str, Tally] = {}
+    try:
+        for name in args.scenario_names:
+            scenario = Scenario(name, args, root, rng)
+            results[name] = scenario.tally
+            scenario.tally.planned = len(dealt[name])
+            began = time.perf_counter()
+            try:
+                reference = scenario.reference()
+                chaos = scenario.chaos(dealt[name])
+                compare(reference, chaos, scenario.tally)
+            except RuntimeError as error:
+                scenario.tally.failures.append(str(error))
+            t = scenario.tally
+            print(f"[chaos] {name}: {sum(t.faults.values())} of {t.planned} faults, {t.resumes} resumes, {t.replayed} iterations "
+                  f"replayed, {t.compared} tensors compared, {len(t.mismatches)} mismatches, {len(t.lost)} lost, "
+                  f"{len(t.failures)} failures ({time.perf_counter() - began:.0f} s)", flush=True)
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    wall = time.perf_counter() - started
+    print_table(results, wall)
+    report = {"config": {k: v for k, v in vars(args).items() if k not in ("scenario_names", "kind_names")}, "git_revision": git_revision(),
+              "machine": machine(), "wall_seconds": wall,
+              "scenarios": {name: vars(t) for name, t in results.items()}}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    bad = any(t.mismatches or t.lost or t.failures for t in results.values())
+    return 1 if bad else 0
+
+
+def print_table(results: dict[str, Tally], wall: float) -> None:
+    short = {"rank": "rank", "launcher": "launch", "rank-in-save": "rank@save", "launcher-in-save": "launch@save",
+             "rank-after-save": "rank@saved"}
+    head = f"{'scenario':<14}" + "".join(f"{short[k]:>12}" for k in KINDS)
+    print(head + f"{'faults':>8}{'planned':>8}{'resumes':>9}{'replayed':>10}{'tensors':>9}{'mismatch':>10}"
+          f"{'lost':>6}{'failed':>8}{'rng≠':>6}")
+    rows = list(results.items())
+    total = Tally(faults={k: sum(t.faults[k] for _, t in rows) for k in KINDS},
+                  resumes=sum(t.resumes for _, t in rows), replayed=sum(t.replayed for _, t in rows),
+                  compared=sum(t.compared for _, t in rows),
+                  mismatches=[m for _, t in rows for m in t.mismatches], lost=[x for _, t in rows for x in t.lost],
+                  failures=[f for _, t in rows for f in t.failures], rng_differ=sum(t.rng_differ for _, t in rows),
+                  planned=sum(t.planned for _, t in rows))
+    for name, t in [*rows, ("total", total)]:
+        print(f"{name:<14}" + "".join(f"{t.faults[k]:>12}" for k in KINDS)
+              + f"{sum(t.faults.values()):>8}{t.planned:>8}{t.resumes:>9}{t.replayed:>10}{t.compared:>9}"
+              + f"{len(t.mismatches):>10}{len(t.lost):>6}{len(t.failures):>8}{t.rng_differ:>6}")
+    for name, t in rows:
+        for line in t.mismatches[:5] + t.lost + t.failures:
+            print(f"  {name}: {line}")
+    print("faults < planned: the run reached --train-iters first. rng≠: saved RNG states that differ (not "
+          "model or optimizer state; see compare())")
+    print(f"wall time {wall / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
