@@ -400,8 +400,9 @@ def write_calibrations(report: dict[str, Any], directory: str) -> None:
         if not rows:
             continue
         seconds = {(r["m"], r["n"]): r["batched_s"] for r in rows}
+        method = report["config"]["muon_ns_method"][0] if name == "muon" else None
         with open(os.path.join(directory, f"{name}.json"), "w") as f:
-            f.write(Calibration(optimizer=name, seconds=seconds).to_json())
+            f.write(Calibration(optimizer=name, seconds=seconds, ns_method=method).to_json())
 
 
 def calibration_document(report: dict[str, Any]) -> dict[str, Any]:

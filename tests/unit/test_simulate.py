@@ -265,6 +265,8 @@ def test_cluster_file_structure_errors(tmp_path):
      "muon.json: optimizer must be one of muon, shampoo, soap, got 'adam'"),
     ({"optimizer": "muon", "timings": []},
      "muon.json: timings must be a non-empty list of {m, n, seconds}, got []"),
+    ({"optimizer": "muon", "ns_method": "fast", "timings": [{"m": 4, "n": 4, "seconds": 1.0}]},
+     "muon.json: ns_method must be one of standard, gram, auto (or absent), got 'fast'"),
 ])
 def test_bad_calibration_file_names_the_field(tmp_path, data, message):
     with pytest.raises(ValueError) as err:
@@ -275,6 +277,23 @@ def test_bad_calibration_file_names_the_field(tmp_path, data, message):
 def test_calibration_file_round_trip(tmp_path):
     calibration = Calibration(optimizer="soap", seconds={(8, 16): 0.5, (16, 16): 1.5})
     assert load_calibration(write(tmp_path, "soap.json", calibration.to_json())) == calibration
+
+
+def test_a_calibration_is_used_only_with_the_newton_schulz_method_it_measured(tmp_path):
+    """Gram and standard Newton-Schulz cost differently: a projection with one method refuses
+    timings of the other (a calibration that does not say, from before it was recorded, is taken)."""
+    gram = load_calibration(write(tmp_path, "gram.json", Calibration(
+        optimizer="muon", seconds={(8, 16): 0.25}, ns_method="gram").to_json()))
+    assert gram.ns_method == "gram"
+    assert CostModel(kind="muon", ns_method="gram", calibration=gram).calibration is gram
+    with pytest.raises(ValueError) as err:
+        CostModel(kind="muon", ns_method="standard", calibration=gram)
+    assert str(err.value) == (
+        "the calibration's Muon timings were measured with --muon-ns-method gram, this cost model uses standard: "
+        "project with --muon-ns-method gram, or measure standard with tools/bench_optim.py --muon-ns-method "
+        "standard --calibrate FILE")
+    unrecorded = Calibration(optimizer="muon", seconds={(8, 16): 0.25})
+    assert CostModel(kind="muon", ns_method="auto", calibration=unrecorded).calibration is unrecorded
 
 
 def test_calibrate_file_picks_the_optimizer(tmp_path):

@@ -140,8 +140,12 @@ class Calibration:
     """Cost kind the timings were measured for (``muon``, ``shampoo`` or ``soap``)."""
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     """Seconds per single-matrix update, by (m, n)."""
+    ns_method: str | None = None
+    """Newton-Schulz method Muon's timings were measured with (None: not recorded)."""
 
     def __post_init__(self) -> None:
+        if self.ns_method is not None and self.ns_method not in NS_METHODS:
+            raise ValueError(f"calibration ns_method must be one of {NS_METHODS}, got {self.ns_method!r}")
         if self.optimizer not in COST_KINDS:
             raise ValueError(f"calibration optimizer must be one of {COST_KINDS}, got {self.optimizer!r}")
         if not self.seconds:
@@ -151,7 +155,8 @@ class Calibration:
 
     def to_json(self) -> str:
         rows = [{"m": m, "n": n, "seconds": t} for (m, n), t in sorted(self.seconds.items())]
-        return json.dumps({"optimizer": self.optimizer, "timings": rows})
+        method = {} if self.ns_method is None else {"ns_method": self.ns_method}
+        return json.dumps({"optimizer": self.optimizer, **method, "timings": rows})
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
@@ -159,6 +164,7 @@ class Calibration:
         return cls(
             optimizer=data["optimizer"],
             seconds={(r["m"], r["n"]): float(r["seconds"]) for r in data["timings"]},
+            ns_method=data.get("ns_method"),
         )
 
 
@@ -191,6 +197,13 @@ class CostModel:
             raise ValueError(
                 f"calibration was measured for {self.calibration.optimizer!r} but the cost "
                 f"model is {self.kind!r}; pass a calibration of the same optimizer"
+            )
+        measured = None if self.calibration is None else self.calibration.ns_method
+        if self.kind == "muon" and measured is not None and measured != self.ns_method:
+            raise ValueError(
+                f"the calibration's Muon timings were measured with --muon-ns-method {measured}, this cost model "
+                f"uses {self.ns_method}: project with --muon-ns-method {measured}, or measure {self.ns_method} with "
+                f"tools/bench_optim.py --muon-ns-method {self.ns_method} --calibrate FILE"
             )
 
     @property

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..cost import OPTIMIZERS, Calibration
+from ..cost import NS_METHODS, OPTIMIZERS, Calibration
 
 OPTIMIZER_DTYPES: tuple[str, ...] = ("bf16", "fp32")
 
@@ -309,4 +309,7 @@ def calibration_from_dict(data: Any, source: str = "calibration") -> Calibration
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{source}: timings[{i}].seconds must be a positive number, got {value!r}")
         seconds[(row["m"], row["n"])] = float(value)
-    return Calibration(optimizer=optimizer, seconds=seconds)
+    method = data.get("ns_method")
+    if method is not None and method not in NS_METHODS:
+        raise ValueError(f"{source}: ns_method must be one of {', '.join(NS_METHODS)} (or absent), got {method!r}")
+    return Calibration(optimizer=optimizer, seconds=seconds, ns_method=method if optimizer == "muon" else None)
