@@ -38,6 +38,8 @@ from typing import Any
 CHECKSUM_DIR = "checksums"
 """Subdirectory of a checkpoint holding one ``<file>.sha256`` per file."""
 SUFFIX = ".sha256"
+FAILED_SUFFIX = ".failed"
+"""Marker of a data file whose write failed (``<file>.failed``: errno and path)."""
 CHUNK_BYTES = 16 << 20
 """Read size when re-hashing at load."""
 
@@ -145,18 +147,39 @@ def hashing_preloaded_writes(write_preloaded_data: Any, run: Any = None) -> Any:
         if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], OSError):
             with _pending_lock:
                 _write_failures.append((str(file_name), result[1]))
+            _mark_failed(Path(file_name), result[1])
         return result
 
     return write_preloaded_data_hashed
 
 
-def take_write_failure() -> tuple[str, OSError] | None:
-    """The first data file this process failed to write since the last call (synchronous
-    saves write in the training process), and why; None if none failed."""
+def _mark_failed(data_file: Path, error: OSError) -> None:
+    """Leave ``checksums/<file>.failed`` (errno, file) for the ranks that report the failure: an
+    ``--async-save`` writes in another process, and another rank's file is not in this one's
+    memory. Best effort: on a disk that is truly full this write may fail too."""
+    try:
+        marker = data_file.parent / CHECKSUM_DIR / f"{data_file.name}{FAILED_SUFFIX}"
+        marker.parent.mkdir(exist_ok=True)
+        marker.write_text(f"{error.errno or 0} {data_file}\n")
+    except OSError:
+        pass
+
+
+def take_write_failure(staging: Path) -> tuple[str, OSError] | None:
+    """A data file of ``staging`` that could not be written, and why: one this process failed
+    to write since the last call, else one any rank marked (:func:`_mark_failed`); None if none."""
     with _pending_lock:
         failures = list(_write_failures)
         _write_failures.clear()
-    return failures[0] if failures else None
+    if failures:
+        return failures[0]
+    for marker in sorted((staging / CHECKSUM_DIR).glob(f"*{FAILED_SUFFIX}")):
+        try:
+            number, file = marker.read_text().split(maxsplit=1)
+            return file.strip(), OSError(int(number), os.strerror(int(number)))
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def record_small_files(checkpoint: Path) -> None:

@@ -65,6 +65,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 STAGING_PREFIX = ".staging-"
 """Hidden name prefix of a checkpoint directory being written."""
 DELETING_PREFIX = f"{STAGING_PREFIX}deleting-"
+NEARLY_FULL_BYTES = 64 << 20
+"""Free bytes below which a failed save is put down to a full disk when no rank could say why."""
 """Name prefix of a directory renamed out of the way, waiting for the background deletion."""
 
 logger = logging.getLogger(__name__)
@@ -465,17 +467,35 @@ def staged_save_checkpoint(save_checkpoint: Callable[..., Any], run: Any = None)
             if global_rank() == 0:
                 _scratch_tracker(save_dir).unlink(missing_ok=True)
 
-        committed_last = _committed_last(commit) if asynchronous else nullcontext()
-        try:
-            with _redirected_names(save_dir, iteration, staging), committed_last:
-                result = save_checkpoint(*args, **kwargs)
-        except (CheckpointException, OSError) as error:  # every rank: the write results are gathered
-            raise CanzonaCheckpointError(_save_failure(iteration, save_dir, staging, error)) from error
+        @contextmanager
+        def one_line() -> Iterator[None]:
+            try:
+                yield
+            except (CheckpointException, OSError) as error:  # every rank: the write results are gathered
+                raise CanzonaCheckpointError(_save_failure(iteration, save_dir, staging, error)) from error
+
+        def failing_in_one_line(finalize: Callable[[], Any]) -> Callable[[], Any]:
+            def finalize_in_one_line() -> Any:
+                with one_line():
+                    return finalize()
+
+            return finalize_in_one_line
+
+        committed_last = _committed_last(commit, failing_in_one_line) if asynchronous else nullcontext()
+        with one_line(), _redirected_names(save_dir, iteration, staging), committed_last:
+            result = save_checkpoint(*args, **kwargs)
         if not asynchronous:
             commit()
         return result
 
     return save_checkpoint_staged
+
+
+def _nearly_full(save_dir: str) -> bool:
+    try:
+        return shutil.disk_usage(save_dir).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
 
 
 def _save_failure(iteration: int, save_dir: str, staging: Path, error: BaseException) -> str:
@@ -484,7 +504,9 @@ def _save_failure(iteration: int, save_dir: str, staging: Path, error: BaseExcep
     previous = _tracked(save_dir)
     kept = (f"the previous checkpoint {previous} stays tracked and loadable" if previous is not None and previous.is_dir()
             else "no earlier checkpoint exists")
-    failure = take_write_failure()
+    failure = take_write_failure(staging)
+    if failure is None and _nearly_full(save_dir):
+        failure = str(staging), OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if failure is not None:
         file, cause = failure
         reason = (f"{os.strerror(cause.errno).lower()} ({errno.errorcode.get(cause.errno, cause.errno)})"
@@ -499,9 +521,10 @@ def _save_failure(iteration: int, save_dir: str, staging: Path, error: BaseExcep
 
 
 @contextmanager
-def _committed_last(commit: Callable[[], None]) -> Iterator[None]:
+def _committed_last(commit: Callable[[], None], failing_in_one_line: Callable[[Callable], Callable]) -> Iterator[None]:
     """During one asynchronous ``save_checkpoint`` call: the request it schedules gets ``commit``
-    as its last finalize function (``checkpointing.schedule_async_save`` wrapped)."""
+    as its last finalize function (``checkpointing.schedule_async_save`` wrapped), and its other
+    finalize functions are wrapped by ``failing_in_one_line``."""
     scheduled = []
 
     def committing_last(schedule: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -509,6 +532,9 @@ def _committed_last(commit: Callable[[], None]) -> Iterator[None]:
             # The request that carries the checkpoint's finalize functions: the checkpoint's own,
             # or the distillation logits request they were moved to (checkpointing.py:1117).
             if not scheduled and request.finalize_fns:
+                # A background write that failed surfaces in the first finalize function, on
+                # every rank: one line, as for a synchronous save, and the commit never runs.
+                request.finalize_fns[:] = [failing_in_one_line(fn) for fn in request.finalize_fns]
                 request.add_finalize_fn(commit)
                 scheduled.append(request)
             return schedule(request)

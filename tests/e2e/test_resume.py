@@ -233,20 +233,24 @@ def test_an_async_resume_repeats_the_uninterrupted_run_exactly(async_runs):
     assert async_runs["after_resume"] == ["iter_0000004", "iter_0000008", TRACKER]
 
 
-def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(demo_data, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(demo_data, tmp_path, mode):
     """Rank 1's files of iteration 4 are written onto /dev/full (the kernel's ENOSPC): every rank
-    stops with one line, rank 1's naming the file, and iteration 2 stays tracked and intact."""
+    stops with one line naming the file (with --async-save the write fails in the background and
+    surfaces when the save is finalized), and iteration 2 stays tracked and intact."""
     ckpt = tmp_path / "ckpt"
+    asynchronous = ("--async-save",) if mode == "async" else ()
     result = run_with_deadline(
         torchrun(2, FAULTY_ENTRY, *resume_args(demo_data, tmp_path, "--save", str(ckpt), "--save-interval", "2",
-                                               "--train-iters", "4")),
+                                               "--train-iters", "4", *asynchronous)),
         timeout_s=RUN_TIMEOUT_S, env={"CANZONA_CKPT_FAULT": "full@4:1"})
     out = result.stdout + (result.stderr or "")
     assert result.returncode != 0, out[-6000:]
     staged = ckpt / ".staging-iter_0000004" / "__1_0.distcp"
-    assert (f"pretrain_gpt.py: error: saving iteration 4 failed: {staged}: no space left on device (ENOSPC); the "
+    line = (f"pretrain_gpt.py: error: saving iteration 4 failed: {staged}: no space left on device (ENOSPC); the "
             f"previous checkpoint {ckpt / 'iter_0000002'} stays tracked and loadable: free space on the filesystem "
-            f"of --save {ckpt}, or point --save elsewhere, then resume") in out, out[-6000:]
+            f"of --save {ckpt}, or point --save elsewhere, then resume")
+    assert out.count(line) == 2, out[-6000:]  # both ranks: rank 0 reads the file rank 1 marked
     assert not re.search(r'File "[^"]*(canzona_patches|megatron/canzona|pretrain_gpt\.py)', out), out[-6000:]
     assert (ckpt / TRACKER).read_text() == "2"
     saved = ckpt / "iter_0000002"
