@@ -25,13 +25,10 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from megatron.canzona.provenance import git_revision, machine  # noqa: E402
+from canzona_patches.version import quiet_megatron_notices
+from megatron.canzona.provenance import git_revision, machine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,8 +52,8 @@ def timed(action) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore")  # Megatron's import-time notes about optional packages
-    logging.getLogger("megatron").setLevel(logging.ERROR)
+    quiet_megatron_notices()
+    logging.getLogger("megatron").setLevel(logging.ERROR)  # its note that MCore's async save is deprecated
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
     import torch
 

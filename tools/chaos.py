@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import random
 import re
@@ -45,14 +44,13 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from canzona_patches.version import quiet_megatron_notices
+from megatron.canzona.provenance import git_revision, machine
 
-from megatron.canzona.provenance import git_revision, machine  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RECIPE = ROOT / "examples" / "qwen3" / "pretrain_qwen3_tiny.sh"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -399,8 +397,7 @@ def plan_faults(total: int, scenarios: list[str], kinds_used: list[str], rng: ra
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore")  # Megatron's import-time notes (the checksum check imports it)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    quiet_megatron_notices()  # the checksum check and the comparison import Megatron-Core
     rng = random.Random(args.seed)
     root = Path(args.dir or tempfile.mkdtemp(prefix="chaos_"))
     dealt = plan_faults(args.faults, args.scenario_names, args.kind_names, rng)
