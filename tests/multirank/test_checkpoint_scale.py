@@ -92,16 +92,30 @@ def _ask_every_rank(root: str) -> dict[str, dict]:
     for case in DAMAGES:
         calls: list[str] = []
         with counted_filesystem_calls(calls):
-            try:
-                found, error = verified_checkpoint(Path(root) / case), None
+            try:  # the files and the tracker: one rank
+                found, error = verified_checkpoint(Path(root) / case, checksums=False), None
             except CanzonaCheckpointError as failure:
                 found, error = None, str(failure)
         results[case] = {"path": None if found is None else str(found), "error": error, "calls": calls}
+    calls = []
+    with counted_filesystem_calls(calls):  # then the checksums: every rank, its share
+        verified_checkpoint(Path(root) / "intact")
+    results["hashed"] = sorted({Path(c[c.index("(") + 1:-1]).name for c in calls if c.startswith("open(")
+                                and c.endswith(".distcp)")})
     return results
 
 
-def test_one_rank_checks_a_checkpoint_and_every_rank_gets_its_verdict(tmp_path):
-    per_rank = launch(_ask_every_rank, LaunchConfig(world_size=3, timeout_s=LAUNCH_TIMEOUT_S), str(tmp_path))
+@pytest.fixture(scope="module")
+def asked(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """Where the checkpoints are, and each rank's answers (one launch of 3 ranks for the two tests below)."""
+    root = tmp_path_factory.mktemp("asked")
+    return root, launch(_ask_every_rank, LaunchConfig(world_size=3, timeout_s=LAUNCH_TIMEOUT_S), str(root))
+
+
+def test_one_rank_checks_a_checkpoint_and_every_rank_gets_its_verdict(asked):
+    """Without checksums (they are every rank's job: the test below), rank 0 alone reads the
+    tracker and the files, and every rank gets its verdict."""
+    tmp_path, per_rank = asked
     expected = {
         "intact": (str(tmp_path / "intact" / "iter_0000003"), None),
         "truncated": (None, r"__1_0\.distcp is truncated: \d+ bytes, the index needs \d+"),
@@ -122,6 +136,14 @@ def test_one_rank_checks_a_checkpoint_and_every_rank_gets_its_verdict(tmp_path):
         for rank, answer in enumerate(answers[1:], start=1):
             assert answer["calls"] == [], f"{case}: rank {rank} touched the filesystem: {answer['calls'][:5]}"
 
+
+
+def test_every_rank_rehashes_its_share_of_the_checksums(asked):
+    """With checksums the ranks split the re-hashing: 3 ranks, 3 data files (plus the index and
+    metadata.json, 5 lists in all): each data file is read by exactly one rank."""
+    hashed = [rank["hashed"] for rank in asked[1]]
+    assert sorted(name for names in hashed for name in names) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    assert sum(1 for names in hashed if names) >= 2, hashed  # spread, not one rank reading everything
 
 # --------------------------------------------------------------------------- background deletion
 
