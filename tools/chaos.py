@@ -49,6 +49,7 @@ from pathlib import Path
 
 from canzona_patches.version import quiet_megatron_notices
 from megatron.canzona.provenance import git_revision, machine
+from megatron.canzona.runtime.lifetime import ranks_of, running
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,7 +118,7 @@ class Launch:
 
     def rank_pids(self) -> list[int]:
         """The ranks torchrun started (its children with a ``LOCAL_RANK``)."""
-        return [pid for pid in _children(self.process.pid) if _local_rank(pid) is not None]
+        return list(ranks_of(self.process.pid).values())
 
     def running(self) -> bool:
         return self.process.poll() is None
@@ -129,34 +130,6 @@ class Launch:
             pass
         self.process.wait()
         self._reader.join(timeout=10)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue  # ended meanwhile
-    return found
-
-
-def _local_rank(pid: int) -> str | None:
-    try:
-        for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-            if entry.startswith(b"LOCAL_RANK="):
-                return entry.split(b"=", 1)[1].decode()
-    except OSError:
-        pass
-    return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _free_port() -> int:
@@ -273,9 +246,9 @@ class Scenario:
     def _after_fault(self, launch: Launch, reached: int, ckpt: Path) -> None:
         deadline = time.monotonic() + self.args.exit_timeout
         ranks = launch.ranks
-        while time.monotonic() < deadline and (any(_alive(p) for p in ranks) or launch.running()):
+        while time.monotonic() < deadline and (any(running(p) for p in ranks) or launch.running()):
             time.sleep(0.05)
-        survivors = [p for p in ranks if _alive(p)]
+        survivors = [p for p in ranks if running(p)]
         if survivors or launch.running():
             self.tally.failures.append(f"ranks {survivors} outlived the fault by {self.args.exit_timeout} s")
         launch.kill_all()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron.canzona.runtime.lifetime import ranks_of, running
+
 from .support import ROOT, DemoData
 
 pytestmark = pytest.mark.slow
@@ -103,29 +105,6 @@ def recipe_env(data: DemoData, tmp_path: Path, **extra: str) -> dict[str, str]:
             "WARMUP_ITERS": "1", "NPROC_PER_NODE": "2", "VARIANT": "adamw", **extra}
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def local_rank_of(pid: int) -> str | None:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for entry in environ:
-        if entry.startswith(b"LOCAL_RANK="):
-            return entry.split(b"=", 1)[1].decode()
-    return None
-
-
 def test_a_killed_rank_ends_the_job_naming_rank_and_signal(demo_data: DemoData, tmp_path: Path) -> None:
     """SIGKILL one rank mid-training: torchrun stops the other and exits non-zero, saying which
     rank died of what, within EXIT_AFTER_KILL_S."""
@@ -133,7 +112,7 @@ def test_a_killed_rank_ends_the_job_naming_rank_and_signal(demo_data: DemoData, 
     try:
         job.wait_for(r"iteration +3/ +100000 \|", START_TIMEOUT_S)
         # The recipe execs torchrun, whose children are the ranks.
-        ranks = {local_rank_of(pid): pid for pid in children(job.process.pid)}
+        ranks = ranks_of(job.process.pid)
         assert set(ranks) >= {"0", "1"}, f"ranks of torchrun {job.process.pid}: {ranks}"
         victim = ranks["1"]
         os.kill(victim, signal.SIGKILL)
@@ -191,14 +170,6 @@ RANK_TRACEBACK = re.compile(r'File "[^"]*(canzona_patches|megatron/canzona|megat
 """A frame of a rank's own code in a traceback (torchrun prints its own when a rank fails)."""
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting for its reaper has ended)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_ranks_end_when_their_launcher_is_killed(demo_data: DemoData, tmp_path: Path) -> None:
     """SIGKILL torchrun itself mid-training: its ranks, re-parented, must not train on
     (megatron.canzona.runtime.lifetime: each rank asks for a signal at its parent's death).
@@ -213,9 +184,10 @@ def test_ranks_end_when_their_launcher_is_killed(demo_data: DemoData, tmp_path: 
     try:
         job.wait_for(r"iteration +3/ +100000 \|", START_TIMEOUT_S)
         assert f"[canzona] --load {ckpt} holds no checkpoint yet: training starts from iteration 0" in job.output
-        ranks = [pid for pid in children(job.process.pid) if local_rank_of(pid) is not None]
-        assert len(ranks) == 2, f"ranks of torchrun {job.process.pid}: {ranks}"
-        first = next(pid for pid in ranks if local_rank_of(pid) == "0")
+        by_local_rank = ranks_of(job.process.pid)
+        ranks = list(by_local_rank.values())
+        assert len(ranks) == 2, f"ranks of torchrun {job.process.pid}: {by_local_rank}"
+        first = by_local_rank["0"]
         code, second = Job({**env, "LOG_DIR": str(tmp_path / "second")}, "--train-iters", "2").finish(START_TIMEOUT_S)
         assert code != 0, second[-6000:]
         assert re.search(rf"pretrain_gpt.py: error: --save {re.escape(str(ckpt))} is in use by another job "
@@ -224,9 +196,9 @@ def test_ranks_end_when_their_launcher_is_killed(demo_data: DemoData, tmp_path: 
         assert not RANK_TRACEBACK.search(second) and "iteration        1/" not in second, second[-6000:]
         os.kill(job.process.pid, signal.SIGKILL)
         deadline = time.monotonic() + LAUNCHER_GONE_S
-        while time.monotonic() < deadline and any(alive(pid) for pid in ranks):
+        while time.monotonic() < deadline and any(running(pid) for pid in ranks):
             time.sleep(0.2)
-        survivors = [pid for pid in ranks if alive(pid)]
+        survivors = [pid for pid in ranks if running(pid)]
     finally:
         for pid in ranks:
             try:

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 """``prctl`` option: the signal this process gets when the thread that forked it exits."""
@@ -49,3 +50,28 @@ def end_with_parent(signal_number: int = signal.SIGKILL) -> str:
 
     threading.Thread(target=watch, name="canzona-parent-watchdog", daemon=True).start()
     return "watchdog"
+
+
+def ranks_of(launcher_pid: int) -> dict[str, int]:
+    """The ranks a torchrun agent started, by local rank: its children that carry
+    ``LOCAL_RANK`` (Linux ``/proc``; for tools and tests that watch a job from outside)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+        local = next((entry[len(b"LOCAL_RANK="):].decode() for entry in environ if entry.startswith(b"LOCAL_RANK=")), None)
+        if local is not None:
+            found[local] = int(stat.parent.name)
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper has ended; Linux ``/proc``)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
