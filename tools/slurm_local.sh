@@ -8,9 +8,9 @@
 # Checks the logs and checkpoints of the first two; that the lm loss and grad norm Megatron
 # prints for each iteration of train + resume are the straight job's, line for line and
 # digit for digit, and so are the final validation and test losses; then takes everything
-# down.
+# down. Then a fourth job, requeued while it trains, must take over its own --save lock.
 #
-#   tools/slurm_local.sh            # ~50 s on 2 cores once SLURM is installed (three jobs of ~15 s)
+#   tools/slurm_local.sh            # ~90 s on 2 cores once SLURM is installed (four jobs)
 #   KEEP=1 tools/slurm_local.sh     # leave the work directory (logs, slurm.conf) behind
 #
 # Installs Debian's slurmctld, slurmd, slurm-client and munge with apt-get when they are
@@ -383,8 +383,42 @@ run_jobs() {
     done
 }
 
+# wait_output NAME PATTERN WHAT: waits until the job's output matches PATTERN
+wait_output() {
+    local deadline=$(( $(date +%s) + JOB_TIMEOUT_S ))
+    while (( $(date +%s) < deadline )); do
+        grep -qE "$2" "$WORK/jobs/$1.out" 2>/dev/null && return 0
+        sleep 1
+    done
+    echo "--- job output $WORK/jobs/$1.out (last lines)"
+    tail -n 40 "$WORK/jobs/$1.out" 2>/dev/null || true
+    fail "$1: $3 (no /$2/ within $JOB_TIMEOUT_S s)"
+}
+
+# A job requeued while it trains (scontrol requeue; a node failure) is the same job: its
+# second start must take over the --save directory's lock that the first one, killed, could
+# not remove (megatron/canzona/runtime/save_lock.py), and train on.
+requeue_job() {
+    local id
+    id="$(submit requeue "$WORK/checkpoints-requeue" "$WORK/run-requeue" --train-iters 100000)"
+    log "submitted job $id (requeue): trains until it is requeued"
+    wait_output requeue "iteration +3/ +100000 \|" "the job did not start training"
+    scontrol requeue "$id" || fail "scontrol requeue $id failed"
+    # slurmctld holds a requeued batch job back for a while (BeginTime); let it start now.
+    wait_for 60 "job $id pending again" bash -c "[[ \"\$(scontrol show job $id | grep -o 'JobState=[A-Z]*')\" == JobState=PENDING ]]"
+    scontrol update JobId="$id" StartTime=now || true
+    log "requeued job $id while it trained"
+    wait_output requeue "\[slurm\] job $id \(restart 1\)" "the job did not start again"
+    wait_output requeue "\[canzona\] took over the lock of --save .*: the same SLURM job $id, requeued" \
+        "the requeued job did not take over its own save-directory lock"
+    wait_output requeue "iteration +[0-9]+/ +100000 \|" "the requeued job did not train"
+    scancel "$id"
+    log "job $id, restarted, took over its save-directory lock and trained on; cancelled"
+}
+
 install_slurm
 write_config
 start_daemons
 run_jobs
+requeue_job
 log "PASS"

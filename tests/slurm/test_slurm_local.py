@@ -2,8 +2,9 @@
 submits the qwen3-tiny recipe (Muon with --canzona, torch_dist checkpoints) with
 examples/qwen3/slurm_pretrain.sbatch three times: a job that stops at --exit-interval after
 saving a checkpoint, a job that resumes from it with the optimizer state, and an
-uninterrupted run whose printed lm loss and grad norm the two must reproduce. It checks the
-logs and checkpoints and takes it all down.
+uninterrupted run whose printed lm loss and grad norm the two must reproduce; then a fourth
+job, requeued with ``scontrol requeue`` while it trains, whose second start must take over its
+own --save lock. It checks the logs and checkpoints and takes it all down.
 
 Skipped only when SLURM is missing and apt-get cannot install it (the script exits 77).
 """
@@ -19,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "slurm_local.sh"
-RUN_TIMEOUT_S = 540  # apt-get install (first time), three jobs of ~15 s, teardown
+RUN_TIMEOUT_S = 540  # apt-get install (first time), four jobs of ~15-35 s, teardown
 TEARDOWN_GRACE_S = 30
 SKIPPED = 77
 
