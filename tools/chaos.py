@@ -94,11 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Launch:
-    """One run of the recipe in its own session; its output collected line by line."""
+    """One run of the recipe in its own session; its output goes to ``log`` line by line."""
 
     def __init__(self, env: dict[str, str], log: Path, extra: list[str]) -> None:
-        self.lines: list[str] = []
         self.log = log
+        self.reached = 0
+        """The last iteration the job logged (kept by the reader, so polling it costs nothing)."""
         self.ranks: list[int] = []
         """The ranks alive when a fault fired (they must all end)."""
         self.process = subprocess.Popen(["bash", str(RECIPE), *extra], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
@@ -109,12 +110,10 @@ class Launch:
     def _read(self) -> None:
         with open(self.log, "w") as out:
             for line in self.process.stdout:
-                self.lines.append(line)
                 out.write(line)
-
-    def last_iteration(self) -> int:
-        found = [int(m[1]) for line in list(self.lines) for m in [ITERATION.search(line)] if m]
-        return max(found, default=0)
+                logged = ITERATION.search(line)
+                if logged:
+                    self.reached = max(self.reached, int(logged[1]))
 
     def rank_pids(self) -> list[int]:
         """The ranks torchrun started (its children with a ``LOCAL_RANK``)."""
@@ -218,7 +217,7 @@ class Scenario:
         while time.monotonic() < deadline:
             if not launch.running():
                 return None
-            reached = launch.last_iteration()
+            reached = launch.reached
             if start is None and reached:
                 start = reached  # the first iteration this launch logged
                 target = self.rng.randint(start, min(start + 2 * self.args.save_interval, self.args.train_iters - 1))
@@ -229,7 +228,7 @@ class Scenario:
                     return self._fire(launch, kind, reached)
                 if kind in ("rank", "launcher") and reached >= target:
                     time.sleep(self.rng.uniform(0.0, 1.0))  # somewhere in the next iteration
-                    return self._fire(launch, kind, launch.last_iteration())
+                    return self._fire(launch, kind, launch.reached)
             time.sleep(0.005)
         raise RuntimeError(f"{self.name}: no moment for a '{kind}' fault within {self.args.launch_timeout} s")
 

@@ -17,8 +17,8 @@ closed by peer"; neither names the file. So:
   by one rank alone. The verdicts are gathered once (one ``all_gather_object`` of a short
   string or ``None``); every rank raises the same one-line error naming the file.
 
-Cost: the hash runs on the writer's thread (``docs/checkpoints.md`` has the GB/s measured by
-``tools/bench_checkpoint.py --checksums``); a load reads ``checkpoint bytes / W`` per rank
+Cost: the hash runs on the writer's thread (``docs/checkpoints.md`` has the GiB/s measured by
+``tools/bench_checksums.py``); a load reads ``checkpoint bytes / W`` per rank
 once more. ``--canzona-no-checksums`` turns both off (the save rows are not installed, the
 load skips the check); checkpoints saved without checksums load without it. ``--ckpt-format torch`` checkpoints are not covered.
 
@@ -40,8 +40,6 @@ CHECKSUM_DIR = "checksums"
 SUFFIX = ".sha256"
 FAILED_SUFFIX = ".failed"
 """Marker of a data file whose write failed (``<file>.failed``: errno and path)."""
-CHUNK_BYTES = 16 << 20
-"""Read size when re-hashing at load."""
 
 _pending: dict[str, list[Any]] = {}
 """Data file being written -> [items left, running hash] (one writer thread per file)."""
@@ -66,7 +64,7 @@ def record(data_file: Path, digest: str) -> None:
 
 
 def file_digest(path: Path) -> str:
-    """SHA-256 of a file on disk, read in :data:`CHUNK_BYTES` pieces."""
+    """SHA-256 of a file on disk (read in pieces by ``hashlib.file_digest``)."""
     with open(path, "rb") as source:
         return hashlib.file_digest(source, "sha256").hexdigest()
 
@@ -129,7 +127,7 @@ def hashing_preloaded_writes(write_preloaded_data: Any, run: Any = None) -> Any:
     """``FileSystemWriterAsync.write_preloaded_data`` (a static method) that marks its file for hashing."""
     original = write_preloaded_data
 
-    @functools.wraps(original)
+    @functools.wraps(write_preloaded_data)
     def write_preloaded_data_hashed(transform_list: Any, local_proc_idx: int, write_bucket: Any, *args: Any,
                                     **kwargs: Any) -> Any:
         file_name, _, (bytes_data, tensor_data) = write_bucket

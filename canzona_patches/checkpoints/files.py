@@ -65,9 +65,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 STAGING_PREFIX = ".staging-"
 """Hidden name prefix of a checkpoint directory being written."""
 DELETING_PREFIX = f"{STAGING_PREFIX}deleting-"
+"""Name prefix of a directory renamed out of the way, waiting for the background deletion."""
 NEARLY_FULL_BYTES = 64 << 20
 """Free bytes below which a failed save is put down to a full disk when no rank could say why."""
-"""Name prefix of a directory renamed out of the way, waiting for the background deletion."""
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -516,7 +516,7 @@ def _save_failure(iteration: int, save_dir: str, staging: Path, error: BaseExcep
         return f"saving iteration {iteration} failed: {file}: {reason}; {kept}: {fix}, then resume"
     ranks = sorted(getattr(error, "failures", {}) or [])
     where = f"on rank {', '.join(map(str, ranks))}" if ranks else f"({type(error).__name__}: {str(error)[:200]})"
-    return (f"saving iteration {iteration} into {staging} failed {where} (that rank's line says why); {kept}: "
+    return (f"saving iteration {iteration} into {staging} failed {where} (see that rank's output); {kept}: "
             "fix the cause, then resume")
 
 

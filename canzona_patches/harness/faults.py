@@ -91,44 +91,42 @@ def arm(spec: str) -> Callable[[], None]:
     return disarm
 
 
-def _arm_write(fault: Fault) -> Callable[[], None]:
+def _wrap_writer(name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Replace the static method ``FileSystemWriterAsync.<name>`` by ``wrap(original)``; returns the
+    function that puts the original back."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    original = FileSystemWriterAsync.__dict__["write_preloaded_data_multithread"]
+    original = FileSystemWriterAsync.__dict__[name]
+    setattr(FileSystemWriterAsync, name, staticmethod(wrap(original.__func__)))
+    return lambda: setattr(FileSystemWriterAsync, name, original)
 
-    def write_then_die(transform_list: Any, use_msc: Any, rank: Any, write_buckets: Any, *args: Any, **kwargs: Any):
-        result = original.__func__(transform_list, use_msc, rank, write_buckets, *args, **kwargs)
-        if any(_names_iteration(Path(bucket[0]).parent, fault.iteration) for bucket in write_buckets):
-            fault.fire()
-        return result
 
-    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(write_then_die)
+def _arm_write(fault: Fault) -> Callable[[], None]:
+    def dying_after(write: Callable[..., Any]) -> Callable[..., Any]:
+        def write_then_die(transform_list: Any, use_msc: Any, rank: Any, write_buckets: Any, *args: Any, **kwargs: Any):
+            result = write(transform_list, use_msc, rank, write_buckets, *args, **kwargs)
+            if any(_names_iteration(Path(bucket[0]).parent, fault.iteration) for bucket in write_buckets):
+                fault.fire()
+            return result
 
-    def disarm() -> None:
-        FileSystemWriterAsync.write_preloaded_data_multithread = original
+        return write_then_die
 
-    return disarm
+    return _wrap_writer("write_preloaded_data_multithread", dying_after)
 
 
 def _arm_full_disk(fault: Fault) -> Callable[[], None]:
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    def onto_dev_full(write: Callable[..., Any]) -> Callable[..., Any]:
+        def write_to_a_full_disk(transform_list: Any, local_proc_idx: int, write_bucket: Any, *args: Any, **kwargs: Any):
+            file_name = Path(write_bucket[0])
+            if _rank() == fault.rank and _names_iteration(file_name.parent, fault.iteration):
+                print(f"[test fault] {FAULT_ENV}: rank {fault.rank} writes {file_name} onto /dev/full", flush=True)
+                file_name.unlink(missing_ok=True)
+                file_name.symlink_to("/dev/full")
+            return write(transform_list, local_proc_idx, write_bucket, *args, **kwargs)
 
-    original = FileSystemWriterAsync.__dict__["write_preloaded_data"]
+        return write_to_a_full_disk
 
-    def write_to_a_full_disk(transform_list: Any, local_proc_idx: int, write_bucket: Any, *args: Any, **kwargs: Any):
-        file_name = Path(write_bucket[0])
-        if _rank() == fault.rank and _names_iteration(file_name.parent, fault.iteration):
-            print(f"[test fault] {FAULT_ENV}: rank {fault.rank} writes {file_name} onto /dev/full", flush=True)
-            file_name.unlink(missing_ok=True)
-            file_name.symlink_to("/dev/full")
-        return original.__func__(transform_list, local_proc_idx, write_bucket, *args, **kwargs)
-
-    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_to_a_full_disk)
-
-    def disarm() -> None:
-        FileSystemWriterAsync.write_preloaded_data = original
-
-    return disarm
+    return _wrap_writer("write_preloaded_data", onto_dev_full)
 
 
 def arm_from_environment() -> None:

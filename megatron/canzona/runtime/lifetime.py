@@ -10,6 +10,7 @@ or, elsewhere, watches its parent from a thread.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 import sys
@@ -70,8 +71,14 @@ def ranks_of(launcher_pid: int) -> dict[str, int]:
 
 
 def running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting for its reaper has ended; Linux ``/proc``)."""
+    """Whether ``pid`` runs on this host: it exists (another user's included), and is not a
+    zombie waiting for its reaper (read from Linux ``/proc`` where there is one)."""
+    try:
+        os.kill(pid, 0)
+    except OSError as error:
+        if error.errno != errno.EPERM:
+            return False
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
-        return False
+        return True  # no /proc entry to read (another system): it exists

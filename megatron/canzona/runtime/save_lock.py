@@ -23,7 +23,6 @@ stale one renames it away first, so of two jobs racing for it exactly one rename
 from __future__ import annotations
 
 import atexit
-import errno
 import json
 import os
 import socket
@@ -32,6 +31,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from megatron.canzona.runtime.lifetime import running
 
 LOCK_NAME = "canzona.lock"
 """The lock file's name inside the ``--save`` directory."""
@@ -130,7 +131,7 @@ class SaveLock:
         """Why ``current`` no longer holds the lock, or None while it does."""
         if current.job_id is not None and current.job_id == self.holder.job_id:
             return f"the same SLURM job {current.job_id}, requeued"
-        if current.host == self.holder.host and not _pid_runs(current.pid):
+        if current.host == self.holder.host and not running(current.pid):
             return f"PID {current.pid} no longer runs on {current.host}"
         idle = _filesystem_now(self.path.parent) - _mtime(self.path)
         if idle > self.stale_after_s:
@@ -168,17 +169,6 @@ def read_holder(path: Path) -> Holder | None:
         return Holder(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-
-
-def _pid_runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as error:
-        return error.errno == errno.EPERM  # exists, another user's
-    try:  # a zombie has ended
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def _mtime(path: Path) -> float:
