@@ -2,8 +2,8 @@
 """Chaos soak: kill ranks and the launcher at random moments, resume each time, and prove the
 end state is bitwise the uninterrupted run's.
 
-    python tools/chaos.py                                  # 56 faults over 4 scenarios
-    python tools/chaos.py --faults 2 --kinds rank,launcher-in-save --scenarios muon-async --train-iters 9   # short
+    python tools/chaos.py                                  # 60 faults of six kinds over 4 scenarios, 300 iterations each
+    python tools/chaos.py --faults 2 --kinds rank-in-step,launcher-in-save --scenarios muon-async --train-iters 9   # short
 
 Each scenario (``muon``, ``muon-async``, ``shampoo``, ``shampoo-async``: the optimizer, with or
 without ``--async-save``) trains the tiny Qwen3 recipe (``examples/qwen3/pretrain_qwen3_tiny.sh``,
@@ -14,6 +14,9 @@ without ``--async-save``) trains the tiny Qwen3 recipe (``examples/qwen3/pretrai
    pattern) while faults are left; each launch gets one fault, one of
 
    * ``rank``: SIGKILL a random rank at a random moment of a random iteration;
+   * ``rank-in-step``: a random rank kills itself inside the optimizer step of a random
+     iteration, having updated part of its matrices (``step@<iteration>:<rank>`` of
+     ``canzona_patches/harness/faults.py``, armed by ``pretrain_with_fault.py`` as ``ENTRY``);
    * ``launcher``: SIGKILL torchrun itself at such a moment (its ranks must end on their own);
    * ``rank-in-save`` / ``launcher-in-save``: the same, as soon as a checkpoint's staging
      directory appears (a save being written);
@@ -55,7 +58,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 RECIPE = ROOT / "examples" / "qwen3" / "pretrain_qwen3_tiny.sh"
 TRACKER = "latest_checkpointed_iteration.txt"
-KINDS = ("rank", "launcher", "rank-in-save", "launcher-in-save", "rank-after-save")
+KINDS = ("rank", "rank-in-step", "launcher", "rank-in-save", "launcher-in-save", "rank-after-save")
+ARMED_ENTRY = ROOT / "canzona_patches" / "harness" / "pretrain_with_fault.py"
+"""``pretrain_gpt.py`` with the ``CANZONA_CKPT_FAULT`` of its environment armed (``rank-in-step``)."""
+FIRED = "[test fault]"
+RANKS = 4  # TP 2 x DP 2
 SCENARIOS = {"muon": ("muon", False), "muon-async": ("muon", True),
              "shampoo": ("shampoo", False), "shampoo-async": ("shampoo", True)}
 ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \|")
@@ -63,10 +70,10 @@ ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \|")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--faults", type=int, default=56, help="faults in all, spread over the scenarios")
+    parser.add_argument("--faults", type=int, default=60, help="faults in all, spread over the scenarios")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
-    parser.add_argument("--train-iters", type=int, default=60)
-    parser.add_argument("--save-interval", type=int, default=3)
+    parser.add_argument("--train-iters", type=int, default=300)
+    parser.add_argument("--save-interval", type=int, default=10)
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated fault kinds, of {', '.join(KINDS)}")
     parser.add_argument("--seed", type=int, default=0, help="seeds the choice of faults, ranks and moments")
     parser.add_argument("--data-path", help="dataset prefix (default: the recipe's demo data, made if missing)")
@@ -102,6 +109,8 @@ class Launch:
         """The last iteration the job logged (kept by the reader, so polling it costs nothing)."""
         self.ranks: list[int] = []
         """The ranks alive when a fault fired (they must all end)."""
+        self.fired_at: int | None = None
+        """The last iteration logged before a rank armed with a fault announced it."""
         self.process = subprocess.Popen(["bash", str(RECIPE), *extra], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -114,6 +123,8 @@ class Launch:
                 logged = ITERATION.search(line)
                 if logged:
                     self.reached = max(self.reached, int(logged[1]))
+                elif line.startswith(FIRED) and self.fired_at is None:
+                    self.fired_at = self.reached
 
     def rank_pids(self) -> list[int]:
         """The ranks torchrun started (its children with a ``LOCAL_RANK``)."""
@@ -163,7 +174,7 @@ class Scenario:
 
     def env(self, run: str) -> dict[str, str]:
         args = self.args
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TP": "2", "NPROC_PER_NODE": "4",
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TP": "2", "NPROC_PER_NODE": str(RANKS),
                "OPTIMIZER": self.optimizer, "TRAIN_ITERS": str(args.train_iters),
                "SAVE_INTERVAL": str(args.save_interval), "LOG_INTERVAL": "1", "EVAL_INTERVAL": "100000",
                "EVAL_ITERS": "0", "WARMUP_ITERS": "2", "LOG_DIR": str(self.root / run),
@@ -172,11 +183,15 @@ class Scenario:
             env.update(DATA_PATH=args.data_path, TOKENIZER_MODEL=args.tokenizer_model, SPLIT="80,10,10")
         return env
 
-    def launch(self, run: str) -> Launch:
+    def launch(self, run: str, armed: str | None = None) -> Launch:
+        """One launch; ``armed``, a fault of ``canzona_patches/harness/faults.py`` its ranks arm."""
         self.tally.launches += 1
         log = self.root / run / f"launch_{self.tally.launches:03d}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        return Launch(self.env(run), log, ["--async-save"] if self.asynchronous else [])
+        env = self.env(run)
+        if armed:
+            env.update(ENTRY=str(ARMED_ENTRY), CANZONA_CKPT_FAULT=armed)
+        return Launch(env, log, ["--async-save"] if self.asynchronous else [])
 
     def reference(self) -> Path:
         launch = self.launch("reference")
@@ -189,14 +204,14 @@ class Scenario:
         ckpt = self.root / "chaos" / "ckpt"
         pending = list(faults)
         while True:
-            launch = self.launch("chaos")
+            launch = self.launch("chaos", self._armed(pending[0], ckpt, len(pending)) if pending else None)
             if not pending:
                 code = self._wait(launch, self.args.launch_timeout)
                 if code != 0:
                     raise RuntimeError(f"{self.name}: the last chaos launch failed ({code}); see {launch.log}")
                 return ckpt
             kind = pending[0]
-            fired = self._inject(launch, kind, ckpt)
+            fired = self._inject(launch, kind, ckpt, len(pending))
             if fired is None:  # the run ended before the fault's moment came
                 code = self._wait(launch, self.args.launch_timeout)
                 if code != 0:
@@ -207,28 +222,47 @@ class Scenario:
             self._after_fault(launch, fired, ckpt)
             self.tally.resumes += 1
 
-    def _inject(self, launch: Launch, kind: str, ckpt: Path) -> int | None:
+    def _moment(self, first: int, left: int) -> int:
+        """A random iteration from ``first`` on for the next of ``left`` faults: the faults spread
+        over the run (each within twice its share of the iterations still to run, or of two saves)."""
+        span = max(2 * self.args.save_interval, 2 * (self.args.train_iters - first) // (left + 1))
+        return self.rng.randint(first, max(first, min(first + span - 1, self.args.train_iters - 1)))
+
+    def _armed(self, kind: str, ckpt: Path, left: int) -> str | None:
+        """The fault the ranks arm for ``kind`` (only ``rank-in-step``): a random rank, in the step
+        of a random iteration (:meth:`_moment`) after the one the launch resumes from."""
+        if kind != "rank-in-step":
+            return None
+        iteration = self._moment(_tracked_iteration(ckpt) + 1, left)
+        return f"step@{iteration}:{self.rng.randrange(RANKS)}"
+
+    def _inject(self, launch: Launch, kind: str, ckpt: Path, left: int) -> int | None:
         """Wait for the fault's moment and fire it; the iteration reached, or None if the run ended first."""
         deadline = time.monotonic() + self.args.launch_timeout
-        start = None
         target = None
-        committed_at = _mtime(ckpt / TRACKER)
-        stale = _staging_inodes(ckpt)  # a killed save's leftovers: not a save being written
+        committed_at = stale = None
         while time.monotonic() < deadline:
+            if kind == "rank-in-step" and len(launch.ranks) < RANKS:
+                launch.ranks = launch.rank_pids()  # the launch's ranks, to see that they all end
             if not launch.running():
-                return None
+                launch.kill_all()  # reads the log to its end
+                return launch.fired_at
+            if launch.fired_at is not None:
+                return launch.fired_at
             reached = launch.reached
-            if start is None and reached:
-                start = reached  # the first iteration this launch logged
-                target = self.rng.randint(start, min(start + 2 * self.args.save_interval, self.args.train_iters - 1))
-            if start is not None:
+            if target is None and reached:
+                target = self._moment(reached, left)  # from the first iteration this launch logged
+            if target is not None and reached >= target:
+                if kind in ("rank", "launcher"):
+                    time.sleep(self.rng.uniform(0.0, 1.0))  # somewhere in the next iteration
+                    return self._fire(launch, kind, launch.reached)
+                if committed_at is None:  # from here on, the next save
+                    committed_at = _mtime(ckpt / TRACKER)
+                    stale = _staging_inodes(ckpt)  # a killed save's leftovers, or one under way
                 if kind.endswith("-in-save") and _staging_inodes(ckpt) - stale:
                     return self._fire(launch, kind, reached)
                 if kind == "rank-after-save" and _mtime(ckpt / TRACKER) > committed_at:
                     return self._fire(launch, kind, reached)
-                if kind in ("rank", "launcher") and reached >= target:
-                    time.sleep(self.rng.uniform(0.0, 1.0))  # somewhere in the next iteration
-                    return self._fire(launch, kind, launch.reached)
             time.sleep(0.005)
         raise RuntimeError(f"{self.name}: no moment for a '{kind}' fault within {self.args.launch_timeout} s")
 
@@ -410,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(results: dict[str, Tally], wall: float) -> None:
-    short = {"rank": "rank", "launcher": "launch", "rank-in-save": "rank@save", "launcher-in-save": "launch@save",
+    short = {"rank": "rank", "rank-in-step": "rank@step", "launcher": "launch", "rank-in-save": "rank@save", "launcher-in-save": "launch@save",
              "rank-after-save": "rank@saved"}
     head = f"{'scenario':<14}" + "".join(f"{short[k]:>12}" for k in KINDS)
     print(head + f"{'faults':>8}{'planned':>8}{'resumes':>9}{'replayed':>10}{'tensors':>9}{'mismatch':>10}"

@@ -1,7 +1,14 @@
-"""Kill a rank at a chosen point of a checkpoint save (the test harness arms it; the product has no such path).
+"""Kill a rank at a chosen point of an optimizer step or a checkpoint save (the test harness
+arms it; the product has no such path).
 
 A fault is ``<phase>@<iteration>[:<rank>]`` (rank 0 by default), e.g. ``write@8:1``; the
 rank SIGKILLs itself, after printing one line, at
+
+* ``step``: inside the optimizer step of that iteration (as logged: Megatron's
+  ``args.curr_iteration + 1``), as soon as the rank has kept the first part of it: the state of
+  its first batch of matrices it hosts (``MatrixOptimizer._commit``; the other matrices, and the
+  TP peers waiting for their updates, not yet), or, on a rank that hosts none, its AdamW
+  update of the elementwise parameters;
 
 * ``write``: right after it wrote its data files of that iteration, before the checkpoint's
   index exists (``FileSystemWriterAsync.write_preloaded_data_multithread``, in the process
@@ -13,7 +20,8 @@ rank SIGKILLs itself, after printing one line, at
   ``/dev/full``, so its writes fail with the kernel's ``ENOSPC`` (a full disk, without one).
 
 :func:`arm` installs the fault in this process; :func:`arm_from_environment` reads it from
-``CANZONA_CKPT_FAULT`` (``tests/e2e/pretrain_with_fault.py`` arms a ``pretrain_gpt.py`` run).
+``CANZONA_CKPT_FAULT`` (``canzona_patches/harness/pretrain_with_fault.py`` arms a
+``pretrain_gpt.py`` run; the Qwen3 recipes run it with ``ENTRY=``).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 FAULT_ENV = "CANZONA_CKPT_FAULT"
-PHASES = ("write", "commit", "tracker", "full")
+PHASES = ("step", "write", "commit", "tracker", "full")
 _TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -47,7 +55,7 @@ class Fault:
     def fire(self) -> None:
         if _rank() != self.rank:
             return
-        print(f"[test fault] {FAULT_ENV}: killing rank {self.rank} during '{self.phase}' of iteration "
+        print(f"[test fault] {FAULT_ENV}: killing rank {self.rank} during {self.phase!r} of iteration "
               f"{self.iteration}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -69,6 +77,8 @@ def _is_iteration(path: Any, iteration: int) -> bool:
 def arm(spec: str) -> Callable[[], None]:
     """Install the fault ``spec`` in this process; returns the function that removes it."""
     fault = Fault.parse(spec)
+    if fault.phase == "step":
+        return _arm_step(fault)
     if fault.phase == "write":
         return _arm_write(fault)
     if fault.phase == "full":
@@ -87,6 +97,35 @@ def arm(spec: str) -> Callable[[], None]:
 
     def disarm() -> None:
         os.replace = real_replace
+
+    return disarm
+
+
+def _arm_step(fault: Fault) -> Callable[[], None]:
+    from megatron.canzona.optim.optimizers import MatrixOptimizer
+
+    def current_iteration() -> int:
+        from megatron.training import get_args
+
+        return get_args().curr_iteration + 1
+
+    originals = {name: MatrixOptimizer.__dict__[name] for name in ("_commit", "_step_elementwise")}
+
+    def dying_after(name: str) -> Callable[..., Any]:
+        def part_then_die(self: MatrixOptimizer, *args: Any, **kwargs: Any) -> Any:
+            result = originals[name](self, *args, **kwargs)
+            if current_iteration() == fault.iteration:
+                fault.fire()
+            return result
+
+        return part_then_die
+
+    for name in originals:
+        setattr(MatrixOptimizer, name, dying_after(name))
+
+    def disarm() -> None:
+        for name, original in originals.items():
+            setattr(MatrixOptimizer, name, original)
 
     return disarm
 

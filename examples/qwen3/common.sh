@@ -42,6 +42,9 @@
 #                  SLURM (slurm_pretrain.sbatch) NNODES and NODE_RANK come from SLURM_NNODES
 #                  and SLURM_NODEID, the master from the sbatch script
 #   PYTHON         interpreter (default .venv/bin/python of the repository, else python3)
+#   ENTRY          the script torchrun runs (default pretrain_gpt.py of the repository); one that
+#                  wraps it, e.g. canzona_patches/harness/pretrain_with_fault.py, which arms a test
+#                  fault (tools/chaos.py)
 #   NCCL_* GLOO_SOCKET_IFNAME   the network of the collectives (README.md): passed on when set
 #   DRY_RUN=1      print the command (`env [VAR=value...] python -m torch.distributed.run ...`,
 #                  shell-quoted, one line) and exit, without looking for the data or tokenizer
@@ -351,7 +354,7 @@ qwen3_command() {
     qwen3_checkpoint_args
     qwen3_logging_args
     qwen3_launcher
-    CMD=("${LAUNCHER[@]}" "$QWEN3_ROOT/pretrain_gpt.py"
+    CMD=("${LAUNCHER[@]}" "${ENTRY:-$QWEN3_ROOT/pretrain_gpt.py}"
          "${MODEL_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}"
          "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@")
 }

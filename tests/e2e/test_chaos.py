@@ -1,6 +1,6 @@
-"""tools/chaos.py, short: two faults (a rank killed at a random moment, the launcher killed
+"""tools/chaos.py, short: two faults (a rank killed inside the optimizer step, the launcher killed
 while a save is written) in a Muon run with --async-save at TP 2 x DP 2, each resumed, and the
-final checkpoint compared bitwise with the uninterrupted run's. The long soak (56 faults over
+final checkpoint compared bitwise with the uninterrupted run's. The long soak (60 faults of six kinds over
 Muon and Shampoo, saves synchronous and asynchronous) is a command in README.md."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ CHAOS_TIMEOUT_S = 600
 def test_a_short_chaos_soak_loses_nothing(demo_data: DemoData, tmp_path: Path) -> None:
     report_file = tmp_path / "chaos.json"
     result = run_with_deadline(
-        [sys.executable, str(ROOT / "tools" / "chaos.py"), "--faults", "2", "--kinds", "rank,launcher-in-save",
+        [sys.executable, str(ROOT / "tools" / "chaos.py"), "--faults", "2", "--kinds", "rank-in-step,launcher-in-save",
          "--scenarios", "muon-async", "--train-iters", "9", "--save-interval", "3", "--seed", "1",
          "--data-path", demo_data.data_prefix, "--tokenizer-model", str(demo_data.tokenizer_model),
          "--dir", str(tmp_path / "runs"), "--json", str(report_file)],
@@ -29,7 +29,7 @@ def test_a_short_chaos_soak_loses_nothing(demo_data: DemoData, tmp_path: Path) -
     out = result.stdout + (result.stderr or "")
     assert result.returncode == 0, out[-6000:]
     tally = json.loads(report_file.read_text())["scenarios"]["muon-async"]
-    assert tally["faults"]["rank"] == 1 and tally["faults"]["launcher-in-save"] == 1, tally
+    assert tally["faults"]["rank-in-step"] == 1 and tally["faults"]["launcher-in-save"] == 1, tally
     assert tally["resumes"] == 2 and tally["failures"] == [] and tally["lost"] == [], tally
     assert tally["mismatches"] == [] and tally["compared"] > 50, tally
     assert "total" in out and "mismatch" in out  # the table

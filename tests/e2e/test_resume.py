@@ -50,7 +50,7 @@ ITERS, SAVE_INTERVAL = 8, 4
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-FAULTY_ENTRY = "tests/e2e/pretrain_with_fault.py"
+FAULTY_ENTRY = "canzona_patches/harness/pretrain_with_fault.py"
 """``pretrain_gpt.py`` with a ``CANZONA_CKPT_FAULT`` armed (the product has no fault injection)."""
 
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env python
+"""``pretrain_gpt.py`` with the fault of ``CANZONA_CKPT_FAULT`` armed in this rank
+(:mod:`canzona_patches.harness.faults`). Launch it in place of the entry point::
+
+    CANZONA_CKPT_FAULT=write@8:1 torchrun ... canzona_patches/harness/pretrain_with_fault.py <pretrain_gpt.py flags>
+    ENTRY=canzona_patches/harness/pretrain_with_fault.py CANZONA_CKPT_FAULT=step@5:1 examples/qwen3/pretrain_qwen3_tiny.sh
+"""
+
+from __future__ import annotations
+
+import sys
+
+del sys.path[0]  # this file's directory: its neighbours are imported by their package's name
+
+import pretrain_gpt  # noqa: E402
+from canzona_patches.harness.faults import arm_from_environment  # noqa: E402
+
+if __name__ == "__main__":
+    arm_from_environment()
+    sys.exit(pretrain_gpt.main())
