@@ -164,7 +164,8 @@ def build_rank(args: argparse.Namespace):
     )
     stage = coordinates(args.rank, args.tp, args.dp)[2]
     # The setup is made from the live model's parameters, as pretrain_gpt.py makes it.
-    setup = make_setup([model], ddp_config, canzona_config(args), dp_size=args.dp, tp_size=args.tp, ep_size=args.ep,
+    canzona = CanzonaConfig(optimizer=args.optimizer, alpha=args.alpha, layout=args.layout, cluster=args.cluster)
+    setup = make_setup([model], ddp_config, canzona, dp_size=args.dp, tp_size=args.tp, ep_size=args.ep,
                        expert_tp_size=expert_tp_size(args), host_ranks=host_ranks(args, stage), log=False)
     ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=setup.layouts[0])
     optimizer_config = OptimizerConfig(
@@ -270,16 +271,6 @@ def split_optimizer(optimizer):
         return optimizer, None
     dense, expert = chained
     return dense, expert
-
-
-def canzona_config(args: argparse.Namespace):
-    """The Canzona configuration ``pretrain_gpt.py --canzona`` uses by default for this optimizer."""
-    from megatron.canzona.optim import MuonConfig, ShampooConfig, SOAPConfig
-    from megatron.canzona.runtime.config import CanzonaConfig
-
-    matrix = {"muon": MuonConfig(), "shampoo": ShampooConfig(), "soap": SOAPConfig()}[args.optimizer]
-    return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, alpha=args.alpha, layout=args.layout,
-                         cluster=args.cluster)
 
 
 def measure(ddp_model, optimizer) -> dict:

@@ -83,6 +83,18 @@ def test_the_canzona_flags_default_to_the_config():
         assert getattr(parsed, name) == getattr(stock, name), name
 
 
+@pytest.mark.parametrize("optimizer", ["muon", "shampoo", "soap"])
+def test_a_config_without_matrix_settings_takes_its_optimizers_defaults(optimizer):
+    from megatron.canzona.optim import MATRIX_OPTIMIZERS, MuonConfig
+    from megatron.canzona.runtime.config import CanzonaConfig
+
+    config_type = MATRIX_OPTIMIZERS[optimizer].config_type
+    assert CanzonaConfig(optimizer=optimizer).matrix == config_type()
+    if config_type is not MuonConfig:
+        with pytest.raises(TypeError, match=f"needs a {config_type.__name__}, got MuonConfig"):
+            CanzonaConfig(optimizer=optimizer, matrix=MuonConfig())
+
+
 @pytest.mark.parametrize("method", ["standard", "gram", "auto"])
 def test_muon_ns_method_reaches_the_config_and_the_cost_model(method):
     config = canzona_config_from_args(parse("--optimizer", "muon", "--canzona", "--muon-ns-method", method))

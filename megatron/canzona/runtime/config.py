@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron.canzona.optim import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
+from megatron.canzona.optim import MATRIX_OPTIMIZERS, AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
 from megatron.canzona.planning import DEFAULT_ALPHA, LAYOUTS, OPTIMIZERS, CostModel
 from megatron.canzona.runtime.host_groups import MODES as TP_MODES
 MatrixConfig = MuonConfig | ShampooConfig | SOAPConfig
@@ -21,8 +21,9 @@ class CanzonaConfig:
 
     optimizer: Literal["muon", "shampoo", "soap"] = "muon"
     """Matrix optimizer for 2-D weights; embeddings, output layer and vectors use AdamW."""
-    matrix: MatrixConfig = MuonConfig()
-    """Hyperparameters of the matrix optimizer (type must match ``optimizer``)."""
+    matrix: MatrixConfig | None = None
+    """Hyperparameters of the matrix optimizer (type must match ``optimizer``; default: that
+    optimizer's defaults)."""
     adamw: AdamWConfig = AdamWConfig()
     """Hyperparameters of AdamW for the elementwise parameters."""
     alpha: float = DEFAULT_ALPHA
@@ -51,9 +52,11 @@ class CanzonaConfig:
     on CUDA, the local gloo probe on CPU)."""
 
     def __post_init__(self) -> None:
-        expected = {"muon": MuonConfig, "shampoo": ShampooConfig, "soap": SOAPConfig}.get(self.optimizer)
-        if expected is None:
+        if self.optimizer not in MATRIX_OPTIMIZERS:
             raise ValueError(f"unknown matrix optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
+        expected = MATRIX_OPTIMIZERS[self.optimizer].config_type
+        if self.matrix is None:
+            object.__setattr__(self, "matrix", expected())
         if not isinstance(self.matrix, expected):
             raise TypeError(f"optimizer={self.optimizer!r} needs a {expected.__name__}, got {type(self.matrix).__name__}")
         if not 0.0 <= self.alpha <= 1.0:
