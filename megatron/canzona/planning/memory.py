@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .cost import OPTIMIZERS
 from .grid import expert_coordinates
 from .plan import BufferPlan, CanzonaPlan
 from .schedule import plan_schedule
@@ -68,7 +69,7 @@ class StateLayout:
                     out["eigenbases"] += d * d
             out["moments"] = 2 * rows * cols
         else:
-            raise ValueError(f"unknown matrix optimizer {self.optimizer!r}; choose muon, shampoo or soap")
+            raise ValueError(f"unknown matrix optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         return out
 
 

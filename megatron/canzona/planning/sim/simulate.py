@@ -331,7 +331,7 @@ def simulate(
     the cluster's ``optimizer_dtype``; the other strategies run Megatron's, standard."""
     grid = _check(strategy, dp_size, tp_size, ep_size, expert_tp_size, pp_size)
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be muon, shampoo or soap, got {optimizer!r}")
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     wire = wire or WireConfig()
     ns = {"ns_method": ns_method if strategy in CANZONA_STRATEGIES else "standard",
           "ns_dtype": cluster.gpu.ns_dtype}
