@@ -79,6 +79,7 @@ import statistics
 import sys
 import time
 
+from megatron.canzona.curves import save_figure
 from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.planning.grid import expert_dp_size as grid_expert_dp_size
 from megatron.canzona.provenance import git_revision, machine
@@ -295,8 +296,7 @@ def draw_gantt(per_rank: list[dict], path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step's first collective (bar label: micro-group)")
     ax.set_title("Canzona TP async optimizer step (gather/scatter spans: issue to completion)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     print(f"wrote {path}")
 
 

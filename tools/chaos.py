@@ -52,7 +52,7 @@ from pathlib import Path
 
 from canzona_patches.version import quiet_megatron_notices
 from megatron.canzona.provenance import git_revision, machine
-from megatron.canzona.runtime.lifetime import ranks_of, running
+from megatron.canzona.runtime.lifetime import end_session, ranks_of, running
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,11 +134,7 @@ class Launch:
         return self.process.poll() is None
 
     def kill_all(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
+        end_session(self.process)
         self._reader.join(timeout=10)
 
 

@@ -48,7 +48,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megatron.canzona.curves import LossCurve, read_curve
+from megatron.canzona.curves import LossCurve, read_curve, save_figure
 from megatron.canzona.provenance import git_revision, machine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,10 +258,7 @@ def plot_runs(results: list[RunResult], output: Path, title: str) -> None:
         axis.grid(True, alpha=0.3)
     axes[0][0].legend()
     figure.suptitle(title)
-    figure.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=100)
-    plt.close(figure)
+    save_figure(figure, output, dpi=100)
 
 
 def _zoom_top(results: list[RunResult]) -> float:

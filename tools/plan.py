@@ -18,6 +18,7 @@ import platform
 import sys
 import time
 
+from megatron.canzona.curves import save_figure
 from megatron.canzona.planning import (
     NS_METHODS,
     OPTIMIZERS,
@@ -344,8 +345,7 @@ def plot(rep: dict, path: str) -> None:
     c = rep["config"]
     what = f"EP={c['ep']} ETP={c['etp']}: per-GPU dense + expert" if moe else "per-rank"
     fig.suptitle(f"{c['model']} TP={c['tp']} DP={c['dp']} {what} {c['cost']} load", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     print(f"wrote {path}", file=sys.stderr)
 
 
@@ -407,8 +407,7 @@ def plot_cases(rows: list[dict], path: str) -> None:
     sent.legend(fontsize=8)
     fig.suptitle("Muon under each layout: padding, and everything a rank sends (collectives, host groups, "
                  "synchronous-compute gathers)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from megatron.canzona.curves import save_figure  # noqa: E402
 from megatron.canzona.planning import (  # noqa: E402
     NS_METHODS,
     OPTIMIZERS,
@@ -334,8 +335,7 @@ def plot(report: dict[str, Any], results: dict[str, StrategyResult], names: tupl
     fig.legend(handles=[Patch(color=v, label=k) for k, v in KIND_COLOURS.items()], loc="lower center", ncol=9, fontsize=8)
     fig.suptitle(f"Simulated {c['model']} on {c['gpus']} x {c['cluster']}, TP {c['tp']} PP {c['pp']} DP {c['dp']} "
                  f"({c['optimizer']}, {c['cost']})", fontsize=10)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, rect=(0, 0.05, 1, 1))
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,15 @@ def plot_curves(curves: list[LossCurve], output: Path, title: str | None = None)
     axes.set_title(title or "training loss")
     axes.grid(True, alpha=0.3)
     axes.legend()
-    figure.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=120)
+    save_figure(figure, output, dpi=120)
+
+
+def save_figure(figure: Any, output: Path | str, *, dpi: int = 110, rect: tuple[float, ...] | None = None) -> None:
+    """Lay out ``figure`` (inside ``rect``, figure fractions, if given), write it to ``output``
+    (its folder made if missing) and free it."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout(**({} if rect is None else {"rect": rect}))
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=dpi)
     plt.close(figure)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.canzona.runtime.lifetime import ranks_of, running
+from megatron.canzona.runtime.lifetime import end_session, ranks_of, running
 
 from .support import ROOT, DemoData
 
@@ -88,11 +88,7 @@ class Job:
             self.kill()
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
+        end_session(self.process)
 
     def output_tail(self, chars: int = 6000) -> str:
         return self.output[-chars:]

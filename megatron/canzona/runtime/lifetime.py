@@ -13,6 +13,7 @@ import ctypes
 import errno
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -82,3 +83,13 @@ def running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True  # no /proc entry to read (another system): it exists
+
+
+def end_session(process: subprocess.Popen) -> int:
+    """SIGKILL every process of the session ``process`` leads (one started with
+    ``start_new_session=True``: a launcher and its ranks) and reap ``process``; its exit code."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the whole session has ended
+    return process.wait()
