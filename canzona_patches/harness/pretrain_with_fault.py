@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import sys
 
-del sys.path[0]  # this file's directory: its neighbours are imported by their package's name
 
-import pretrain_gpt  # noqa: E402
-from canzona_patches.harness.faults import arm_from_environment  # noqa: E402
+def main() -> int:
+    import pretrain_gpt
+    from canzona_patches.harness.faults import arm_from_environment
+
+    arm_from_environment()
+    return pretrain_gpt.main()
+
 
 if __name__ == "__main__":
-    arm_from_environment()
-    sys.exit(pretrain_gpt.main())
+    del sys.path[0]  # this file's folder: its neighbours are imported by their package's name
+    sys.exit(main())
