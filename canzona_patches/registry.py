@@ -268,6 +268,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch(targets=(f"{_TRAINING}:initialize_megatron",), make="canzona_patches.emulation.cpu:allowing_no_cuda",
           condition=_ON_CPU_TRAINING, when=_no_cuda, group=CPU_TRAINING,
           reason="`initialize_megatron` asserts CUDA unless called with `allow_no_cuda=True`"),
+    Patch(targets=(f"{_TRAINING}:set_jit_fusion_options",),
+          make="canzona_patches.emulation.cpu:warming_fused_kernels_only_in_use",
+          condition=_ON_CPU_TRAINING, when=_no_cuda, group=CPU_TRAINING,
+          reason="compiles the fused bias-GeLU/SwiGLU and bias-dropout-add kernels by running them (about 2.5 s a "
+                 "rank on CPU), although `pretrain_gpt.py` turns them off on CPU; skipped while all three are off"),
     # --- torch_dist checkpoints on CPU
     Patch(targets=tuple(f"{module}:torch" for module in CHECKPOINT_WRITER_MODULES),
           make="canzona_patches.emulation.cpu:cpu_torch",

@@ -413,6 +413,24 @@ def allowing_no_cuda(initialize_megatron: Callable[..., Any], run: Any = None) -
     return initialize_megatron_on_cpu
 
 
+def warming_fused_kernels_only_in_use(set_jit_fusion_options: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """``set_jit_fusion_options`` (initialize.py), which runs the fused bias-GeLU/SwiGLU and
+    bias-dropout-add kernels a few times so that torch.compile builds them (about 2.5 s a rank
+    on CPU, and compile workers to shut down at exit), only when one of them is in use:
+    ``pretrain_gpt.py`` turns all three off on CPU (``adapt_args_to_cpu``)."""
+
+    @functools.wraps(set_jit_fusion_options)
+    def set_options_if_fused(*args: Any, **kwargs: Any) -> Any:
+        from megatron.training import get_args
+
+        flags = get_args()
+        if flags.bias_gelu_fusion or flags.bias_swiglu_fusion or flags.bias_dropout_fusion:
+            return set_jit_fusion_options(*args, **kwargs)
+        return None
+
+    return set_options_if_fused
+
+
 def _no_cuda_arch() -> int:
     """Stand-in for ``get_device_arch_version`` (common_utils.py:502), which asks CUDA for
     device 0's compute capability; ``validate_args`` (arguments.py:1414, 1444, 1484) calls it

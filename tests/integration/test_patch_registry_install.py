@@ -70,3 +70,22 @@ def test_installing_twice_wraps_once(report):
     assert twice["rows"] > 20 and twice["all_in_place"]
     assert twice["changed_by_second_install"] == []
     assert twice["wrapping_a_wrapper"] == []
+
+
+def test_the_fusion_warm_up_runs_only_with_a_fused_kernel_in_use(monkeypatch):
+    """On CPU ``pretrain_gpt.py`` turns the fused bias kernels off; Megatron's warm-up of them
+    (torch.compile, seconds a rank) is skipped then, and runs as soon as one is on."""
+    import argparse
+
+    from megatron.training import global_vars
+
+    from canzona_patches.emulation.cpu import warming_fused_kernels_only_in_use
+
+    calls = []
+    set_options = warming_fused_kernels_only_in_use(lambda **kwargs: calls.append(kwargs))
+    kernels = ("bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion")
+    for fused in (None, *kernels):
+        flags = {kernel: kernel == fused for kernel in kernels}
+        monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", argparse.Namespace(**flags))
+        set_options(tp_size=2)
+    assert calls == [{"tp_size": 2}] * 3
