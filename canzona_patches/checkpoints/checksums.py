@@ -125,7 +125,6 @@ def hashing_write_item(write_item: Any, run: Any = None) -> Any:
 
 def hashing_preloaded_writes(write_preloaded_data: Any, run: Any = None) -> Any:
     """``FileSystemWriterAsync.write_preloaded_data`` (a static method) that marks its file for hashing."""
-    original = write_preloaded_data
 
     @functools.wraps(write_preloaded_data)
     def write_preloaded_data_hashed(transform_list: Any, local_proc_idx: int, write_bucket: Any, *args: Any,
@@ -136,7 +135,7 @@ def hashing_preloaded_writes(write_preloaded_data: Any, run: Any = None) -> Any:
             with _pending_lock:
                 _pending[str(file_name)] = [items, hashlib.sha256()]
         try:
-            result = original(transform_list, local_proc_idx, write_bucket, *args, **kwargs)
+            result = write_preloaded_data(transform_list, local_proc_idx, write_bucket, *args, **kwargs)
         finally:
             with _pending_lock:
                 _pending.pop(str(file_name), None)
