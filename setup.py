@@ -23,7 +23,8 @@ setup(
     ],
     # The training entry point, importable by the tools that build its model (tools/convert_hf.py).
     py_modules=["pretrain_gpt"],
-    package_data={"megatron.canzona.planning.sim": ["clusters/*.toml"]},
+    package_data={"megatron.canzona.planning.sim": ["clusters/*.toml"], "canzona_patches": ["patches.toml"],
+                  "megatron.canzona.optim": ["ns_coefficients.toml"]},
     install_requires=["torch", "megatron-core==0.19.2", "numpy"],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],

@@ -168,35 +168,29 @@ _QWEN3_ARGS: tuple[tuple[str, Any, str], ...] = (
     ("qk_layernorm", True, "--qk-layernorm"),
     ("position_embedding_type", "rope", "--position-embedding-type rope"),
     ("add_bias_linear", False, "--disable-bias-linear"),
-    ("add_qkv_bias", False, "no --add-qkv-bias"),
-    ("num_experts", None, "no --num-experts (MoE)"),
-    ("multi_latent_attention", False, "no --multi-latent-attention"),
     ("rotary_percent", 1.0, "--rotary-percent 1.0"),
-    ("rotary_interleaved", False, "no --rotary-interleaved"),
-    ("use_rope_scaling", False, "no --use-rope-scaling"),
-    ("rotary_seq_len_interpolation_factor", None, "no --rotary-seq-len-interpolation-factor"),
-    ("apply_layernorm_1p", False, "no --apply-layernorm-1p"),
-    ("layernorm_zero_centered_gamma", False, "no zero-centered norm weights"),
-    ("apply_residual_connection_post_layernorm", False, "no --apply-residual-connection-post-layernorm"),
-    ("qk_l2_norm", False, "no --qk-l2-norm"),
-    ("attention_output_gate", False, "no --attention-output-gate"),
-    ("squared_relu", False, "no --squared-relu"),
-    ("window_size", None, "no --window-size"),
-    ("no_rope_freq", None, "no --no-rope-freq"),
-    ("mtp_num_layers", None, "no --mtp-num-layers"),
-    ("heterogeneous_layers_config_path", None, "no --heterogeneous-layers-config-path"),
+)
+# Megatron arguments a Qwen3 model leaves off (false or unset), each set by the flag of its name.
+_QWEN3_OFF: tuple[str, ...] = (
+    "add_qkv_bias", "num_experts", "multi_latent_attention", "rotary_interleaved", "use_rope_scaling",
+    "rotary_seq_len_interpolation_factor", "apply_layernorm_1p", "layernorm_zero_centered_gamma",
+    "apply_residual_connection_post_layernorm", "qk_l2_norm", "attention_output_gate", "squared_relu", "window_size",
+    "no_rope_freq", "mtp_num_layers", "heterogeneous_layers_config_path",
 )
 
 
 def arch_from_megatron_args(args: Any) -> Qwen3Config:
     """The architecture of a checkpoint saved by ``pretrain_gpt.py`` (its Megatron ``args``);
     ``vocab_size`` is Megatron's padded vocabulary."""
-    for attribute, qwen3, flag in _QWEN3_ARGS:
-        value = getattr(args, attribute, qwen3)
-        if value != qwen3 and not (qwen3 is None and not value):
-            raise ConversionError(
-                f"the checkpoint was trained with {attribute}={value!r}; a Qwen3 model needs {flag}: "
-                "only Qwen3-architecture checkpoints export (examples/qwen3/common.sh has the flags)")
+    wrong = [(attribute, getattr(args, attribute, qwen3), flag) for attribute, qwen3, flag in _QWEN3_ARGS
+             if getattr(args, attribute, qwen3) != qwen3]
+    wrong += [(attribute, getattr(args, attribute), "no --" + attribute.replace("_", "-"))
+              for attribute in _QWEN3_OFF if getattr(args, attribute, None)]
+    if wrong:
+        attribute, value, flag = wrong[0]
+        raise ConversionError(
+            f"the checkpoint was trained with {attribute}={value!r}; a Qwen3 model needs {flag}: "
+            "only Qwen3-architecture checkpoints export (examples/qwen3/common.sh has the flags)")
     heads = args.num_attention_heads
     return Qwen3Config(
         num_layers=args.num_layers,

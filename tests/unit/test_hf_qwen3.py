@@ -158,7 +158,8 @@ def test_megatron_args_give_the_architecture() -> None:
     ({"swiglu": False}, "--swiglu"),
     ({"qk_layernorm": False}, "--qk-layernorm"),
     ({"add_bias_linear": True}, "--disable-bias-linear"),
-    ({"num_experts": 8}, "MoE"),
+    ({"num_experts": 8}, "needs no --num-experts"),
+    ({"apply_layernorm_1p": True}, "needs no --apply-layernorm-1p"),
     ({"position_embedding_type": "learned_absolute"}, "--position-embedding-type rope"),
 ])
 def test_non_qwen3_checkpoints_are_refused_with_the_flag(change: dict, flag: str) -> None:

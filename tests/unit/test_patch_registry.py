@@ -1,4 +1,5 @@
-"""Every patch of Megatron-Core internals goes through one table (canzona_patches/registry.py).
+"""Every patch of Megatron-Core internals goes through one table (canzona_patches/patches.toml,
+installed by canzona_patches/registry.py).
 
 Source scans (no Megatron import): no module of ``canzona_patches`` but the registry assigns an
 attribute of an imported module or class; every scoped swap names a scoped row; the package
@@ -46,6 +47,23 @@ def test_every_row_names_its_targets_condition_and_reason():
             assert re.fullmatch(r"canzona_patches\.[\w.]+:\w+", patch.make), patch.make
         for text in (patch.condition, patch.reason):
             assert text and "\n" not in text and "|" not in text, patch.targets
+
+
+def test_the_table_file_reads_into_rows_and_a_bad_row_is_named(tmp_path):
+    lists, rows = registry.load_table()
+    assert rows == registry.PATCHES and lists["cpu_torch_modules"] == registry.CPU_TORCH_MODULES
+    cpu_torch = next(p for p in rows if p.make == "canzona_patches.emulation.cpu:cpu_torch" and p.group == registry.CPU)
+    assert cpu_torch.targets == tuple(f"{m}:torch" for m in registry.CPU_TORCH_MODULES)
+    assert cpu_torch.label.startswith(f"`torch` of {len(registry.CPU_TORCH_MODULES)} ")
+    assert cpu_torch.when is registry.CONDITIONS["no_cuda"]  # the group's default
+    text = registry.TABLE.read_text()
+    bad = tmp_path / "patches.toml"
+    bad.write_text(text.replace('when = "layer_wise_muon"', 'when = "layer_wise_moun"', 1))
+    with pytest.raises(ValueError, match=r"\[\[patch\]\] number \d+ .*LayerWiseDistributedOptimizer.*layer_wise_moun"):
+        registry.load_table(bad)
+    bad.write_text(text.replace('[groups."baseline"]', '[groups."baseline-typo"]', 1))
+    with pytest.raises(ValueError, match="must be registry.GROUPS"):
+        registry.load_table(bad)
 
 
 def test_the_docs_show_the_table():

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -40,73 +42,28 @@ class NSSchedule:
         return itertools.islice(base, num_steps)
 
 
-def _polar_express() -> tuple[Coefficients, ...]:
-    # Amsel et al. 2025 (arXiv 2505.16932), Algorithm 1, degree 5, l = 1e-3: the
-    # published optimal polynomials. The paper divides each polynomial but the last by
-    # 1.01 evaluated at s = 1.01 (a/1.01, b/1.01^3, c/1.01^5) so that rounding errors
-    # that push a singular value slightly above 1 cannot blow up; we apply it here.
-    published = (
-        (8.28721201814563, -23.595886519098837, 17.300387312530933),
-        (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-        (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-        (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-        (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-        (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-        (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    )
-    safe = tuple((a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in published)
-    return safe + ((1.875, -1.25, 0.375),)
+def load_schedules(path: Path) -> dict[str, NSSchedule]:
+    """The schedules of a TOML file of tables ``name = {coefficients, after_last, source,
+    safety_factor?}`` (``ns_coefficients.toml`` describes the fields)."""
+    with open(path, "rb") as f:
+        tables = tomllib.load(f)
+    schedules = {}
+    for name, table in tables.items():
+        triples = [(float(a), float(b), float(c)) for a, b, c in table["coefficients"]]
+        factor = table.get("safety_factor")
+        if factor is not None:
+            triples[:-1] = [(a / factor, b / factor**3, c / factor**5) for a, b, c in triples[:-1]]
+        schedules[name] = NSSchedule(tuple(triples), table["after_last"], table["source"])
+    return schedules
 
 
-NS_COEFFICIENTS: dict[str, NSSchedule] = {
-    "quintic": NSSchedule(
-        coefficients=((3.4445, -4.7750, 2.0315),),
-        after_last="cycle",
-        source="Keller Jordan's Muon; emerging-optimizers calls it 'simple'",
-    ),
-    "quintic_schedule": NSSchedule(
-        coefficients=(
-            (4.0848, -6.8946, 2.9270),
-            (3.9505, -6.3029, 2.6377),
-            (3.7418, -5.5913, 2.3037),
-            (2.8769, -3.1427, 1.2046),
-            (2.8366, -3.0525, 1.2012),
-        ),
-        after_last="cycle",
-        source="per-step tuned quintics (modded-nanogpt); emerging-optimizers calls it 'quintic'",
-    ),
-    "polar_express": NSSchedule(
-        coefficients=_polar_express(),
-        after_last="repeat_last",
-        source="Polar Express, Amsel et al. 2025, with the paper's 1.01 safety factor",
-    ),
-    "polar_express_4dp": NSSchedule(
-        # The table emerging-optimizers 0.3.0 (hence Megatron-Core 0.19.2) ships: the
-        # values above to 4 decimals, except a = 8.2051 where rounding gives 8.2052.
-        coefficients=(
-            (8.2051, -22.9019, 16.4607),
-            (4.0664, -2.8612, 0.5184),
-            (3.9096, -2.8234, 0.5250),
-            (3.2856, -2.4153, 0.4853),
-            (2.2779, -1.6198, 0.3985),
-            (1.8726, -1.2307, 0.3585),
-            (1.8564, -1.2132, 0.3568),
-            (1.8750, -1.2500, 0.3750),
-        ),
-        after_last="repeat_last",
-        source="Polar Express as emerging-optimizers 0.3.0 ships it (for matching Megatron)",
-    ),
-    "cubic": NSSchedule(
-        coefficients=((1.5, -0.5, 0.0),),
-        after_last="cycle",
-        source="classical cubic Newton-Schulz; converges to U V^T, slowly for small s",
-    ),
-}
+NS_COEFFICIENTS: dict[str, NSSchedule] = load_schedules(Path(__file__).with_name("ns_coefficients.toml"))
 """Registry of Newton-Schulz coefficient schedules, by name.
 
-How to add one: insert ``NS_COEFFICIENTS["name"] = NSSchedule(coefficients=((a, b, c), ...),
+The schedules are data, in ``ns_coefficients.toml`` beside this module. How to add one: a table
+there, or ``NS_COEFFICIENTS["name"] = NSSchedule(coefficients=((a, b, c), ...),
 after_last="cycle" | "repeat_last", source="where the numbers come from")`` before building a
-:class:`~megatron.canzona.optim.config.MuonConfig` that names it, then check its
+:class:`~megatron.canzona.optim.config.MuonConfig` that names it; then check its
 :func:`singular_value_band` for the step count you intend to use.
 """
 
