@@ -11,11 +11,13 @@ import threading
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from megatron.canzona.optim import newton_schulz, singular_value_band
 from megatron.canzona.optim.config import MuonConfig
 from megatron.canzona.optim.muon import MuonState, muon_update
 from megatron.canzona.optim.newton_schulz import spectrum_matrix
+from megatron.canzona.planning.cost import ns_flops, ns_method_for
 
 # fp64: the blocks' Gram matrices summed in another order than one product's (seen <2e-12
 # over the fp64 cases below).
@@ -137,6 +139,18 @@ def test_a_block_must_be_cut_along_the_long_side():
         newton_schulz(torch.ones(8, 40), shape=(16, 40), reduce=lambda t: t)
     with pytest.raises(ValueError, match="both"):
         newton_schulz(torch.ones(16, 20), shape=(16, 40))
+
+
+@pytest.mark.parametrize("method", ["standard", "gram", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cost_model_counts_one_blocks_flops(method, dtype):
+    block, shape = torch.randn(256, 320), (256, 2560)  # one of 8 blocks; auto: standard here, gram whole
+    with FlopCounterMode(display=False) as counter:
+        newton_schulz(block, dtype=dtype, method=method, shape=shape, reduce=lambda t: t)
+    name = str(dtype).removeprefix("torch.")
+    assert counter.get_total_flops() == ns_flops(*shape, 5, method, name, blocks=8)
+    if method == "auto":
+        assert ns_method_for(*shape, 5, "auto", name, 8) == "standard" and ns_method_for(*shape, 5, "auto", name) == "gram"
 
 
 def test_one_block_is_the_whole_matrix():

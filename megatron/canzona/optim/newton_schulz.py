@@ -113,8 +113,9 @@ def newton_schulz(
     ``reduce`` sums over the ranks holding the others. Every Gram matrix is a sum over the
     blocks, so each rank forms its block's, ``reduce`` adds them up (in at least fp32), and
     the short-side square iteration runs on every rank alike; the products back onto the
-    iterate are per block. The result is this block of the whole matrix's result: equal to
-    it up to the order of the sums (``tests/unit/test_optim_newton_schulz.py``).
+    iterate are per block (``auto`` picks the method by one rank's FLOPs). The result is
+    this block of the whole matrix's result, equal to it up to the order of the sums
+    (``tests/unit/test_optim_ns_blocks.py``).
 
     Returns:
         A tensor of the same shape in ``float32`` (``float64`` when ``dtype`` is float64).
@@ -129,7 +130,8 @@ def newton_schulz(
         raise ValueError(f"a block {tuple(x.shape[-2:])} of a {rows} x {cols} matrix must be cut along its long side")
     schedule = NS_COEFFICIENTS[coefficients]
     dtype_name = str(dtype).removeprefix("torch.")
-    method = ns_method_for(rows, cols, num_steps, method, dtype_name)
+    blocks = max(rows, cols) // x.shape[-1 - int(transpose)]
+    method = ns_method_for(rows, cols, num_steps, method, dtype_name, blocks)
     out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     if transpose:
         x = x.mT
