@@ -36,7 +36,7 @@ import torch
 
 from megatron.canzona.optim.common import OptimizerState, Refresh, state_dtype_for
 from megatron.canzona.optim.config import MuonConfig, resolve_dtype
-from megatron.canzona.optim.newton_schulz import Reduce, newton_schulz
+from megatron.canzona.optim.newton_schulz import newton_schulz
 
 
 @dataclasses.dataclass
@@ -80,16 +80,11 @@ def muon_scale(rows: int, cols: int, mode: str, extra_scale_factor: float = 1.0)
 
 @torch.no_grad()
 def muon_update(
-    grad: torch.Tensor, state: MuonState, config: MuonConfig, refresh: Refresh | None = None, *,
-    shape: tuple[int, int] | None = None, reduce: Reduce | None = None,
+    grad: torch.Tensor, state: MuonState, config: MuonConfig, refresh: Refresh | None = None,
 ) -> torch.Tensor:
     """One Muon step for a matrix or a stack ``(..., m, n)``; returns the direction.
 
     ``refresh`` is accepted for a common signature; Muon has no preconditioner to refresh.
-    With ``shape`` and ``reduce``, ``grad`` and the state are one block of a ``shape`` matrix
-    cut along its long side, and ``reduce`` sums over the ranks holding the other blocks
-    (:func:`~megatron.canzona.optim.newton_schulz.newton_schulz`): the direction is that block
-    of the whole matrix's.
 
     ``M <- momentum*M + (1-momentum)*G``; the direction is
     ``scale * NS(M)`` (or ``NS((1-momentum)*G + momentum*M)`` with Nesterov).
@@ -105,11 +100,9 @@ def muon_update(
         dtype=resolve_dtype(config.ns_dtype),
         eps=config.eps,
         method=config.ns_method,
-        shape=shape,
-        reduce=reduce,
     )
     state.step += 1
-    rows, cols = shape or grad.shape[-2:]
+    rows, cols = grad.shape[-2:]
     return orthogonal.to(state.momentum.dtype) * muon_scale(
         rows, cols, config.scale_mode, config.extra_scale_factor
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -80,11 +80,6 @@ five-step tuned schedule, ours is the single (3.4445, -4.7750, 2.0315) triple th
 """
 
 
-Reduce = Callable[[torch.Tensor], torch.Tensor]
-"""Sums a tensor over the ranks holding the blocks of one matrix and returns the sum, the
-same on every one of them (an all-reduce over its tensor-parallel group)."""
-
-
 def newton_schulz(
     x: torch.Tensor,
     *,
@@ -94,8 +89,6 @@ def newton_schulz(
     eps: float = 1e-7,
     method: str = "standard",
     gram_restart_every: int | None = None,
-    shape: tuple[int, int] | None = None,
-    reduce: Reduce | None = None,
 ) -> torch.Tensor:
     """Approximately orthogonalise each trailing ``(m, n)`` matrix of ``x``.
 
@@ -108,60 +101,29 @@ def newton_schulz(
     :func:`~megatron.canzona.planning.cost.ns_method_for`). ``gram_restart_every`` overrides
     the dtype's restart interval of gram (for measuring it: ``tools/ns_band.py``).
 
-    Blocks (``shape`` and ``reduce`` given): ``x`` is one block of the whole ``shape``
-    matrix, cut along its long side (rows of a tall matrix, columns of a wide one), and
-    ``reduce`` sums over the ranks holding the others. Every Gram matrix is a sum over the
-    blocks, so each rank forms its block's, ``reduce`` adds them up (in at least fp32), and
-    the short-side square iteration runs on every rank alike; the products back onto the
-    iterate are per block (``auto`` picks the method by one rank's FLOPs). The result is
-    this block of the whole matrix's result, equal to it up to the order of the sums
-    (``tests/unit/test_optim_ns_blocks.py``).
-
     Returns:
         A tensor of the same shape in ``float32`` (``float64`` when ``dtype`` is float64).
     """
     if x.ndim < 2:
         raise ValueError(f"newton_schulz needs a (..., m, n) tensor, got shape {tuple(x.shape)}.")
-    if (shape is None) != (reduce is None):
-        raise ValueError("newton_schulz of a block needs both the whole matrix's shape and a reduce")
-    rows, cols = shape or x.shape[-2:]
-    transpose = rows > cols
-    if shape is not None and x.shape[-2 + int(transpose)] != min(rows, cols):
-        raise ValueError(f"a block {tuple(x.shape[-2:])} of a {rows} x {cols} matrix must be cut along its long side")
     schedule = NS_COEFFICIENTS[coefficients]
     dtype_name = str(dtype).removeprefix("torch.")
-    blocks = max(rows, cols) // x.shape[-1 - int(transpose)]
-    method = ns_method_for(rows, cols, num_steps, method, dtype_name, blocks)
+    method = ns_method_for(x.shape[-2], x.shape[-1], num_steps, method, dtype_name)
     out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    transpose = x.shape[-2] > x.shape[-1]
     if transpose:
         x = x.mT
-    stack = x.to(out_dtype).reshape(-1, *x.shape[-2:])
-    if reduce is None:
-        norm = torch.linalg.matrix_norm(stack, keepdim=True)
-    else:
-        norm = reduce(stack.square().sum(dim=(-2, -1), keepdim=True)).sqrt()
-    X = (stack / norm.clamp_min(eps)).to(dtype)
-    gram_of = _gram if reduce is None else _summed_gram(reduce, out_dtype)
+    rows, cols = x.shape[-2:]
+    stack = x.to(out_dtype).reshape(-1, rows, cols)
+    norm = torch.linalg.matrix_norm(stack, keepdim=True).clamp_min(eps)
+    X = (stack / norm).to(dtype)
     steps = list(schedule.iterate(num_steps))
     if method == "gram":
-        X = gram_iterations(X, steps, gram_runs(num_steps, dtype_name, gram_restart_every), gram_of=gram_of)
+        X = gram_iterations(X, steps, gram_runs(num_steps, dtype_name, gram_restart_every))
     else:
-        X = _standard_iterations(X, steps, gram_of=gram_of)
-    out = X.to(out_dtype).reshape(x.shape)
+        X = _standard_iterations(X, steps)
+    out = X.to(out_dtype).reshape(*x.shape[:-2], rows, cols)
     return out.mT if transpose else out
-
-
-def _gram(X: torch.Tensor) -> torch.Tensor:
-    """``X Xᵀ`` of a stack, one batched product."""
-    return torch.bmm(X, X.mT)
-
-
-def _summed_gram(reduce: Reduce, wide: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``X Xᵀ`` of the whole matrix from this rank's block: the blocks' products summed by
-    ``reduce`` in ``wide`` (fp32, or fp64), back in the iteration's dtype."""
-    def gram(X: torch.Tensor) -> torch.Tensor:
-        return reduce(torch.bmm(X, X.mT).to(wide)).to(X.dtype)
-    return gram
 
 
 def _polynomial(gram: torch.Tensor, b: float, c: float) -> torch.Tensor:
@@ -172,12 +134,11 @@ def _polynomial(gram: torch.Tensor, b: float, c: float) -> torch.Tensor:
     return gram * b
 
 
-def _standard_iterations(X: torch.Tensor, steps: list[Coefficients], *,
-                         gram_of: Callable[[torch.Tensor], torch.Tensor] = _gram) -> torch.Tensor:
+def _standard_iterations(X: torch.Tensor, steps: list[Coefficients]) -> torch.Tensor:
     for a, b, c in steps:
         # The same three batched GEMMs whether the stack holds one matrix or many, so a
         # batched call reproduces the looped result kernel for kernel.
-        X = torch.baddbmm(X, _polynomial(gram_of(X), b, c), X, beta=a, alpha=1.0)
+        X = torch.baddbmm(X, _polynomial(torch.bmm(X, X.mT), b, c), X, beta=a, alpha=1.0)
     return X
 
 
@@ -186,8 +147,7 @@ def _symmetric(matrix: torch.Tensor) -> torch.Tensor:
     return torch.add(matrix, matrix.mT).mul_(0.5)
 
 
-def gram_iterations(X: torch.Tensor, steps: list[Coefficients], runs: list[int], *,
-                    gram_of: Callable[[torch.Tensor], torch.Tensor] = _gram) -> torch.Tensor:
+def gram_iterations(X: torch.Tensor, steps: list[Coefficients], runs: list[int]) -> torch.Tensor:
     """Newton-Schulz on the Gram matrix of the ``(k, n, m)`` stack ``X`` (``n <= m``).
 
     Every iterate is a polynomial in the first Gram matrix times the input,
@@ -196,14 +156,13 @@ def gram_iterations(X: torch.Tensor, steps: list[Coefficients], runs: list[int],
     ``Q <- P Q`` and ``A <- P A P``, and ``X_0`` is multiplied by ``Q`` once at the end of a
     run. Between ``runs`` of steps (reduced precision,
     :data:`~megatron.canzona.planning.cost.GRAM_RESTART_EVERY`) the iterate is formed and its Gram
-    matrix taken again (``gram_of``: summed over the blocks of a matrix cut in blocks), which
-    bounds the growth of ``Q`` and so its rounding. ``A`` and ``Q`` are symmetrised after each
-    product.
+    matrix taken again, which bounds the growth of ``Q`` and so its rounding. ``A`` and ``Q``
+    are symmetrised after each product.
     """
     start = 0
     for length in runs:
         run, start = steps[start:start + length], start + length
-        gram = _symmetric(gram_of(X))
+        gram = _symmetric(torch.bmm(X, X.mT))
         accumulated = None
         for index, (a, b, c) in enumerate(run):
             poly = _polynomial(gram, b, c)

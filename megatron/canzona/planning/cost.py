@@ -72,26 +72,22 @@ def gram_runs(ns_steps: int, dtype: str, restart_every: int | None = None) -> li
     return [min(every, ns_steps - start) for start in range(0, ns_steps, every)]
 
 
-def ns_flops(m: int, n: int, ns_steps: int = 5, method: str = "standard", dtype: str = "bfloat16",
-             blocks: int = 1) -> float:
+def ns_flops(m: int, n: int, ns_steps: int = 5, method: str = "standard", dtype: str = "bfloat16") -> float:
     """FLOPs of ``ns_steps`` Newton-Schulz iterations on an m×n matrix by ``method``
-    (``auto`` counts the method :func:`ns_method_for` picks), iterated in ``dtype``. With
-    ``blocks`` > 1, the FLOPs of one rank of a matrix cut in that many blocks along its long
-    side (distributed Newton-Schulz): the products with the long side are divided among the
-    ranks, the short-side square ones run on every rank."""
+    (``auto`` counts the method :func:`ns_method_for` picks), iterated in ``dtype``."""
     a, b = min(m, n), max(m, n)
-    method = ns_method_for(m, n, ns_steps, method, dtype, blocks)
+    method = ns_method_for(m, n, ns_steps, method, dtype)
     if method == "standard":
-        return float(ns_steps * (4 * a * a * b / blocks + 2 * a**3))
+        return float(ns_steps * (4 * a * a * b + 2 * a**3))
     runs = len(gram_runs(ns_steps, dtype))
-    return float(4 * runs * a * a * b / blocks + 2 * a**3 * (4 * ns_steps - 3 * runs))
+    return float(4 * runs * a * a * b + 2 * a**3 * (4 * ns_steps - 3 * runs))
 
 
-def ns_method_for(m: int, n: int, ns_steps: int, method: str, dtype: str, blocks: int = 1) -> str:
+def ns_method_for(m: int, n: int, ns_steps: int, method: str, dtype: str) -> str:
     """``standard`` or ``gram``: ``method`` itself, or for ``auto`` gram where its FLOPs are
     at most :data:`AUTO_GRAM_FLOP_RATIO` of standard's (aspect ratio above about 2.2 in fp32,
     3.5 in bf16 with its restarts, for 5 steps) on a matrix whose short side is at least
-    :data:`AUTO_GRAM_MIN_SIDE`; on ``blocks`` (:func:`ns_flops`), one rank's FLOPs."""
+    :data:`AUTO_GRAM_MIN_SIDE`."""
     if method not in NS_METHODS:
         raise ValueError(f"unknown Newton-Schulz method {method!r}; choose one of {NS_METHODS}")
     if dtype not in GRAM_RESTART_EVERY:
@@ -100,14 +96,13 @@ def ns_method_for(m: int, n: int, ns_steps: int, method: str, dtype: str, blocks
         return method
     if min(m, n) < AUTO_GRAM_MIN_SIDE:
         return "standard"
-    gram = ns_flops(m, n, ns_steps, "gram", dtype, blocks)
-    return "gram" if gram <= AUTO_GRAM_FLOP_RATIO * ns_flops(m, n, ns_steps, "standard", dtype, blocks) else "standard"
+    gram = ns_flops(m, n, ns_steps, "gram", dtype)
+    return "gram" if gram <= AUTO_GRAM_FLOP_RATIO * ns_flops(m, n, ns_steps, "standard", dtype) else "standard"
 
 
-def muon_flops(m: int, n: int, ns_steps: int = 5, method: str = "standard", dtype: str = "bfloat16",
-               blocks: int = 1) -> float:
-    """FLOPs of one Muon update of an m×n matrix (on one rank of ``blocks``): its Newton-Schulz iterations."""
-    return ns_flops(m, n, ns_steps, method, dtype, blocks)
+def muon_flops(m: int, n: int, ns_steps: int = 5, method: str = "standard", dtype: str = "bfloat16") -> float:
+    """FLOPs of one Muon update of an m×n matrix: its Newton-Schulz iterations."""
+    return ns_flops(m, n, ns_steps, method, dtype)
 
 
 def _side_flops(d: int, other: int, *, per_step: int, refresh: float, max_dim: int) -> float:
@@ -217,13 +212,8 @@ class CostModel:
             return "s"
         return "elements" if self.kind == "numel" else "FLOP"
 
-    def flops(self, m: int, n: int, blocks: int = 1) -> float:
-        """Formula cost of one m×n matrix update (elements for ``numel``); on one rank of
-        ``blocks`` (Muon's distributed Newton-Schulz, :func:`ns_flops`)."""
-        if blocks > 1:
-            if self.kind != "muon":
-                raise ValueError(f"only Muon's update is computed in blocks, not {self.kind}'s")
-            return muon_flops(m, n, self.ns_steps, self.ns_method, self.ns_dtype, blocks)
+    def flops(self, m: int, n: int) -> float:
+        """Formula cost of one m×n matrix update (elements for ``numel``)."""
         if self.kind == "muon":
             return muon_flops(m, n, self.ns_steps, self.ns_method, self.ns_dtype)
         if self.kind == "shampoo":
@@ -232,15 +222,14 @@ class CostModel:
             return soap_flops(m, n, precond_every=self.precond_every, max_precond_dim=self.max_precond_dim)
         return float(m * n)
 
-    def matrix_cost(self, m: int, n: int, blocks: int = 1) -> float:
-        """Cost of one m×n update (on one rank of ``blocks``): measured seconds if calibrated,
-        else the formula (in seconds, at the calibration's median rate, where no shape was measured)."""
+    def matrix_cost(self, m: int, n: int) -> float:
+        """Cost of one m×n update: measured seconds if calibrated, else the formula."""
         if self.calibration is None:
-            return self.flops(m, n, blocks)
-        measured = self.calibration.seconds.get((m, n)) if blocks == 1 else None
+            return self.flops(m, n)
+        measured = self.calibration.seconds.get((m, n))
         if measured is not None:
             return measured
-        return self.flops(m, n, blocks) * self._seconds_per_flop()
+        return self.flops(m, n) * self._seconds_per_flop()
 
     def _seconds_per_flop(self) -> float:
         assert self.calibration is not None
@@ -254,10 +243,9 @@ class CostModel:
             return flops * self._seconds_per_flop() if self.calibration else flops
         return sum(self.matrix_cost(m, n) for m, n in spec.matrices)
 
-    def part_costs(self, spec: ParamSpec, blocks: int = 1) -> list[float]:
+    def part_costs(self, spec: ParamSpec) -> list[float]:
         """Cost of each part of ``spec`` hosted apart (:attr:`ParamSpec.parts`); they add up to
-        :meth:`cost`. With ``blocks``: one TP rank's cost of each part computed by all
-        ``blocks`` TP ranks together (Muon's distributed Newton-Schulz)."""
-        if len(spec.parts) == 1 and blocks == 1:
+        :meth:`cost`."""
+        if len(spec.parts) == 1:
             return [self.cost(spec)]
-        return [sum(self.matrix_cost(m, n, blocks) for m, n in spec.part_matrices(k)) for k in range(len(spec.parts))]
+        return [sum(self.matrix_cost(m, n) for m, n in spec.part_matrices(k)) for k in range(len(spec.parts))]
