@@ -21,6 +21,7 @@ Hooks (megatron-core 0.19.2):
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from canzona_patches.integration.uneven import shard_bounds
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.planning.schedule import Coord
 from megatron.canzona.runtime.host_groups import HostGroupEngine
-from megatron.canzona.runtime.optimizer import CanzonaOptimizer
+from megatron.canzona.runtime.optimizer import CanzonaOptimizer, narrow_updates
 
 require_pinned_megatron()
 
@@ -77,6 +78,9 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         plan = setup.plan.experts if ranks.expert else setup.plan
         binding = bind_plan(plan, self, model_chunks, coord=ranks.coord, fused_layouts=setup.fused_layouts,
                             tp_strides=setup.tp_strides)
+        binding = dataclasses.replace(binding, tasks=narrow_updates(
+            binding.tasks, math=inner.math, config=inner.config, layouts=binding.layouts, tp_size=plan.tp_size,
+            mode=setup.config.tp_mode))
         engine = HostGroupEngine(binding.tasks, group=ranks.host, rank_of=ranks.rank_of, coord=ranks.coord,
                                  tp_size=plan.tp_size, mode=setup.config.tp_mode)
         inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts)

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron.canzona.planning import CanzonaPlan
+from megatron.canzona.planning import CanzonaPlan, plan_schedule
 from megatron.canzona.runtime import LaunchConfig, launch
 
 from .test_canzona_tp import ELEMENTWISE_ATOL, MATRIX_ATOL, MEAN_ATOL, SPLITS
@@ -137,13 +137,26 @@ update would still move a matrix by about lr."""
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_bf16_newton_schulz_agrees_in_loss_and_within_its_rounding(results) -> None:
     """The exactness table's Muon figures are fp32 Newton-Schulz; with bf16 (docs/exactness.md)
-    the losses still agree, the weights to bf16's rounding of the updates."""
+    the losses still agree, the weights to bf16's rounding of the updates. The whole matrices'
+    directions went back to their holders in bf16 (``runtime.optimizer.narrow_updates``): the
+    step's scatter moved less than its fp32 gather, by half of the unsplit matrices' share."""
     (reference,) = results[("muon_bf16", "dp1")]
-    for rank, result in enumerate(results[("muon_bf16", "tp2_dp2")]):
+    per_rank = results[("muon_bf16", "tp2_dp2")]
+    for rank, result in enumerate(per_rank):
         assert result["losses"] == pytest.approx(reference["losses"], rel=BF16_LOSS_RTOL)
         worst = max(float((result["params"][name] - value).abs().max()) for name, value in reference["params"].items()
                     if name.endswith(MATRIX_SUFFIXES))
         assert worst <= BF16_MATRIX_BOUND, (rank, worst)
+    plan = CanzonaPlan.from_json(per_rank[0]["plan"])
+    gathered = scattered = 0  # fp32 pieces to their hosts; back in bf16, each rounded up to 4 bytes
+    for task in plan_schedule(plan).tasks:
+        narrow = not task.name.endswith("linear_qkv.weight")  # QKV is split in three, each with its own scale
+        for holder, lo, hi in task.holders(plan.tp_size):
+            if holder != task.host:
+                gathered += 4 * (hi - lo)
+                scattered += -(-2 * (hi - lo) // 4) * 4 if narrow else 4 * (hi - lo)
+    sent = sum(result["tp_stats"]["bytes_sent"] for result in per_rank)
+    assert scattered < gathered and sent == gathered + scattered, (sent, gathered, scattered)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

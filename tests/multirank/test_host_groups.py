@@ -7,11 +7,14 @@ shards would (uneven, some matrices whole on one DP rank, one hosted by a rank t
 none of it), gives them to :class:`~megatron.canzona.runtime.host_groups.HostGroupEngine`
 with Muon as the host math, and takes two steps. The single-device reference runs the same
 Muon on the full matrices in the same process; every rank's pieces must then equal the
-reference's slices bit for bit, in both ``async`` and ``sync`` mode. Shards and pieces are
-cut here by hand, not with the engine's own helpers.
+reference's slices bit for bit, in both ``async`` and ``sync`` mode, and with Newton-Schulz in
+bf16 when every whole matrix's direction is scattered in bf16 and scaled by its receivers.
+Shards and pieces are cut here by hand, not with the engine's own helpers.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from megatron.canzona.optim import (
     muon_update,
     split_pieces,
 )
+from megatron.canzona.optim.muon import muon_scale
 from megatron.canzona.runtime import LaunchConfig, launch
 from megatron.canzona.planning.schedule import Task
 from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, MatrixTask
@@ -36,6 +40,7 @@ pytestmark = pytest.mark.multirank
 LAUNCH_TIMEOUT_S = 90.0
 TEST_TIMEOUT_S = 2 * LAUNCH_TIMEOUT_S
 CONFIG = MuonConfig(ns_dtype="float32", scale_mode="spectral")
+CONFIG_BF16 = MuonConfig(ns_dtype="bfloat16", scale_mode="spectral")
 LR, WEIGHT_DECAY, STEPS = 0.02, 0.1, 2
 HEAD_DIM, HEADS_PER_GROUP = 4, 2
 
@@ -100,6 +105,19 @@ def _task(key: str, *, local_shape: tuple, tp_dim: int | None, pieces: tuple, ho
     return MatrixTask(task=task, local_shape=local_shape, tp_dim=tp_dim, stride=stride)
 
 
+def _narrowed(tasks: list[MatrixTask], specs: dict, tp: int) -> list[MatrixTask]:
+    """Every task whose host computes one whole matrix (no split layout) and sends it: its
+    bf16 Newton-Schulz output goes back in bf16, unscaled."""
+    out = []
+    for task in tasks:
+        if _layout(specs[task.key.split("@")[0]], tp) is None and not task.is_local():
+            rows, cols = task.full_shape(tp)
+            task = dataclasses.replace(task, update_dtype=torch.bfloat16,
+                                       update_scale=muon_scale(rows, cols, CONFIG_BF16.scale_mode))
+        out.append(task)
+    return out
+
+
 def _tasks(specs: dict, dp: int, tp: int) -> list[MatrixTask]:
     tasks = []
     for name, s in specs.items():
@@ -119,8 +137,8 @@ def _tasks(specs: dict, dp: int, tp: int) -> list[MatrixTask]:
 class _Muon:
     """Host math: Muon per matrix (pieces of split fused ones), state kept by key."""
 
-    def __init__(self, layouts: dict) -> None:
-        self.layouts = layouts
+    def __init__(self, layouts: dict, config: MuonConfig = CONFIG, unscaled: frozenset = frozenset()) -> None:
+        self.layouts, self.config, self.unscaled = layouts, config, unscaled
         self.states: dict[str, list[MuonState]] = {}
 
     def __call__(self, keys, grads):
@@ -129,7 +147,8 @@ class _Muon:
             layout = self.layouts[key.split("@")[0]]
             pieces = split_pieces(grad, layout)
             states = self.states.setdefault(key, [MuonState.create(p.shape) for p in pieces])
-            directions.append(merge_pieces([muon_update(p, st, CONFIG) for p, st in zip(pieces, states)], layout))
+            config = dataclasses.replace(self.config, scale_mode="none") if key in self.unscaled else self.config
+            directions.append(merge_pieces([muon_update(p, st, config) for p, st in zip(pieces, states)], layout))
         return directions
 
 
@@ -140,9 +159,9 @@ def _full_tensors(specs: dict, seed: int, device: torch.device):
     return params, grads
 
 
-def _single_device(params: dict, grads: list[dict], layouts: dict) -> dict[str, torch.Tensor]:
+def _single_device(params: dict, grads: list[dict], layouts: dict, config: MuonConfig = CONFIG) -> dict[str, torch.Tensor]:
     """The reference: the same Muon on the full matrices, no ranks involved."""
-    reference, math = {n: p.clone() for n, p in params.items()}, _Muon(layouts)
+    reference, math = {n: p.clone() for n, p in params.items()}, _Muon(layouts, config)
     names = list(params)
     for step_grads in grads:
         for name, direction in zip(names, math(names, [step_grads[n] for n in names])):
@@ -162,14 +181,16 @@ def engine_body(dp: int, tp: int, device: str = "cpu") -> dict[str, dict]:
         torch.cuda.set_device(rank)
     out = {mode: _train(dp, tp, mode, torch.device(device)) for mode in ("async", "sync")}
     out["staged"] = _train(dp, tp, "async", torch.device(device), staged=True)
+    out["narrow"] = _train(dp, tp, "async", torch.device(device), narrow=True)
     return out
 
 
-def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = False) -> dict:
+def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = False, narrow: bool = False) -> dict:
     """Two engine steps on this rank's pieces, checked against the full-matrix reference.
     ``staged``: every gather is issued before the step from raw (bf16, unscaled, unclipped)
     pieces, the host scaling what it receives; step 0's staged gathers are dropped first (a
-    skipped step) and issued again."""
+    skipped step) and issued again. ``narrow``: Newton-Schulz in bf16, whole matrices'
+    directions scattered in bf16 (:func:`_narrowed`)."""
     rank = dist.get_rank()
     coord = (rank // tp, rank % tp)
     specs = _matrices(dp, tp)
@@ -179,7 +200,8 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
     if staged:  # raw gradients as a bf16 buffer holds them; the main ones are scaled fp32 copies
         raw_grads = [{n: g.to(torch.bfloat16) for n, g in step.items()} for step in grads]
         grads = [{n: (g.float() * UNSCALE) * CLIP for n, g in step.items()} for step in raw_grads]
-    tasks = _tasks(specs, dp, tp)
+    tasks = _narrowed(_tasks(specs, dp, tp), specs, tp) if narrow else _tasks(specs, dp, tp)
+    config = CONFIG_BF16 if narrow else CONFIG
     engine = HostGroupEngine(tasks, group=None, rank_of={(d, t): d * tp + t for d in range(dp) for t in range(tp)},
                              coord=coord, tp_size=tp, mode=mode)
     mine = {}  # (key, lo) -> (name, flat parameter piece, hi)
@@ -187,7 +209,8 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
         name = task.key.split("@")[0]
         for lo, hi in engine.holds(task):
             mine[(task.key, lo)] = (name, _megatron_shard(params[name], specs[name], coord[1], tp).reshape(-1)[lo:hi], hi)
-    host_math, stats, side_streams = _Muon(layouts), [], set()
+    unscaled = frozenset(t.key for t in tasks if t.update_dtype is not None)
+    host_math, stats, side_streams = _Muon(layouts, config, unscaled), [], set()
     for step in range(STEPS):
         pieces = {
             (key, lo): LocalPiece(
@@ -213,7 +236,7 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
         assert not engine.staged
         side_streams.add(id(engine._side))
 
-    reference = _single_device(params, grads, layouts)
+    reference = _single_device(params, grads, layouts, config)
     expected = {
         (key, lo): _megatron_shard(reference[name], specs[name], coord[1], tp).reshape(-1)[lo:hi]
         for (key, lo), (name, _, hi) in mine.items()
@@ -230,14 +253,18 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
     }
 
 
-def _expected_bytes(dp: int, tp: int, coord: tuple[int, int], mode: str) -> int:
-    """fp32 bytes this rank sends per step: real elements only, each piece once each way."""
+def _expected_bytes(dp: int, tp: int, coord: tuple[int, int], mode: str, narrow: bool = False) -> int:
+    """Bytes this rank sends per step: real elements only, each piece once each way, in fp32
+    (``narrow``: a whole matrix's direction back in bf16, each piece rounded up to 4 bytes)."""
     sent = 0
-    for task in _tasks(_matrices(dp, tp), dp, tp):
+    specs = _matrices(dp, tp)
+    tasks = _tasks(specs, dp, tp)
+    for task in _narrowed(tasks, specs, tp) if narrow else tasks:
         holders = task.holders(tp)
+        back = 4 if task.update_dtype is None else 2
         for holder, lo, hi in holders:
             if mode == "async" and holder != task.host:
-                sent += 4 * (hi - lo) * ((holder == coord) + (task.host == coord))  # gather + scatter
+                sent += 4 * (hi - lo) * (holder == coord) + -(-back * (hi - lo) // 4) * 4 * (task.host == coord)
             if mode == "sync" and holder == coord:
                 sent += 4 * (hi - lo) * (len(holders) - 1)  # to every other holder
     return sent
@@ -259,6 +286,9 @@ def test_engine_equals_single_device_muon(dp: int, tp: int) -> None:
         staged = per_rank[rank]["staged"]  # gathered before the step, scaled by the host: bitwise the same
         assert staged["mismatched"] == [], f"rank {rank} staged"
         assert staged["bytes_sent"] == [_expected_bytes(dp, tp, coord, "async")] * STEPS
+        narrow = per_rank[rank]["narrow"]  # bf16 Newton-Schulz, whole matrices scattered in bf16: bitwise
+        assert narrow["mismatched"] == [], f"rank {rank} narrow"
+        assert narrow["bytes_sent"] == [_expected_bytes(dp, tp, coord, "async", narrow=True)] * STEPS
         for name in a["params"]:  # async and sync: bit-identical
             assert torch.equal(a["params"][name], s["params"][name]), f"rank {rank} {name}"
         assert a["side_streams"] == s["side_streams"] == 1, "one side stream per engine, made once"

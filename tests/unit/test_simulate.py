@@ -61,21 +61,26 @@ def test_one_bucket_zero1_over_two_dp_ranks():
 
 def test_one_matrix_canzona_host_over_tp():
     """TP 2, DP 1: the host gets the other TP shard (fp32, one all-to-all), computes, scatters
-    its slice back; each rank applies its half."""
+    its slice back (the Muon direction iterated in bf16, in bf16; fp32 when iterated in fp32);
+    each rank applies its half."""
     r = simulate([matrix(tp_size=2)], strategy="canzona", cluster=cluster(), dp_size=1, tp_size=2, wire=WIRE)
-    a2a = 10e-6 + NUMEL / 2 * 4 / (100e9 * 0.5)
+    a2a, back = (10e-6 + NUMEL / 2 * size / (100e9 * 0.5) for size in (4, 2))
     apply = NUMEL / 2 * 14 / 1e12
-    assert r.optimizer_step_seconds == pytest.approx(a2a + COMPUTE + a2a + apply, rel=1e-12)
+    assert r.optimizer_step_seconds == pytest.approx(a2a + COMPUTE + back + apply, rel=1e-12)
     assert r.step_compute_seconds == pytest.approx(COMPUTE + apply, rel=1e-12)
-    assert r.step_bytes_per_rank == NUMEL / 2 * 4
+    assert r.step_bytes_per_rank == NUMEL / 2 * 4  # the holder's fp32 gradient; the host sends half that back
+    fp32 = simulate([matrix(tp_size=2)], strategy="canzona", cluster=cluster(gpu={**TOY["gpu"], "optimizer_dtype": "fp32"}),
+                    dp_size=1, tp_size=2, wire=WIRE)
+    compute32 = muon_flops(M, N) / (10e12 * 0.5) + 12 * NUMEL / 1e12
+    assert fp32.optimizer_step_seconds == pytest.approx(2 * a2a + compute32 + apply, rel=1e-12)
     assert r.grad_reduce_seconds == 0.0 and r.param_gather_seconds == 0.0  # DP 1: nothing to reduce
 
 
 def test_inter_node_link_when_the_tp_group_spans_nodes():
     r = simulate([matrix(tp_size=2)], strategy="canzona", cluster=cluster(gpus_per_node=1), dp_size=1, tp_size=2,
                  wire=WIRE)
-    a2a = 20e-6 + NUMEL / 2 * 4 / (10e9 * 0.5)
-    assert r.optimizer_step_seconds == pytest.approx(2 * a2a + COMPUTE + NUMEL / 2 * 14 / 1e12, rel=1e-12)
+    a2a, back = (20e-6 + NUMEL / 2 * size / (10e9 * 0.5) for size in (4, 2))  # the bf16 direction back
+    assert r.optimizer_step_seconds == pytest.approx(a2a + back + COMPUTE + NUMEL / 2 * 14 / 1e12, rel=1e-12)
 
 
 def layout(spec: ParamSpec, dp_size: int = 1):

@@ -8,7 +8,8 @@ Per rank (a (DP rank, TP rank) pair, Megatron's order: TP fastest), for every st
 * **host groups** (Canzona): every rank holding a piece of a matrix (a DP shard of it, of
   each TP shard) that is not the matrix's host sends the piece to the host (fp32 main
   gradients, after clipping), and the host sends every such rank its piece of the fp32
-  update back: each piece moves once each way;
+  update back: each piece moves once each way. A whole matrix's Muon direction iterated in
+  bf16 goes back in bf16 (:func:`narrow_update_bytes`);
 * **synchronous compute** (stock ZeRO-1 and Megatron's layer-wise optimizer under TP, both
   as Megatron's ``muon_tp_mode duplicated``): every rank holding a piece needs the whole
   matrix, so it sends its piece to every other holder.
@@ -19,11 +20,13 @@ host groups and one per ring step of a bucket collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 
+from .cost import CostModel
 from .plan import BufferPlan
 from .schedule import Task
+from .specs import ParamSpec
 
 FP32_BYTES = 4
 
@@ -84,17 +87,38 @@ def rank_index(dp_rank: int, tp_rank: int, tp_size: int) -> int:
 
 
 def traffic(
-    buffers: Iterable[BufferPlan], tasks: Iterable[Task], *, dp_size: int, tp_size: int, wire: WireConfig
+    buffers: Iterable[BufferPlan], tasks: Iterable[Task], *, dp_size: int, tp_size: int, wire: WireConfig,
+    narrow: Mapping[str, int] | None = None,
 ) -> list[RankTraffic]:
     """Bytes sent per rank (index ``dp_rank * tp_size + tp_rank``) in one step, for the
-    buckets of ``buffers`` and the schedule's ``tasks`` (:mod:`.schedule`)."""
+    buckets of ``buffers`` and the schedule's ``tasks`` (:mod:`.schedule`); ``narrow``: the
+    tasks whose update goes back narrower (:func:`narrow_update_bytes`)."""
     out = [RankTraffic() for _ in range(dp_size * tp_size)]
     rs, ag, messages = collective_bytes(buffers, dp_size, wire)
     for rank in out:
         rank.reduce_scatter, rank.all_gather, rank.messages = rs, ag, messages
     for task in tasks:
-        add_task_traffic(out, task, tp_size, wire)
+        add_task_traffic(out, task, tp_size, wire, (narrow or {}).get(task.key))
     return out
+
+
+NARROW_DTYPE_BYTES = {"bfloat16": 2, "float16": 2}
+"""Newton-Schulz dtypes narrower than the fp32 update, by their size."""
+
+
+def narrow_update_bytes(tasks: Iterable[Task], specs: Iterable[ParamSpec], cost_model: CostModel) -> dict[str, int]:
+    """Task key -> bytes per element of its update on the wire, for the tasks whose update is
+    narrower than fp32: Muon iterating Newton-Schulz in bf16 gives a whole matrix's direction
+    exactly in bf16 before its shape scale, so the host sends that and the holders scale it
+    (``megatron.canzona.runtime.optimizer.narrow_updates``). A task qualifies when it has one
+    host (async), moves, and its part is one matrix (a split QKV is three, each with its own
+    scale)."""
+    size = NARROW_DTYPE_BYTES.get(cost_model.ns_dtype) if cost_model.kind == "muon" else None
+    if size is None:
+        return {}
+    by_name = {(s.chunk, s.name): s for s in specs}
+    return {t.key: size for t in tasks
+            if t.host is not None and not t.is_local() and len(by_name[(t.chunk, t.name)].part_matrices(t.part)) == 1}
 
 
 def collective_bytes(buffers: Iterable[BufferPlan], dp_size: int, wire: WireConfig) -> tuple[float, float, int]:
@@ -105,7 +129,10 @@ def collective_bytes(buffers: Iterable[BufferPlan], dp_size: int, wire: WireConf
     return fraction * numel * wire.grad_bytes, fraction * numel * wire.param_bytes, 2 * (dp_size - 1) * count
 
 
-def add_task_traffic(out: list[RankTraffic], task: Task, tp_size: int, wire: WireConfig) -> None:
+def add_task_traffic(out: list[RankTraffic], task: Task, tp_size: int, wire: WireConfig,
+                     update_bytes: int | None = None) -> None:
+    """One task's bytes; ``update_bytes``: its update's on the wire when narrower (each piece
+    then rounded up to whole fp32 words, as the runtime packs it)."""
     holders = [(coord, hi - lo) for coord, lo, hi in task.holders(tp_size)]
     if task.host is None:  # every holder gathers every other holder's piece
         for coord, n in holders:
@@ -121,5 +148,6 @@ def add_task_traffic(out: list[RankTraffic], task: Task, tp_size: int, wire: Wir
         holder = out[rank_index(*coord, tp_size)]
         holder.host_gather += n * wire.main_grad_bytes
         holder.messages += 1
-        host.host_scatter += n * wire.update_bytes
+        back = n * wire.update_bytes if update_bytes is None else -(-n * update_bytes // wire.update_bytes) * wire.update_bytes
+        host.host_scatter += back
         host.messages += 1

@@ -70,6 +70,14 @@ class MatrixTask:
     stride: int = 1
     """Blocks per TP shard along ``tp_dim``: block j of a shard is its TP rank's piece of
     global block j (2 for Megatron's fused SwiGLU fc1, ``[gate_r; up_r]``)."""
+    update_dtype: torch.dtype | None = None
+    """A narrower dtype in which the host's direction of this task is exact, unscaled (Muon's
+    Newton-Schulz output of one whole matrix, iterated in bf16): the scatter carries it in this
+    dtype, and every rank multiplies its slice by :attr:`update_scale` before applying it, the
+    product the host's math would have made. ``None``: the direction is final and moves in the
+    update dtype (fp32)."""
+    update_scale: float = 1.0
+    """The factor of a narrow direction (:attr:`update_dtype`)."""
 
     def __post_init__(self) -> None:
         key = self.task.key
@@ -86,6 +94,8 @@ class MatrixTask:
             raise ValueError(f"{key}: pieces cover {self.task.numel} of {self.numel} elements")
         if self.task.host is None:
             raise ValueError(f"{key}: the engine needs a host per task (its mode decides who computes)")
+        if self.update_dtype is not None and (self.update_dtype.itemsize >= 4 or self.task.is_local()):
+            raise ValueError(f"{key}: a narrow update dtype must be under 4 bytes and for a task that moves")
 
     @property
     def key(self) -> str:
@@ -217,6 +227,23 @@ class _Exchange:
     recv_splits: list[int] = field(default_factory=list)
     moves: bool = False
     """Whether any rank of the group exchanges anything in this micro-group."""
+    narrow: bool = False
+    """Whether a task of the group scatters its direction in a narrow dtype: the scatter then
+    runs on bytes (:class:`_ScatterLayout`)."""
+
+
+@dataclass(frozen=True)
+class _ScatterLayout:
+    """Byte offsets of a scatter's segments when some are narrow: each segment takes its
+    elements at its own dtype's size, rounded up to the update dtype's size (so the fp32
+    segments stay aligned)."""
+
+    send: tuple[int, ...]
+    """Byte offset of each of the exchange's ``incoming`` segments (what the host sends back)."""
+    recv: tuple[int, ...]
+    """Byte offset of each ``outgoing`` segment (this rank's pieces, received)."""
+    send_splits: list[int]
+    recv_splits: list[int]
 
 
 @dataclass
@@ -230,6 +257,17 @@ class _InFlight:
     sent: int = 0
     """Bytes not yet counted in a step's stats (a gather issued before the step)."""
     waited: bool = False
+
+
+def _bytes(buffer: torch.Tensor, size: int) -> torch.Tensor:
+    """The first ``size`` bytes of a 1-D buffer, as uint8."""
+    return buffer.view(torch.uint8)[:size]
+
+
+def _typed(buffer: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` elements of ``dtype`` at byte ``offset`` of a 1-D buffer (or its byte view)."""
+    raw = buffer.view(torch.uint8)
+    return raw[offset : offset + numel * dtype.itemsize].view(dtype)
 
 
 class _SideStream:
@@ -279,6 +317,7 @@ class HostGroupEngine:
             raise ValueError(f"host-group mode must be one of {MODES}, got {mode!r}")
         self.group, self.rank_of, self.coord, self.tp_size, self.mode = group, dict(rank_of), coord, tp_size, mode
         self.tasks = tuple(tasks)
+        self._task_of = {t.key: t for t in self.tasks}
         keys = [t.key for t in self.tasks]
         if len(set(keys)) != len(keys):
             raise ValueError("every task must appear once in the engine's schedule")
@@ -295,7 +334,10 @@ class HostGroupEngine:
         indices = sorted({t.group for t in self.tasks})
         self.exchanges = tuple(self._exchange(k, [t for t in self.tasks if t.group == k]) for k in indices)
         self._check_same_schedule()
+        if mode == "sync" and any(t.update_dtype is not None for t in self.tasks):
+            raise ValueError("sync mode computes every matrix on every holder: no task scatters a narrow direction")
         self._side: _SideStream | None = None
+        self._layouts: dict[tuple[int, int], _ScatterLayout] = {}
         self._staged: dict[int, _InFlight | None] = {}
         self.last_stats = StepStats()
 
@@ -334,7 +376,8 @@ class HostGroupEngine:
             if self.computes(task) and not task.is_local():  # every piece goes in and out of the full matrix
                 for holder, lo, hi in holders:
                     self._copies[(task.key, holder, lo)] = _copy_plan(task, holder[1], lo, hi, self.tp_size)
-        exchange = _Exchange(index, tuple(tasks), self._batches(tasks), moves=moves)
+        exchange = _Exchange(index, tuple(tasks), self._batches(tasks), moves=moves,
+                             narrow=moves and any(t.update_dtype is not None for t in tasks))
         for segments, by_peer, splits in ((exchange.outgoing, outgoing, exchange.send_splits),
                                           (exchange.incoming, incoming, exchange.recv_splits)):
             offset = 0
@@ -579,16 +622,48 @@ class HostGroupEngine:
             return None
         assert gather is not None
         send, recv = gather.recv, gather.send
+        if exchange.narrow:
+            layout = self._scatter_layout(exchange)
+            for seg, offset in zip(exchange.incoming, layout.send):
+                target = _typed(send, offset, seg.hi - seg.lo, seg.task.update_dtype or send.dtype)
+                self._copies[(seg.task.key, seg.holder, seg.lo)].from_full(directions[seg.task.key], target)
+            return self._all_to_all(_bytes(send, sum(layout.send_splits)), layout.recv_splits, layout.send_splits,
+                                    recv=_bytes(recv, sum(layout.recv_splits)))
         for seg in exchange.incoming:
             target = send[seg.offset : seg.offset + seg.hi - seg.lo]
             self._copies[(seg.task.key, seg.holder, seg.lo)].from_full(directions[seg.task.key], target)
         return self._all_to_all(send, exchange.send_splits, exchange.recv_splits, recv=recv)
 
+    def _scatter_layout(self, exchange: _Exchange) -> _ScatterLayout:
+        """The byte layout of a narrow exchange's scatter at this step's update dtype (made once
+        per exchange and dtype). Segments keep the element layout's order, grouped by peer."""
+        itemsize = self._update_dtype.itemsize
+        key = (exchange.index, itemsize)
+        if key not in self._layouts:
+            def place(segments: list[_Segment], peer_of: Callable[[_Segment], Coord]) -> tuple[tuple[int, ...], list[int]]:
+                offsets, splits, offset = [], [0] * len(self.rank_of), 0
+                for seg in segments:
+                    size = (seg.hi - seg.lo) * (seg.task.update_dtype or self._update_dtype).itemsize
+                    size = -(-size // itemsize) * itemsize
+                    offsets.append(offset)
+                    splits[self.rank_of[peer_of(seg)]] += size
+                    offset += size
+                return tuple(offsets), splits
+            send, send_splits = place(exchange.incoming, lambda seg: seg.holder)  # back to each holder
+            recv, recv_splits = place(exchange.outgoing, lambda seg: seg.task.host)  # mine, from the host
+            self._layouts[key] = _ScatterLayout(send, recv, send_splits, recv_splits)
+        return self._layouts[key]
+
     def _apply(self, exchange: _Exchange, scatter: _InFlight | None, directions: dict[str, torch.Tensor]) -> None:
         """Apply my slice of every direction: received ones, then those computed here."""
         self._wait(scatter, "scatter", exchange.index)
         start = time.perf_counter()
-        if scatter is not None:
+        if scatter is not None and exchange.narrow:
+            layout = self._scatter_layout(exchange)
+            for seg, offset in zip(exchange.outgoing, layout.recv):
+                received = _typed(scatter.recv, offset, seg.hi - seg.lo, seg.task.update_dtype or self._update_dtype)
+                self._apply_piece(seg.task.key, seg.lo, received)
+        elif scatter is not None:
             for seg in exchange.outgoing:
                 self._apply_piece(seg.task.key, seg.lo, scatter.recv[seg.offset : seg.offset + seg.hi - seg.lo])
         for task in (t for batch in exchange.computed for t in batch):
@@ -605,7 +680,11 @@ class HostGroupEngine:
 
     # Helpers -----------------------------------------------------------------------------
     def _apply_piece(self, key: str, lo: int, update: torch.Tensor) -> None:
+        """Apply a slice of ``key``'s direction (a narrow one: scaled first, in the update dtype)."""
         piece = self._pieces[(key, lo)]
+        task = self._task_of[key]
+        if task.update_dtype is not None:
+            update = update.to(self._update_dtype) * task.update_scale
         apply_update(piece.param, update, lr=piece.lr, weight_decay=piece.weight_decay)
 
     def _all_to_all(

@@ -12,18 +12,34 @@ range of a host-group task; each step the engine gathers every matrix to its hos
 same-shape pieces batched) and hands every piece its slice of the direction. Elementwise
 parameters take AdamW where they are. Matrix state lives only on the ranks that compute a
 matrix, at full size, keyed by task (:attr:`CanzonaOptimizer.matrix_state`).
+
+Muon iterated in bf16 gives a whole matrix's direction exactly in bf16 before its shape scale:
+:func:`narrow_updates` marks those tasks, the host returns them unscaled, the scatter carries
+them in bf16 (half of fp32's bytes) and every rank applies ``scale * D``, the product the host
+would have made: bit for bit the same update.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron.canzona.optim import MATRIX_OPTIMIZERS, AdamWConfig, AdamWState, MatrixOptimizer, merge_pieces, split_pieces
+from megatron.canzona.optim import (
+    MATRIX_OPTIMIZERS,
+    AdamWConfig,
+    AdamWState,
+    MatrixOptimizer,
+    MuonConfig,
+    merge_pieces,
+    split_pieces,
+)
 from megatron.canzona.optim.common import state_dtype_for
+from megatron.canzona.optim.config import resolve_dtype
+from megatron.canzona.optim.muon import muon_scale
 from megatron.canzona.optim.split import FusedLayout
 from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, MatrixTask, StepStats
 
@@ -181,16 +197,43 @@ class CanzonaOptimizer(MatrixOptimizer):
         return pieces
 
     def _host_compute(self, keys: Sequence[str], full_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Full-matrix directions: fused matrices split, same-shape pieces batched, merged back."""
-        jobs = []
+        """Full-matrix directions: fused matrices split, same-shape pieces batched, merged back;
+        a narrow task's unscaled (:func:`narrow_updates`)."""
+        jobs, narrow = [], []
         counts = []
         for key, grad in zip(keys, full_grads):
             pieces = split_pieces(grad, self._layouts[key])
             self._declare(key, len(pieces))
-            jobs.extend((key, i, piece) for i, piece in enumerate(pieces))
+            mine = narrow if self._tasks[key].update_dtype is not None else jobs
+            mine.extend((key, i, piece) for i, piece in enumerate(pieces))
             counts.append(len(pieces))
         directions = self._run_jobs(jobs, self.config)
+        if narrow:
+            directions.update(self._run_jobs(narrow, unscaled(self.config)))
         return [
             merge_pieces([directions[(id(key), i)] for i in range(count)], self._layouts[key])
             for key, count in zip(keys, counts)
         ]
+
+
+def unscaled(config: MuonConfig) -> MuonConfig:
+    """``config`` with a shape scale of exactly 1: Muon's direction before its scale."""
+    return dataclasses.replace(config, scale_mode="none", extra_scale_factor=1.0)
+
+
+def narrow_updates(tasks: Sequence[MatrixTask], *, math: str, config: Any, layouts: Mapping[str, FusedLayout | None],
+                   tp_size: int, mode: str) -> tuple[MatrixTask, ...]:
+    """``tasks`` with a narrow update dtype on each whose host's direction is exact in it before
+    its scale: Muon iterating in a 2-byte dtype, a whole matrix (no split layout) that moves,
+    the host-group mode (``async``). Its scale is the matrix's :func:`muon_scale`."""
+    if math != "muon" or mode != "async" or resolve_dtype(config.ns_dtype).itemsize >= 4:
+        return tuple(tasks)
+    dtype = resolve_dtype(config.ns_dtype)
+    out = []
+    for task in tasks:
+        if layouts.get(task.key) is None and not task.is_local():
+            rows, cols = task.full_shape(tp_size)
+            task = dataclasses.replace(task, update_dtype=dtype, update_scale=muon_scale(
+                rows, cols, config.scale_mode, config.extra_scale_factor))
+        out.append(task)
+    return tuple(out)

@@ -7,9 +7,11 @@ elements per rank, and the buffers whose buckets are reduced and gathered over D
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..comm import narrow_update_bytes
+from ..cost import CostModel
 from ..plan import BufferPlan, CanzonaPlan
 from ..schedule import Schedule, buffer_schedule, plan_schedule
 from ..specs import ParamSpec
@@ -91,25 +93,31 @@ def _spec_map(specs: Sequence[ParamSpec]) -> dict[tuple[int, str], ParamSpec]:
     return {(s.chunk, s.name): s for s in specs}
 
 
-def sim_tasks(schedule: Schedule, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf) -> list[SimTask]:
+def sim_tasks(schedule: Schedule, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
+              narrow: Mapping[str, int] | None = None) -> list[SimTask]:
     """The schedule's tasks (:mod:`..schedule`) on the stage's ranks, each with its update's
-    seconds: what the simulator runs."""
+    seconds (and, in ``narrow``, its update's bytes per element on the wire): what the
+    simulator runs."""
     by_key = _spec_map(specs)
+    narrow = narrow or {}
     out = []
     for t in schedule.tasks:
         spec = by_key[(t.chunk, t.name)]
         out.append(SimTask(t.name, tuple((rank(*coord), hi - lo) for coord, lo, hi in t.holders(schedule.tp_size)),
                            None if t.host is None else rank(*t.host),
                            seconds(spec) if t.span is None else seconds(spec, t.part), t.group,
-                           (t.chunk, t.bucket)))
+                           (t.chunk, t.bucket), narrow.get(t.key)))
     return out
 
 
 def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
-               *, synchronous: bool = False) -> list[SimTask]:
+               *, synchronous: bool = False, cost_model: CostModel | None = None) -> list[SimTask]:
     """A task per host of ``plan`` (per TP rank for a matrix every TP rank holds), in its
-    micro-group; ``synchronous``: computed by every holder (``--canzona-tp-mode sync``)."""
-    return sim_tasks(plan_schedule(plan, synchronous=synchronous), specs, seconds, rank)
+    micro-group; ``synchronous``: computed by every holder (``--canzona-tp-mode sync``);
+    ``cost_model``: the optimizer, whose whole matrices' bf16 Muon directions go back in bf16."""
+    schedule = plan_schedule(plan, synchronous=synchronous)
+    narrow = narrow_update_bytes(schedule.tasks, specs, cost_model) if cost_model is not None else None
+    return sim_tasks(schedule, specs, seconds, rank, narrow)
 
 
 def buffer_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,

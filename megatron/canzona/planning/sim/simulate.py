@@ -136,7 +136,8 @@ def _canzona(ctx: _Context, synchronous: bool = False, layout: str = "whole") ->
     if not isinstance(plan, CanzonaPlan):
         raise TypeError(f"canzona needs a CanzonaPlan (make_plan(...)), got {type(plan).__name__}")
     mode = "blocking" if synchronous or not ctx.overlap else "pipelined"
-    work = Work(mode=mode, dense=plan_tasks(plan, ctx.dense, ctx.seconds, g.rank, synchronous=synchronous))
+    work = Work(mode=mode, dense=plan_tasks(plan, ctx.dense, ctx.seconds, g.rank, synchronous=synchronous,
+                                            cost_model=ctx.cost_model))
     # As the runtime; modelled for the dense tasks (at expert TP 1 the whole layout moves no expert matrix).
     work.early_gather = mode == "pipelined"
     work.adamw = adamw_elements(_elementwise(plan.layouts), g.rank, g.tp_size)
@@ -146,7 +147,7 @@ def _canzona(ctx: _Context, synchronous: bool = False, layout: str = "whole") ->
         for e in range(g.ep_size):
             rank = _expert_rank(g, e)
             work.experts.append((g.expert_members(e), plan_tasks(ex, ctx.experts, ctx.seconds, rank,
-                                                                  synchronous=synchronous)))
+                                                                  synchronous=synchronous, cost_model=ctx.cost_model)))
             work.adamw = merge(work.adamw, adamw_elements(_elementwise(ex.layouts), rank, ex.tp_size))
         work.reduced.append(Buffers(_reduced(ex.layouts), g.expert_dp_group()))
     return work

@@ -57,6 +57,9 @@ class SimTask:
     """Micro-group (host groups run in increasing order)."""
     reduced_by: tuple[int, int] | None = None
     """``(model chunk, bucket)`` whose reduce-scatter delivers its gradients."""
+    update_bytes: int | None = None
+    """Bytes per element of its update on the wire when narrower than the wire's fp32 (a whole
+    matrix's bf16 Muon direction: :func:`~megatron.canzona.planning.comm.narrow_update_bytes`)."""
 
     @property
     def numel(self) -> int:
@@ -131,9 +134,9 @@ def _gather(run: StepRun, tasks: Sequence[SimTask]) -> Flows:
 
 
 def _scatter(run: StepRun, tasks: Sequence[SimTask]) -> Flows:
-    """Each holder's slice of the update back from the host (fp32)."""
-    size = run.wire.update_bytes
-    return run.topology.flows((t.host, r, n * size) for t in tasks if t.host is not None for r, n in t.holders)
+    """Each holder's slice of the update back from the host (fp32, or the task's narrower size)."""
+    return run.topology.flows((t.host, r, n * (t.update_bytes or run.wire.update_bytes))
+                              for t in tasks if t.host is not None for r, n in t.holders)
 
 
 def _compute(run: StepRun, tasks: Sequence[SimTask]) -> dict[int, float]:
