@@ -2,7 +2,10 @@
 
 Every module in ``canzona_patches`` hooks private functions of megatron-core by name,
 so a different release can break them silently. Each patch module calls
-:func:`require_pinned_megatron` at import time to fail early and clearly instead.
+:func:`require_pinned_megatron` at import time to fail early and clearly instead; being the
+first thing before any Megatron import, it also imports Megatron-Core there, once per
+process, with its fused kernels compiled on first call rather than at import
+(:mod:`canzona_patches.integration.imports`).
 """
 
 import logging
@@ -26,9 +29,13 @@ def installed_megatron_version() -> str | None:
 
 
 def require_pinned_megatron() -> None:
-    """Raise :class:`MegatronVersionError` unless megatron-core == PINNED_MEGATRON_CORE."""
+    """Raise :class:`MegatronVersionError` unless megatron-core == PINNED_MEGATRON_CORE; then
+    import it (:func:`~canzona_patches.integration.imports.import_megatron_core`)."""
     found = installed_megatron_version()
     if found == PINNED_MEGATRON_CORE:
+        from canzona_patches.integration.imports import import_megatron_core
+
+        import_megatron_core()
         return
     found_text = "is not installed" if found is None else f"is version {found}"
     raise MegatronVersionError(

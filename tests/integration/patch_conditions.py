@@ -5,7 +5,8 @@ patches Megatron for the life of the process). Usage::
 
     python tests/integration/patch_conditions.py '{"name": ["--flag", ...], ...}'
 
-prints ``{"conditions": {name: [first target of each row that holds]}, "twice": {...}}``.
+prints ``{"conditions": {name: [first target of each row that holds]}, "twice": {...},
+"import": {...}}``.
 """
 
 from __future__ import annotations
@@ -34,9 +35,19 @@ def main() -> None:
     cases = json.loads(sys.argv[1])
     sys.path.insert(0, str(ROOT))
     with contextlib.redirect_stdout(io.StringIO()):
+        import torch
+
+        compile_before = torch.compile
         import pretrain_gpt
         from canzona_patches import registry
         from canzona_patches.emulation import cpu
+        from megatron.core import jit
+    imported = {
+        "compiler_imported": "torch._dynamo" in sys.modules or "torch._inductor.compile_fx" in sys.modules,
+        "compile_restored": torch.compile is compile_before,
+        "jit_fuser_deferred": jit.jit_fuser is not compile_before and jit.jit_fuser.__qualname__.startswith(
+            "compiling_on_first_call"),
+    }
 
     pretrain_gpt.set_global_variables = lambda args, **_: None  # parse several flag lists in one process
     os.environ.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
@@ -62,7 +73,7 @@ def main() -> None:
         "wrapping_a_wrapper": sorted(t for t, v in first.items() if id(getattr(v, "__wrapped__", None)) in ours),
         "all_in_place": all(registry.installed(p) for p in rows),
     }
-    print(json.dumps({"conditions": conditions, "unresolved": unresolved, "twice": twice}))
+    print(json.dumps({"conditions": conditions, "unresolved": unresolved, "twice": twice, "import": imported}))
 
 
 if __name__ == "__main__":

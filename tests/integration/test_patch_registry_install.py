@@ -44,6 +44,39 @@ def report() -> dict:
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
+def test_importing_pretrain_gpt_leaves_the_compiler_unimported(report):
+    """Megatron's fused kernels are compiled on their first call, not at import
+    (``canzona_patches/integration/imports.py``): importing the entry point imports neither
+    dynamo nor inductor, and ``torch.compile`` is torch's own again afterwards."""
+    assert report["import"] == {"compiler_imported": False, "compile_restored": True, "jit_fuser_deferred": True}
+
+
+def test_a_deferred_compile_compiles_once_on_first_call_with_its_options():
+    from canzona_patches.integration.imports import compiling_on_first_call
+
+    calls = []
+
+    def fake_compile(fn, **options):
+        calls.append((fn.__name__, options))
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    deferred = compiling_on_first_call(fake_compile)
+
+    @deferred
+    def double(x):
+        """Twice x."""
+        return 2 * x
+
+    @deferred(mode="max-autotune")
+    def square(x):
+        return x * x
+
+    assert calls == [] and double.__name__ == "double" and double.__doc__ == "Twice x."
+    assert double(3) == ("compiled", 6) and double(4) == ("compiled", 8) and square(3) == ("compiled", 9)
+    assert calls == [("double", {}), ("square", {"mode": "max-autotune"})]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
 def test_a_canzona_run_gets_no_baseline_fix(report):
     holds = set(report["conditions"]["canzona"])
     assert not holds & _first_targets(registry.BASELINE), sorted(holds & _first_targets(registry.BASELINE))
