@@ -248,6 +248,11 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
         raise CanzonaArgumentError(
             f"--lr-warmup-iters {args.lr_warmup_iters} is not below --train-iters {args.train_iters}: the learning "
             "rate would never leave its warm-up; lower --lr-warmup-iters")
+    if args.train_iters is not None and getattr(args, "eval_interval", 1) is None \
+            and not getattr(args, "skip_train", False) and not getattr(args, "full_validation", False):
+        raise CanzonaArgumentError(
+            "--eval-interval is not set: megatron-core 0.19.2 divides --train-iters by it to count validation "
+            "samples (a TypeError at start-up); pass --eval-interval N (with --eval-iters 0 to skip validation)")
     if args.kv_channels is None and args.hidden_size and args.num_attention_heads \
             and args.hidden_size % args.num_attention_heads:
         raise CanzonaArgumentError(

@@ -22,7 +22,7 @@ from canzona_patches.integration.arguments import (
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", "10", "--lr", "1e-3"]
+        "--train-iters", "10", "--lr", "1e-3", "--eval-interval", "5"]
 
 
 def parse(*flags: str) -> argparse.Namespace:
@@ -57,6 +57,15 @@ def test_bad_flags_are_one_line_naming_the_fix(flags: list[str], world: int, mes
     with pytest.raises(CanzonaArgumentError, match=message.replace("(", r"\(")) as raised:
         check_common_args(parse(*flags), {"WORLD_SIZE": str(world)})
     assert "\n" not in str(raised.value)
+
+
+def test_no_eval_interval_is_one_line_not_a_type_error() -> None:
+    args = parse()
+    args.eval_interval = None  # what Megatron's parser gives without --eval-interval
+    with pytest.raises(CanzonaArgumentError, match="--eval-interval is not set: .* pass --eval-interval N"):
+        check_common_args(args, {})
+    args.skip_train = True  # evaluation alone: no division, nothing to say
+    check_common_args(args, {})
 
 
 def test_a_metrics_file_under_a_regular_file(tmp_path: Path) -> None:

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--train-iters", "10", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512"]
+        "--train-iters", "10", "--eval-interval", "10", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "512"]
 CASES = {  # the first case is also installed twice
     "canzona": [*TINY, "--optimizer", "muon", "--canzona", "--use-distributed-optimizer"],
     "layerwise": [*TINY, "--optimizer", "muon", "--use-distributed-optimizer"],
