@@ -339,3 +339,7 @@ def test_engine_on_cuda_side_stream() -> None:
         for mode in ("async", "sync"):
             # cuBLAS may pick other kernels on another stream: allow rounding, not bits
             assert result[mode]["max_error"] <= 1e-5, f"rank {rank} {mode}"
+        # bf16 Newton-Schulz, whole matrices' directions scattered in bf16 over NCCL (a uint8
+        # all-to-all): another kernel's bf16 roundings carry through the iteration (the bound of
+        # test_canzona_whole.py's bf16 runs); a lost, doubled or unscaled update moves by ~lr
+        assert result["narrow"]["max_error"] <= 0.5 * LR, f"rank {rank} narrow"
