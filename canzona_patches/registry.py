@@ -143,13 +143,13 @@ def _megatron_distributed_optimizer_legacy_format(args: Any) -> bool:
 # --------------------------------------------------------------------------- the table
 
 CONDITIONS: dict[str, Callable[[Any], bool]] = {
-    "always": _always, "never": _never, "no_cuda": _no_cuda, "checksums": _checksums,
-    "synchronous_saves_on_cpu": _synchronous_saves_on_cpu, "canzona": _canzona, "layer_wise_muon": _layer_wise_muon,
-    "megatron_distributed_optimizer": _megatron_distributed_optimizer,
-    "megatron_distributed_optimizer_on_torch": _megatron_distributed_optimizer_on_torch,
-    "megatron_distributed_optimizer_legacy_format": _megatron_distributed_optimizer_legacy_format,
+    predicate.__name__.removeprefix("_"): predicate for predicate in (
+        _always, _never, _no_cuda, _checksums, _synchronous_saves_on_cpu, _canzona, _layer_wise_muon,
+        _megatron_distributed_optimizer, _megatron_distributed_optimizer_on_torch,
+        _megatron_distributed_optimizer_legacy_format,
+    )
 }
-"""The predicates a row's ``when`` names."""
+"""The predicates a row's ``when`` names, by their function's name."""
 
 TABLE = Path(__file__).with_name("patches.toml")
 """The table: one ``[[patch]]`` per row, its fields described at the top of the file."""

@@ -14,8 +14,6 @@ Shards and pieces are cut here by hand, not with the engine's own helpers.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,6 +32,7 @@ from megatron.canzona.optim.muon import muon_scale
 from megatron.canzona.runtime import LaunchConfig, launch
 from megatron.canzona.planning.schedule import Task
 from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, MatrixTask
+from megatron.canzona.runtime.optimizer import narrow_updates, unscaled
 
 pytestmark = pytest.mark.multirank
 
@@ -106,16 +105,15 @@ def _task(key: str, *, local_shape: tuple, tp_dim: int | None, pieces: tuple, ho
 
 
 def _narrowed(tasks: list[MatrixTask], specs: dict, tp: int) -> list[MatrixTask]:
-    """Every task whose host computes one whole matrix (no split layout) and sends it: its
-    bf16 Newton-Schulz output goes back in bf16, unscaled."""
-    out = []
-    for task in tasks:
-        if _layout(specs[task.key.split("@")[0]], tp) is None and not task.is_local():
-            rows, cols = task.full_shape(tp)
-            task = dataclasses.replace(task, update_dtype=torch.bfloat16,
-                                       update_scale=muon_scale(rows, cols, CONFIG_BF16.scale_mode))
-        out.append(task)
-    return out
+    """The runtime's marking (``narrow_updates``): every task whose host computes one whole
+    matrix (no split layout) and sends it gets its bf16 Newton-Schulz output back in bf16."""
+    layouts = {t.key: _layout(specs[t.key.split("@")[0]], tp) for t in tasks}
+    marked = list(narrow_updates(tasks, math="muon", config=CONFIG_BF16, layouts=layouts, tp_size=tp, mode="async"))
+    for task in marked:  # the scale is the whole matrix's, as single-device Muon computes it
+        if task.update_dtype is not None:
+            assert task.update_scale == muon_scale(*task.full_shape(tp), CONFIG_BF16.scale_mode)
+    assert any(t.update_dtype is not None for t in marked) and any(t.update_dtype is None for t in marked)
+    return marked
 
 
 def _tasks(specs: dict, dp: int, tp: int) -> list[MatrixTask]:
@@ -137,8 +135,8 @@ def _tasks(specs: dict, dp: int, tp: int) -> list[MatrixTask]:
 class _Muon:
     """Host math: Muon per matrix (pieces of split fused ones), state kept by key."""
 
-    def __init__(self, layouts: dict, config: MuonConfig = CONFIG, unscaled: frozenset = frozenset()) -> None:
-        self.layouts, self.config, self.unscaled = layouts, config, unscaled
+    def __init__(self, layouts: dict, config: MuonConfig = CONFIG, narrow: frozenset = frozenset()) -> None:
+        self.layouts, self.config, self.narrow = layouts, config, narrow
         self.states: dict[str, list[MuonState]] = {}
 
     def __call__(self, keys, grads):
@@ -147,7 +145,7 @@ class _Muon:
             layout = self.layouts[key.split("@")[0]]
             pieces = split_pieces(grad, layout)
             states = self.states.setdefault(key, [MuonState.create(p.shape) for p in pieces])
-            config = dataclasses.replace(self.config, scale_mode="none") if key in self.unscaled else self.config
+            config = unscaled(self.config) if key in self.narrow else self.config
             directions.append(merge_pieces([muon_update(p, st, config) for p, st in zip(pieces, states)], layout))
         return directions
 
@@ -209,8 +207,8 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
         name = task.key.split("@")[0]
         for lo, hi in engine.holds(task):
             mine[(task.key, lo)] = (name, _megatron_shard(params[name], specs[name], coord[1], tp).reshape(-1)[lo:hi], hi)
-    unscaled = frozenset(t.key for t in tasks if t.update_dtype is not None)
-    host_math, stats, side_streams = _Muon(layouts, config, unscaled), [], set()
+    narrow_keys = frozenset(t.key for t in tasks if t.update_dtype is not None)
+    host_math, stats, side_streams = _Muon(layouts, config, narrow_keys), [], set()
     for step in range(STEPS):
         pieces = {
             (key, lo): LocalPiece(

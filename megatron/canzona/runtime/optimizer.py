@@ -41,6 +41,7 @@ from megatron.canzona.optim.common import state_dtype_for
 from megatron.canzona.optim.config import resolve_dtype
 from megatron.canzona.optim.muon import muon_scale
 from megatron.canzona.optim.split import FusedLayout
+from megatron.canzona.planning.comm import NARROW_DTYPE_BYTES
 from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, MatrixTask, StepStats
 
 
@@ -82,6 +83,8 @@ class CanzonaOptimizer(MatrixOptimizer):
         self.gather_scale: tuple[Any, ...] = ()
         """Factors the hosts apply to gradients gathered before the step (loss-scale inverse,
         clip factor), set by the DistributedOptimizer around each step."""
+        self._unscaled: MuonConfig | None = None
+        """:func:`unscaled` of the config, made at the first step with a narrow task."""
 
     def bind(
         self, pieces: Mapping[torch.Tensor, Sequence[PieceRef]], engine: HostGroupEngine,
@@ -209,7 +212,9 @@ class CanzonaOptimizer(MatrixOptimizer):
             counts.append(len(pieces))
         directions = self._run_jobs(jobs, self.config)
         if narrow:
-            directions.update(self._run_jobs(narrow, unscaled(self.config)))
+            if self._unscaled is None:
+                self._unscaled = unscaled(self.config)
+            directions.update(self._run_jobs(narrow, self._unscaled))
         return [
             merge_pieces([directions[(id(key), i)] for i in range(count)], self._layouts[key])
             for key, count in zip(keys, counts)
@@ -224,9 +229,11 @@ def unscaled(config: MuonConfig) -> MuonConfig:
 def narrow_updates(tasks: Sequence[MatrixTask], *, math: str, config: Any, layouts: Mapping[str, FusedLayout | None],
                    tp_size: int, mode: str) -> tuple[MatrixTask, ...]:
     """``tasks`` with a narrow update dtype on each whose host's direction is exact in it before
-    its scale: Muon iterating in a 2-byte dtype, a whole matrix (no split layout) that moves,
-    the host-group mode (``async``). Its scale is the matrix's :func:`muon_scale`."""
-    if math != "muon" or mode != "async" or resolve_dtype(config.ns_dtype).itemsize >= 4:
+    its scale: Muon iterating in a narrow dtype (the planner's
+    :data:`~megatron.canzona.planning.comm.NARROW_DTYPE_BYTES`, which prices the same scatter), a
+    whole matrix (no split layout) that moves, the host-group mode (``async``). Its scale is the
+    matrix's :func:`muon_scale`."""
+    if math != "muon" or mode != "async" or config.ns_dtype not in NARROW_DTYPE_BYTES:
         return tuple(tasks)
     dtype = resolve_dtype(config.ns_dtype)
     out = []
