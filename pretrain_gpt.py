@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,6 +63,17 @@ _CPU_FLAG_VALUES = (
     ("gradient_accumulation_fusion", False),
     ("no_persist_layer_norm", True),
     ("moe_grouped_gemm", False),  # needs CUDA (validate_args reads the device capability)
+)
+
+
+# Fused kernels that Megatron's local layers take from a compiled extension, not from torch, as
+# (args attribute, value without it, the module that provides it). On a GPU machine without
+# transformer-engine or apex, Megatron's defaults stop the run at the first of them.
+_EXTENSION_KERNELS = (
+    ("apply_rope_fusion", False, "transformer_engine"),
+    ("masked_softmax_fusion", False, "scaled_upper_triang_masked_softmax_cuda"),
+    ("gradient_accumulation_fusion", False, "fused_weight_gradient_mlp_cuda"),
+    ("no_persist_layer_norm", True, "apex"),  # without apex the local spec's norm is torch's, which refuses it
 )
 
 
@@ -257,6 +270,36 @@ def check_transformer_engine(transformer_impl: str, importable: bool) -> None:
             "transformer-engine is not installed: pip install -e '.[gpu]', or pass --transformer-impl local")
 
 
+def adapt_args_to_missing_kernels(args: argparse.Namespace,
+                                  importable: Callable[[str], bool] | None = None) -> list[str]:
+    """With ``--transformer-impl local`` on a GPU, turn off the fused kernels whose extension
+    is not installed (they only make the step faster); return ``flag=value`` notes."""
+    if args.transformer_impl != "local":
+        return []
+    importable = importable or (lambda module: importlib.util.find_spec(module) is not None)
+    changed = []
+    for name, value, module in _EXTENSION_KERNELS:
+        if getattr(args, name) != value and not importable(module):
+            setattr(args, name, value)
+            changed.append(f"{name}={value} (no {module})")
+    return changed
+
+
+def place_ranks_on_gpus(args: argparse.Namespace, device_count: int) -> list[str]:
+    """Megatron puts local rank r on GPU r. gloo ranks may share GPUs (how a single GPU runs a
+    multi-rank test): local rank r goes to GPU ``r % device_count``. NCCL refuses two ranks on
+    one GPU, so there the error names the fix."""
+    if device_count == 0 or args.local_rank < device_count:
+        return []
+    if args.distributed_backend == "nccl":
+        raise CanzonaArgumentError(
+            f"local rank {args.local_rank} has no GPU of its own ({device_count} on this node): start at most "
+            f"{device_count} processes per node (--nproc-per-node), or use --distributed-backend gloo to share GPUs")
+    gpu = args.local_rank % device_count
+    args.local_rank = gpu
+    return [f"local rank -> GPU {gpu} (gloo ranks share the node's {device_count} GPUs)"]
+
+
 def _transformer_engine_importable() -> bool:
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
@@ -296,6 +339,7 @@ def parse_and_validate() -> argparse.Namespace:
     notes = adapt_args_to_cpu(args) if on_cpu else []
     if not on_cpu:
         check_transformer_engine(args.transformer_impl, _transformer_engine_importable())
+        notes = adapt_args_to_missing_kernels(args) + place_ranks_on_gpus(args, torch.cuda.device_count())
     validate_args(args)
     finalize_canzona_args(args)
     set_global_variables(args)

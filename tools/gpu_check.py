@@ -84,6 +84,8 @@ class Context:
     cuda: bool
     timeout_s: float
     publish: bool
+    variants: tuple[str, ...] = ONE_GPU_VARIANTS
+    """The ``one_gpu`` step's recipe variants, in this order."""
 
     def run(self, name: str, command: list[str], result: Result, *, env: dict[str, str] | None = None,
             timeout_s: float | None = None) -> subprocess.CompletedProcess:
@@ -193,10 +195,13 @@ def read_losses(metrics: Path) -> dict[int, float]:
 def demo_command(ctx: Context, name: str, *, cuda: bool) -> tuple[list[str], dict[str, str]]:
     """The CPU demo at TP 2 x DP 2 for a few iterations: on CPU, or with the GPU visible."""
     env = {"PYTHON": ctx.python, "TP": "2", "NPROC": "4", "ITERS": str(TP2DP2_ITERS), "OUT_DIR": str(ctx.out / name),
-           "MASTER_PORT": "29561" if cuda else "29562"}
+           "MASTER_PORT": "29561" if cuda else "29562",
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # Megatron requires it for TP > 1 on a GPU before Blackwell
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    return ["bash", str(CPU_DEMO), "--log-interval", "1", "--eval-interval", "1000"], env
+    # Megatron's local layers on both (the CPU run's only choice), so the runs differ in device alone.
+    return ["bash", str(CPU_DEMO), "--log-interval", "1", "--eval-interval", "1000",
+            "--lr-warmup-iters", str(TP2DP2_ITERS // 5), "--transformer-impl", "local"], env
 
 
 def demo_run(ctx: Context, name: str, result: Result, *, cuda: bool) -> dict[int, float]:
@@ -232,7 +237,7 @@ def step_one_gpu(ctx: Context, result: Result) -> None:
     te = transformer_engine()
     extra = ["--num-layers", str(ONE_GPU_LAYERS), "--transformer-impl", "transformer_engine" if te else "local"]
     rows = {}
-    for variant in ONE_GPU_VARIANTS:
+    for variant in ctx.variants:
         env = one_gpu_env(ctx, variant)
         if not ctx.cuda:  # the recipe's command only
             ctx.run(f"one_gpu_{variant}", ["bash", str(RECIPE_8B), *extra], result, env={**env, "DRY_RUN": "1"})
@@ -273,8 +278,8 @@ STEPS = (
     Step("environment", "environment", False, True, step_environment),
     Step("cuda_tests", "CUDA tests (`pytest -m gpu`)", True, False, step_cuda_tests),
     Step("bench", "Newton-Schulz, standard vs gram, bf16 (`tools/bench_optim.py`)", True, True, step_bench),
-    Step("tp2dp2", "TP 2 x DP 2, CUDA tensors + gloo, against CPU", True, False, step_tp2dp2),
     Step("one_gpu", f"one GPU, bf16, Qwen3-8B cut to {ONE_GPU_LAYERS} layers", True, True, step_one_gpu),
+    Step("tp2dp2", "TP 2 x DP 2, CUDA tensors + gloo, against CPU", True, False, step_tp2dp2),
 )
 
 
@@ -318,6 +323,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", nargs="+", choices=[s.name for s in STEPS], default=[s.name for s in STEPS])
     p.add_argument("--out", type=Path, default=ROOT / "build" / "gpu-check", help="logs, gpu_check.json and gpu_check.md")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each command may take")
+    p.add_argument("--variants", nargs="+", choices=ONE_GPU_VARIANTS, default=list(ONE_GPU_VARIANTS),
+                   help="the one_gpu step's recipe variants, run in this order")
     p.add_argument("--python", default=sys.executable, help="interpreter of the steps' commands (default: this one)")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
@@ -328,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     args.out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(out=args.out, python=args.python, cuda=cuda, timeout_s=args.timeout, publish=cuda)
+    ctx = Context(out=args.out, python=args.python, cuda=cuda, timeout_s=args.timeout, publish=cuda,
+                  variants=tuple(args.variants))
     report: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                               "command": shlex.join(["tools/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
                               "cuda": cuda, "steps": {}}

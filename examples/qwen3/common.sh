@@ -113,6 +113,19 @@ qwen3_python() {
     fi
 }
 
+# Whether the torchrun of $PYTHON's torch takes the flag $1 (torch 2.11's has no
+# --shutdown-timeout). Read from torchrun's source: importing torch would cost seconds. Where
+# torch cannot be found (a DRY_RUN on a login node), the flag is assumed.
+qwen3_torchrun_takes() {
+    local status=0
+    "$PYTHON" - "$1" <<'PY' 2>/dev/null || status=$?
+import importlib.util, pathlib, sys
+run = pathlib.Path(importlib.util.find_spec("torch").submodule_search_locations[0], "distributed", "run.py")
+sys.exit(0 if sys.argv[1].encode() in run.read_bytes() else 1)
+PY
+    (( status != 1 ))
+}
+
 qwen3_model_args() {
     qwen3_architecture
     # Megatron pads the tokenizer's vocabulary to a multiple of this times TP. Qwen3's
@@ -295,8 +308,13 @@ qwen3_launcher() {
     # them. Its ranks run in sessions of their own, so a signal to torchrun's process group
     # alone would not reach them.
     LAUNCHER+=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE"
-               --signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-               --shutdown-timeout "$SHUTDOWN_TIMEOUT")
+               --signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    if qwen3_torchrun_takes --shutdown-timeout; then
+        LAUNCHER+=(--shutdown-timeout "$SHUTDOWN_TIMEOUT")
+    else
+        echo "$(basename "$0"): note: this torch's torchrun has no --shutdown-timeout: after a signal" \
+            "the ranks get its fixed default (30 s) to save, not SHUTDOWN_TIMEOUT=$SHUTDOWN_TIMEOUT s" >&2
+    fi
     if (( nnodes == 1 )) && [[ -z "${MASTER_ADDR:-}" ]]; then
         LAUNCHER+=(--standalone)
     else

@@ -368,6 +368,22 @@ def test_bf16_gradients_are_reduced_in_fp32_at_every_dp_size(recipe: str, env: d
     assert "--bf16" not in flags and "--accumulate-allreduce-grads-in-fp32" not in flags
 
 
+def test_an_older_torchrun_gets_no_shutdown_timeout(tmp_path: Path) -> None:
+    """torch 2.11's torchrun refuses --shutdown-timeout (seen on a GPU machine): the recipe
+    leaves it out there, and says what that costs."""
+    run = tmp_path / "torch" / "distributed" / "run.py"
+    run.parent.mkdir(parents=True)
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    run.write_text("# a torchrun without the flag\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SHUTDOWN_TIMEOUT"))}
+    result = subprocess.run(["bash", str(RECIPES_DIR / RECIPES["qwen3-8b"])], env={**env, "DRY_RUN": "1", "PYTHONPATH": str(tmp_path)},
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 0, result.stderr
+    launcher, _ = split_command(shlex.split(result.stdout))
+    assert "--shutdown-timeout" not in launcher and "--signals-to-handle" in launcher
+    assert "no --shutdown-timeout" in result.stderr
+
+
 def test_network_variables_are_passed_on_when_set() -> None:
     network = {"NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5_0,mlx5_1", "GLOO_SOCKET_IFNAME": "eth0"}
     words = dry_run(RECIPES["qwen3-32b"], NNODES="4", MASTER_ADDR="x", **network)

@@ -27,7 +27,7 @@ def test_gpu_check_plumbing_on_cpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     steps = report["steps"]
-    assert list(steps) == ["environment", "cuda_tests", "bench", "tp2dp2", "one_gpu"]
+    assert list(steps) == ["environment", "cuda_tests", "bench", "one_gpu", "tp2dp2"]
     assert steps["environment"]["status"] == "ran" and steps["environment"]["details"]["megatron_core"] == "0.19.2"
     for name in ("cuda_tests", "tp2dp2"):
         assert steps[name]["status"] == "skipped" and steps[name]["summary"] == "no CUDA device"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import types
 from pathlib import Path
@@ -49,3 +50,33 @@ def test_a_gpu_run_without_transformer_engine_names_the_fix():
         pretrain_gpt.check_transformer_engine("transformer_engine", importable=False)
     pretrain_gpt.check_transformer_engine("local", importable=False)
     pretrain_gpt.check_transformer_engine("transformer_engine", importable=True)
+
+
+def test_local_layers_on_a_gpu_turn_off_the_kernels_of_missing_extensions():
+    """Seen on an H100 without transformer-engine or apex: Megatron's default rope, softmax, wgrad
+    and persistent-norm kernels stop a ``--transformer-impl local`` run; each is turned off when
+    (and only when) its module is missing, with a note."""
+    defaults = {"apply_rope_fusion": True, "masked_softmax_fusion": True, "gradient_accumulation_fusion": True,
+                "no_persist_layer_norm": False}
+    assert set(defaults) == {name for name, _, _ in pretrain_gpt._EXTENSION_KERNELS}
+    args = argparse.Namespace(transformer_impl="local", **defaults)
+    notes = pretrain_gpt.adapt_args_to_missing_kernels(args, importable=lambda m: m == "fused_weight_gradient_mlp_cuda")
+    assert notes == ["apply_rope_fusion=False (no transformer_engine)",
+                     "masked_softmax_fusion=False (no scaled_upper_triang_masked_softmax_cuda)",
+                     "no_persist_layer_norm=True (no apex)"]
+    assert vars(args) == {**defaults, "transformer_impl": "local", "apply_rope_fusion": False,
+                          "masked_softmax_fusion": False, "no_persist_layer_norm": True}
+    te = argparse.Namespace(transformer_impl="transformer_engine", **defaults)
+    assert pretrain_gpt.adapt_args_to_missing_kernels(te, importable=lambda m: False) == [] and te.apply_rope_fusion
+
+
+def test_ranks_beyond_the_gpus_share_them_on_gloo_and_name_the_fix_on_nccl():
+    """Megatron puts local rank r on GPU r: 4 gloo ranks on one GPU (gpu_check's TP 2 x DP 2) failed
+    with "invalid device ordinal"."""
+    args = argparse.Namespace(local_rank=3, distributed_backend="gloo")
+    assert pretrain_gpt.place_ranks_on_gpus(args, device_count=2) and args.local_rank == 1
+    args = argparse.Namespace(local_rank=1, distributed_backend="nccl")
+    assert pretrain_gpt.place_ranks_on_gpus(args, device_count=2) == [] and args.local_rank == 1
+    assert pretrain_gpt.place_ranks_on_gpus(argparse.Namespace(local_rank=3, distributed_backend="gloo"), 0) == []
+    with pytest.raises(CanzonaArgumentError, match=r"--nproc-per-node\), or use --distributed-backend gloo"):
+        pretrain_gpt.place_ranks_on_gpus(argparse.Namespace(local_rank=2, distributed_backend="nccl"), device_count=2)

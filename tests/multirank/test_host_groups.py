@@ -144,7 +144,7 @@ class _Muon:
         for key, grad in zip(keys, grads):
             layout = self.layouts[key.split("@")[0]]
             pieces = split_pieces(grad, layout)
-            states = self.states.setdefault(key, [MuonState.create(p.shape) for p in pieces])
+            states = self.states.setdefault(key, [MuonState.create(p.shape, device=p.device) for p in pieces])
             config = unscaled(self.config) if key in self.narrow else self.config
             directions.append(merge_pieces([muon_update(p, st, config) for p, st in zip(pieces, states)], layout))
         return directions
@@ -175,8 +175,8 @@ then a clip factor (``(raw * UNSCALE) * CLIP``, Megatron's order)."""
 def engine_body(dp: int, tp: int, device: str = "cpu") -> dict[str, dict]:
     """Rank body: rank r is (DP rank r // tp, TP rank r % tp) of one DP x TP grid."""
     rank = dist.get_rank()
-    if device == "cuda":
-        torch.cuda.set_device(rank)
+    if device == "cuda":  # one GPU per NCCL rank; gloo ranks may share one
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     out = {mode: _train(dp, tp, mode, torch.device(device)) for mode in ("async", "sync")}
     out["staged"] = _train(dp, tp, "async", torch.device(device), staged=True)
     out["narrow"] = _train(dp, tp, "async", torch.device(device), narrow=True)
@@ -326,12 +326,15 @@ def test_engine_rejects_a_bad_schedule() -> None:
 @pytest.mark.gpu
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL, side stream)")
-def test_engine_on_cuda_side_stream() -> None:
-    """One NCCL rank per GPU: host compute on the side CUDA stream equals the reference."""
-    world_size = min(torch.cuda.device_count(), 2)
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_engine_on_cuda_side_stream(backend: str) -> None:
+    """Host compute on the side CUDA stream equals the reference: NCCL with one rank per GPU
+    (TP up to 2), and gloo with CUDA tensors at DP 2 x TP 2 (NCCL refuses two ranks on one GPU,
+    gloo does not), so the multi-rank CUDA path runs on a single GPU too."""
+    dp, tp = (1, min(torch.cuda.device_count(), 2)) if backend == "nccl" else (2, 2)
     per_rank = launch(
-        engine_body, LaunchConfig(world_size=world_size, timeout_s=LAUNCH_TIMEOUT_S, backend="nccl"),
-        1, world_size, "cuda",
+        engine_body, LaunchConfig(world_size=dp * tp, timeout_s=LAUNCH_TIMEOUT_S, backend=backend),
+        dp, tp, "cuda",
     )
     for rank, result in enumerate(per_rank):
         for mode in ("async", "sync"):
