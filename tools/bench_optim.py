@@ -27,7 +27,10 @@ ends with a table of gram's time over standard's per shape, and the method ``aut
 the first optimizer measured is the file's top level, a planning.cost.Calibration JSON
 (``{"optimizer", "timings": [{"m", "n", "seconds"}]}``, what
 megatron.canzona.planning.sim.load_calibration and tools/simulate.py read); every one is
-under ``"optimizers"``, and ``"measured"`` says when, where and how. ``seconds`` is the
+under ``"optimizers"``; Muon's of each Newton-Schulz method measured under ``"muon_methods"``,
+with ``auto`` (each shape's time of the method auto picks) where standard and gram both ran, so
+``tools/simulate.py --muon-ns-method auto --calibration FILE`` projects from measured times;
+``"measured"`` says when, where and how. ``seconds`` is the
 batched time per matrix (as ``--calibration-dir``); ``looped_seconds`` the one-call-each.
 """
 
@@ -405,25 +408,47 @@ def write_calibrations(report: dict[str, Any], directory: str) -> None:
             f.write(Calibration(optimizer=name, seconds=seconds, ns_method=method).to_json())
 
 
+def muon_method_rows(report: dict[str, Any]) -> dict[str, dict[tuple[int, int], dict[str, Any]]]:
+    """Muon's rows by Newton-Schulz method, in the run's first Newton-Schulz dtype, by shape. Where
+    standard and gram were both measured, ``auto`` too: each shape's row of the method auto picks
+    (what ``--muon-ns-method auto`` would time, from the same run)."""
+    dtype = report["config"]["ns_dtype"][0]
+    by_method: dict[str, dict[tuple[int, int], dict[str, Any]]] = {}
+    for r in report["rows"]:
+        if r["optimizer"] == "muon" and r.get("ns_dtype") == dtype:
+            by_method.setdefault(r["ns_method"], {})[(r["m"], r["n"])] = r
+    if {"standard", "gram"} <= set(by_method) and "auto" not in by_method:
+        steps = MuonConfig().num_ns_steps
+        by_method["auto"] = {(m, n): by_method[ns_method_for(m, n, steps, "auto", dtype)][(m, n)]
+                             for m, n in by_method["standard"] if (m, n) in by_method["gram"]}
+    return by_method
+
+
 def calibration_document(report: dict[str, Any]) -> dict[str, Any]:
     """One calibration of every matrix optimizer measured (module docstring): the first is
-    the top level, so that load_calibration reads it; all are under ``optimizers``."""
+    the top level, so that load_calibration reads it; all are under ``optimizers``, and Muon's
+    of every Newton-Schulz method under ``muon_methods``."""
     cfg = report["config"]
+
+    def entry(name: str, rows: dict[tuple[int, int], dict[str, Any]], method: str | None) -> dict[str, Any]:
+        timings = [{"m": m, "n": n, "dtype": cfg["dtype"], "seconds": r["batched_s"], "looped_seconds": r["looped_s"],
+                    "stack": r["stack"]} for (m, n), r in sorted(rows.items())]
+        return {"optimizer": name, "dtype": cfg["dtype"], "ns_dtype": cfg["ns_dtype"][0] if name == "muon" else None,
+                "ns_method": method, "timings": timings}
+
     entries: dict[str, Any] = {}
     for name in cfg["optimizer"]:
         rows = {(r["m"], r["n"]): r for r in calibrated_rows(report, name)}
         if name == "adamw" or not rows:
             continue
-        timings = [{"m": m, "n": n, "dtype": cfg["dtype"], "seconds": r["batched_s"], "looped_seconds": r["looped_s"],
-                    "stack": r["stack"]} for (m, n), r in sorted(rows.items())]
-        entries[name] = {"optimizer": name, "dtype": cfg["dtype"],
-                         "ns_dtype": cfg["ns_dtype"][0] if name == "muon" else None,
-                         "ns_method": cfg["muon_ns_method"][0] if name == "muon" else None, "timings": timings}
+        entries[name] = entry(name, rows, cfg["muon_ns_method"][0] if name == "muon" else None)
+    methods = {method: entry("muon", rows, method) for method, rows in muon_method_rows(report).items()}
     measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "command": report["command"], "git": report["git"], "machine": report["machine"],
                 "repeats": cfg["repeats"], "warmup": cfg["warmup"],
                 "precondition_frequency": cfg["precondition_frequency"]}
-    return {**next(iter(entries.values())), "optimizers": entries, "measured": measured}
+    return {**next(iter(entries.values())), "optimizers": entries, **({"muon_methods": methods} if methods else {}),
+            "measured": measured}
 
 
 def main(argv: list[str] | None = None) -> None:

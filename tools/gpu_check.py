@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from megatron.canzona.curves import read_curve
 from megatron.canzona.provenance import ROOT as ROOT_DIR
 from megatron.canzona.provenance import git_revision, machine
 
@@ -98,9 +99,17 @@ class Context:
             done = subprocess.run(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=handle,
                                   stderr=subprocess.STDOUT, timeout=timeout_s or self.timeout_s, text=True)
         if done.returncode != 0:
-            tail = log.read_text(errors="replace").strip().splitlines()[-3:] or ["no output"]
-            raise RuntimeError(f"exit {done.returncode}: {' / '.join(tail)} (log: {log})")
+            raise RuntimeError(f"exit {done.returncode}: {failure_line(log)} (log: {log})")
         return done
+
+
+def failure_line(log: Path) -> str:
+    """What a failed command's log says went wrong: its last line naming an error or a signal
+    (torchrun's closing ``ChildFailedError`` names neither), else its last lines."""
+    lines = log.read_text(errors="replace").strip().splitlines()
+    named = [line.strip() for line in lines if re.search(r"Error\b|error:|Signal \d+|SIG[A-Z]+ ", line)
+             and "ChildFailedError" not in line]
+    return named[-1] if named else " / ".join(lines[-3:]) or "no output"
 
 
 def transformer_engine() -> str | None:
@@ -183,36 +192,61 @@ def step_bench(ctx: Context, result: Result) -> None:
 
 
 def read_losses(metrics: Path) -> dict[int, float]:
-    """Loss by iteration from a ``--canzona-metrics-file``."""
-    out = {}
-    for line in metrics.read_text().splitlines():
-        record = json.loads(line) if line.strip() else {}
-        if record.get("loss") is not None:
-            out[int(record["iteration"])] = float(record["loss"])
-    return out
+    """Loss by iteration from a ``--canzona-metrics-file`` (read as the loss plots read it)."""
+    curve = read_curve(metrics)
+    return dict(zip(curve.iterations, curve.losses))
 
 
-def demo_command(ctx: Context, name: str, *, cuda: bool) -> tuple[list[str], dict[str, str]]:
+TP2DP2_PROBES = (
+    ("tp2dp2_cuda_sync", "--canzona-tp-mode sync", {}, ["--canzona-tp-mode", "sync"]),
+    ("tp2dp2_cuda_layerwise", "Megatron's layer-wise Muon", {"CANZONA": "0"}, []),
+    ("tp2dp2_cuda_adamw", "AdamW", {"OPTIMIZER": "adam", "CANZONA": "0"}, []),
+)
+"""Run only when the CUDA run fails, as (name, what, environment, flags): the same job with less
+of Canzona in it, which tells where it broke without another device session."""
+
+
+def demo_command(ctx: Context, name: str, *, cuda: bool, env_extra: dict[str, str] | None = None,
+                 flags: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The CPU demo at TP 2 x DP 2 for a few iterations: on CPU, or with the GPU visible."""
-    env = {"PYTHON": ctx.python, "TP": "2", "NPROC": "4", "ITERS": str(TP2DP2_ITERS), "OUT_DIR": str(ctx.out / name),
+    env = {**(env_extra or {}), "PYTHON": ctx.python, "TP": "2", "NPROC": "4", "ITERS": str(TP2DP2_ITERS), "OUT_DIR": str(ctx.out / name),
            "MASTER_PORT": "29561" if cuda else "29562",
            "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # Megatron requires it for TP > 1 on a GPU before Blackwell
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
     # Megatron's local layers on both (the CPU run's only choice), so the runs differ in device alone.
     return ["bash", str(CPU_DEMO), "--log-interval", "1", "--eval-interval", "1000",
-            "--lr-warmup-iters", str(TP2DP2_ITERS // 5), "--transformer-impl", "local"], env
+            "--lr-warmup-iters", str(TP2DP2_ITERS // 5), "--transformer-impl", "local", *(flags or [])], env
 
 
-def demo_run(ctx: Context, name: str, result: Result, *, cuda: bool) -> dict[int, float]:
-    command, env = demo_command(ctx, name, cuda=cuda)
-    ctx.run(name, command, result, env=env)
+def demo_run(ctx: Context, name: str, result: Result, *, cuda: bool, env_extra: dict[str, str] | None = None,
+             flags: list[str] | None = None) -> dict[int, float]:
+    command, env = demo_command(ctx, name, cuda=cuda, env_extra=env_extra, flags=flags)
+    try:
+        ctx.run(name, command, result, env=env)
+    except RuntimeError as error:  # the demo prints only progress lines: the cause is in its train.log
+        train_log = ctx.out / name / "train.log"
+        if train_log.is_file():
+            raise RuntimeError(f"{failure_line(train_log)} (log: {train_log})") from error
+        raise
     return read_losses(ctx.out / name / "metrics.jsonl")
 
 
 def step_tp2dp2(ctx: Context, result: Result) -> None:
     cpu = demo_run(ctx, "tp2dp2_cpu", result, cuda=False)
-    gpu = demo_run(ctx, "tp2dp2_cuda", result, cuda=True)
+    try:
+        gpu = demo_run(ctx, "tp2dp2_cuda", result, cuda=True)
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        probes = {}
+        for name, what, env_extra, flags in TP2DP2_PROBES:
+            try:
+                demo_run(ctx, name, result, cuda=True, env_extra=env_extra, flags=flags)
+                probes[what] = "ran"
+            except (RuntimeError, subprocess.TimeoutExpired) as probe_error:
+                probes[what] = "failed: " + str(probe_error).splitlines()[0][:200]
+        result.details["probes"] = probes
+        raise RuntimeError(f"{str(error).splitlines()[0]}; with less of Canzona: "
+                           + "; ".join(f"{what} {outcome.split(':')[0]}" for what, outcome in probes.items())) from error
     common = sorted(set(cpu) & set(gpu))
     if not common:
         raise RuntimeError("the CPU and CUDA runs logged no common iteration")
@@ -245,15 +279,31 @@ def step_one_gpu(ctx: Context, result: Result) -> None:
         if not (DEMO_DATA / "demo_text_document.idx").is_file():
             ctx.run("demo_data", [ctx.python, "tools/prepare_demo_data.py", "--output-dir", str(DEMO_DATA)], result)
         ctx.run(f"one_gpu_{variant}", ["bash", str(RECIPE_8B), *extra], result, env=env)
-        records = [json.loads(line) for line in (Path(env["LOG_DIR"]) / "metrics.jsonl").read_text().splitlines()
-                   if line.strip()]
-        late = records[len(records) // 2:]  # after warm-up
-        rows[variant] = {"optimizer_step_ms": sum(r["optimizer_step_ms"] for r in late) / len(late),
-                         "iteration_ms": sum(r["iteration_ms"] for r in late) / len(late)}
+        rows[variant] = one_gpu_row(Path(env["LOG_DIR"]) / "metrics.jsonl")
+    one_gpu_result(rows, te, result)
+
+
+def one_gpu_row(metrics: Path) -> dict[str, Any]:
+    """One variant's optimizer step and iteration time (the mean of the logged intervals of the
+    run's second half, after warm-up) and its loss by iteration."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    late = records[len(records) // 2:]
+    return {"optimizer_step_ms": sum(r["optimizer_step_ms"] for r in late) / len(late),
+            "iteration_ms": sum(r["iteration_ms"] for r in late) / len(late),
+            "loss": read_losses(metrics)}
+
+
+def one_gpu_result(rows: dict[str, dict[str, Any]], te: str | None, result: Result) -> None:
+    """The step's details and summary from its variants' rows; Canzona's and Megatron's
+    layer-wise Muon compute the same updates, so their losses are compared too."""
     result.details = {"layers": ONE_GPU_LAYERS, "transformer_engine": te, "variants": rows}
-    if rows:
-        result.summary = "; ".join(f"{v}: step {r['optimizer_step_ms']:.1f} ms, iteration {r['iteration_ms']:.0f} ms"
-                                   for v, r in rows.items())
+    parts = [f"{v}: step {r['optimizer_step_ms']:.1f} ms, iteration {r['iteration_ms']:.0f} ms" for v, r in rows.items()]
+    if {"canzona", "layerwise"} <= set(rows):
+        ours, theirs = rows["canzona"]["loss"], rows["layerwise"]["loss"]
+        worst = max(abs(ours[i] - theirs[i]) / abs(theirs[i]) for i in set(ours) & set(theirs))
+        result.details["canzona_vs_layerwise_loss"] = worst
+        parts.append(f"canzona's losses within {worst:.1e} of layerwise's")
+    result.summary = "; ".join(parts)
 
 
 def skipped_commands(ctx: Context, name: str) -> list[str]:
@@ -293,7 +343,8 @@ def markdown(report: dict[str, Any]) -> str:
     for step in STEPS:
         r = report["steps"].get(step.name)
         if r is not None:
-            lines.append(f"| {step.title} | {r['status']} | {r['summary'] or '–'} | {r['seconds']:.0f} |")
+            kept = f" (run of {r['kept_from']})" if r.get("kept_from") else ""
+            lines.append(f"| {step.title} | {r['status']}{kept} | {r['summary'] or '–'} | {r['seconds']:.0f} |")
     bench = report["steps"].get("bench", {}).get("details", {}).get("rows")
     if bench:
         lines += ["", "| model | matrix | shape | standard (ms) | gram (ms) | gram / standard | standard, of the bf16 matmul rate |",
@@ -326,6 +377,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", choices=ONE_GPU_VARIANTS, default=list(ONE_GPU_VARIANTS),
                    help="the one_gpu step's recipe variants, run in this order")
     p.add_argument("--python", default=sys.executable, help="interpreter of the steps' commands (default: this one)")
+    p.add_argument("--keep", type=Path, metavar="GPU_CHECK_JSON",
+                   help="an earlier run's gpu_check.json: its steps that this run does not run are kept in the "
+                        "report (marked with their date), so a short device session can finish what an earlier one began")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
     return args
@@ -341,6 +395,11 @@ def main(argv: list[str] | None = None) -> int:
                               "command": shlex.join(["tools/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
                               "cuda": cuda, "steps": {}}
     steps = [s for s in STEPS if s.name in args.steps or s.name == "environment"]
+    if args.keep:
+        kept = json.loads(args.keep.read_text())
+        for name, earlier in kept["steps"].items():
+            if name not in {s.name for s in steps}:
+                report["steps"][name] = {**earlier, "kept_from": earlier.get("kept_from", kept["date"])}
     failed = 0
     for number, step in enumerate(steps, start=1):
         result = Result()
@@ -361,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         result.seconds = time.perf_counter() - begin
         report["steps"][step.name] = vars(result)
         print(f"[gpu-check] {step.name}: {result.status}: {result.summary}", flush=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
+        # after every step: a run stopped by its time limit keeps what it finished
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
     table = markdown(report)
     (args.out / "gpu_check.md").write_text(table)
     written = [args.out / "gpu_check.json", args.out / "gpu_check.md"]

@@ -51,7 +51,7 @@ from megatron.canzona.planning.sim import (  # noqa: E402
     simulate,
 )
 from megatron.canzona.planning.sim.cluster import presets  # noqa: E402
-from megatron.canzona.planning.sim.simulate import NEEDS_LAYERWISE_PLAN, seconds_per_update  # noqa: E402
+from megatron.canzona.planning.sim.simulate import CANZONA_STRATEGIES, NEEDS_LAYERWISE_PLAN, seconds_per_update  # noqa: E402
 from megatron.canzona.planning.sim.step import ADAMW_BYTES_PER_ELEMENT, APPLY_BYTES_PER_ELEMENT  # noqa: E402
 from megatron.canzona.planning.specs import elementwise_specs, matrix_specs  # noqa: E402
 
@@ -189,7 +189,14 @@ def layerwise_plans(specs: list, run: dict[str, Any]) -> tuple[Any, Any]:
                                          bucket_size=run["bucket_size"])
 
 
-def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calibration, strategies) -> dict[str, StrategyResult]:
+def strategy_ns_method(name: str, run: dict[str, Any]) -> str:
+    """The Newton-Schulz method a strategy runs: Canzona's ``--muon-ns-method``, Megatron's standard."""
+    return run["ns_method"] if name in CANZONA_STRATEGIES else "standard"
+
+
+def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calibrations, strategies) -> dict[str, StrategyResult]:
+    """Each strategy on one pipeline stage; ``calibrations``: measured timings by Newton-Schulz
+    method (``None``: the FLOP formulas)."""
     cfg = get_qwen3_config(run["model"])
     activity = cfg.moe_router_topk * run["ep"] / cfg.num_experts if cfg.is_moe else 1.0
     workload = Workload(global_batch=run["global_batch"], micro_batch=run["micro_batch"], seq_length=run["seq_length"],
@@ -202,18 +209,20 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
         plan, expert_plan = layerwise if name in NEEDS_LAYERWISE_PLAN else (None, None)
         out[name] = simulate(
             specs if name.startswith("canzona") else fused, strategy=name, cluster=cluster, dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"],
-            expert_tp_size=run["etp"], pp_size=run["pp"], optimizer=run["optimizer"], calibration=calibration,
+            expert_tp_size=run["etp"], pp_size=run["pp"], optimizer=run["optimizer"],
+            calibration=calibrations[strategy_ns_method(name, run)] if calibrations else None,
             workload=workload, plan=plan, expert_plan=expert_plan, wire=wire, overlap=run["overlap"],
             alpha=run["alpha"], bucket_size=run["bucket_size"], ns_method=run["ns_method"],
         )
     return out
 
 
-def physical_limit(specs: list, run: dict[str, Any], cluster: ClusterSpec, calibration) -> float:
+def physical_limit(specs: list, run: dict[str, Any], cluster: ClusterSpec, calibrations) -> float:
     """No layout's optimizer step on this stage beats L = max(matrix work / GPUs, largest
     matrix, or part hosted apart) + a GPU's share of applying the updates and of AdamW: the work spread perfectly,
     with no communication at all. Expert matrices count per EP rank, over expert DP x expert TP."""
-    cost = CostModel(kind=run["optimizer"], calibration=calibration, ns_method=run["ns_method"], ns_dtype=cluster.gpu.ns_dtype)
+    cost = CostModel(kind=run["optimizer"], calibration=calibrations[run["ns_method"]] if calibrations else None,
+                     ns_method=run["ns_method"], ns_dtype=cluster.gpu.ns_dtype)
     seconds = seconds_per_update(cost, cluster)
     gpus = run["dp"] * run["tp"]
     expert_gpus = gpus // (run["ep"] * run["etp"])
@@ -233,7 +242,9 @@ def physical_limit(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
 def project(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, StrategyResult]]:
     """The report and, per strategy, the result of its slowest pipeline stage."""
     cluster = resolve_cluster(args.cluster)
-    calibration = load_calibration(args.calibration, args.optimizer) if args.calibration else None
+    # Canzona's Newton-Schulz method and Megatron's (standard) may differ: a calibration of each
+    calibrations = ({method: load_calibration(args.calibration, args.optimizer, method if args.optimizer == "muon" else None)
+                     for method in {args.muon_ns_method, "standard"}} if args.calibration else None)
     run = configure(args)
     strategies = list(dict.fromkeys(["canzona", *args.strategies, *(args.plot_strategies if args.plot else ())]))
     cache: dict[tuple, dict[str, StrategyResult]] = {}
@@ -243,14 +254,14 @@ def project(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Strateg
         specs = stage_specs(args, run, pp_rank)
         key = tuple(specs)
         if key not in cache:
-            cache[key] = simulate_stage(specs, run, cluster, calibration, strategies)
-            limit = max(limit, physical_limit(specs, run, cluster, calibration))
+            cache[key] = simulate_stage(specs, run, cluster, calibrations, strategies)
+            limit = max(limit, physical_limit(specs, run, cluster, calibrations))
         for name, result in cache[key].items():
             if name not in best or result.iteration_seconds > best[name][1].iteration_seconds:
                 best[name] = (pp_rank, result)
     results = {name: best[name][1] for name in strategies}
     report = {"config": {**run, "cluster": cluster.name, "gpus_per_node": cluster.gpus_per_node,
-                         "cost": "calibration" if calibration else
+                         "cost": "calibration" if calibrations else
                          f"FLOP formula at {cluster.gpu.matmul_efficiency:.0%} of the {cluster.gpu.optimizer_dtype} peak",
                          "machine": f"{platform.node()} python {platform.python_version()}"},
               "cluster": cluster.to_dict(), "strategies": {}, "physical_limit_seconds": limit}

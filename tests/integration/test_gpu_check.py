@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.canzona.planning.cost import ns_method_for
 from megatron.canzona.planning.sim import load_calibration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +42,11 @@ def test_gpu_check_plumbing_on_cpu(tmp_path: Path) -> None:
     assert all(r["gram_ms"] > 0 and r["standard_ms"] > 0 for r in rows)
     calibration = load_calibration(bench["details"]["calibration"], "muon")
     assert (352, 64) in calibration.seconds  # qwen3-tiny's fc1
+    # both methods ran: auto's timings are, per shape, those of the method it picks
+    by_method = {m: load_calibration(bench["details"]["calibration"], "muon", m) for m in ("standard", "gram", "auto")}
+    assert [c.ns_method for c in by_method.values()] == ["standard", "gram", "auto"]
+    for (m, n), seconds in by_method["auto"].seconds.items():
+        assert seconds == by_method[ns_method_for(m, n, 5, "auto", "float32")].seconds[(m, n)]
 
     one_gpu = steps["one_gpu"]
     assert len(one_gpu["commands"]) == 3
@@ -53,3 +59,14 @@ def test_gpu_check_plumbing_on_cpu(tmp_path: Path) -> None:
     table = (tmp_path / "gpu_check.md").read_text()
     assert table.count("| skipped |") == 4 and "| qwen3-tiny | fc1 | 352x64 |" in table
     assert (ROOT / "docs" / "gpu_check.md").read_text() == docs  # published only from a GPU run
+
+    # A later, shorter run keeps the steps it does not run (a device session too short for all)
+    again = subprocess.run([sys.executable, "tools/gpu_check.py", "--steps", "environment", "--out", str(tmp_path / "b"),
+                            "--keep", str(tmp_path / "gpu_check.json")], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    later = json.loads((tmp_path / "b" / "gpu_check.json").read_text())
+    assert list(later["steps"]) == ["cuda_tests", "bench", "one_gpu", "tp2dp2", "environment"]
+    assert later["steps"]["bench"] == {**steps["bench"], "kept_from": report["date"]}
+    assert "kept_from" not in later["steps"]["environment"]
+    assert (tmp_path / "b" / "gpu_check.md").read_text().count(f"(run of {report['date']})") == 4

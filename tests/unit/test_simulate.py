@@ -301,6 +301,24 @@ def test_a_calibration_is_used_only_with_the_newton_schulz_method_it_measured(tm
     assert CostModel(kind="muon", ns_method="auto", calibration=unrecorded).calibration is unrecorded
 
 
+def test_calibrate_file_picks_the_newton_schulz_method(tmp_path):
+    """``bench_optim --calibrate`` with standard and gram keeps Muon's timings of each method (and
+    auto's) under ``muon_methods``; ``ns_method`` picks one there, else the cost model names the gap."""
+    def entry(method, seconds):
+        return {"optimizer": "muon", "ns_method": method, "timings": [{"m": 8, "n": 16, "seconds": seconds}]}
+    methods = {"standard": entry("standard", 0.5), "gram": entry("gram", 0.25), "auto": entry("auto", 0.25)}
+    path = write(tmp_path, "calib.json", json.dumps({**methods["standard"], "optimizers": {"muon": methods["standard"]},
+                                                     "muon_methods": methods}))
+    assert load_calibration(path).ns_method == "standard"
+    for method, seconds in (("standard", 0.5), ("gram", 0.25), ("auto", 0.25)):
+        picked = load_calibration(path, "muon", method)
+        assert (picked.ns_method, picked.seconds) == (method, {(8, 16): seconds})
+        assert CostModel(kind="muon", ns_method=method, calibration=picked).calibration is picked
+    only_standard = write(tmp_path, "standard.json", json.dumps(methods["standard"]))
+    with pytest.raises(ValueError, match="measured with --muon-ns-method standard, this cost model uses auto"):
+        CostModel(kind="muon", ns_method="auto", calibration=load_calibration(only_standard, "muon", "auto"))
+
+
 def test_calibrate_file_picks_the_optimizer(tmp_path):
     """``bench_optim --calibrate`` keeps every optimizer under ``optimizers``; the first is the top level."""
     muon = {"optimizer": "muon", "timings": [{"m": 8, "n": 16, "seconds": 0.25}]}

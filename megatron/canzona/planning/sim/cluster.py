@@ -270,13 +270,18 @@ def load_cluster(path: str) -> ClusterSpec:
     return ClusterSpec.from_dict(_read_mapping(path), source=os.path.basename(path))
 
 
-def load_calibration(path: str, optimizer: str | None = None) -> Calibration:
+def load_calibration(path: str, optimizer: str | None = None, ns_method: str | None = None) -> Calibration:
     """Read a calibration (``tools/bench_optim.py --calibration-dir`` or ``--calibrate`` output) with
     errors naming the field: ``{"optimizer": "muon", "timings": [{"m": 4096, "n": 4096, "seconds":
     0.0123}, ...]}``. A ``--calibrate`` file holds every optimizer it measured under ``optimizers``:
-    ``optimizer`` picks one (``None``: the top level, the first measured)."""
+    ``optimizer`` picks one (``None``: the top level, the first measured); and Muon's of each
+    Newton-Schulz method it measured under ``muon_methods``: ``ns_method`` picks one there (where
+    it has none, the optimizer's entry is returned, and the cost model names the mismatch)."""
     name = os.path.basename(path)
     data = _read_mapping(path)
+    methods = data.get("muon_methods") if isinstance(data, Mapping) else None
+    if ns_method is not None and optimizer in (None, "muon") and isinstance(methods, Mapping) and ns_method in methods:
+        return calibration_from_dict(methods[ns_method], source=f"{name}: muon_methods.{ns_method}")
     if optimizer is None or data.get("optimizer") == optimizer:
         return calibration_from_dict(data, source=name)
     entries = data.get("optimizers")
