@@ -58,18 +58,25 @@ class WireConfig:
 
 @dataclass
 class RankTraffic:
-    """What one rank sends in one step: bytes by kind, and the collective calls."""
+    """What one rank sends in one step: bytes by kind (each says when it moves and over which
+    group), and the collective calls."""
 
     reduce_scatter: float = 0.0
-    """Gradient reduce-scatter."""
+    """Gradient reduce-scatter: Megatron's DDP over the DP group (across nodes once DP spans
+    them), overlapped with backward."""
     all_gather: float = 0.0
-    """Parameter all-gather."""
+    """Parameter all-gather: Megatron's DDP over the DP group, overlapped with the next
+    forward (``--overlap-param-gather``)."""
     host_gather: float = 0.0
-    """Pieces of matrices split across ranks, sent to their host ranks (``--canzona-tp-mode async``)."""
+    """Pieces of matrices split across ranks, sent to their host ranks (``--canzona-tp-mode
+    async``): over the TP group (and DP only for the lean layout's split matrices), in
+    backward when the gathers go early, else at the step's start."""
     host_scatter: float = 0.0
-    """Updates a host sends back to the holders of its matrices' pieces."""
+    """Updates a host sends back to the holders of its matrices' pieces: the gather's groups,
+    in the step, after the host's compute."""
     sync_gather: float = 0.0
-    """Pieces every holder gathers (``--canzona-tp-mode sync``)."""
+    """Pieces every holder gathers (``--canzona-tp-mode sync``): over the TP group, in the
+    step."""
     messages: int = 0
     """Point-to-point messages and collective rounds, for the latency term."""
 

@@ -78,11 +78,13 @@ class RankMemory:
     """One rank's predicted memory, in elements (bytes follow from the dtypes)."""
 
     param_buffer_elements: int
-    """Parameter buffers (every chunk, matrix and elementwise), padding included."""
+    """Parameter buffers (every chunk, matrix and elementwise), padding included; Megatron's
+    DDP keeps a gradient buffer of the same size."""
     bucket_elements: tuple[int, ...]
     """Every bucket's size, matrix buffers first, then elementwise, chunk by chunk."""
     shard_elements: int
-    """Parameter elements in this rank's shards (what its optimizer steps)."""
+    """Parameter elements in this rank's shards (what its optimizer steps): with bf16
+    parameters, also the elements of its fp32 main parameters."""
     state_elements: dict[str, int]
     """Optimizer state by kind."""
     largest_temporary_elements: int
