@@ -269,7 +269,9 @@ def one_gpu_env(ctx: Context, variant: str) -> dict[str, str]:
 
 def step_one_gpu(ctx: Context, result: Result) -> None:
     te = transformer_engine()
-    extra = ["--num-layers", str(ONE_GPU_LAYERS), "--transformer-impl", "transformer_engine" if te else "local"]
+    # Megatron's level-1 timers (one barrier each on one GPU) say where an iteration's time goes
+    extra = ["--num-layers", str(ONE_GPU_LAYERS), "--transformer-impl", "transformer_engine" if te else "local",
+             "--timing-log-level", "1"]
     rows = {}
     for variant in ctx.variants:
         env = one_gpu_env(ctx, variant)
@@ -279,7 +281,8 @@ def step_one_gpu(ctx: Context, result: Result) -> None:
         if not (DEMO_DATA / "demo_text_document.idx").is_file():
             ctx.run("demo_data", [ctx.python, "tools/prepare_demo_data.py", "--output-dir", str(DEMO_DATA)], result)
         ctx.run(f"one_gpu_{variant}", ["bash", str(RECIPE_8B), *extra], result, env=env)
-        rows[variant] = one_gpu_row(Path(env["LOG_DIR"]) / "metrics.jsonl")
+        rows[variant] = {**one_gpu_row(Path(env["LOG_DIR"]) / "metrics.jsonl"),
+                         "timers_ms": megatron_timers(ctx.out / f"one_gpu_{variant}.log")}
     one_gpu_result(rows, te, result)
 
 
@@ -291,6 +294,21 @@ def one_gpu_row(metrics: Path) -> dict[str, Any]:
     return {"optimizer_step_ms": sum(r["optimizer_step_ms"] for r in late) / len(late),
             "iteration_ms": sum(r["iteration_ms"] for r in late) / len(late),
             "loss": read_losses(metrics)}
+
+
+TIMER_LINE = re.compile(r"^\s+([\w-]+) \.*: \(?([\d.]+)(?:, ([\d.]+)\))?\s*$")
+
+
+def megatron_timers(log: Path) -> dict[str, float]:
+    """The last timer report in a Megatron log (``--timing-log-level``): milliseconds per
+    iteration by timer, the slowest rank's."""
+    timers: dict[str, float] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if "time across ranks (ms):" in line:
+            timers = {}
+        elif (found := TIMER_LINE.match(line)) is not None:
+            timers[found.group(1)] = float(found.group(3) or found.group(2))
+    return timers
 
 
 def one_gpu_result(rows: dict[str, dict[str, Any]], te: str | None, result: Result) -> None:
@@ -354,6 +372,13 @@ def markdown(report: dict[str, Any]) -> str:
             ratio = "–" if r["gram_over_standard"] is None else f"{r['gram_over_standard']:.2f}"
             lines.append(f"| {r['model']} | {r['matrix']} | {r['shape']} | {r['standard_ms']:.3g} | {gram} | {ratio} "
                          f"| {100 * r['standard_fraction_of_matmul_rate']:.0f}% |")
+    variants = report["steps"].get("one_gpu", {}).get("details", {}).get("variants", {})
+    timed = {v: r["timers_ms"] for v, r in variants.items() if r.get("timers_ms")}
+    if timed:
+        names = list(dict.fromkeys(name for timers in timed.values() for name in timers))
+        lines += ["", "| Megatron timer, ms per iteration | " + " | ".join(timed) + " |", "|---" * (len(timed) + 1) + "|"]
+        lines += [f"| {name} | " + " | ".join(f"{t[name]:.1f}" if name in t else "–" for t in timed.values()) + " |"
+                  for name in names]
     return "\n".join(lines) + "\n"
 
 

@@ -52,7 +52,7 @@ def test_gpu_check_plumbing_on_cpu(tmp_path: Path) -> None:
     assert len(one_gpu["commands"]) == 3
     for variant in ("adamw", "layerwise", "canzona"):
         printed = (tmp_path / f"one_gpu_{variant}.log").read_text()
-        assert "pretrain_gpt.py" in printed and printed.rstrip().endswith("--num-layers 4 --transformer-impl local")
+        assert "pretrain_gpt.py" in printed and printed.rstrip().endswith("--num-layers 4 --transformer-impl local --timing-log-level 1")
         assert ("--canzona " in printed) == (variant == "canzona")
         assert "--bf16" in printed and "--nproc-per-node 1" in printed
 
@@ -70,3 +70,25 @@ def test_gpu_check_plumbing_on_cpu(tmp_path: Path) -> None:
     assert later["steps"]["bench"] == {**steps["bench"], "kept_from": report["date"]}
     assert "kept_from" not in later["steps"]["environment"]
     assert (tmp_path / "b" / "gpu_check.md").read_text().count(f"(run of {report['date']})") == 4
+
+
+def test_megatron_timer_reports_are_read_as_megatron_writes_them(tmp_path: Path) -> None:
+    """The one-GPU step reads where an iteration's time goes from Megatron's timer reports
+    (``--timing-log-level 1``): the last report wins, and min/max and max-only forms both read."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gpu_check  # tools/gpu_check.py
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    name = "forward-backward "  # Megatron pads each name with dots to 48 characters
+    log = tmp_path / "run.log"
+    log.write_text("\n".join([
+        "(min, max) time across ranks (ms):", f"    {name.ljust(48, '.')}: (300.00, 301.00)",
+        " [2026-11-26] iteration       20/      20 | lm loss: 4.6 |",
+        "(min, max) time across ranks (ms):", f"    {name.ljust(48, '.')}: (310.50, 311.25)",
+        f"    {'optimizer '.ljust(48, '.')}: (140.00, 142.00)",
+        "max time across ranks (ms):", f"    {'optimizer-inner-step '.ljust(48, '.')}: 131.00",
+    ]) + "\n")
+    assert gpu_check.megatron_timers(log) == {"optimizer-inner-step": 131.0}
+    log.write_text("\n".join(log.read_text().splitlines()[:-2]) + "\n")
+    assert gpu_check.megatron_timers(log) == {"forward-backward": 311.25, "optimizer": 142.0}
