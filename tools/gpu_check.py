@@ -198,6 +198,8 @@ def read_losses(metrics: Path) -> dict[int, float]:
 
 
 TP2DP2_PROBES = (
+    ("tp2dp2_cuda_late", "--canzona-no-early-gather", {}, ["--canzona-no-early-gather"]),
+    ("tp2dp2_cuda_lean", "--canzona-layout lean (equal shards)", {}, ["--canzona-layout", "lean"]),
     ("tp2dp2_cuda_sync", "--canzona-tp-mode sync", {}, ["--canzona-tp-mode", "sync"]),
     ("tp2dp2_cuda_layerwise", "Megatron's layer-wise Muon", {"CANZONA": "0"}, []),
     ("tp2dp2_cuda_adamw", "AdamW", {"OPTIMIZER": "adam", "CANZONA": "0"}, []),
