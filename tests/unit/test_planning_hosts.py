@@ -15,8 +15,10 @@ from megatron.canzona.planning import (
     schedule_groups,
     traffic,
 )
+from megatron.canzona.planning.comm import narrow_bytes
+from megatron.canzona.planning.cost import CostModel
+from megatron.canzona.planning.hosts import SINGLE_LARGE, HostItem, assign_hosts
 from megatron.canzona.planning.schedule import Task
-from megatron.canzona.planning.hosts import SINGLE_LARGE
 
 costs_lists = st.lists(st.floats(0.0, 1000.0, allow_nan=False), min_size=0, max_size=60)
 
@@ -109,3 +111,21 @@ def test_plan_traffic_is_what_the_planner_balanced():
     )
     assert sum(r.host_gather for r in per_rank) == moved * wire.main_grad_bytes
     assert sum(r.host_scatter for r in per_rank) == moved * wire.update_bytes
+
+
+def test_the_host_choice_prices_a_narrow_update_at_its_bytes():
+    """A host scatters a bf16 Muon direction (2 bytes an element) where the update is narrow:
+    the host choice counts those bytes, the ones the traffic metrics and the runtime send."""
+    spec = next(s for s in qwen3_specs("qwen3-1.7b", tp_size=2) if s.tp_sharded and len(s.parts) == 1)
+    assert narrow_bytes(CostModel(kind="muon", ns_dtype="bfloat16"), spec, 0) == 2
+    assert narrow_bytes(CostModel(kind="muon", ns_dtype="float32"), spec, 0) is None
+    assert narrow_bytes(CostModel(kind="soap"), spec, 0) is None
+    wire = WireConfig()
+    sent = {}
+    for update_bytes in (None, 2):  # each TP rank holds 100 elements; one hosts, the other sends its piece
+        item = HostItem(cost=1.0, dp_rank=0, tp_sharded=True, pieces=((0, 100),), update_bytes=update_bytes)
+        _, ranks = assign_hosts([item], dp_size=1, tp_size=2, alpha=0.5, wire=wire, base_bytes=0.0,
+                                byte_scale=1.0, load_scale=1.0)
+        sent[update_bytes] = sorted(ranks.bytes)
+    assert sent[None] == [100 * wire.main_grad_bytes, 100 * wire.update_bytes]
+    assert sent[2] == [100 * 2, 100 * wire.main_grad_bytes]

@@ -113,19 +113,23 @@ NARROW_DTYPE_BYTES = {"bfloat16": 2, "float16": 2}
 """Newton-Schulz dtypes narrower than the fp32 update, by their size."""
 
 
+def narrow_bytes(cost_model: CostModel, spec: ParamSpec, part: int) -> int | None:
+    """Bytes per element of the update of ``spec``'s ``part`` on the wire when narrower than
+    fp32, else ``None``: Muon iterating Newton-Schulz in bf16 gives a whole matrix's direction
+    exactly in bf16 before its shape scale, so the host sends that and the holders scale it
+    (``megatron.canzona.runtime.optimizer.narrow_updates``); a part of several matrices (a
+    split QKV) has a scale each and goes in fp32."""
+    size = NARROW_DTYPE_BYTES.get(cost_model.ns_dtype) if cost_model.kind == "muon" else None
+    return size if size is not None and len(spec.part_matrices(part)) == 1 else None
+
+
 def narrow_update_bytes(tasks: Iterable[Task], specs: Iterable[ParamSpec], cost_model: CostModel) -> dict[str, int]:
     """Task key -> bytes per element of its update on the wire, for the tasks whose update is
-    narrower than fp32: Muon iterating Newton-Schulz in bf16 gives a whole matrix's direction
-    exactly in bf16 before its shape scale, so the host sends that and the holders scale it
-    (``megatron.canzona.runtime.optimizer.narrow_updates``). A task qualifies when it has one
-    host (async), moves, and its part is one matrix (a split QKV is three, each with its own
-    scale)."""
-    size = NARROW_DTYPE_BYTES.get(cost_model.ns_dtype) if cost_model.kind == "muon" else None
-    if size is None:
-        return {}
+    narrower than fp32 (:func:`narrow_bytes`) and that have one host (async) and move."""
     by_name = {(s.chunk, s.name): s for s in specs}
-    return {t.key: size for t in tasks
-            if t.host is not None and not t.is_local() and len(by_name[(t.chunk, t.name)].part_matrices(t.part)) == 1}
+    sizes = {t.key: narrow_bytes(cost_model, by_name[(t.chunk, t.name)], t.part) for t in tasks
+             if t.host is not None and not t.is_local()}
+    return {key: size for key, size in sizes.items() if size is not None}
 
 
 def collective_bytes(buffers: Iterable[BufferPlan], dp_size: int, wire: WireConfig) -> tuple[float, float, int]:

@@ -65,6 +65,9 @@ class HostItem:
     """Elements of the local tensor the part covers; ``None``: the whole parameter."""
     bucket: int = 0
     """Bucket of its parameter in the matrix buffer (bucket 0 reduces first)."""
+    update_bytes: int | None = None
+    """Bytes per element its host scatters when narrower than the wire's update
+    (:func:`~megatron.canzona.planning.comm.narrow_bytes`); ``None``: the wire's."""
 
 
 class _Ranks:
@@ -174,7 +177,8 @@ def _place(item: HostItem, ranks: _Ranks) -> tuple[int, int | None]:
         """Bytes and messages ``rank`` sends more as the host than as a plain holder."""
         own = piece_at.get(rank, 0)
         peers = len(piece_at) - (rank in piece_at)
-        return (total - own) * wire.update_bytes - own * wire.main_grad_bytes, peers - (rank in piece_at)
+        return (total - own) * (item.update_bytes or wire.update_bytes) - own * wire.main_grad_bytes, \
+            peers - (rank in piece_at)
 
     if item.dp_rank is not None:  # whole in one DP shard: a TP rank of that DP rank
         columns = range(tp_size) if item.tp_sharded else (0,)
