@@ -53,19 +53,6 @@ from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import set_global_variables
 from megatron.training.utils import get_blend_and_blend_per_split
 
-# Fused kernels that need CUDA, apex or transformer-engine, as (args attribute, CPU value).
-_CPU_FLAG_VALUES = (
-    ("masked_softmax_fusion", False),
-    ("bias_dropout_fusion", False),
-    ("bias_gelu_fusion", False),
-    ("bias_swiglu_fusion", False),
-    ("apply_rope_fusion", False),
-    ("gradient_accumulation_fusion", False),
-    ("no_persist_layer_norm", True),
-    ("moe_grouped_gemm", False),  # needs CUDA (validate_args reads the device capability)
-)
-
-
 # Fused kernels that Megatron's local layers take from a compiled extension, not from torch, as
 # (args attribute, value without it, the module that provides it). On a GPU machine without
 # transformer-engine or apex, Megatron's defaults stop the run at the first of them.
@@ -74,6 +61,16 @@ _EXTENSION_KERNELS = (
     ("masked_softmax_fusion", False, "scaled_upper_triang_masked_softmax_cuda"),
     ("gradient_accumulation_fusion", False, "fused_weight_gradient_mlp_cuda"),
     ("no_persist_layer_norm", True, "apex"),  # without apex the local spec's norm is torch's, which refuses it
+)
+
+# Fused kernels that need CUDA, apex or transformer-engine, as (args attribute, CPU value): the
+# extensions' kernels, and those torch compiles for CUDA.
+_CPU_FLAG_VALUES = (
+    *((name, value) for name, value, _ in _EXTENSION_KERNELS),
+    ("bias_dropout_fusion", False),
+    ("bias_gelu_fusion", False),
+    ("bias_swiglu_fusion", False),
+    ("moe_grouped_gemm", False),  # needs CUDA (validate_args reads the device capability)
 )
 
 

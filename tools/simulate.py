@@ -51,7 +51,7 @@ from megatron.canzona.planning.sim import (  # noqa: E402
     simulate,
 )
 from megatron.canzona.planning.sim.cluster import presets  # noqa: E402
-from megatron.canzona.planning.sim.simulate import CANZONA_STRATEGIES, NEEDS_LAYERWISE_PLAN, seconds_per_update  # noqa: E402
+from megatron.canzona.planning.sim.simulate import NEEDS_LAYERWISE_PLAN, seconds_per_update, strategy_ns_method  # noqa: E402
 from megatron.canzona.planning.sim.step import ADAMW_BYTES_PER_ELEMENT, APPLY_BYTES_PER_ELEMENT  # noqa: E402
 from megatron.canzona.planning.specs import elementwise_specs, matrix_specs  # noqa: E402
 
@@ -189,11 +189,6 @@ def layerwise_plans(specs: list, run: dict[str, Any]) -> tuple[Any, Any]:
                                          bucket_size=run["bucket_size"])
 
 
-def strategy_ns_method(name: str, run: dict[str, Any]) -> str:
-    """The Newton-Schulz method a strategy runs: Canzona's ``--muon-ns-method``, Megatron's standard."""
-    return run["ns_method"] if name in CANZONA_STRATEGIES else "standard"
-
-
 def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calibrations, strategies) -> dict[str, StrategyResult]:
     """Each strategy on one pipeline stage; ``calibrations``: measured timings by Newton-Schulz
     method (``None``: the FLOP formulas)."""
@@ -210,7 +205,7 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
         out[name] = simulate(
             specs if name.startswith("canzona") else fused, strategy=name, cluster=cluster, dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"],
             expert_tp_size=run["etp"], pp_size=run["pp"], optimizer=run["optimizer"],
-            calibration=calibrations[strategy_ns_method(name, run)] if calibrations else None,
+            calibration=calibrations[strategy_ns_method(name, run["ns_method"])] if calibrations else None,
             workload=workload, plan=plan, expert_plan=expert_plan, wire=wire, overlap=run["overlap"],
             alpha=run["alpha"], bucket_size=run["bucket_size"], ns_method=run["ns_method"],
         )

@@ -79,9 +79,9 @@ class _Stage:
     """Bytes of the stage's matrix buffers at the wire dtypes: what a rank's bytes compare to."""
     base: tuple[float, ...]
     """Compute each GPU (index dp_rank * tp_size + tp_rank) has before this plan's."""
-    narrow: list[list[list[int | None]]] = dataclasses.field(default_factory=list)
-    """Per matrix and part, the bytes per element of its update on the wire when narrower
-    than fp32 (:func:`~megatron.canzona.planning.comm.narrow_bytes`)."""
+    cost_model: CostModel
+    """What the costs came from; also says which updates go narrower than fp32
+    (:func:`~megatron.canzona.planning.comm.narrow_bytes`)."""
 
     @classmethod
     def of(cls, mats: list[list[ParamSpec]], cost_model: CostModel, *, dp_size: int, tp_size: int, alpha: float,
@@ -93,9 +93,8 @@ class _Stage:
         largest = max((c for chunk in parts for part_costs in chunk for c in part_costs), default=0.0)
         bound = max(work / (dp_size * tp_size), largest) or 1.0
         byte_scale = sum(s.numel for s, _ in flat) * (wire.grad_bytes + wire.param_bytes) + 1.0
-        narrow = [[[narrow_bytes(cost_model, s, k) for k in range(len(s.parts))] for s in chunk] for chunk in mats]
         return cls(mats, costs, parts, dp_size, tp_size, alpha, wire, bound, byte_scale,
-                   base or (0.0,) * (dp_size * tp_size), narrow)
+                   base or (0.0,) * (dp_size * tp_size), cost_model)
 
     def dp_base(self) -> list[float]:
         """Base compute per DP rank, its TP ranks summed."""
@@ -108,7 +107,7 @@ class _Stage:
 
     def hosts(self, buffers: list[BufferPlan]) -> tuple[float, list[HostItem], list[tuple[int, int | None]], list[float]]:
         """Hosts for the layouts ``buffers`` and the plan's score (lower is better)."""
-        items = _host_items(buffers, self.mats, self.parts, self.narrow)
+        items = _host_items(buffers, self.mats, self.parts, self.cost_model)
         rs, ag, messages = collective_bytes(buffers, self.dp_size, self.wire)
         hosts, ranks = assign_hosts(
             items, dp_size=self.dp_size, tp_size=self.tp_size, alpha=self.alpha, wire=self.wire, base_bytes=rs + ag,
@@ -239,20 +238,20 @@ def _flat_base(base_loads: Sequence[Sequence[float]] | None, dp_size: int, tp_si
 
 
 def _host_items(buffers: list[BufferPlan], mats: list[list[ParamSpec]], parts: list[list[list[float]]],
-                narrow: list[list[list[int | None]]]) -> list[HostItem]:
+                cost_model: CostModel) -> list[HostItem]:
     """Every matrix of every chunk (every part of one hosted in parts), in chunk then buffer order."""
     items = []
-    for chunk, (buffer, specs, part_costs, part_bytes) in enumerate(zip(buffers, mats, parts, narrow)):
-        by_name = {s.name: (s, c, b) for s, c, b in zip(specs, part_costs, part_bytes)}
+    for chunk, (buffer, specs, part_costs) in enumerate(zip(buffers, mats, parts)):
+        by_name = {s.name: (s, c) for s, c in zip(specs, part_costs)}
         for p in buffer.placements:
-            spec, costs, update_bytes = by_name[p.name]
+            spec, costs = by_name[p.name]
             pieces = buffer.pieces(p)
             for k, ((lo, hi, _), cost) in enumerate(zip(spec.parts, costs)):
                 span = None if len(costs) == 1 else (lo, hi)
                 items.append(HostItem(
                     cost=cost if span else p.cost, dp_rank=p.host, tp_sharded=spec.tp_sharded,
                     pieces=tuple((d, end - start) for d, start, end in within(pieces, lo, hi)),
-                    chunk=chunk, name=p.name, part=k, span=span, bucket=p.bucket, update_bytes=update_bytes[k],
+                    chunk=chunk, name=p.name, part=k, span=span, bucket=p.bucket, update_bytes=narrow_bytes(cost_model, spec, k),
                 ))
     return items
 

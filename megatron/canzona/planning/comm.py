@@ -127,9 +127,8 @@ def narrow_update_bytes(tasks: Iterable[Task], specs: Iterable[ParamSpec], cost_
     """Task key -> bytes per element of its update on the wire, for the tasks whose update is
     narrower than fp32 (:func:`narrow_bytes`) and that have one host (async) and move."""
     by_name = {(s.chunk, s.name): s for s in specs}
-    sizes = {t.key: narrow_bytes(cost_model, by_name[(t.chunk, t.name)], t.part) for t in tasks
-             if t.host is not None and not t.is_local()}
-    return {key: size for key, size in sizes.items() if size is not None}
+    return {t.key: size for t in tasks if t.host is not None and not t.is_local()
+            and (size := narrow_bytes(cost_model, by_name[(t.chunk, t.name)], t.part)) is not None}
 
 
 def collective_bytes(buffers: Iterable[BufferPlan], dp_size: int, wire: WireConfig) -> tuple[float, float, int]:

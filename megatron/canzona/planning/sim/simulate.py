@@ -42,6 +42,12 @@ STRATEGIES: tuple[str, ...] = (
 returns a :class:`~.layouts.Work` and register it in :data:`BUILDERS`."""
 NEEDS_LAYERWISE_PLAN = ("megatron_layerwise", "layer_sharded")
 CANZONA_STRATEGIES = ("canzona", "canzona_lean", "canzona_tp_sync")
+
+
+def strategy_ns_method(strategy: str, ns_method: str) -> str:
+    """The Newton-Schulz method ``strategy`` runs: Canzona's ``ns_method`` (``--muon-ns-method``),
+    Megatron's standard one for every other strategy."""
+    return ns_method if strategy in CANZONA_STRATEGIES else "standard"
 """Canzona's own strategies: the ones that run its Newton-Schulz method."""
 
 
@@ -334,8 +340,7 @@ def simulate(
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     wire = wire or WireConfig()
-    ns = {"ns_method": ns_method if strategy in CANZONA_STRATEGIES else "standard",
-          "ns_dtype": cluster.gpu.ns_dtype}
+    ns = {"ns_method": strategy_ns_method(strategy, ns_method), "ns_dtype": cluster.gpu.ns_dtype}
     planning_cost = CostModel(kind=optimizer, **ns)  # the runtime plans with the FLOP formulas
     timing_cost = CostModel(kind=optimizer, calibration=calibration, **ns) if calibration else planning_cost
     ctx = _Context(list(specs), grid, seconds_per_update(timing_cost, cluster), planning_cost, bucket_size, plan,
