@@ -248,3 +248,19 @@ def test_gram_restarts_keep_eight_steps_in_the_band(coefficients, dtype, slack):
     low, high = singular_value_band(coefficients, 8, lower=float(s_in.min()), upper=float(s_in.max()))
     s_out = torch.linalg.svdvals(newton_schulz(x, num_steps=8, coefficients=coefficients, dtype=dtype, method="gram").double())
     assert low - slack <= float(s_out.min()) and float(s_out.max()) <= high + slack
+
+
+def test_auto_takes_the_measured_method_per_shape():
+    """MuonConfig.ns_measured reaches Newton-Schulz: a shape measured faster with gram runs gram
+    under ``auto`` (the same values as ``method="gram"``), another keeps the FLOP rule."""
+    import torch
+
+    from megatron.canzona.optim.newton_schulz import newton_schulz
+
+    x = torch.randn(2, 64, 192, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    measured = ((64, 192, "gram"),)
+    gram = newton_schulz(x, dtype=torch.float64, method="gram")
+    standard = newton_schulz(x, dtype=torch.float64, method="standard")
+    assert torch.equal(newton_schulz(x, dtype=torch.float64, method="auto", measured=measured), gram)
+    assert torch.equal(newton_schulz(x, dtype=torch.float64, method="auto"), standard)  # short side < 256
+    assert not torch.equal(gram, standard)

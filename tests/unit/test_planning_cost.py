@@ -50,3 +50,43 @@ def test_calibration_of_another_optimizer_is_rejected():
 def test_unknown_cost_kind_names_the_choices():
     with pytest.raises(ValueError, match="muon"):
         CostModel(kind="adam")
+
+
+def test_auto_takes_the_measured_method_where_a_calibration_timed_both(tmp_path):
+    """``--muon-ns-method auto`` on a machine with Newton-Schulz timings: per shape measured,
+    the faster method (either orientation of the shape); the FLOP rule for the others."""
+    import json
+
+    from megatron.canzona.planning.cost import CostModel, ns_method_for
+    from megatron.canzona.planning.sim.cluster import measured_ns_methods
+
+    def timings(seconds):
+        return {"optimizer": "muon", "timings": [{"m": m, "n": n, "seconds": s} for (m, n), s in seconds.items()]}
+
+    standard = {(4096, 12288): 8.3e-3, (4096, 4096): 3.7e-3, (24576, 4096): 16.0e-3}
+    gram = {(4096, 12288): 7.6e-3, (4096, 4096): 4.8e-3}  # fc1 timed with standard only
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"optimizer": "muon", "ns_dtype": "bfloat16", "timings": [],
+                                "muon_methods": {"standard": timings(standard), "gram": timings(gram)}}))
+    measured = measured_ns_methods(str(path), "bfloat16")
+    assert measured == ((4096, 4096, "standard"), (4096, 12288, "gram"))
+    assert measured_ns_methods(str(path), "float32") == ()  # timed in another dtype: nothing taken
+    # the FLOP rule keeps standard on 8B's fc2 (gram saves under 20% of its FLOPs); measured, gram
+    assert ns_method_for(4096, 12288, 5, "auto", "bfloat16") == "standard"
+    assert ns_method_for(12288, 4096, 5, "auto", "bfloat16", measured) == "gram"
+    assert ns_method_for(24576, 4096, 5, "auto", "bfloat16", measured) == "gram"  # not measured: the rule
+    assert ns_method_for(4096, 12288, 5, "standard", "bfloat16", measured) == "standard"  # only auto reads it
+    model = CostModel(ns_method="auto", ns_measured=measured)
+    assert model.flops(4096, 12288) == CostModel(ns_method="gram").flops(4096, 12288)
+
+
+def test_the_shipped_h100_calibration_takes_gram_on_8b_and_14b_fc2():
+    from pathlib import Path
+
+    from megatron.canzona.planning.sim.cluster import measured_ns_methods
+
+    shipped = Path(__file__).resolve().parents[2] / "tools" / "calibrations" / "h100-muon-bf16.json"
+    chosen = {(a, b): m for a, b, m in measured_ns_methods(str(shipped), "bfloat16")}
+    assert chosen[(4096, 12288)] == chosen[(5120, 17408)] == "gram"  # gram / standard 0.87-0.92 measured
+    assert chosen[(2048, 6144)] == "standard"  # 1.7B's fc2: gram 2-3% slower there
+    assert all(chosen[(a, b)] == "standard" for a, b in ((2048, 2048), (4096, 4096), (5120, 5120)))

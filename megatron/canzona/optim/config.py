@@ -85,6 +85,9 @@ class MuonConfig:
     ns_method: NSMethod = "standard"
     """Newton-Schulz iterated on the matrix (standard), on its Gram matrix (gram: fewer FLOPs
     for rectangular matrices), or whichever the cost model finds cheaper per shape (auto)."""
+    ns_measured: tuple[tuple[int, int, str], ...] = ()
+    """``(short side, long side, method)`` measured faster on this machine (a calibration): what
+    ``auto`` takes for those shapes; the FLOP rule decides the others."""
     eps: float = 1e-7
     """Floor on the Frobenius norm used to normalise the input of Newton-Schulz."""
     scale_mode: MuonScaleMode = "moonlight"

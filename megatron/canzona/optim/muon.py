@@ -100,6 +100,7 @@ def muon_update(
         dtype=resolve_dtype(config.ns_dtype),
         eps=config.eps,
         method=config.ns_method,
+        measured=config.ns_measured,
     )
     state.step += 1
     rows, cols = grad.shape[-2:]

@@ -89,6 +89,7 @@ def newton_schulz(
     eps: float = 1e-7,
     method: str = "standard",
     gram_restart_every: int | None = None,
+    measured: tuple[tuple[int, int, str], ...] = (),
 ) -> torch.Tensor:
     """Approximately orthogonalise each trailing ``(m, n)`` matrix of ``x``.
 
@@ -99,7 +100,8 @@ def newton_schulz(
     ``"standard"``), on its Gram matrix (``"gram"``, :func:`gram_iterations`), or by the one
     the cost model finds cheaper for the shape (``"auto"``,
     :func:`~megatron.canzona.planning.cost.ns_method_for`). ``gram_restart_every`` overrides
-    the dtype's restart interval of gram (for measuring it: ``tools/ns_band.py``).
+    the dtype's restart interval of gram (for measuring it: ``tools/ns_band.py``); ``measured``
+    gives ``auto`` the faster method of measured shapes (:attr:`MuonConfig.ns_measured`).
 
     Returns:
         A tensor of the same shape in ``float32`` (``float64`` when ``dtype`` is float64).
@@ -108,7 +110,7 @@ def newton_schulz(
         raise ValueError(f"newton_schulz needs a (..., m, n) tensor, got shape {tuple(x.shape)}.")
     schedule = NS_COEFFICIENTS[coefficients]
     dtype_name = str(dtype).removeprefix("torch.")
-    method = ns_method_for(x.shape[-2], x.shape[-1], num_steps, method, dtype_name)
+    method = ns_method_for(x.shape[-2], x.shape[-1], num_steps, method, dtype_name, measured)
     out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     transpose = x.shape[-2] > x.shape[-1]
     if transpose:

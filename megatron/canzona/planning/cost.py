@@ -72,19 +72,26 @@ def gram_runs(ns_steps: int, dtype: str, restart_every: int | None = None) -> li
     return [min(every, ns_steps - start) for start in range(0, ns_steps, every)]
 
 
-def ns_flops(m: int, n: int, ns_steps: int = 5, method: str = "standard", dtype: str = "bfloat16") -> float:
+MeasuredMethods = tuple[tuple[int, int, str], ...]
+"""``(short side, long side, method)`` of shapes whose faster Newton-Schulz method was measured
+(:func:`megatron.canzona.planning.sim.cluster.measured_ns_methods` reads them from a calibration)."""
+
+
+def ns_flops(m: int, n: int, ns_steps: int = 5, method: str = "standard", dtype: str = "bfloat16",
+             measured: MeasuredMethods = ()) -> float:
     """FLOPs of ``ns_steps`` Newton-Schulz iterations on an m×n matrix by ``method``
     (``auto`` counts the method :func:`ns_method_for` picks), iterated in ``dtype``."""
     a, b = min(m, n), max(m, n)
-    method = ns_method_for(m, n, ns_steps, method, dtype)
+    method = ns_method_for(m, n, ns_steps, method, dtype, measured)
     if method == "standard":
         return float(ns_steps * (4 * a * a * b + 2 * a**3))
     runs = len(gram_runs(ns_steps, dtype))
     return float(4 * runs * a * a * b + 2 * a**3 * (4 * ns_steps - 3 * runs))
 
 
-def ns_method_for(m: int, n: int, ns_steps: int, method: str, dtype: str) -> str:
-    """``standard`` or ``gram``: ``method`` itself, or for ``auto`` gram where its FLOPs are
+def ns_method_for(m: int, n: int, ns_steps: int, method: str, dtype: str, measured: MeasuredMethods = ()) -> str:
+    """``standard`` or ``gram``: ``method`` itself, or for ``auto`` the method ``measured`` found
+    faster for the shape (a calibration on the run's machine), else gram where its FLOPs are
     at most :data:`AUTO_GRAM_FLOP_RATIO` of standard's (aspect ratio above about 2.2 in fp32,
     3.5 in bf16 with its restarts, for 5 steps) on a matrix whose short side is at least
     :data:`AUTO_GRAM_MIN_SIDE`."""
@@ -94,15 +101,20 @@ def ns_method_for(m: int, n: int, ns_steps: int, method: str, dtype: str) -> str
         raise ValueError(f"unknown Newton-Schulz dtype {dtype!r}; choose one of {tuple(GRAM_RESTART_EVERY)}")
     if method != "auto":
         return method
+    shape = (min(m, n), max(m, n))
+    for short, long, choice in measured:
+        if (short, long) == shape:
+            return choice
     if min(m, n) < AUTO_GRAM_MIN_SIDE:
         return "standard"
     gram = ns_flops(m, n, ns_steps, "gram", dtype)
     return "gram" if gram <= AUTO_GRAM_FLOP_RATIO * ns_flops(m, n, ns_steps, "standard", dtype) else "standard"
 
 
-def muon_flops(m: int, n: int, ns_steps: int = 5, method: str = "standard", dtype: str = "bfloat16") -> float:
+def muon_flops(m: int, n: int, ns_steps: int = 5, method: str = "standard", dtype: str = "bfloat16",
+               measured: MeasuredMethods = ()) -> float:
     """FLOPs of one Muon update of an m×n matrix: its Newton-Schulz iterations."""
-    return ns_flops(m, n, ns_steps, method, dtype)
+    return ns_flops(m, n, ns_steps, method, dtype, measured)
 
 
 def _side_flops(d: int, other: int, *, per_step: int, refresh: float, max_dim: int) -> float:
@@ -180,6 +192,8 @@ class CostModel:
     """Newton-Schulz method of Muon's updates (:data:`NS_METHODS`)."""
     ns_dtype: str = "bfloat16"
     """Dtype Muon's Newton-Schulz iterates in (gram's restarts depend on it)."""
+    ns_measured: MeasuredMethods = ()
+    """Shapes whose faster method was measured: ``auto`` takes it there (:func:`ns_method_for`)."""
     precond_every: int = 10
     """Steps between Shampoo inverse-root / SOAP eigenbasis refreshes."""
     max_precond_dim: int = 10000
@@ -215,7 +229,7 @@ class CostModel:
     def flops(self, m: int, n: int) -> float:
         """Formula cost of one m×n matrix update (elements for ``numel``)."""
         if self.kind == "muon":
-            return muon_flops(m, n, self.ns_steps, self.ns_method, self.ns_dtype)
+            return muon_flops(m, n, self.ns_steps, self.ns_method, self.ns_dtype, self.ns_measured)
         if self.kind == "shampoo":
             return shampoo_flops(m, n, precond_every=self.precond_every, max_precond_dim=self.max_precond_dim)
         if self.kind == "soap":

@@ -78,6 +78,7 @@ class CanzonaConfig:
         method and dtype; refresh frequency and largest preconditioned side)."""
         if isinstance(self.matrix, MuonConfig):
             return CostModel(kind=self.cost_kind, ns_steps=self.matrix.num_ns_steps,
-                             ns_method=self.matrix.ns_method, ns_dtype=self.matrix.ns_dtype)
+                             ns_method=self.matrix.ns_method, ns_dtype=self.matrix.ns_dtype,
+                             ns_measured=self.matrix.ns_measured)
         return CostModel(kind=self.cost_kind, precond_every=self.matrix.precondition_frequency,
                          max_precond_dim=self.matrix.max_precond_dim)

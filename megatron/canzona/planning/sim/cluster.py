@@ -292,6 +292,25 @@ def load_calibration(path: str, optimizer: str | None = None, ns_method: str | N
     return calibration_from_dict(entries[optimizer], source=f"{name}: optimizers.{optimizer}")
 
 
+def measured_ns_methods(path: str, ns_dtype: str) -> tuple[tuple[int, int, str], ...]:
+    """The faster Newton-Schulz method of every shape a calibration (``tools/bench_optim.py
+    --muon-ns-method standard gram --calibrate FILE``) timed both ways in ``ns_dtype``, as
+    ``(short side, long side, method)``; none where it measured another dtype or one method."""
+    data = _read_mapping(path)
+    methods = data.get("muon_methods") if isinstance(data, Mapping) else None
+    if not isinstance(methods, Mapping) or not {"standard", "gram"} <= set(methods) or data.get("ns_dtype") != ns_dtype:
+        return ()
+    name = os.path.basename(path)
+    timed = {method: calibration_from_dict(methods[method], source=f"{name}: muon_methods.{method}").seconds
+             for method in ("standard", "gram")}
+    shapes: dict[tuple[int, int], str] = {}
+    for (m, n), standard in timed["standard"].items():
+        gram = timed["gram"].get((m, n))
+        if gram is not None:
+            shapes[(min(m, n), max(m, n))] = "gram" if gram < standard else "standard"
+    return tuple((a, b, method) for (a, b), method in sorted(shapes.items()))
+
+
 def calibration_from_dict(data: Any, source: str = "calibration") -> Calibration:
     """A :class:`Calibration` from its JSON mapping, every field checked."""
     if not isinstance(data, Mapping):
