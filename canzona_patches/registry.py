@@ -51,8 +51,9 @@ CANZONA = "canzona"  # --canzona: its layout, optimizer and checkpoint metadata
 UNEVEN = "uneven"  # layout.full_param_layouts, for a plan with variable-size DP shards (the whole layout)
 EARLY_GATHER = "early-gather"  # early_gather.attach, when an async Canzona optimizer has gathers to issue
 BASELINE = "baseline"  # upstream fixes only Megatron's own optimizers need
+NORM = "norm"  # Megatron's gradient norm without Apex or Transformer Engine (pretrain_gpt.py and the harness)
 SCOPED = "scoped"  # swapped in for one call (:func:`swapped`), never installed
-GROUPS = (CPU, CPU_TRAINING, CPU_CHECKPOINT, CPU_SYNC_SAVE, ARGUMENTS, CHECKSUMS, PRETRAIN, CANZONA, UNEVEN,
+GROUPS = (CPU, CPU_TRAINING, CPU_CHECKPOINT, CPU_SYNC_SAVE, ARGUMENTS, CHECKSUMS, PRETRAIN, NORM, CANZONA, UNEVEN,
           EARLY_GATHER, BASELINE, SCOPED)
 
 
@@ -136,6 +137,13 @@ def _megatron_distributed_optimizer_on_torch(args: Any) -> bool:
     return _megatron_distributed_optimizer(args) and not distrib_optimizer.HAVE_APEX_OR_TE
 
 
+def _local_norm_fallback(args: Any) -> bool:
+    """Megatron computes gradient norms with its local fallback (no Apex or Transformer Engine)."""
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    utils = importlib.import_module("megatron.core.utils")
+    return clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+
+
 def _megatron_distributed_optimizer_legacy_format(args: Any) -> bool:
     return _megatron_distributed_optimizer(args) and args.ckpt_format == "torch"
 
@@ -146,7 +154,7 @@ CONDITIONS: dict[str, Callable[[Any], bool]] = {
     predicate.__name__.removeprefix("_"): predicate for predicate in (
         _always, _never, _no_cuda, _checksums, _synchronous_saves_on_cpu, _canzona, _layer_wise_muon,
         _megatron_distributed_optimizer, _megatron_distributed_optimizer_on_torch,
-        _megatron_distributed_optimizer_legacy_format,
+        _megatron_distributed_optimizer_legacy_format, _local_norm_fallback,
     )
 }
 """The predicates a row's ``when`` names, by their function's name."""

@@ -14,6 +14,7 @@ process, which never needs it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import time
@@ -105,7 +106,8 @@ class TinyRun:
     nan_grad_at_step: int | None = None
     """Fill rank 0's gradient buffers with NaN before this step's update (the step must be skipped)."""
     count_syncs: bool = False
-    """Count the host synchronisations inside each ``optimizer.step()`` (``host_syncs.py``)."""
+    """Count the host synchronisations inside each ``optimizer.step()``, and inside each
+    forward-backward (``host_syncs.py``)."""
     num_experts: int = 0
     """MoE: experts per layer (every layer's MLP), 0 for the dense model."""
     ep_size: int = 1
@@ -141,13 +143,17 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     enable_cpu_mode()
+    from canzona_patches import registry
+
+    registry.install(argparse.Namespace(), groups=(registry.NORM,))  # as pretrain_gpt.py: one read per norm
     before = _process_groups()
     init_model_parallel(run)
     try:
         model, ddp_model, optimizer, plan = build(run)
         syncs: list[list[str]] = []
+        fb_syncs: list[list[str]] = []
         losses, grad_norms, step_seconds, applied = map(list, zip(
-            *(train_step(run, ddp_model, optimizer, step, syncs) for step in range(run.num_steps))
+            *(train_step(run, ddp_model, optimizer, step, syncs, fb_syncs) for step in range(run.num_steps))
         ))
         if run.overlap_param_gather:  # the last step's all-gather waits for a next forward: force it, as
             ddp_model.disable_forward_pre_hook()  # Megatron does before evaluation and checkpoints
@@ -162,8 +168,10 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "tp_stats": _tp_stats(optimizer),
             "plan": None if plan is None else plan.to_json(),
             "host_syncs": syncs,
+            "forward_backward_syncs": fb_syncs,
             "state": _optimizer_state(optimizer) if run.return_state else None,
             "iteration_marks": {k: list(v) for k, v in ITERATION_MARKS.items()} if run.time_iteration else None,
+            "param_gather_chain": _param_gather_chain(ddp_model) if run.overlap_param_gather else None,
             "early_gathers": _early_count(optimizer, "issued"),
             "early_gathers_at_dispatch": _early_count(optimizer, "issued_at_dispatch"),
         }
@@ -221,6 +229,10 @@ def build(run: TinyRun):
     dp_size = parallel_state.get_data_parallel_world_size()
     setup, layout = _layout(run, model, dp_size, ddp_config)
     ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
+    if setup is not None:  # as pretrain_gpt.py wraps a --canzona model
+        from canzona_patches.integration.layout import gather_in_forward_order
+
+        gather_in_forward_order(ddp_model)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp_model.no_sync
     optimizer = _optimizer(run, ddp_model, OptimizerConfig, get_megatron_optimizer, setup)
@@ -231,8 +243,22 @@ def build(run: TinyRun):
     return model, ddp_model, optimizer, setup.plan if setup is not None else None
 
 
-ITERATION_MARKS: dict[str, list[float]] = {"backward_end": [], "forward_start": []}
+ITERATION_MARKS: dict[str, list[float]] = {"backward_end": [], "forward_start": [], "step_end": []}
 """This process's ``time.perf_counter()`` marks of :attr:`TinyRun.time_iteration` runs."""
+
+
+def _param_gather_chain(ddp_model) -> list[int]:
+    """The overlapped parameter all-gathers' prefetch chain: from the bucket group nothing
+    links to, each group's first parameter (its position in registration order) in turn."""
+    position = {param: index for index, param in enumerate(ddp_model.module.parameters())}
+    groups = ddp_model.bucket_groups
+    linked = {id(g.next_param_gather_bucket_group) for g in groups}
+    group = next(g for g in groups if id(g) not in linked)
+    chain = []
+    while group is not None:
+        chain.append(min(position[p] for b in group.buckets for p in b.params_list))
+        group = group.next_param_gather_bucket_group
+    return chain
 
 
 def _mark_iterations(model: torch.nn.Module) -> None:
@@ -260,6 +286,8 @@ def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer,
         # Megatron's own switch for Muon: the layer-wise optimizer replaces the distributed one.
         use_distributed_optimizer=not megatron_muon,
         use_layer_wise_distributed_optimizer=megatron_muon,
+        # the layer-wise optimizer defers its all-gather to the forward pre-hooks with it
+        overlap_param_gather=run.overlap_param_gather,
         **({**MEGATRON_MUON, "muon_tp_mode": run.megatron_muon_tp_mode} if megatron_muon else {}),
         muon_split_qkv=run.split_qkv,
     )
@@ -530,27 +558,33 @@ def layer_wise_layout(params, dp_size: int, ddp_config, *, bucket_size: int | No
     )
 
 
-def train_step(run: TinyRun, ddp_model, optimizer, step: int, syncs: list | None = None) -> tuple[float, float, float, bool]:
+def train_step(run: TinyRun, ddp_model, optimizer, step: int, syncs: list | None = None,
+               fb_syncs: list | None = None) -> tuple[float, float, float, bool]:
     """One optimizer step; returns (global-batch mean loss, global grad norm, step seconds,
     whether the update was applied). With ``run.count_syncs`` the step's host reads are
-    appended to ``syncs``.
+    appended to ``syncs``, and forward-backward's (early gathers included) to ``fb_syncs``.
 
     The step time is ``optimizer.step()`` alone (after a barrier), all-gather included."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from .host_syncs import count_host_syncs
+
     micro_batches = _local_micro_batches(run, step)
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
-    outputs = get_forward_backward_func()(
-        forward_step_func=_forward_step,
-        data_iterator=iter(micro_batches),
-        model=[ddp_model],
-        num_microbatches=len(micro_batches),
-        seq_length=SEQ_LEN,
-        micro_batch_size=run.micro_batch,
-        forward_only=False,
-    )
+    with count_host_syncs() if run.count_syncs else contextlib.nullcontext([]) as fb_seen:
+        outputs = get_forward_backward_func()(
+            forward_step_func=_forward_step,
+            data_iterator=iter(micro_batches),
+            model=[ddp_model],
+            num_microbatches=len(micro_batches),
+            seq_length=SEQ_LEN,
+            micro_batch_size=run.micro_batch,
+            forward_only=False,
+        )
+    if fb_syncs is not None and run.count_syncs:
+        fb_syncs.append(fb_seen)
     if step == run.nan_grad_at_step and dist.get_rank() == 0:
         for buffer in ddp_model.buffers:
             buffer.grad_data.fill_(float("nan"))
@@ -558,8 +592,6 @@ def train_step(run: TinyRun, ddp_model, optimizer, step: int, syncs: list | None
         dist.barrier()
     start = time.perf_counter()
     if run.count_syncs:
-        from .host_syncs import count_host_syncs
-
         with count_host_syncs() as seen:
             update_ok, grad_norm, _ = optimizer.step()
         if syncs is not None:
@@ -567,6 +599,8 @@ def train_step(run: TinyRun, ddp_model, optimizer, step: int, syncs: list | None
     else:
         update_ok, grad_norm, _ = optimizer.step()
     seconds = time.perf_counter() - start
+    if run.time_iteration:
+        ITERATION_MARKS["step_end"].append(start + seconds)
     local_mean = torch.stack([out["loss"] for out in outputs]).mean()
     if run.time_iteration:  # this rank's loss only: no collective between step and next forward
         return float(local_mean), float("nan") if grad_norm is None else float(grad_norm), seconds, bool(update_ok)

@@ -130,6 +130,17 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
                        help="Append one JSON line per --log-interval (iteration, loss, grad norm, "
                        "learning rate, optimizer step time, tokens/s) to this file; plot with "
                        "tools/plot_loss.py.")
+    group.add_argument("--canzona-calibration", type=str, default=None, metavar="FILE",
+                       help="Newton-Schulz timings of this machine (tools/bench_optim.py --muon-ns-method standard "
+                       "gram --calibrate FILE): --muon-ns-method auto takes, per shape measured, the method measured "
+                       "faster. Default: tools/calibrations/h100-muon-bf16.json on CUDA, none on CPU; 'none': the "
+                       "FLOP rule everywhere.")
+    group.add_argument("--canzona-profile-iteration", type=int, default=None, metavar="N",
+                       help="Run iteration N (as the log numbers it) under torch.profiler and print where its "
+                       "time goes: CPU and GPU time and host syncs by owner (model, Megatron DDP, Canzona's "
+                       "hooks, optimizer), and the GPU's idle time inside forward-backward. Any optimizer.")
+    group.add_argument("--canzona-profile-file", type=str, default=None,
+                       help="With --canzona-profile-iteration: also write the summary as JSON here.")
 
 
 def _add_switch(group: argparse._ArgumentGroup, name: str, default: bool, *, on: str, off: str) -> None:
@@ -281,6 +292,13 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
             check_blend_words(getattr(args, flag, None), "--" + flag.replace("_", "-"))
         except ValueError as error:
             raise CanzonaArgumentError(str(error)) from None
+    calibration = getattr(args, "canzona_calibration", None)
+    if calibration not in (None, "none") and not os.path.isfile(calibration):
+        raise CanzonaArgumentError(f"--canzona-calibration {calibration} does not exist: fix the path, or pass 'none'")
+    profiled = getattr(args, "canzona_profile_iteration", None)
+    if profiled is not None and not 1 <= profiled <= (args.train_iters or profiled):
+        raise CanzonaArgumentError(
+            f"--canzona-profile-iteration {profiled} is not an iteration of this run: pick one in 1..{args.train_iters}")
     metrics = getattr(args, "canzona_metrics_file", None)
     if metrics:
         parent = os.path.dirname(os.path.abspath(metrics))
@@ -444,14 +462,14 @@ def canzona_config_from_args(args: argparse.Namespace):
     from megatron.canzona.optim.newton_schulz import EMERGING_OPTIMIZERS_COEFFICIENTS
     from megatron.canzona.runtime.config import CanzonaConfig
 
+    ns_dtype = "float32" if args.muon_fp32_matmul_prec == "high" else "bfloat16"
     matrix = {
         # Megatron's coefficient names differ from ours ("quintic" is their tuned schedule);
         # fp32 matmul precision "high" keeps Newton-Schulz in fp32, lower ones run it in bf16.
         "muon": lambda: MATRIX_FLAGS["muon"].config(
             args, momentum=args.muon_momentum, nesterov=args.muon_nesterov,
             coefficients=EMERGING_OPTIMIZERS_COEFFICIENTS.get(args.muon_coefficient_type, args.muon_coefficient_type),
-            ns_dtype="float32" if args.muon_fp32_matmul_prec == "high" else "bfloat16",
-            num_ns_steps=args.muon_num_ns_steps,
+            ns_dtype=ns_dtype, num_ns_steps=args.muon_num_ns_steps, ns_measured=measured_ns_methods_of(args, ns_dtype),
             scale_mode=args.muon_scale_mode, extra_scale_factor=args.muon_extra_scale_factor),
         "shampoo": lambda: MATRIX_FLAGS["shampoo"].config(args, stagger_refresh=args.canzona_stagger_refresh),
         "soap": lambda: MATRIX_FLAGS["soap"].config(args, stagger_refresh=args.canzona_stagger_refresh),
@@ -459,6 +477,29 @@ def canzona_config_from_args(args: argparse.Namespace):
     adamw = AdamWConfig(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
     return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, adamw=adamw,
                          **{field: getattr(args, f"canzona_{field}") for field in CANZONA_FLAG_FIELDS})
+
+
+SHIPPED_CALIBRATIONS = {True: os.path.join("tools", "calibrations", "h100-muon-bf16.json"), False: None}
+"""``--canzona-calibration``'s default by whether CUDA is present: the H100 timings shipped with the
+project on a GPU, none (the FLOP rule) on CPU."""
+
+
+def measured_ns_methods_of(args: argparse.Namespace, ns_dtype: str) -> tuple[tuple[int, int, str], ...]:
+    """What ``--muon-ns-method auto`` takes per measured shape: from ``--canzona-calibration``
+    (``none``: the FLOP rule everywhere), by default the shipped calibration of this kind of device."""
+    import torch
+
+    from megatron.canzona.planning.sim.cluster import measured_ns_methods
+
+    if args.optimizer != "muon" or args.muon_ns_method != "auto":
+        return ()
+    from megatron.canzona.provenance import ROOT
+
+    shipped = SHIPPED_CALIBRATIONS[torch.cuda.is_available()]
+    path = args.canzona_calibration or (shipped and os.path.join(ROOT, shipped))
+    if path is None or path == "none" or not os.path.exists(path):
+        return ()
+    return measured_ns_methods(path, ns_dtype)
 
 
 def escaping_percent_in_help(build: Callable[..., dict], run: Any) -> Callable[..., dict]:

@@ -305,3 +305,25 @@ def _per_buffer(buffer: BufferPlan, params, indices, name_of, dp_size: int) -> P
         return PerBufferParamLayout(**fields)
     bounds = [tuple(x - b.start for x in b.shard_bounds) for b in buffer.buckets]
     return ShardedParamLayout(**fields, shard_bounds=bounds)
+
+
+def gather_in_forward_order(ddp: Any) -> None:
+    """Chain DDP's overlapped parameter all-gathers in the order forward first uses their
+    bucket groups.
+
+    Megatron links each bucket group to the next one to prefetch (``next_param_gather_bucket_
+    group``) in reverse bucket order over the chunk's buffers one after another. Canzona's plan
+    gives the matrices a buffer of their own, so that order gathers every bucket of the
+    elementwise buffer before the first matrix bucket, which the first layer needs at once: its
+    all-gather is then issued late and waited for, and the chain warns that "the next bucket's
+    parameter all-gather operation has already been dispatched". Ordered by the first parameter
+    each group holds (registration order, which is forward order in a GPT), each all-gather is
+    issued while the previous group's layers compute. Only the order changes: the same
+    collectives, bitwise the same parameters, no cost in the step."""
+    if not ddp.ddp_config.overlap_param_gather:
+        return
+    position = {param: index for index, param in enumerate(ddp.module.parameters())}
+    for groups in (ddp.bucket_groups, ddp.expert_parallel_bucket_groups):
+        chain = sorted(groups, key=lambda group: min(position[p] for b in group.buckets for p in b.params_list))
+        for group, following in zip(chain, [*chain[1:], None]):
+            group.next_param_gather_bucket_group = following

@@ -147,3 +147,26 @@ def allocating_state_first(sharded_state_dict: Callable[..., Any], run: Any = No
                                   is_loading, *args, **kwargs)
 
     return sharded_state_dict_allocated
+
+
+def one_read_l2_norm(l2_norm: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """Megatron's local ``multi_tensor_l2norm`` stand-in (``megatron.core.utils.
+    local_multi_tensor_l2_norm``, used where neither Apex nor Transformer Engine is installed)
+    with one device-to-host read instead of one per tensor.
+
+    Upstream takes each tensor's norm on the device, then builds a host tensor of them with
+    ``torch.tensor(list_of_device_scalars)``: a synchronising read per tensor (per parameter of
+    the optimizer, in every step's clip). Here the same per-tensor norms are stacked and copied
+    to the host at once, and reduced there by upstream's own expression (``torch.norm`` of the
+    fp32 host vector), so the norm is bitwise upstream's. Cost per step and rank: one read
+    instead of one per parameter; no buffer beyond the vector of norms."""
+
+    @functools.wraps(l2_norm)
+    def l2_norm_one_read(chunk_size: int, noop_flag: Any, tensor_lists: list, per_tensor: bool, *args: Any):
+        if per_tensor or not tensor_lists[0]:
+            return l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args)
+        norms = [torch.norm(tensor) for tensor in tensor_lists[0]]
+        total = torch.norm(torch.stack(norms).to("cpu", torch.float32))
+        return total.reshape(1).to(norms[0].device), None
+
+    return l2_norm_one_read

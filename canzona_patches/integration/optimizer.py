@@ -20,8 +20,9 @@ Hooks (megatron-core 0.19.2):
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ from megatron.core.optimizer import (  # noqa: E402
 )
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range  # noqa: E402
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler  # noqa: E402
-from megatron.core.optimizer.optimizer import ChainedOptimizer  # noqa: E402
+from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS, ChainedOptimizer  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.utils import get_pg_rank  # noqa: E402
 
@@ -111,26 +112,52 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
                     chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
 
     _clip_factor: float | None = None
+    _nonfinite_norm = False
+    """This step's global norm came out inf or NaN: the step is skipped (no state or parameter moves)."""
+
+    def reads_nonfinite_from_norm(self, *, clipping: bool | None = None) -> bool:
+        """Whether the global gradient norm Megatron computes to clip also serves as the inf/NaN
+        check, so that no second pass over the gradients is made: no loss scaler checks, the norm
+        is computed (``clipping``, default whether ``--clip-grad`` is on), and no parameter is
+        clipped by a norm group of its own (whose gradients the global norm leaves out)."""
+        clipping = self.config.clip_grad > 0.0 if clipping is None else clipping
+        return (self.grad_scaler is None and clipping
+                and not any(self.has_grad_norm_group(group) for group in SEPARATE_GRAD_NORM_GROUPS))
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         found_inf = super().prepare_grads()
-        if self.grad_scaler is None:
+        self._clip_factor, self._nonfinite_norm = None, False
+        if self.grad_scaler is None and not self.reads_nonfinite_from_norm():
             found_inf = self._nonfinite_grads()
             if found_inf:
-                logger.warning("Canzona: skipping the optimizer step, a gradient holds inf or NaN")
+                logger.warning(NONFINITE_SKIP)
         if found_inf and self.canzona.early_gathers is not None:
             self.canzona.early_gathers.drop()  # the staged gradients go before any state is touched
-        self._clip_factor = None
         return found_inf
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Megatron's norm and clip; the factor it applied (its own expression on the same
-        floats) is kept for the hosts, which apply it to gradients gathered before the step."""
+        floats) is kept for the hosts, which apply it to gradients gathered before the step. A
+        norm that is inf or NaN skips the step (:meth:`reads_nonfinite_from_norm`)."""
         grad_norm = super().clip_grad_norm(clip_grad)
+        if self.reads_nonfinite_from_norm() and not math.isfinite(grad_norm):
+            self.skip_nonfinite()
+            return grad_norm
         factor = clip_grad / (grad_norm + 1.0e-6)
         self._clip_factor = factor if self.get_parameters() and factor < 1.0 else None
         return grad_norm
+
+    def skip_nonfinite(self) -> None:
+        """A gradient holds inf or NaN: this step changes nothing (its clipped gradients are
+        zeroed with the next iteration's), and the gathers staged for it go."""
+        self._nonfinite_norm = True
+        if self.canzona.early_gathers is not None:
+            self.canzona.early_gathers.drop()
+
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """Megatron's step; one whose norm was inf or NaN reports as a found-inf step does."""
+        return _as_found_inf(self, super().step())
 
     def step_with_ready_grads(self) -> bool:
         """The step, its hosts scaling what was gathered early as the holders' gradients were:
@@ -140,6 +167,8 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
             scale.append(self.grad_scaler.inv_scale)
         if self._clip_factor is not None:
             scale.append(self._clip_factor)
+        if self._nonfinite_norm:
+            return False
         self.optimizer.gather_scale = tuple(scale)
         try:
             return super().step_with_ready_grads()
@@ -184,6 +213,18 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         return (~torch.isfinite(norms).all()).to(torch.float32).reshape(1)
 
 
+NONFINITE_SKIP = "Canzona: skipping the optimizer step, a gradient holds inf or NaN"
+
+
+def _as_found_inf(optimizer: Any, result: tuple) -> tuple:
+    """``optimizer.step()``'s result, or Megatron's found-inf one ``(False, None, None)`` when the
+    step's norm came out inf or NaN (it was skipped)."""
+    if optimizer._nonfinite_norm:
+        logger.warning(NONFINITE_SKIP)
+        return False, None, None
+    return result
+
+
 def _any_rank(flag: torch.Tensor, group: Any) -> bool:
     """Whether ``flag`` is set on any rank of ``group``: one all-reduce, one host read."""
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -197,35 +238,52 @@ class CanzonaChainedOptimizer(ChainedOptimizer):
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        """Both optimizers' gradients, with one inf/NaN check for the two when no loss scaler
-        checks (the dense and expert flags max-reduced together: one host read per step)."""
+        """Both optimizers' gradients. Megatron's chained step computes the joint norm whether
+        or not it clips, and that norm is the inf/NaN check where no loss scaler checks; else one
+        check for the two (the flags max-reduced together: one host read per step)."""
         found_inf = False
         flags = []
+        self._nonfinite_norm = False
         for part in self.chained_optimizers:
             found_inf |= DistributedOptimizer.prepare_grads(part)
-            if part.grad_scaler is None:
+            part._clip_factor, part._nonfinite_norm = None, False
+            if part.grad_scaler is None and not part.reads_nonfinite_from_norm(clipping=True):
                 flags.append(part._local_nonfinite_flag())
         if flags:
             group = self.chained_optimizers[0].get_grad_stats_parallel_group()
             if _any_rank(torch.stack(flags).amax().reshape(1), group):
-                logger.warning("Canzona: skipping the optimizer step, a gradient holds inf or NaN")
+                logger.warning(NONFINITE_SKIP)
                 found_inf = True
         for part in self.chained_optimizers:
-            part._clip_factor = None
             if found_inf and part.canzona.early_gathers is not None:
                 part.canzona.early_gathers.drop()  # the staged gradients go before any state is touched
         return found_inf
 
+    _nonfinite_norm = False
+
     def get_grad_norm(self) -> float:
         """The joint norm Megatron clips both optimizers by; each keeps the factor it applies
         (Megatron's expression on the same floats) for its hosts, which apply it to the
-        gradients gathered before the step."""
+        gradients gathered before the step. A norm that is inf or NaN skips the step."""
         grad_norm = super().get_grad_norm()
+        if not math.isfinite(grad_norm) and any(part.reads_nonfinite_from_norm(clipping=True)
+                                                for part in self.chained_optimizers):
+            self._nonfinite_norm = True
+            for part in self.chained_optimizers:
+                part.skip_nonfinite()
+            return grad_norm
         for part in self.chained_optimizers:
             clip = part.config.clip_grad
             factor = clip / (grad_norm + 1.0e-6) if clip > 0.0 else 1.0
             part._clip_factor = factor if part.get_parameters() and factor < 1.0 else None
         return grad_norm
+
+    def step_with_ready_grads(self) -> bool:
+        return False if self._nonfinite_norm else super().step_with_ready_grads()
+
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """Megatron's chained step; one whose norm was inf or NaN reports as a found-inf step does."""
+        return _as_found_inf(self, super().step())
 
     def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
                            sharding_type: str | None = None, metadata: dict | None = None) -> dict:

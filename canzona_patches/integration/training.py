@@ -116,16 +116,20 @@ def with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any], run: An
                                   **unused: Any):
         if DP is not _training.DDP:
             raise RuntimeError("--canzona supports Megatron's DistributedDataParallel only")
+        from canzona_patches.integration.layout import gather_in_forward_order
         from canzona_patches.integration.setup import setup_from_args
 
         args = _training.get_args()
         handoff.setup = setup_from_args(model_chunks, ddp_config, args, summarize_here=_writes_logs(args))
         disable = disable_bucketing_per_chunk or [False] * len(model_chunks)
-        return [
+        wrapped = [
             DP(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=off,
                full_param_layout=layout)
             for chunk, layout, off in zip(model_chunks, handoff.setup.layouts, disable)
         ]
+        for ddp in wrapped:
+            gather_in_forward_order(ddp)
+        return wrapped
 
     return wrap_with_canzona_layouts
 

@@ -7,6 +7,8 @@
 #   OPTIMIZER=muon CANZONA=0 examples/qwen3/pretrain_qwen3_tiny_cpu.sh   # Megatron's layer-wise Muon
 #   TP=2 examples/qwen3/pretrain_qwen3_tiny_cpu.sh               # TP 2 x DP 2
 #   examples/qwen3/pretrain_qwen3_tiny_cpu.sh --bf16             # extra flags go last
+#   OVERLAP_PARAM_GATHER=0 examples/qwen3/pretrain_qwen3_tiny_cpu.sh   # parameter all-gather in the step
+#   OVERLAP_GRAD_REDUCE=0 examples/qwen3/pretrain_qwen3_tiny_cpu.sh    # no collective overlapped at all
 #
 # Makes data/demo/ first if it is missing (tools/prepare_demo_data.py, ~10 s). Writes
 # $OUT_DIR/{train.log,metrics.jsonl,loss.png} (default build/qwen3-tiny-cpu/, not tracked).
@@ -23,6 +25,12 @@ TP="${TP:-1}"
 ITERS="${ITERS:-200}"
 OPTIMIZER="${OPTIMIZER:-muon}"
 CANZONA="${CANZONA:-1}"
+OVERLAP_ARGS=(--overlap-grad-reduce --overlap-param-gather)
+if [[ "${OVERLAP_GRAD_REDUCE:-1}" == 0 ]]; then
+    OVERLAP_ARGS=()
+elif [[ "${OVERLAP_PARAM_GATHER:-1}" == 0 ]]; then
+    OVERLAP_ARGS=(--overlap-grad-reduce)
+fi
 CANZONA_FLAGS=()
 LABEL="qwen3-tiny $OPTIMIZER"
 if [[ "$CANZONA" == 1 ]]; then
@@ -53,7 +61,7 @@ TRAINING_ARGS=(
     --micro-batch-size 4 --global-batch-size 16 --train-iters "$ITERS"
     --optimizer "$OPTIMIZER" "${CANZONA_FLAGS[@]}" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
-    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+    --use-distributed-optimizer "${OVERLAP_ARGS[@]}"
 )
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --distributed-backend gloo)
 DATA_ARGS=(

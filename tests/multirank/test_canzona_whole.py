@@ -183,6 +183,16 @@ def test_overlapped_collectives_are_bitwise_the_blocking_ones(results) -> None:
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_parameter_all_gathers_are_chained_in_forward_order(results) -> None:
+    """The matrices' buffer and the elementwise one are chained as forward first uses their
+    bucket groups (Megatron chains one buffer after the other), every group once; the test
+    above shows the parameters bitwise those of the blocking all-gathers."""
+    for rank in results[("overlap_on", "dp3")]:
+        chain = rank["param_gather_chain"]
+        assert len(chain) >= 3 and chain == sorted(chain), chain
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_gathers_issued_as_buckets_reduce_are_bitwise_the_steps_own(results) -> None:
     """The hosts scale what was gathered before the step (clip factor) as the holders did,
     and a skipped step drops it: parameters and state equal the run gathering in the step."""
