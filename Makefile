@@ -39,8 +39,9 @@ compare: venv
 # how to bring the packages to an offline machine). GPU_PYTHON: an interpreter with torch
 # and megatron-core (default: the venv's, else python3).
 GPU_PYTHON ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
+GPU_CHECK_ARGS ?=
 gpu-check:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) tools/gpu_check.py
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 plan: venv
 	$(PY) tools/plan.py --model qwen3-32b --tp 8 --dp 32 --compare --plot plan_qwen3-32b_tp8_dp32.png

@@ -31,7 +31,7 @@ matrices split across DP shards). ``--gantt FILE.png`` draws one async step per 
 
 ``--iteration`` times whole iterations instead (``zero_grad`` -> forward/backward with
 ``--overlap-grad-reduce`` -> step -> the next forward, ``--overlap-param-gather`` for the
-distributed optimizers): per iteration, the exposed optimizer time from the end of backward
+distributed optimizers and Megatron's layer-wise one, as ``pretrain_gpt.py`` runs them): per iteration, the exposed optimizer time from the end of backward
 (the embedding's gradient) to the next forward's first transformer layer, which holds the
 gradient reduce-scatter's tail, clipping, the step and any parameter all-gather not hidden.
 
@@ -163,10 +163,15 @@ LATE_GATHER = "canzona_late"
 gathers issued in the step rather than as the buckets finish reducing)."""
 
 
+ADAMW = "adamw"
+"""With ``--iteration``: Megatron's distributed AdamW, the iteration Muon's should cost."""
+
+
 def variants(args: argparse.Namespace) -> dict[str, tuple[str, str, str]]:
+    adamw = {ADAMW: ("adam", "async", "whole")} if args.iteration else {}
     if args.tp == 1:
-        return DP_VARIANTS
-    return {**TP_VARIANTS, LATE_GATHER: TP_VARIANTS["canzona"]} if args.iteration else TP_VARIANTS
+        return {**DP_VARIANTS, **adamw}
+    return {**TP_VARIANTS, LATE_GATHER: TP_VARIANTS["canzona"], **adamw} if args.iteration else TP_VARIANTS
 
 
 def runs_for(args: argparse.Namespace) -> list[TinyRun]:
@@ -177,7 +182,7 @@ def runs_for(args: argparse.Namespace) -> list[TinyRun]:
             layout="canzona" if optimizer == "muon" else "megatron",
             num_steps=args.warmup + args.steps + (1 if args.iteration else 0), global_batch=global_batch,
             micro_batch=2, overlap_grad_reduce=args.iteration, time_iteration=args.iteration,
-            overlap_param_gather=args.iteration and optimizer not in ("sync_muon", "megatron_muon"),
+            overlap_param_gather=args.iteration and optimizer != "sync_muon",
             lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
             ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha,
             early_gather=name != LATE_GATHER,
@@ -207,6 +212,24 @@ def exposed_times(per_rank: list[dict], warmup: int) -> list[float]:
                                "per rank and iteration is what --iteration times")
         per_rank_exposed.append([start - end for end, start in zip(ends, starts[1:])])
     return [max(times) for times in zip(*per_rank_exposed)][warmup:]
+
+
+def iteration_parts(per_rank: list[dict], warmup: int) -> dict[str, list[float]]:
+    """Per timed iteration, the slowest rank's forward-backward, exposed optimizer time (end of
+    backward to the end of ``optimizer.step()``: the reduce-scatter's tail, clipping, the step)
+    and the rest (to the next forward's first layer: zeroing, the next batch, parameter
+    all-gathers not hidden), and their sum, the whole iteration."""
+    def slowest(spans: list[list[float]]) -> list[float]:
+        return [max(times) for times in zip(*spans)][warmup:]
+
+    marks = [r["iteration_marks"] for r in per_rank]
+    parts = {
+        "forward_backward": slowest([[e - s for s, e in zip(m["forward_start"], m["backward_end"])] for m in marks]),
+        "exposed_optimizer": slowest([[s - e for e, s in zip(m["backward_end"], m["step_end"])] for m in marks]),
+        "rest": slowest([[f - s for s, f in zip(m["step_end"], m["forward_start"][1:])] for m in marks]),
+        "iteration": slowest([[b - a for a, b in zip(m["forward_start"], m["forward_start"][1:])] for m in marks]),
+    }
+    return parts
 
 
 def forward_backward_times(per_rank: list[dict], warmup: int) -> list[float]:
@@ -323,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     report = summarize(args, rounds, last)
     report["wall_seconds"] = time.perf_counter() - start
     print_table(report, names)
+    if args.iteration:
+        print_iteration_table(report, names)
     if args.gantt:
         draw_gantt(last["canzona"], args.gantt)
     text = json.dumps(report, indent=2)
@@ -362,6 +387,9 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
     if args.iteration:  # what the simulator needs to place the overlapped collectives (validate_simulate.py)
         report["median_forward_backward_ms"] = {
             name: 1e3 * statistics.median(forward_backward_times(last[name], args.warmup)) for name in last}
+        report["iteration_parts_ms"] = {
+            name: {part: 1e3 * statistics.median(times) for part, times in iteration_parts(last[name], args.warmup).items()}
+            for name in last}
     report["split_matrices"] = sum(p.host is None for part in plans for p in part.dp.matrix.placements)
     if args.moe:  # tiny_gpt reports the bytes of one Canzona optimizer, not of a dense + expert chain
         report["host_group_bytes_per_rank_step"] = None
@@ -375,6 +403,19 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
     return report
 
 
+def print_iteration_table(report: dict, names: list[str]) -> None:
+    """With ``--iteration``: each variant's iteration in its parts, and forward-backward and the
+    whole iteration against Megatron's layer-wise Muon's and AdamW's (medians of the last round)."""
+    parts = report["iteration_parts_ms"]
+    print(f"\n{'variant':<14} {'fwd-bwd (ms)':>13} {'exposed opt.':>13} {'rest':>8} {'iteration':>10} "
+          f"{'fwd-bwd / megatron':>19} {'iteration / megatron':>21} {'iteration / adamw':>18}")
+    for name in names:
+        p = parts[name]
+        print(f"{name:<14} {p['forward_backward']:>13.2f} {p['exposed_optimizer']:>13.2f} {p['rest']:>8.2f} "
+              f"{p['iteration']:>10.2f} {p['forward_backward'] / parts['megatron']['forward_backward']:>19.3f} "
+              f"{p['iteration'] / parts['megatron']['iteration']:>21.3f} {p['iteration'] / parts[ADAMW]['iteration']:>18.3f}")
+
+
 def print_table(report: dict, names: list[str]) -> None:
     matrices = report["matrices_per_rank_step"]
     column = "exposed (ms)" if report["measured"].startswith("exposed") else "median step (ms)"
@@ -383,7 +424,7 @@ def print_table(report: dict, names: list[str]) -> None:
     for name in names:
         sent = (report["host_group_bytes_per_rank_step"] or {}).get(name)
         counts = matrices.get(name)
-        counts = (f"{matrices['megatron_mean']:.2f} mean" if counts is None
+        counts = ("-" if name == ADAMW else f"{matrices['megatron_mean']:.2f} mean" if counts is None
                   else f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}")
         print(f"{name:<12} {report['median_step_ms'][name]:>17.2f} {report['ratio_to_sync'][name]:>8.3f} "
               f"{report['ratio_to_megatron'][name]:>11.3f} {counts:>14} {'' if sent is None else f'{sent:,.0f}':>22}")

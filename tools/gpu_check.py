@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -56,10 +57,24 @@ CPU_DEMO = ROOT / "examples" / "qwen3" / "pretrain_qwen3_tiny_cpu.sh"
 RECIPE_8B = ROOT / "examples" / "qwen3" / "pretrain_qwen3_8b.sh"
 DEMO_DATA = ROOT / "data" / "demo"
 BENCH_MODELS = ("qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
-ONE_GPU_VARIANTS = ("adamw", "layerwise", "canzona")
+ONE_GPU_VARIANTS = ("adamw", "layerwise", "canzona", "canzona_auto")
+RECIPE_VARIANTS = {"canzona_auto": ("canzona", ["--muon-ns-method", "auto"])}
+"""A one-GPU variant that is a recipe ``VARIANT`` with more flags (else the variant is the recipe's)."""
 ONE_GPU_LAYERS = 4
 """Layers of the cut Qwen3-8B: its matrices are the full model's, a ninth of them."""
+ONE_GPU_ROUNDS = 3
+"""The variants run in turn this many times, so that drift hits them alike (paired rounds)."""
+ONE_GPU_WARMUP = 3
+"""Untimed first iterations of each run (the profiled one among them, in the first round)."""
+ONE_GPU_TIMED = 10
+"""Timed iterations of each run after the warm-up: 30 per variant over the rounds."""
+PROFILED_ITERATION = 2
+"""The iteration of each variant's first run that runs under torch.profiler (a warm-up one)."""
 TP2DP2_ITERS = 10
+EXPECTED_S = {"tp2dp2": 150.0, "cuda_tests": 40.0, "bench": 45.0, "overlap": 10.0}
+"""About what each step after ``one_gpu`` took on an H100 (2026-11-27), for the budget."""
+MIN_STEP_S = 30.0
+"""Budget left under which a step is not started."""
 LOSS_RTOL = 2e-3
 """Relative difference allowed between the CUDA and the CPU run's losses: fp32 matmuls and
 reductions in another order, over 10 steps (the CPU runs agree bitwise with each other)."""
@@ -87,6 +102,15 @@ class Context:
     publish: bool
     variants: tuple[str, ...] = ONE_GPU_VARIANTS
     """The ``one_gpu`` step's recipe variants, in this order."""
+    rounds: int = ONE_GPU_ROUNDS
+    timed: int = ONE_GPU_TIMED
+    deadline: float = float("inf")
+    """``time.monotonic()`` by which the whole check ends (``--budget``): later runs are left out."""
+    reserve_s: float = 0.0
+    """Seconds the steps after ``one_gpu`` are expected to take: its later rounds leave them that."""
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
 
     def run(self, name: str, command: list[str], result: Result, *, env: dict[str, str] | None = None,
             timeout_s: float | None = None) -> subprocess.CompletedProcess:
@@ -197,15 +221,19 @@ def read_losses(metrics: Path) -> dict[int, float]:
     return dict(zip(curve.iterations, curve.losses))
 
 
-TP2DP2_PROBES = (
-    ("tp2dp2_cuda_late", "--canzona-no-early-gather", {}, ["--canzona-no-early-gather"]),
-    ("tp2dp2_cuda_lean", "--canzona-layout lean (equal shards)", {}, ["--canzona-layout", "lean"]),
-    ("tp2dp2_cuda_sync", "--canzona-tp-mode sync", {}, ["--canzona-tp-mode", "sync"]),
-    ("tp2dp2_cuda_layerwise", "Megatron's layer-wise Muon", {"CANZONA": "0"}, []),
-    ("tp2dp2_cuda_adamw", "AdamW", {"OPTIMIZER": "adam", "CANZONA": "0"}, []),
+TP2DP2_CONFIGS = (
+    ("blocking collectives", {"OVERLAP_GRAD_REDUCE": "0"}),
+    ("param gather in the step", {"OVERLAP_PARAM_GATHER": "0"}),
+    ("overlapped param gather", {}),
 )
-"""Run only when the CUDA run fails, as (name, what, environment, flags): the same job with less
-of Canzona in it, which tells where it broke without another device session."""
+"""The TP 2 x DP 2 job's configurations on CUDA tensors over gloo, as (what, environment), the
+likeliest to run first: every collective blocking; the gradients' reduce-scatters overlapped with
+backward (and Canzona's early gathers with them); the parameter all-gathers overlapped with the
+next forward too. On the H100 (torch 2.11) Megatron's own job died in the last two (2026-11-27);
+the CPU run uses the first's."""
+TP2DP2_BASELINE = {"OPTIMIZER": "adam", "CANZONA": "0"}
+"""Megatron's own job (AdamW, its distributed optimizer): run where Canzona's fails, to say whose
+the crash is."""
 
 
 def demo_command(ctx: Context, name: str, *, cuda: bool, env_extra: dict[str, str] | None = None,
@@ -234,101 +262,191 @@ def demo_run(ctx: Context, name: str, result: Result, *, cuda: bool, env_extra: 
     return read_losses(ctx.out / name / "metrics.jsonl")
 
 
-def step_tp2dp2(ctx: Context, result: Result) -> None:
-    cpu = demo_run(ctx, "tp2dp2_cpu", result, cuda=False)
+def attempt(ctx: Context, name: str, result: Result, env_extra: dict[str, str]) -> tuple[dict[int, float] | None, str]:
+    """One CUDA run of the demo: its losses and ``ran``, or ``None`` and ``failed: <line>``."""
     try:
-        gpu = demo_run(ctx, "tp2dp2_cuda", result, cuda=True)
+        return demo_run(ctx, name, result, cuda=True, env_extra=env_extra), "ran"
     except (RuntimeError, subprocess.TimeoutExpired) as error:
-        probes = {}
-        for name, what, env_extra, flags in TP2DP2_PROBES:
-            try:
-                demo_run(ctx, name, result, cuda=True, env_extra=env_extra, flags=flags)
-                probes[what] = "ran"
-            except (RuntimeError, subprocess.TimeoutExpired) as probe_error:
-                probes[what] = "failed: " + str(probe_error).splitlines()[0][:200]
-        result.details["probes"] = probes
-        raise RuntimeError(f"{str(error).splitlines()[0]}; with less of Canzona: "
-                           + "; ".join(f"{what} {outcome.split(':')[0]}" for what, outcome in probes.items())) from error
+        return None, "failed: " + str(error).splitlines()[0][:200]
+
+
+def step_tp2dp2(ctx: Context, result: Result) -> None:
+    """Canzona's job with CUDA tensors against the CPU run, in each configuration in turn; where
+    Canzona's fails, Megatron's own (AdamW) in the same configuration says whose the crash is."""
+    cpu = demo_run(ctx, "tp2dp2_cpu", result, cuda=False, env_extra=dict(TP2DP2_CONFIGS[0][1]))
+    configs: dict[str, dict[str, str]] = {}
+    matched: tuple[str, dict[int, float]] | None = None
+    for number, (what, env_extra) in enumerate(TP2DP2_CONFIGS):
+        if number and ctx.left_s() < 120:
+            configs[what] = {"canzona": "not run: out of the time budget"}
+            continue
+        losses, outcome = attempt(ctx, f"tp2dp2_cuda_{number}", result, env_extra)
+        configs[what] = {"canzona": outcome}
+        if losses is None:
+            _, baseline = attempt(ctx, f"tp2dp2_cuda_{number}_adamw", result, {**env_extra, **TP2DP2_BASELINE})
+            configs[what]["megatron_adamw"] = baseline
+            configs[what]["crash"] = ("the environment's: Megatron's own job fails there too"
+                                      if baseline.startswith("failed") else "Canzona's: Megatron's own job runs there")
+        elif matched is None:
+            matched = (what, losses)
+    result.details["configurations"] = configs
+    crashes = "; ".join(f"{what}: Canzona {c['canzona'].split(':')[0]}" + (f", crash {c['crash']}" if "crash" in c else "")
+                        for what, c in configs.items())
+    if matched is None:
+        raise RuntimeError(f"no configuration ran Canzona's job on CUDA ({crashes})")
+    what, gpu = matched
     common = sorted(set(cpu) & set(gpu))
     if not common:
         raise RuntimeError("the CPU and CUDA runs logged no common iteration")
     worst = max(abs(gpu[i] - cpu[i]) / abs(cpu[i]) for i in common)
-    result.details = {"iterations": common, "cpu": [cpu[i] for i in common], "cuda": [gpu[i] for i in common],
-                      "max_relative_difference": worst, "tolerance": LOSS_RTOL}
+    result.details.update({"configuration": what, "iterations": common, "cpu": [cpu[i] for i in common],
+                           "cuda": [gpu[i] for i in common], "max_relative_difference": worst,
+                           "tolerance": LOSS_RTOL})
     if worst > LOSS_RTOL:
         raise RuntimeError(f"CUDA and CPU losses differ by {worst:.2e} (relative), more than {LOSS_RTOL:.0e}")
-    result.summary = f"{len(common)} iterations, losses within {worst:.1e} of the CPU run's (allowed {LOSS_RTOL:.0e})"
+    result.summary = (f"{what}: {len(common)} iterations, losses within {worst:.1e} of the CPU run's "
+                      f"(allowed {LOSS_RTOL:.0e}); {crashes}")
 
 
-def one_gpu_env(ctx: Context, variant: str) -> dict[str, str]:
-    return {"PYTHON": ctx.python, "VARIANT": variant, "NPROC_PER_NODE": "1", "TP": "1", "PRECISION": "bf16",
-            "SEQ_LENGTH": "2048", "GLOBAL_BATCH": "8", "MICRO_BATCH": "1", "TRAIN_ITERS": "20", "WARMUP_ITERS": "2",
-            "LOG_INTERVAL": "5", "EVAL_INTERVAL": "1000", "EVAL_ITERS": "1", "CKPT_DIR": "none",
+def one_gpu_env(ctx: Context, variant: str, log_dir: Path) -> dict[str, str]:
+    return {"PYTHON": ctx.python, "VARIANT": RECIPE_VARIANTS.get(variant, (variant,))[0], "NPROC_PER_NODE": "1",
+            "TP": "1", "PRECISION": "bf16", "SEQ_LENGTH": "2048", "GLOBAL_BATCH": "8", "MICRO_BATCH": "1",
+            "TRAIN_ITERS": str(ONE_GPU_WARMUP + ctx.timed), "WARMUP_ITERS": "2", "LOG_INTERVAL": "1",
+            "EVAL_INTERVAL": "1000", "EVAL_ITERS": "1", "CKPT_DIR": "none",
             "TOKENIZER_TYPE": "SentencePieceTokenizer", "TOKENIZER_MODEL": str(DEMO_DATA / "tokenizer.model"),
-            "DATA_PATH": str(DEMO_DATA / "demo_text_document"), "LOG_DIR": str(ctx.out / f"one_gpu_{variant}"),
-            "MASTER_PORT": "29563"}
+            "DATA_PATH": str(DEMO_DATA / "demo_text_document"), "LOG_DIR": str(log_dir), "MASTER_PORT": "29563",
+            # Megatron-Core logs its timer reports through `logging` at INFO
+            "MEGATRON_LOGGING_LEVEL": "20"}
+
+
+def one_gpu_flags(variant: str, *, profile: Path | None) -> list[str]:
+    """The recipe's extra flags: the cut model, Megatron's level-1 timers (a device wait at
+    each phase's ends, alike for every variant), the variant's own, and the profiled iteration."""
+    flags = ["--num-layers", str(ONE_GPU_LAYERS), "--transformer-impl", "transformer_engine" if transformer_engine()
+             else "local", "--timing-log-level", "1", *RECIPE_VARIANTS.get(variant, ("", []))[1]]
+    if profile is not None:
+        flags += ["--canzona-profile-iteration", str(PROFILED_ITERATION), "--canzona-profile-file", str(profile)]
+    return flags
 
 
 def step_one_gpu(ctx: Context, result: Result) -> None:
-    te = transformer_engine()
-    # Megatron's level-1 timers (one barrier each on one GPU) say where an iteration's time goes
-    extra = ["--num-layers", str(ONE_GPU_LAYERS), "--transformer-impl", "transformer_engine" if te else "local",
-             "--timing-log-level", "1"]
-    rows = {}
-    for variant in ctx.variants:
-        env = one_gpu_env(ctx, variant)
-        if not ctx.cuda:  # the recipe's command only
-            ctx.run(f"one_gpu_{variant}", ["bash", str(RECIPE_8B), *extra], result, env={**env, "DRY_RUN": "1"})
-            continue
-        if not (DEMO_DATA / "demo_text_document.idx").is_file():
-            ctx.run("demo_data", [ctx.python, "tools/prepare_demo_data.py", "--output-dir", str(DEMO_DATA)], result)
-        ctx.run(f"one_gpu_{variant}", ["bash", str(RECIPE_8B), *extra], result, env=env)
-        rows[variant] = {**one_gpu_row(Path(env["LOG_DIR"]) / "metrics.jsonl"),
-                         "timers_ms": megatron_timers(ctx.out / f"one_gpu_{variant}.log")}
-    one_gpu_result(rows, te, result)
+    """Every variant in turn, round after round: per run the timed iterations' step and
+    iteration times; the first round also profiles one iteration of each."""
+    if not ctx.cuda:  # the recipe's command only
+        for variant in ctx.variants:
+            env = one_gpu_env(ctx, variant, ctx.out / f"one_gpu_{variant}")
+            ctx.run(f"one_gpu_{variant}", ["bash", str(RECIPE_8B), *one_gpu_flags(variant, profile=None)], result,
+                    env={**env, "DRY_RUN": "1"})
+        return
+    if not (DEMO_DATA / "demo_text_document.idx").is_file():
+        ctx.run("demo_data", [ctx.python, "tools/prepare_demo_data.py", "--output-dir", str(DEMO_DATA)], result)
+    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in ctx.variants}
+    profiles: dict[str, Any] = {}
+    run_s = 0.0
+    for round_index in range(ctx.rounds):
+        if round_index and ctx.left_s() < run_s * len(ctx.variants) + ctx.reserve_s:  # keep time for the later steps
+            break
+        for variant in ctx.variants:
+            name = f"one_gpu_{variant}_r{round_index + 1}"
+            profile = ctx.out / f"profile_{variant}.json" if round_index == 0 else None
+            begin = time.monotonic()
+            ctx.run(name, ["bash", str(RECIPE_8B), *one_gpu_flags(variant, profile=profile)], result,
+                    env=one_gpu_env(ctx, variant, ctx.out / name))
+            run_s = max(run_s, time.monotonic() - begin)
+            runs[variant].append({**one_gpu_run(ctx.out / name / "metrics.jsonl"),
+                                  "timers_ms": megatron_timers(ctx.out / f"{name}.log", skip=ONE_GPU_WARMUP)})
+            if profile is not None and profile.is_file():
+                profiles[variant] = json.loads(profile.read_text())
+    one_gpu_result(runs, profiles, transformer_engine(), result)
 
 
-def one_gpu_row(metrics: Path) -> dict[str, Any]:
-    """One variant's optimizer step and iteration time (the mean of the logged intervals of the
-    run's second half, after warm-up) and its loss by iteration."""
+def one_gpu_run(metrics: Path) -> dict[str, Any]:
+    """One run's timed iterations (after :data:`ONE_GPU_WARMUP`): step and iteration time each
+    (``--log-interval 1``: one metrics line per iteration), and the loss by iteration."""
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    late = records[len(records) // 2:]
-    return {"optimizer_step_ms": sum(r["optimizer_step_ms"] for r in late) / len(late),
-            "iteration_ms": sum(r["iteration_ms"] for r in late) / len(late),
-            "loss": read_losses(metrics)}
+    timed = [r for r in records if r["iteration"] > ONE_GPU_WARMUP]
+    if not timed:
+        raise RuntimeError(f"{metrics} holds no iteration after the {ONE_GPU_WARMUP} warm-up ones")
+    return {"optimizer_step_ms": [r["optimizer_step_ms"] for r in timed],
+            "iteration_ms": [r["iteration_ms"] for r in timed], "loss": read_losses(metrics)}
 
 
 TIMER_LINE = re.compile(r"^\s+([\w-]+) \.*: \(?([\d.]+)(?:, ([\d.]+)\))?\s*$")
 
 
-def megatron_timers(log: Path) -> dict[str, float]:
-    """The last timer report in a Megatron log (``--timing-log-level``): milliseconds per
-    iteration by timer, the slowest rank's."""
-    timers: dict[str, float] = {}
+def megatron_timers(log: Path, *, skip: int = 0) -> dict[str, float]:
+    """Megatron's timer reports in a log (``--timing-log-level``), one per logged iteration: the
+    median over the reports after the first ``skip`` of each timer's milliseconds (the slowest
+    rank's); with one report, that report."""
+    reports: list[dict[str, float]] = []
     for line in log.read_text(errors="replace").splitlines():
         if "time across ranks (ms):" in line:
-            timers = {}
-        elif (found := TIMER_LINE.match(line)) is not None:
-            timers[found.group(1)] = float(found.group(3) or found.group(2))
-    return timers
+            reports.append({})
+        elif reports and (found := TIMER_LINE.match(line)) is not None:
+            reports[-1][found.group(1)] = float(found.group(3) or found.group(2))
+    kept = reports[skip:] or reports[-1:]
+    names = list(dict.fromkeys(name for report in kept for name in report))
+    return {name: statistics.median(r[name] for r in kept if name in r) for name in names}
 
 
-def one_gpu_result(rows: dict[str, dict[str, Any]], te: str | None, result: Result) -> None:
-    """The step's details and summary from its variants' rows; Canzona's and Megatron's
-    layer-wise Muon compute the same updates, so their losses are compared too."""
-    result.details = {"layers": ONE_GPU_LAYERS, "transformer_engine": te, "variants": rows}
-    parts = [f"{v}: step {r['optimizer_step_ms']:.1f} ms, iteration {r['iteration_ms']:.0f} ms" for v, r in rows.items()]
-    if {"canzona", "layerwise"} <= set(rows):
-        ours, theirs = rows["canzona"]["loss"], rows["layerwise"]["loss"]
-        worst = max(abs(ours[i] - theirs[i]) / abs(theirs[i]) for i in set(ours) & set(theirs))
-        result.details["canzona_vs_layerwise_loss"] = worst
-        parts.append(f"canzona's losses within {worst:.1e} of layerwise's")
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def one_gpu_result(runs: dict[str, list[dict[str, Any]]], profiles: dict[str, Any], te: str | None,
+                   result: Result) -> None:
+    """Per variant the medians over every timed iteration and the spread of its rounds' medians;
+    Canzona against Megatron's layer-wise Muon round by round (the k-th runs of the two ran
+    minutes apart at most); their losses (the same updates) against each other."""
+    variants: dict[str, Any] = {}
+    for variant, rounds in runs.items():
+        if not rounds:
+            continue
+        row: dict[str, Any] = {"rounds": len(rounds), "loss": rounds[0]["loss"], "timers_ms": rounds[0]["timers_ms"]}
+        for key in ("optimizer_step_ms", "iteration_ms"):
+            row[key] = statistics.median(t for r in rounds for t in r[key])
+            row[f"{key}_rounds"] = [statistics.median(r[key]) for r in rounds]
+        if variant in profiles:
+            row["profile"] = profiles[variant]
+        variants[variant] = row
+    result.details = {"layers": ONE_GPU_LAYERS, "transformer_engine": te, "warmup": ONE_GPU_WARMUP,
+                      "timed_per_round": next((len(r[0]["iteration_ms"]) for r in runs.values() if r), 0),
+                      "variants": variants, "ratios": {}}
+    parts = [f"{v}: step {r['optimizer_step_ms']:.1f} ms, iteration {r['iteration_ms']:.0f} ms" for v, r in variants.items()]
+    if "layerwise" in variants:
+        for ours in ("canzona", "canzona_auto"):
+            if ours not in variants:
+                continue
+            ratios = {key: spread([a / b for a, b in zip(variants[ours][f"{key}_rounds"], variants["layerwise"][f"{key}_rounds"])])
+                      for key in ("optimizer_step_ms", "iteration_ms")}
+            result.details["ratios"][f"{ours}/layerwise"] = ratios
+            parts.append(f"{ours}/layerwise: step {ratios['optimizer_step_ms']['median']:.3f}, iteration "
+                         f"{ratios['iteration_ms']['median']:.3f} ({ratios['iteration_ms']['min']:.3f}-"
+                         f"{ratios['iteration_ms']['max']:.3f} over {len(variants[ours]['iteration_ms_rounds'])} rounds)")
+        if "canzona" in variants:
+            ours, theirs = variants["canzona"]["loss"], variants["layerwise"]["loss"]
+            worst = max(abs(ours[i] - theirs[i]) / abs(theirs[i]) for i in set(ours) & set(theirs))
+            result.details["canzona_vs_layerwise_loss"] = worst
+            parts.append(f"canzona's losses within {worst:.1e} of layerwise's")
     result.summary = "; ".join(parts)
+
+
+def overlap_command(ctx: Context) -> list[str]:
+    return [ctx.python, "tools/bench_overlap.py", "--json", str(ctx.out / "overlap.json")]
+
+
+def step_overlap(ctx: Context, result: Result) -> None:
+    """Newton-Schulz on a side stream beside a GEMM load (the step's early compute beside backward)."""
+    ctx.run("overlap", overlap_command(ctx), result)
+    result.details = json.loads((ctx.out / "overlap.json").read_text())
+    d = result.details
+    result.summary = (f"Newton-Schulz {tuple(d['shape'])} x{d['stack']} {d['ns_ms']:.1f} ms beside {d['gemm_ms']:.1f} ms of "
+                      f"bf16 products: {100 * d['hidden']:.0f}% hidden, the products {d['load_slowdown']:.2f}x as long")
 
 
 def skipped_commands(ctx: Context, name: str) -> list[str]:
     """What a step without a CPU form would run (recorded when it is skipped)."""
-    commands = {"cuda_tests": [(cuda_tests_command(ctx), {})],
+    commands = {"cuda_tests": [(cuda_tests_command(ctx), {})], "overlap": [(overlap_command(ctx), {})],
                 "tp2dp2": [demo_command(ctx, f"tp2dp2_{d}", cuda=d == "cuda") for d in ("cpu", "cuda")]}[name]
     return [(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(c)).strip()
             for c, env in commands]
@@ -346,11 +464,13 @@ class Step:
 
 STEPS = (
     Step("environment", "environment", False, True, step_environment),
+    Step("one_gpu", f"one GPU, bf16, Qwen3-8B cut to {ONE_GPU_LAYERS} layers, paired rounds", True, True, step_one_gpu),
+    Step("tp2dp2", "TP 2 x DP 2, CUDA tensors + gloo, against CPU", True, False, step_tp2dp2),
     Step("cuda_tests", "CUDA tests (`pytest -m gpu`)", True, False, step_cuda_tests),
     Step("bench", "Newton-Schulz, standard vs gram, bf16 (`tools/bench_optim.py`)", True, True, step_bench),
-    Step("one_gpu", f"one GPU, bf16, Qwen3-8B cut to {ONE_GPU_LAYERS} layers", True, True, step_one_gpu),
-    Step("tp2dp2", "TP 2 x DP 2, CUDA tensors + gloo, against CPU", True, False, step_tp2dp2),
+    Step("overlap", "Newton-Schulz on a side stream beside GEMMs (`tools/bench_overlap.py`)", True, False, step_overlap),
 )
+"""In the order they run: what answers the most first, so a short budget (``--budget``) drops the rest."""
 
 
 # --- Report -----------------------------------------------------------------------------------
@@ -374,7 +494,9 @@ def markdown(report: dict[str, Any]) -> str:
             ratio = "–" if r["gram_over_standard"] is None else f"{r['gram_over_standard']:.2f}"
             lines.append(f"| {r['model']} | {r['matrix']} | {r['shape']} | {r['standard_ms']:.3g} | {gram} | {ratio} "
                          f"| {100 * r['standard_fraction_of_matmul_rate']:.0f}% |")
-    variants = report["steps"].get("one_gpu", {}).get("details", {}).get("variants", {})
+    one_gpu = report["steps"].get("one_gpu", {}).get("details", {})
+    variants = one_gpu.get("variants", {})
+    lines += one_gpu_tables(one_gpu)
     timed = {v: r["timers_ms"] for v, r in variants.items() if r.get("timers_ms")}
     if timed:
         names = list(dict.fromkeys(name for timers in timed.values() for name in timers))
@@ -384,15 +506,52 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def one_gpu_tables(one_gpu: dict[str, Any]) -> list[str]:
+    """The paired rounds (medians, the spread of the rounds' medians, ratios to layer-wise
+    Muon) and each variant's profiled iteration by owner."""
+    variants = one_gpu.get("variants", {})
+    if not variants:
+        return []
+    lines = ["", f"| variant | rounds | optimizer step, ms (median; rounds' medians) | iteration, ms (median; rounds' medians) |",
+             "|---|---|---|---|"]
+    for name, row in variants.items():
+        cells = [f"{row[k]:.1f} ({', '.join(f'{x:.1f}' for x in row[k + '_rounds'])})" for k in ("optimizer_step_ms", "iteration_ms")]
+        lines.append(f"| {name} | {row['rounds']} | " + " | ".join(cells) + " |")
+    for pair, ratios in one_gpu.get("ratios", {}).items():
+        lines.append(f"| {pair} | | {ratios['optimizer_step_ms']['median']:.3f} ({ratios['optimizer_step_ms']['min']:.3f}-"
+                     f"{ratios['optimizer_step_ms']['max']:.3f}) | {ratios['iteration_ms']['median']:.3f} "
+                     f"({ratios['iteration_ms']['min']:.3f}-{ratios['iteration_ms']['max']:.3f}) |")
+    profiled = {name: row["profile"] for name, row in variants.items() if row.get("profile")}
+    if profiled:
+        owners = list(next(iter(profiled.values()))["owners"])
+        lines += ["", "Profiled iteration (`--canzona-profile-iteration`; synchronised phases, Python stacks): "
+                  "CPU / GPU ms by owner, host syncs", "",
+                  "| owner | " + " | ".join(profiled) + " |", "|---" * (len(profiled) + 1) + "|"]
+        for owner in owners:
+            cells = [f"{p['owners'][owner]['cpu_ms']:.1f} / {p['owners'][owner]['gpu_ms']:.1f}, "
+                     f"{p['owners'][owner]['host_syncs']}" for p in profiled.values()]
+            lines.append(f"| {owner} | " + " | ".join(cells) + " |")
+        lines.append("| GPU idle in forward-backward, ms | " + " | ".join(
+            "–" if p["gpu_idle_in_forward_backward_ms"] is None else f"{p['gpu_idle_in_forward_backward_ms']:.1f}"
+            for p in profiled.values()) + " |")
+        lines.append("| forward-backward / step, ms | " + " | ".join(
+            f"{p['phases_ms'].get('forward_backward', 0):.0f} / {p['phases_ms'].get('optimizer_step', 0):.0f}"
+            for p in profiled.values()) + " |")
+    return lines
+
+
 LAST_RESULT = "## Last result\n"
 
 
-def publish(table: str) -> Path:
-    """``table`` in docs/gpu_check.md, in place of what its "Last result" section held."""
+def publish(table: str, report: dict[str, Any]) -> list[Path]:
+    """``table`` in docs/gpu_check.md, in place of what its "Last result" section held, and the
+    raw report beside it (docs/gpu_check.json)."""
     page = ROOT / "docs" / "gpu_check.md"
     text = page.read_text()
     page.write_text(text[:text.index(LAST_RESULT) + len(LAST_RESULT)] + "\n" + table)
-    return page
+    raw = ROOT / "docs" / "gpu_check.json"
+    raw.write_text(json.dumps(report, indent=1) + "\n")
+    return [page, raw]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -403,6 +562,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each command may take")
     p.add_argument("--variants", nargs="+", choices=ONE_GPU_VARIANTS, default=list(ONE_GPU_VARIANTS),
                    help="the one_gpu step's recipe variants, run in this order")
+    p.add_argument("--rounds", type=int, default=ONE_GPU_ROUNDS, help="one_gpu: paired rounds of the variants")
+    p.add_argument("--timed", type=int, default=ONE_GPU_TIMED, help="one_gpu: timed iterations per run, after the warm-up")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="the whole check's time: one_gpu runs fewer rounds and later steps are skipped to end by then")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="OUT_DIR",
+                   help="run nothing: report the one_gpu rounds that earlier runs left in these --out directories "
+                        "as one paired set (the other steps from the first), e.g. after several short device calls")
+    p.add_argument("--publish", action="store_true", help="with --merge: also write docs/gpu_check.md and .json")
     p.add_argument("--python", default=sys.executable, help="interpreter of the steps' commands (default: this one)")
     p.add_argument("--keep", type=Path, metavar="GPU_CHECK_JSON",
                    help="an earlier run's gpu_check.json: its steps that this run does not run are kept in the "
@@ -412,16 +579,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def merge_rounds(dirs: list[Path]) -> dict[str, Any]:
+    """The report of ``dirs[0]`` (an earlier ``--out``) with its ``one_gpu`` step made of every
+    round the runs in ``dirs`` left (``one_gpu_<variant>_r<k>/``), in order: rounds of the same
+    code that several short device calls ran one after another, reported as one paired set."""
+    report = json.loads((dirs[0] / "gpu_check.json").read_text())
+    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in ONE_GPU_VARIANTS}
+    profiles: dict[str, Any] = {}
+    for folder in dirs:
+        for variant in ONE_GPU_VARIANTS:
+            for run in sorted(folder.glob(f"one_gpu_{variant}_r*/metrics.jsonl"), key=lambda p: int(p.parent.name.rsplit("_r", 1)[1])):
+                runs[variant].append({**one_gpu_run(run), "timers_ms": megatron_timers(run.parent.with_suffix(".log"),
+                                                                                       skip=ONE_GPU_WARMUP)})
+            profile = folder / f"profile_{variant}.json"
+            if variant not in profiles and profile.is_file():
+                profiles[variant] = json.loads(profile.read_text())
+    result = Result(seconds=sum(json.loads((d / "gpu_check.json").read_text())["steps"]["one_gpu"]["seconds"] for d in dirs))
+    one_gpu_result({v: r for v, r in runs.items() if r}, profiles, report["steps"]["one_gpu"]["details"].get(
+        "transformer_engine"), result)
+    result.commands = [c for d in dirs for c in json.loads((d / "gpu_check.json").read_text())["steps"]["one_gpu"]["commands"]]
+    report["steps"]["one_gpu"] = vars(result)
+    report["command"] += " (one_gpu: the rounds of " + ", ".join(
+        json.loads((d / "gpu_check.json").read_text())["command"] for d in dirs) + ")"
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        report = merge_rounds(args.merge)
+        table = markdown(report)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
+        (args.out / "gpu_check.md").write_text(table)
+        written = [args.out / "gpu_check.json", args.out / "gpu_check.md"] + (publish(table, report) if args.publish else [])
+        print(table + "[gpu-check] wrote " + ", ".join(str(p) for p in written), flush=True)
+        return 0
     cuda = torch.cuda.is_available()
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Context(out=args.out, python=args.python, cuda=cuda, timeout_s=args.timeout, publish=cuda,
-                  variants=tuple(args.variants))
+                  variants=tuple(args.variants), rounds=args.rounds, timed=args.timed,
+                  deadline=time.monotonic() + (args.budget if args.budget is not None else float("inf")))
     report: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                               "command": shlex.join(["tools/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
                               "cuda": cuda, "steps": {}}
     steps = [s for s in STEPS if s.name in args.steps or s.name == "environment"]
+    ctx.reserve_s = sum(EXPECTED_S.get(s.name, 0.0) for s in steps)
     if args.keep:
         kept = json.loads(args.keep.read_text())
         for name, earlier in kept["steps"].items():
@@ -434,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         if step.needs_cuda and not cuda and not step.cpu_form:
             result.status, result.summary = "skipped", "no CUDA device"
             result.commands = skipped_commands(ctx, step.name)
+        elif step.name != "environment" and ctx.left_s() < MIN_STEP_S:
+            result.status, result.summary = "skipped", f"out of the time budget (--budget {args.budget:.0f} s)"
         else:
             print(f"[gpu-check] {number}/{len(steps)} {step.title} ...", flush=True)
             try:
@@ -453,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "gpu_check.md").write_text(table)
     written = [args.out / "gpu_check.json", args.out / "gpu_check.md"]
     if ctx.publish:
-        written.append(publish(table))
+        written += publish(table, report)
     print("[gpu-check] wrote " + ", ".join(str(p) for p in written), flush=True)
     return 1 if failed else 0
 

@@ -28,9 +28,9 @@ def test_gpu_check_plumbing_on_cpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     steps = report["steps"]
-    assert list(steps) == ["environment", "cuda_tests", "bench", "one_gpu", "tp2dp2"]
+    assert list(steps) == ["environment", "one_gpu", "tp2dp2", "cuda_tests", "bench", "overlap"]
     assert steps["environment"]["status"] == "ran" and steps["environment"]["details"]["megatron_core"] == "0.19.2"
-    for name in ("cuda_tests", "tp2dp2"):
+    for name in ("cuda_tests", "tp2dp2", "overlap"):
         assert steps[name]["status"] == "skipped" and steps[name]["summary"] == "no CUDA device"
     assert "-m gpu" in steps["cuda_tests"]["commands"][0]
     assert [("CUDA_VISIBLE_DEVICES=''" in c) for c in steps["tp2dp2"]["commands"]] == [True, False]
@@ -49,15 +49,16 @@ def test_gpu_check_plumbing_on_cpu(tmp_path: Path) -> None:
         assert seconds == by_method[ns_method_for(m, n, 5, "auto", "float32")].seconds[(m, n)]
 
     one_gpu = steps["one_gpu"]
-    assert len(one_gpu["commands"]) == 3
-    for variant in ("adamw", "layerwise", "canzona"):
+    assert len(one_gpu["commands"]) == 4
+    for variant in ("adamw", "layerwise", "canzona", "canzona_auto"):
         printed = (tmp_path / f"one_gpu_{variant}.log").read_text()
-        assert "pretrain_gpt.py" in printed and printed.rstrip().endswith("--num-layers 4 --transformer-impl local --timing-log-level 1")
-        assert ("--canzona " in printed) == (variant == "canzona")
-        assert "--bf16" in printed and "--nproc-per-node 1" in printed
+        assert "pretrain_gpt.py" in printed and "--num-layers 4 --transformer-impl local --timing-log-level 1" in printed
+        assert ("--canzona " in printed) == variant.startswith("canzona")
+        assert printed.rstrip().endswith("--muon-ns-method auto") == (variant == "canzona_auto")
+        assert "--bf16" in printed and "--nproc-per-node 1" in printed and "--log-interval 1 " in printed
 
     table = (tmp_path / "gpu_check.md").read_text()
-    assert table.count("| skipped |") == 4 and "| qwen3-tiny | fc1 | 352x64 |" in table
+    assert table.count("| skipped |") == 5 and "| qwen3-tiny | fc1 | 352x64 |" in table
     assert (ROOT / "docs" / "gpu_check.md").read_text() == docs  # published only from a GPU run
 
     # A later, shorter run keeps the steps it does not run (a device session too short for all)
@@ -66,15 +67,16 @@ def test_gpu_check_plumbing_on_cpu(tmp_path: Path) -> None:
                            timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     later = json.loads((tmp_path / "b" / "gpu_check.json").read_text())
-    assert list(later["steps"]) == ["cuda_tests", "bench", "one_gpu", "tp2dp2", "environment"]
+    assert list(later["steps"]) == ["one_gpu", "tp2dp2", "cuda_tests", "bench", "overlap", "environment"]
     assert later["steps"]["bench"] == {**steps["bench"], "kept_from": report["date"]}
     assert "kept_from" not in later["steps"]["environment"]
-    assert (tmp_path / "b" / "gpu_check.md").read_text().count(f"(run of {report['date']})") == 4
+    assert (tmp_path / "b" / "gpu_check.md").read_text().count(f"(run of {report['date']})") == 5
 
 
 def test_megatron_timer_reports_are_read_as_megatron_writes_them(tmp_path: Path) -> None:
     """The one-GPU step reads where an iteration's time goes from Megatron's timer reports
-    (``--timing-log-level 1``): the last report wins, and min/max and max-only forms both read."""
+    (``--timing-log-level 1``, one per logged iteration): the median of each timer over the reports
+    after the warm-up ones, the slowest rank's in the min/max form, and the max-only form reads."""
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import gpu_check  # tools/gpu_check.py
@@ -89,6 +91,9 @@ def test_megatron_timer_reports_are_read_as_megatron_writes_them(tmp_path: Path)
         f"    {'optimizer '.ljust(48, '.')}: (140.00, 142.00)",
         "max time across ranks (ms):", f"    {'optimizer-inner-step '.ljust(48, '.')}: 131.00",
     ]) + "\n")
-    assert gpu_check.megatron_timers(log) == {"optimizer-inner-step": 131.0}
+    assert gpu_check.megatron_timers(log) == {"forward-backward": (301.0 + 311.25) / 2, "optimizer": 142.0,
+                                              "optimizer-inner-step": 131.0}
+    assert gpu_check.megatron_timers(log, skip=2) == {"optimizer-inner-step": 131.0}
     log.write_text("\n".join(log.read_text().splitlines()[:-2]) + "\n")
-    assert gpu_check.megatron_timers(log) == {"forward-backward": 311.25, "optimizer": 142.0}
+    assert gpu_check.megatron_timers(log, skip=1) == {"forward-backward": 311.25, "optimizer": 142.0}
+    assert gpu_check.megatron_timers(log, skip=5) == {"forward-backward": 311.25, "optimizer": 142.0}  # the last

@@ -33,6 +33,18 @@ def test_exposed_time_runs_from_backward_end_to_the_next_forward_on_the_slowest_
     assert bench.forward_backward_times([slow], warmup=0) == pytest.approx([1.0, 0.8, 0.9, 0.6])
 
 
+def test_an_iteration_is_split_into_forward_backward_exposed_optimizer_and_the_rest(bench):
+    rank = {"iteration_marks": {"forward_start": [0.0, 2.0, 4.5], "backward_end": [1.0, 3.0, 5.5],
+                                "step_end": [1.5, 3.75, 6.0]}}
+    parts = bench.iteration_parts([rank], warmup=0)
+    assert parts["forward_backward"] == pytest.approx([1.0, 1.0, 1.0])
+    assert parts["exposed_optimizer"] == pytest.approx([0.5, 0.75, 0.5])
+    assert parts["rest"] == pytest.approx([0.5, 0.75])
+    assert parts["iteration"] == pytest.approx([2.0, 2.5])
+    assert [f + e + r for f, e, r in zip(parts["forward_backward"], parts["exposed_optimizer"], parts["rest"])] \
+        == pytest.approx(parts["iteration"])
+
+
 def test_marks_of_several_micro_batches_are_refused(bench):
     with pytest.raises(RuntimeError, match="one micro-batch"):
         bench.exposed_times([_rank([0.0, 0.3, 1.5], [1.0, 2.5])], warmup=0)
@@ -43,7 +55,7 @@ def test_iteration_flag_checks(bench):
     runs = bench.runs_for(args)
     assert all(r.time_iteration and r.overlap_grad_reduce for r in runs)
     assert {r.optimizer: r.overlap_param_gather for r in runs} == {
-        "muon": True, "sync_muon": False, "megatron_muon": False}
+        "muon": True, "sync_muon": False, "megatron_muon": True, "adam": True}
     assert all(r.num_steps == args.warmup + args.steps + 1 for r in runs)
     with pytest.raises(SystemExit):
         bench.parse_args(["--iteration", "--moe"])
@@ -52,6 +64,6 @@ def test_iteration_flag_checks(bench):
 def test_iteration_at_tp2_times_the_gathers_issued_in_the_step_too(bench):
     args = bench.parse_args(["--iteration", "--tp", "2", "--dp", "1"])
     runs = bench.runs_for(args)
-    assert list(bench.variants(args)) == ["canzona", "canzona_lean", "sync", "megatron", bench.LATE_GATHER]
-    assert [r.early_gather for r in runs[:5]] == [True, True, True, True, False]
+    assert list(bench.variants(args)) == ["canzona", "canzona_lean", "sync", "megatron", bench.LATE_GATHER, bench.ADAMW]
+    assert [r.early_gather for r in runs[:6]] == [True, True, True, True, False, True]
     assert bench.LATE_GATHER not in bench.variants(bench.parse_args(["--tp", "2", "--dp", "1"]))
