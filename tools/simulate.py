@@ -51,7 +51,12 @@ from megatron.canzona.planning.sim import (  # noqa: E402
     simulate,
 )
 from megatron.canzona.planning.sim.cluster import presets  # noqa: E402
-from megatron.canzona.planning.sim.simulate import NEEDS_LAYERWISE_PLAN, seconds_per_update, strategy_ns_method  # noqa: E402
+from megatron.canzona.planning.sim.simulate import (  # noqa: E402
+    EARLY_COMPUTE_EFFICIENCY,
+    NEEDS_LAYERWISE_PLAN,
+    seconds_per_update,
+    strategy_ns_method,
+)
 from megatron.canzona.planning.sim.step import ADAMW_BYTES_PER_ELEMENT, APPLY_BYTES_PER_ELEMENT  # noqa: E402
 from megatron.canzona.planning.specs import elementwise_specs, matrix_specs  # noqa: E402
 
@@ -123,12 +128,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "other strategies keep the fused fc1, as Megatron's optimizers do")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="Canzona's micro-groups without pipelining (gather, compute, scatter in turn)")
+    p.add_argument("--early-compute", action="store_true",
+                   help="Canzona computes each micro-group before the step once gathered (speculating that the "
+                        "clip does not bind): beside backward at --early-efficiency, at full rate in the "
+                        "reduce-scatter's exposed tail")
+    p.add_argument("--early-efficiency", type=float, default=EARLY_COMPUTE_EFFICIENCY,
+                   help=f"side-stream compute beside backward against alone (default {EARLY_COMPUTE_EFFICIENCY}: "
+                        "measured on an H100, tools/bench_overlap.py)")
+    p.add_argument("--clip-rate", type=float, default=0.0,
+                   help="with --early-compute: the fraction of steps whose clip binds and recomputes in the step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--cases", action="store_true",
                    help="every model of docs/projection.md's table at 64, 128 and 256 GPUs (recipe sizes)")
     p.add_argument("--plot", metavar="FILE.png", help="Gantt of one iteration, two strategies side by side")
     p.add_argument("--plot-strategies", nargs=2, default=("canzona", "megatron_layerwise"), choices=STRATEGIES)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0.0 <= args.clip_rate <= 1.0 or not 0.0 <= args.early_efficiency <= 1.0:
+        p.error(f"--clip-rate {args.clip_rate} and --early-efficiency {args.early_efficiency} are fractions: "
+                "pick values in [0, 1]")
+    if args.clip_rate and not args.early_compute:
+        p.error("--clip-rate prices the recomputes of --early-compute: add --early-compute")
+    return args
 
 
 def resolve_cluster(name: str) -> ClusterSpec:
@@ -162,7 +182,9 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             "optimizer": args.optimizer, "ns_method": args.muon_ns_method, "split_qkv": args.split_qkv,
             "split_gate_up": getattr(args, "split_gate_up", False), "alpha": args.alpha,
             "grad_reduce_in_fp32": not args.grad_reduce_in_bf16, "overlap": args.overlap,
-            "bucket_size": args.bucket_size or default_bucket_size(dp)}
+            "bucket_size": args.bucket_size or default_bucket_size(dp),
+            "early_compute": getattr(args, "early_compute", False), "clip_rate": getattr(args, "clip_rate", 0.0),
+            "early_efficiency": getattr(args, "early_efficiency", EARLY_COMPUTE_EFFICIENCY)}
 
 
 def stage_specs(args: argparse.Namespace, run: dict[str, Any], pp_rank: int) -> list:
@@ -208,6 +230,8 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
             calibration=calibrations[strategy_ns_method(name, run["ns_method"])] if calibrations else None,
             workload=workload, plan=plan, expert_plan=expert_plan, wire=wire, overlap=run["overlap"],
             alpha=run["alpha"], bucket_size=run["bucket_size"], ns_method=run["ns_method"],
+            early_compute=run.get("early_compute", False), clip_rate=run.get("clip_rate", 0.0),
+            early_efficiency=run.get("early_efficiency", EARLY_COMPUTE_EFFICIENCY),
         )
     return out
 

@@ -170,6 +170,40 @@ def test_early_gathers_go_in_backward_on_nccl_and_once_it_ends_on_gloo():
     assert gloo.optimizer_step_seconds < late.optimizer_step_seconds
 
 
+def test_early_compute_runs_once_gathered_and_commits_at_the_step():
+    """Speculative early compute (issue's model): each micro-group computed once its gather has
+    landed, beside backward at the measured efficiency, at full rate in the reduce-scatter's
+    tail; its scatter and apply wait for the step (the norm). It never lengthens the step, a
+    clip that always binds gives today's step back, and more efficiency beside backward helps."""
+    from megatron.canzona.planning.sim.step import EarlyCompute
+
+    specs = [matrix(tp_size=2, name=f"w{i}", order=i) for i in range(8)]
+    work = Workload(global_batch=2, micro_batch=1, seq_length=4096, flops_per_token=1e10)
+    kwargs = dict(strategy="canzona", dp_size=2, tp_size=2, workload=work, wire=WIRE, bucket_size=NUMEL // 2,
+                  cluster=cluster())
+    today = simulate(specs, **kwargs)
+    early = simulate(specs, early_compute=True, early_efficiency=0.0, **kwargs)
+    free = simulate(specs, early_compute=True, early_efficiency=1.0, **kwargs)
+    binds = simulate(specs, early_compute=True, early_efficiency=1.0, clip_rate=1.0, **kwargs)
+    half = simulate(specs, early_compute=True, early_efficiency=1.0, clip_rate=0.5, **kwargs)
+    assert early.details["early_compute"] and not today.details.get("early_compute")
+    assert free.optimizer_step_seconds <= early.optimizer_step_seconds <= today.optimizer_step_seconds
+    assert free.optimizer_step_seconds < today.optimizer_step_seconds
+    assert binds.optimizer_step_seconds == pytest.approx(today.optimizer_step_seconds, rel=1e-12)
+    assert half.optimizer_step_seconds == pytest.approx(
+        (free.optimizer_step_seconds + today.optimizer_step_seconds) / 2, rel=1e-12)
+    origin = free.iteration_seconds - free.optimizer_step_seconds
+    assert min(s.start for s in free.timeline if s.kind == "scatter") >= origin - 1e-12  # commits at the step
+    assert min(s.start for s in free.timeline if s.kind == "compute") < origin  # computed before it
+    # beside backward at 1/4 of the rate: 1 s of work from 2 s before backward's end ends 1 s early
+    tail = EarlyCompute(backward_end=-1.0, efficiency=0.25)
+    assert tail.finish(-3.0, 0.25) == pytest.approx(-2.0)
+    assert tail.finish(-3.0, 1.0) == pytest.approx(-0.5)
+    assert tail.finish(-0.5, 1.0) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="clip_rate"):
+        simulate(specs, early_compute=True, clip_rate=1.5, **kwargs)
+
+
 def test_cluster_backend_is_nccl_or_gloo(tmp_path):
     assert load_cluster(write(tmp_path, "c.toml", toml_of(TOY))).backend == "nccl"
     assert ClusterSpec.from_dict({**TOY, "backend": "gloo"}).to_dict()["backend"] == "gloo"

@@ -32,7 +32,15 @@ from .layouts import (
 )
 from .network import Topology
 from .result import Segment, StrategyResult
-from .step import MOMENTUM_BYTES_PER_ELEMENT, SimTask, StepRun, run_adamw, run_host_groups, run_per_matrix
+from .step import (
+    MOMENTUM_BYTES_PER_ELEMENT,
+    EarlyCompute,
+    SimTask,
+    StepRun,
+    run_adamw,
+    run_host_groups,
+    run_per_matrix,
+)
 
 STRATEGIES: tuple[str, ...] = (
     "canzona", "canzona_lean", "canzona_tp_sync", "sync", "megatron_layerwise", "layer_sharded", "megatron_main",
@@ -40,6 +48,11 @@ STRATEGIES: tuple[str, ...] = (
 )
 """Strategies :func:`simulate` knows (package docstring). To add one, write a builder that
 returns a :class:`~.layouts.Work` and register it in :data:`BUILDERS`."""
+EARLY_COMPUTE_EFFICIENCY = 0.03
+"""Newton-Schulz on a side stream beside backward's GEMMs, against alone: 3% of it hid beside
+bf16 products on an H100 (``tools/bench_overlap.py``, docs/gpu_check.md, 2026-11-27): two
+compute-bound streams share the SMs. Early compute pays in the reduce-scatter's tail, where the
+compute units are idle."""
 NEEDS_LAYERWISE_PLAN = ("megatron_layerwise", "layer_sharded")
 CANZONA_STRATEGIES = ("canzona", "canzona_lean", "canzona_tp_sync")
 
@@ -331,11 +344,20 @@ def simulate(
     alpha: float = DEFAULT_ALPHA,
     bucket_size: int | None = None,
     ns_method: str = "standard",
+    early_compute: bool = False,
+    early_efficiency: float = EARLY_COMPUTE_EFFICIENCY,
+    clip_rate: float = 0.0,
 ) -> StrategyResult:
     """One iteration of the pipeline stage whose parameters are ``specs`` (package docstring).
 
     ``ns_method`` is the Newton-Schulz of Canzona's Muon (``--muon-ns-method``), iterated in
-    the cluster's ``optimizer_dtype``; the other strategies run Megatron's, standard."""
+    the cluster's ``optimizer_dtype``; the other strategies run Megatron's, standard.
+
+    ``early_compute``: a strategy with early gathers also computes each micro-group before the
+    step, once gathered (:class:`~.step.EarlyCompute`), beside backward at ``early_efficiency``
+    and at full rate in the reduce-scatter's exposed tail, speculating that the clip does not
+    bind; a fraction ``clip_rate`` of steps finds it binding and recomputes in the step, as
+    without early compute, and the step is the mean of the two."""
     grid = _check(strategy, dp_size, tp_size, ep_size, expert_tp_size, pp_size)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
@@ -353,16 +375,25 @@ def simulate(
         reduced = {key: at - phases.rs_exposed for key, at in phases.reduced_at.items()}
         if cluster.backend == "gloo":  # issued from Megatron's loop after backward
             reduced = {key: max(at, -phases.rs_exposed) for key, at in reduced.items()}
-    step_end, run = _run_step(work, grid, cluster, wire, slowdown, reduced)
-    return _assemble(strategy, ctx, work, phases, slowdown, step_end, run)
+    if not 0.0 <= clip_rate <= 1.0 or not 0.0 <= early_efficiency <= 1.0:
+        raise ValueError(f"clip_rate {clip_rate} and early_efficiency {early_efficiency} must lie in [0, 1]")
+    early = EarlyCompute(-phases.rs_exposed, early_efficiency) if early_compute and reduced is not None else None
+    step_end, run = _run_step(work, grid, cluster, wire, slowdown, reduced, early)
+    if early is not None and clip_rate > 0.0:  # a binding clip recomputes in the step: today's step
+        step_end = (1.0 - clip_rate) * step_end + clip_rate * _run_step(work, grid, cluster, wire, slowdown, reduced)[0]
+    result = _assemble(strategy, ctx, work, phases, slowdown, step_end, run)
+    if early is not None:
+        result.details.update(early_compute=True, early_efficiency=early_efficiency, clip_rate=clip_rate)
+    return result
 
 
 def _run_step(work: Work, grid: Grid, cluster: ClusterSpec, wire: WireConfig, slowdown: float,
-              reduced_at: dict[tuple[int, int], float] | None = None) -> tuple[float, StepRun]:
+              reduced_at: dict[tuple[int, int], float] | None = None,
+              early: EarlyCompute | None = None) -> tuple[float, StepRun]:
     """Dense matrices, dense AdamW, then (a chained optimizer) the expert matrices per EP group."""
     run = StepRun(range(grid.size), {}, cluster, wire, slowdown=slowdown)
     if work.mode == "pipelined":
-        run_host_groups(run, work.dense, pipelined=True, reduced_at=reduced_at)
+        run_host_groups(run, work.dense, pipelined=True, reduced_at=reduced_at, early_compute=early)
     else:
         _run_tasks(run, work.mode, work.dense)
     run_adamw(run, work.adamw)

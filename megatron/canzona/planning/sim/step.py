@@ -155,12 +155,37 @@ def _apply(run: StepRun, tasks: Sequence[SimTask]) -> dict[int, float]:
     return {r: run.elementwise_seconds(n, APPLY_BYTES_PER_ELEMENT) for r, n in numel.items()}
 
 
+@dataclass(frozen=True)
+class EarlyCompute:
+    """Micro-groups computed before the step, as soon as their gradients are on their hosts
+    (speculating that the clip does not bind: the step commits what they computed)."""
+
+    backward_end: float
+    """When backward ends, from the step's start (``<= 0``): the compute units are free after it,
+    through the reduce-scatter's exposed tail."""
+    efficiency: float
+    """Rate of a side stream's compute beside backward's, against its rate alone (measured:
+    ``tools/bench_overlap.py``)."""
+
+    def finish(self, start: float, seconds: float) -> float:
+        """When work of ``seconds`` (alone) started at ``start`` ends: at :attr:`efficiency`
+        until backward ends, at full rate after."""
+        if start >= self.backward_end:
+            return start + seconds
+        beside = self.efficiency * (self.backward_end - start)
+        if seconds <= beside:
+            return start + seconds / self.efficiency
+        return self.backward_end + seconds - beside
+
+
 def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool,
-                    reduced_at: Mapping[tuple[int, int], float] | None = None) -> None:
+                    reduced_at: Mapping[tuple[int, int], float] | None = None,
+                    early_compute: EarlyCompute | None = None) -> None:
     """Micro-groups of host (or synchronous) tasks; see the module docstring. With
     ``reduced_at`` (``(chunk, bucket)`` -> when its reduce-scatter ends, from the step's
     start: negative in backward), each group's gather is issued before the step, once the
-    buckets of its tasks are reduced (``canzona_patches.integration.early_gather``)."""
+    buckets of its tasks are reduced (``canzona_patches.integration.early_gather``); with
+    ``early_compute`` too, each group is computed once gathered (:func:`_run_early`)."""
     groups = _by_group(tasks)
     if not groups:
         return
@@ -171,6 +196,9 @@ def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool,
             _blocking_group(run, k, group, compute[k], apply[k])
         return
     early = _early_gathers(run, groups, reduced_at) if reduced_at is not None else None
+    if early is not None and early_compute is not None:
+        _run_early(run, groups, early, _group_ready(groups, reduced_at), compute, apply, early_compute)
+        return
 
     def gather(k: int) -> float | None:
         return early[k] if early is not None else run.collective(_gather(run, groups[k]), run.clock, "gather", str(k))
@@ -189,12 +217,48 @@ def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool,
     _apply_group(run, len(groups) - 1, scatters[-1], apply[-1])
 
 
+def _group_ready(groups: Sequence[Sequence[SimTask]], reduced_at: Mapping[tuple[int, int], float]) -> list[float]:
+    """When each group's buckets are all reduced, from the step's start."""
+    return [max((reduced_at.get(t.reduced_by, 0.0) if t.reduced_by is not None else 0.0 for t in g), default=0.0)
+            for g in groups]
+
+
+def _run_early(run: StepRun, groups: Sequence[Sequence[SimTask]], landed: Sequence[float | None],
+               ready: Sequence[float], compute: Sequence[Mapping[int, float]], apply: Sequence[Mapping[int, float]],
+               early: EarlyCompute) -> None:
+    """Each host computes its groups in order, each once its gather has landed (or its buckets
+    are reduced, where nothing moves); the updates are scattered and applied from the step's
+    start, when the norm says the clip does not bind, one group's scatter in flight while the
+    previous group is applied. Work before the step's start is not the step's."""
+    done: list[dict[int, float]] = []
+    free = {r: float("-inf") for r in run.members}
+    for k, at in enumerate(landed):
+        start = ready[k] if at is None else at
+        ends = {}
+        for r in run.members:
+            seconds = compute[k].get(r, 0.0) * run.slowdown
+            begin = max(start, free[r])
+            ends[r] = free[r] = early.finish(begin, seconds) if seconds > 0 else max(free[r], start)
+            if seconds > 0:
+                run.segments.append(Segment(r, "compute", "compute", begin, ends[r], str(k)))
+                run.busy[r] += max(0.0, ends[r] - max(begin, 0.0))
+        done.append(ends)
+    run.clock = {r: max(0.0, free[r], run.clock[r]) for r in run.members}
+    run.comm_free = max(run.comm_free, 0.0)
+    scatters: list[float | None] = []
+    for k, group in enumerate(groups):
+        issue = {r: max(0.0, done[k][r]) for r in run.members}
+        scatters.append(run.collective(_scatter(run, group), issue, "scatter", str(k)))
+        if k:
+            _apply_group(run, k - 1, scatters[k - 1], apply[k - 1])
+    _apply_group(run, len(groups) - 1, scatters[-1], apply[-1])
+
+
 def _early_gathers(run: StepRun, groups: Sequence[Sequence[SimTask]],
                    reduced_at: Mapping[tuple[int, int], float]) -> list[float | None]:
     """Every group's gather issued as soon as its buckets are reduced, in that order (the
     runtime issues a group when its last bucket reports), one at a time; their ends."""
-    ready = [max((reduced_at.get(t.reduced_by, 0.0) if t.reduced_by is not None else 0.0 for t in g), default=0.0)
-             for g in groups]
+    ready = _group_ready(groups, reduced_at)
     run.comm_free = min(ready, default=0.0)
     ends: list[float | None] = [None] * len(groups)
     for k in sorted(range(len(groups)), key=lambda k: (ready[k], k)):
