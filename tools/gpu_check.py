@@ -428,7 +428,22 @@ def one_gpu_result(runs: dict[str, list[dict[str, Any]]], profiles: dict[str, An
             worst = max(abs(ours[i] - theirs[i]) / abs(theirs[i]) for i in set(ours) & set(theirs))
             result.details["canzona_vs_layerwise_loss"] = worst
             parts.append(f"canzona's losses within {worst:.1e} of layerwise's")
+    syncs = {v: forward_backward_syncs(p) for v, p in profiles.items()}
+    if syncs:
+        result.details["forward_backward_host_syncs"] = syncs
+        parts.append("host syncs in the profiled forward-backward: " + ", ".join(f"{v} {n}" for v, n in syncs.items()))
     result.summary = "; ".join(parts)
+
+
+FORWARD_BACKWARD_OWNERS = ("model", "Megatron DDP", "Canzona hooks")
+"""The owners whose work runs in forward-backward (canzona_patches/integration/profile.py)."""
+
+
+def forward_backward_syncs(profile: dict[str, Any]) -> int:
+    """Host synchronisations the profiled iteration made outside the optimizer step and the
+    timers: what Canzona must not add to Megatron's own (the GPU's form of the CPU test
+    tests/multirank/test_host_syncs.py)."""
+    return sum(profile["owners"][owner]["host_syncs"] for owner in FORWARD_BACKWARD_OWNERS)
 
 
 def overlap_command(ctx: Context) -> list[str]:
