@@ -117,9 +117,11 @@ def test_canzona_dp2_trains(demo_data: DemoData, tmp_path: Path, run: str) -> No
 
 def test_canzona_tp2_dp2_trains(demo_data: DemoData, tmp_path: Path) -> None:
     """The README's main job in small: Muon with --canzona at TP 2 x DP 2 (4 processes), logging to
-    TensorBoard and to W&B (offline) as Megatron users do; Newton-Schulz on the Gram matrix."""
+    TensorBoard and to W&B (offline) as Megatron users do; Newton-Schulz on the Gram matrix; one
+    iteration profiled by owner (``--canzona-profile-iteration``)."""
     args = pretrain_args(demo_data, tmp_path, "--optimizer", "muon", "--canzona", "--use-distributed-optimizer",
-                         "--muon-ns-method", "gram",
+                         "--muon-ns-method", "gram", "--canzona-profile-iteration", str(PROFILED),
+                         "--canzona-profile-file", str(tmp_path / "profile.json"),
                          "--tensor-model-parallel-size", "2", "--overlap-grad-reduce", "--overlap-param-gather",
                          "--tensorboard-dir", str(tmp_path / "tb"), "--tensorboard-log-interval", "1",
                          "--wandb-project", "canzona-test", "--wandb-exp-name", "tp2-dp2",
@@ -133,6 +135,28 @@ def test_canzona_tp2_dp2_trains(demo_data: DemoData, tmp_path: Path) -> None:
     runs = list((tmp_path / "wandb").glob("wandb/offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0, "no offline W&B run"
     assert b"canzona/optimizer step ms" in runs[0].read_bytes()
+    check_profile(json.loads((tmp_path / "profile.json").read_text()), result.stdout)
+
+
+PROFILED = 12
+"""The iteration the TP 2 x DP 2 run profiles (as the log numbers it)."""
+
+
+def check_profile(profile: dict, stdout: str) -> None:
+    """The profiled iteration's summary: its phases, every owner, Canzona's hooks at work (the
+    early gathers and uneven collectives run at TP 2 x DP 2), no host sync counted on CPU."""
+    assert f"profile of iteration {PROFILED} (cpu;" in stdout
+    assert profile["iteration"] == PROFILED - 1 and profile["device"] == "cpu"
+    assert set(profile["phases_ms"]) == {"forward_backward", "optimizer_step"}
+    assert 0 < profile["phases_ms"]["optimizer_step"] < profile["wall_ms"]
+    owners = profile["owners"]
+    assert list(owners) == ["model", "Megatron DDP", "Canzona hooks", "optimizer", "Megatron timers", "other"]
+    for owner in ("model", "Megatron DDP", "Canzona hooks", "optimizer"):
+        assert owners[owner]["cpu_ms"] > 0, (owner, owners)
+    assert all(row["gpu_ms"] == 0 and row["host_syncs"] == 0 for row in owners.values())
+    assert any("canzona_patches/" in frame for frame, _, _ in profile["top_frames"]["Canzona hooks"])
+    assert profile["gpu_idle_in_forward_backward_ms"] is None
+    assert any(name == "aten::mm" for name, *_ in profile["top_ops_outside_step"])
 
 
 def check_tensorboard(directory: Path, metrics: list[dict]) -> None:
