@@ -353,11 +353,17 @@ def step_one_gpu(ctx: Context, result: Result) -> None:
             ctx.run(name, ["bash", str(RECIPE_8B), *one_gpu_flags(variant, profile=profile)], result,
                     env=one_gpu_env(ctx, variant, ctx.out / name))
             run_s = max(run_s, time.monotonic() - begin)
-            runs[variant].append({**one_gpu_run(ctx.out / name / "metrics.jsonl"),
-                                  "timers_ms": megatron_timers(ctx.out / f"{name}.log", skip=ONE_GPU_WARMUP)})
+            runs[variant].append(read_run(ctx.out / name))
             if profile is not None and profile.is_file():
                 profiles[variant] = json.loads(profile.read_text())
     one_gpu_result(runs, profiles, transformer_engine(), result)
+
+
+def read_run(folder: Path) -> dict[str, Any]:
+    """One one-GPU run from what it left: its ``LOG_DIR`` (the metrics) and the log beside it
+    (Megatron's timers, medians after the warm-up)."""
+    return {**one_gpu_run(folder / "metrics.jsonl"),
+            "timers_ms": megatron_timers(folder.with_suffix(".log"), skip=ONE_GPU_WARMUP)}
 
 
 def one_gpu_run(metrics: Path) -> dict[str, Any]:
@@ -598,24 +604,23 @@ def merge_rounds(dirs: list[Path]) -> dict[str, Any]:
     """The report of ``dirs[0]`` (an earlier ``--out``) with its ``one_gpu`` step made of every
     round the runs in ``dirs`` left (``one_gpu_<variant>_r<k>/``), in order: rounds of the same
     code that several short device calls ran one after another, reported as one paired set."""
-    report = json.loads((dirs[0] / "gpu_check.json").read_text())
+    reports = [json.loads((d / "gpu_check.json").read_text()) for d in dirs]
+    report = reports[0]
     runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in ONE_GPU_VARIANTS}
     profiles: dict[str, Any] = {}
     for folder in dirs:
         for variant in ONE_GPU_VARIANTS:
-            for run in sorted(folder.glob(f"one_gpu_{variant}_r*/metrics.jsonl"), key=lambda p: int(p.parent.name.rsplit("_r", 1)[1])):
-                runs[variant].append({**one_gpu_run(run), "timers_ms": megatron_timers(run.parent.with_suffix(".log"),
-                                                                                       skip=ONE_GPU_WARMUP)})
+            for metrics in sorted(folder.glob(f"one_gpu_{variant}_r*/metrics.jsonl"),
+                                  key=lambda p: int(p.parent.name.rsplit("_r", 1)[1])):
+                runs[variant].append(read_run(metrics.parent))
             profile = folder / f"profile_{variant}.json"
             if variant not in profiles and profile.is_file():
                 profiles[variant] = json.loads(profile.read_text())
-    result = Result(seconds=sum(json.loads((d / "gpu_check.json").read_text())["steps"]["one_gpu"]["seconds"] for d in dirs))
-    one_gpu_result({v: r for v, r in runs.items() if r}, profiles, report["steps"]["one_gpu"]["details"].get(
-        "transformer_engine"), result)
-    result.commands = [c for d in dirs for c in json.loads((d / "gpu_check.json").read_text())["steps"]["one_gpu"]["commands"]]
+    steps = [r["steps"]["one_gpu"] for r in reports]
+    result = Result(seconds=sum(step["seconds"] for step in steps), commands=[c for step in steps for c in step["commands"]])
+    one_gpu_result({v: r for v, r in runs.items() if r}, profiles, steps[0]["details"].get("transformer_engine"), result)
     report["steps"]["one_gpu"] = vars(result)
-    report["command"] += " (one_gpu: the rounds of " + ", ".join(
-        json.loads((d / "gpu_check.json").read_text())["command"] for d in dirs) + ")"
+    report["command"] += " (one_gpu: the rounds of " + ", ".join(r["command"] for r in reports) + ")"
     return report
 
 

@@ -490,16 +490,13 @@ def measured_ns_methods_of(args: argparse.Namespace, ns_dtype: str) -> tuple[tup
     import torch
 
     from megatron.canzona.planning.sim.cluster import measured_ns_methods
+    from megatron.canzona.provenance import ROOT
 
     if args.optimizer != "muon" or args.muon_ns_method != "auto":
         return ()
-    from megatron.canzona.provenance import ROOT
-
     shipped = SHIPPED_CALIBRATIONS[torch.cuda.is_available()]
-    path = args.canzona_calibration or (shipped and os.path.join(ROOT, shipped))
-    if path is None or path == "none" or not os.path.exists(path):
-        return ()
-    return measured_ns_methods(path, ns_dtype)
+    path = args.canzona_calibration or (os.path.join(ROOT, shipped) if shipped else "none")
+    return () if path == "none" or not os.path.exists(path) else measured_ns_methods(path, ns_dtype)
 
 
 def escaping_percent_in_help(build: Callable[..., dict], run: Any) -> Callable[..., dict]:

@@ -162,13 +162,13 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
     def step_with_ready_grads(self) -> bool:
         """The step, its hosts scaling what was gathered early as the holders' gradients were:
         the loss scale's inverse, then the clip factor (Megatron's order)."""
+        if self._nonfinite_norm:
+            return False
         scale: list[Any] = []
         if self.grad_scaler is not None:
             scale.append(self.grad_scaler.inv_scale)
         if self._clip_factor is not None:
             scale.append(self._clip_factor)
-        if self._nonfinite_norm:
-            return False
         self.optimizer.gather_scale = tuple(scale)
         try:
             return super().step_with_ready_grads()

@@ -56,14 +56,6 @@ FRAME_OWNERS = tuple((re.compile(pattern), who) for pattern, who in (
 """Frame (``path(line): function``) pattern -> owner; an event belongs to its innermost frame
 that has one (first match per frame), else to its phase's (:data:`PHASE_OWNERS`). Inside the
 step, everything but the profiler's and the timers' work is the optimizer's."""
-OWNERS = (
-    ("canzona_patches/integration/profile.py", PROFILER),
-    ("megatron/core/timers.py", "Megatron timers"),
-    ("canzona_patches/", "Canzona hooks"),
-    ("megatron/canzona/", "Canzona hooks"),
-    ("megatron/core/distributed/", "Megatron DDP"),
-)
-"""Frame path fragment -> owner, the innermost frame that has one deciding (first match per frame)."""
 PHASE_OWNERS = {"forward_backward": "model", "optimizer_step": "optimizer", None: "other"}
 """The owner of an event no owned frame claims, by the phase it runs in."""
 OWNERS = ("model", "Megatron DDP", "Canzona hooks", "optimizer", "Megatron timers", "other")
