@@ -105,6 +105,9 @@ class TinyRun:
     """Megatron's ``muon_tp_mode`` at TP > 1 (``duplicated`` keeps the exact math)."""
     nan_grad_at_step: int | None = None
     """Fill rank 0's gradient buffers with NaN before this step's update (the step must be skipped)."""
+    big_grad_at_step: int | None = None
+    """Multiply rank 0's gradient buffers by 100 before this step's update: the global norm, so
+    the clip, then acts on every rank because of rank 0's gradients alone."""
     count_syncs: bool = False
     """Count the host synchronisations inside each ``optimizer.step()``, and inside each
     forward-backward (``host_syncs.py``)."""
@@ -127,6 +130,11 @@ class TinyRun:
     early_gather_at_dispatch: bool = False
     """Issue them from the reduce-scatters' dispatch, in backward, as on CUDA (on gloo each
     waits for its reduce-scatter there: exact, slower)."""
+    early_compute: bool = False
+    """Compute each micro-group's updates where its early gather lands, staged, as on CUDA
+    (``--canzona-early-compute``: on gloo the host runs them there, inside backward with
+    :attr:`early_gather_at_dispatch`); the step commits them or, the clip acting, computes them
+    again. Off: in the step."""
     return_state: bool = False
     """Return this rank's optimizer state (``state``: every tensor of the Canzona inner
     optimizer by path), for bitwise comparisons of runs on the same layout."""
@@ -174,6 +182,8 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "param_gather_chain": _param_gather_chain(ddp_model) if run.overlap_param_gather else None,
             "early_gathers": _early_count(optimizer, "issued"),
             "early_gathers_at_dispatch": _early_count(optimizer, "issued_at_dispatch"),
+            "early_computed": _early_count(optimizer, "computed"),
+            "early_steps": _early_steps(optimizer),
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -236,8 +246,10 @@ def build(run: TinyRun):
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp_model.no_sync
     optimizer = _optimizer(run, ddp_model, OptimizerConfig, get_megatron_optimizer, setup)
-    if run.early_gather_at_dispatch:
-        optimizer.canzona.early_gathers.at_dispatch = True
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        early = getattr(getattr(part, "canzona", None), "early_gathers", None)
+        if early is not None:
+            early.at_dispatch = early.at_dispatch or run.early_gather_at_dispatch
     if run.time_iteration:
         _mark_iterations(model)
     return model, ddp_model, optimizer, setup.plan if setup is not None else None
@@ -371,6 +383,7 @@ def canzona_config(run: TinyRun):
     return CanzonaConfig(
         optimizer=name, matrix=matrix[name], alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
         tp_mode=run.tp_mode, layout=run.canzona_layout, early_gather=run.early_gather,
+        early_compute=run.early_gather and run.early_compute,  # forced (gloo); off otherwise
     )
 
 
@@ -393,6 +406,16 @@ def _updated(optimizer) -> list[str]:
     """Global names (experts by global index) of the matrices this rank computed last step."""
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     return [name for part in parts for name in getattr(getattr(part, "optimizer", None), "last_step_updates", [])]
+
+
+def _early_steps(optimizer) -> dict[str, int]:
+    """Steps computed before they ran, by outcome (committed, recomputed, skipped), of the
+    Canzona optimizer (the most of each over a chained one's parts: they decide together)."""
+    counts: dict[str, int] = {}
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for outcome, count in getattr(part, "early_steps", {}).items():
+            counts[outcome] = max(counts.get(outcome, 0), count)
+    return counts
 
 
 def _early_count(optimizer, field: str) -> int | None:
@@ -588,6 +611,9 @@ def train_step(run: TinyRun, ddp_model, optimizer, step: int, syncs: list | None
     if step == run.nan_grad_at_step and dist.get_rank() == 0:
         for buffer in ddp_model.buffers:
             buffer.grad_data.fill_(float("nan"))
+    if step == run.big_grad_at_step and dist.get_rank() == 0:
+        for buffer in ddp_model.buffers:
+            buffer.grad_data.mul_(100.0)
     if not run.time_iteration:
         dist.barrier()
     start = time.perf_counter()

@@ -119,6 +119,12 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
            on="Issue the host-group gathers as each bucket's gradients finish reducing, so they overlap "
            "the rest of backward (default).",
            off="Issue the host-group gathers in the optimizer step.")
+    switch("early-compute", None,
+           on="Compute each micro-group's matrix updates as soon as its gather has landed, during backward and "
+           "the reduce-scatters, on a side stream; the step uses them unless the clip acts (then it computes "
+           "them again) or a gradient is inf/NaN (skipped): bitwise the same. Default: on CUDA with the early "
+           "gathers; given, also on gloo (the host then computes them in backward).",
+           off="Compute every matrix update in the optimizer step.")
     group.add_argument("--canzona-tp-group-budget", type=float, default=defaults.tp_group_budget,
                        help="Most cost one host takes in one micro-group (default: about a quarter of "
                        "the busiest host's work, two groups at least on a host with two matrices).")
@@ -334,6 +340,10 @@ def _check_parallelism(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(
             "--canzona shards one optimizer instance over the whole data-parallel group: drop "
             f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances}")
+    if args.canzona_early_compute and not args.canzona_early_gather:
+        raise CanzonaArgumentError(
+            "--canzona-early-compute computes each micro-group where its early gather lands: drop "
+            "--canzona-no-early-gather, or --canzona-early-compute")
     if getattr(args, "ddp_reduce_scatter_with_fp32_accumulation", False) and args.canzona_layout != "lean":
         raise CanzonaArgumentError(
             "--ddp-reduce-scatter-with-fp32-accumulation replaces the reduce-scatter that runs the whole layout's "
@@ -475,7 +485,7 @@ def canzona_config_from_args(args: argparse.Namespace):
         "soap": lambda: MATRIX_FLAGS["soap"].config(args, stagger_refresh=args.canzona_stagger_refresh),
     }[args.optimizer]()
     adamw = AdamWConfig(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, adamw=adamw,
+    return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, adamw=adamw, early_compute=args.canzona_early_compute,
                          **{field: getattr(args, f"canzona_{field}") for field in CANZONA_FLAG_FIELDS})
 
 

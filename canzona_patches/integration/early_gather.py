@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,25 +90,34 @@ def announcing_reduced_grads(original: Callable, run: Any) -> Callable:
 
 
 class EarlyGathers:
-    """Issues each micro-group's gather once the bucket groups it needs have reduced.
+    """Issues each micro-group's gather once the bucket groups it needs have reduced, and
+    (:attr:`compute_early`) computes its directions there, staged.
 
     ``needs[k]``: the bucket groups holding a matrix of micro-group ``k``; ``raw``: this
     rank's pieces as views of the reduced gradient buffer (``(task key, lo)`` -> tensor).
-    ``stream``: the CUDA side stream of the dispatch-time gathers (``None`` on CPU)."""
+    ``stream``: the CUDA side stream of the dispatch-time gathers (``None`` on CPU).
+    ``early``: the inner optimizer's staged compute, with what it needs (:class:`EarlyCompute`)."""
 
     def __init__(self, engine: Any, raw: Mapping[tuple[str, int], torch.Tensor], needs: Sequence[set[Any]],
-                 stream: Any = None) -> None:
+                 stream: Any = None, early: EarlyCompute | None = None) -> None:
         self.engine, self.raw = engine, dict(raw)
         self.needs = [frozenset(id(group) for group in groups) for groups in needs]
         self.stream = stream
         self.at_dispatch = stream is not None
         """Issue at the reduce-scatter's dispatch (CUDA), else when it finishes."""
+        self.early = early
+        self.compute_early = early is not None and (stream is not None or early.forced)
+        """Compute each gathered group's directions at once, staged (CUDA, on a second side
+        stream; on gloo the host runs them there, inside backward, only when forced)."""
+        self.compute_stream = torch.cuda.Stream(device=stream.device) if self.compute_early and stream else None
         self.seen: dict[int, bool] = {}
         """Bucket groups reduced (or dispatched) this iteration -> whether their finish was told."""
         self.issued = 0
         """Gathers issued so far (for tests and logs)."""
         self.issued_at_dispatch = 0
         """Of those, issued from a reduce-scatter's dispatch, during backward."""
+        self.computed = 0
+        """Micro-groups computed before their step so far."""
 
     def on_dispatched(self, bucket_group: Any) -> None:
         """A bucket group dispatched its reduce-scatter: with :attr:`at_dispatch`, wait for it
@@ -142,15 +152,39 @@ class EarlyGathers:
             if k not in self.engine.staged and needs <= reduced:
                 self.engine.prestart(k, self.raw)
                 count += 1
+                if self.compute_early:
+                    self._precompute(k)
         self.issued += count
         return count
+
+    def _precompute(self, k: int) -> None:
+        """Micro-group ``k``'s directions, staged; on CUDA on the compute stream, after the
+        packing on the gather stream (the gather's own wait is a stream wait there too)."""
+        assert self.early is not None
+        scale = self.early.scale()
+        if self.compute_stream is None:
+            self.engine.precompute(k, self.raw, self.early.compute, scale)
+        else:
+            self.compute_stream.wait_stream(torch.cuda.current_stream(self.compute_stream.device))
+            with torch.cuda.stream(self.compute_stream):
+                self.engine.precompute(k, self.raw, self.early.compute, scale)
+        self.computed += 1
+
+    def settle(self) -> None:
+        """Before the main stream changes the gradients in place (unscaling by the loss scale):
+        it waits for what the compute stream still reads of them (CUDA; a stream wait)."""
+        if self.compute_stream is not None:
+            torch.cuda.current_stream(self.compute_stream.device).wait_stream(self.compute_stream)
 
     def _side(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def drop(self) -> None:
-        """Forget this iteration's gathers (a skipped step, or an iteration without one)."""
+        """Forget this iteration's gathers and early results (a skipped step, or an iteration
+        without one); the optimizer state stays as it was."""
         self.engine.drop_staged()
+        if self.early is not None:
+            self.early.discard()
         self.seen.clear()
 
     def stepped(self) -> None:
@@ -158,11 +192,29 @@ class EarlyGathers:
         self.seen.clear()
 
 
-def attach(engine: Any, binding: Any, model_chunks: Sequence[Any]) -> EarlyGathers | None:
+@dataclass(frozen=True)
+class EarlyCompute:
+    """What the early gathers need to compute a micro-group before the step, staged."""
+
+    compute: Callable[[Sequence[str], Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+    """The inner optimizer's host compute on staging copies of the state."""
+    discard: Callable[[], None]
+    """Drops the staged updates (a skipped step)."""
+    scale: Callable[[], tuple[Any, ...]]
+    """The factors known before the step (the loss scale's inverse, or none)."""
+    forced: bool = False
+    """Compute early on gloo too (``--canzona-early-compute``), where the host runs it."""
+
+
+def attach(engine: Any, binding: Any, model_chunks: Sequence[Any], compute: EarlyCompute | None = None) -> EarlyGathers | None:
     """Early gathers for one Canzona DistributedOptimizer (its host-group ``engine``, in async
     mode, and its ``binding``): its listener on every bucket group holding one of its matrices.
-    ``None`` when nothing moves."""
-    if engine.mode != "async" or not any(exchange.moves for exchange in engine.exchanges):
+    ``None`` when nothing moves and nothing is to be computed early (``compute``)."""
+    if engine.mode != "async" or not engine.exchanges:
+        return None
+    if compute is not None and not compute.forced and not any(p.is_cuda for p in binding.params.values()):
+        compute = None  # gloo: the host would compute inside backward, unless asked to
+    if compute is None and not any(exchange.moves for exchange in engine.exchanges):
         return None
     from megatron.core.optimizer.optimizer import GRAD_NORM_GROUP_ATTR
 
@@ -186,7 +238,7 @@ def attach(engine: Any, binding: Any, model_chunks: Sequence[Any]) -> EarlyGathe
     registry.install_group(registry.EARLY_GATHER)
     first = next(iter(raw.values()), None)
     stream = torch.cuda.Stream(device=first.device) if first is not None and first.is_cuda else None
-    early = EarlyGathers(engine, raw, needs, stream=stream)
+    early = EarlyGathers(engine, raw, needs, stream=stream, early=compute)
     for groups in needs:
         for group in groups:
             listeners = _LISTENERS.setdefault(group, [])

@@ -20,6 +20,7 @@ Hooks (megatron-core 0.19.2):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -31,6 +32,7 @@ import torch
 from canzona_patches.checkpoints.state import common_state, load_optimizer_state_dict, optimizer_sharded_state_dict
 from canzona_patches.integration.arguments import CanzonaArgumentError
 from canzona_patches.integration.binding import bind_plan, group_coordinates
+from canzona_patches.integration.early_gather import EarlyCompute
 from canzona_patches.integration.early_gather import attach as attach_early_gathers
 from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, is_expert_param
 from canzona_patches.integration.setup import CanzonaPart, CanzonaSetup
@@ -85,8 +87,26 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         engine = HostGroupEngine(binding.tasks, group=ranks.host, rank_of=ranks.rank_of, coord=ranks.coord,
                                  tp_size=plan.tp_size, mode=setup.config.tp_mode)
         inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts)
-        early = attach_early_gathers(engine, binding, model_chunks) if setup.config.early_gather else None
+        compute = None if setup.config.early_compute is False else EarlyCompute(
+            compute=inner.stage_compute, discard=inner.discard_staged, scale=self._early_scale,
+            forced=bool(setup.config.early_compute))
+        early = attach_early_gathers(engine, binding, model_chunks, compute) if setup.config.early_gather else None
         self.canzona = CanzonaPart(binding=binding, engine=engine, tp_group=ranks.tp, early_gathers=early)
+        self.early_steps: collections.Counter[str] = collections.Counter()
+        """Steps whose matrices were computed before them, by outcome: ``committed`` (used),
+        ``recomputed`` (the clip acted) and ``skipped`` (inf or NaN)."""
+
+    def _early_scale(self) -> tuple[Any, ...]:
+        """The factors of the gradients known before the step: the loss scale's inverse."""
+        return () if self.grad_scaler is None else (self.grad_scaler.inv_scale,)
+
+    def _drop_early(self) -> None:
+        """The step is skipped: the gathers and updates staged for it go, state untouched."""
+        early = self.canzona.early_gathers
+        if early is not None:
+            if self.canzona.engine.precomputed:
+                self.early_steps["skipped"] += 1
+            early.drop()
 
     canzona: CanzonaPart
     """This optimizer's part of the run's :class:`~canzona_patches.integration.setup.CanzonaSetup`."""
@@ -126,14 +146,16 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
+        if self.grad_scaler is not None and self.canzona.early_gathers is not None:
+            self.canzona.early_gathers.settle()  # the unscaling below writes what early compute reads
         found_inf = super().prepare_grads()
         self._clip_factor, self._nonfinite_norm = None, False
         if self.grad_scaler is None and not self.reads_nonfinite_from_norm():
             found_inf = self._nonfinite_grads()
             if found_inf:
                 logger.warning(NONFINITE_SKIP)
-        if found_inf and self.canzona.early_gathers is not None:
-            self.canzona.early_gathers.drop()  # the staged gradients go before any state is touched
+        if found_inf:
+            self._drop_early()  # the staged gradients go before any state is touched
         return found_inf
 
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -152,8 +174,7 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         """A gradient holds inf or NaN: this step changes nothing (its clipped gradients are
         zeroed with the next iteration's), and the gathers staged for it go."""
         self._nonfinite_norm = True
-        if self.canzona.early_gathers is not None:
-            self.canzona.early_gathers.drop()
+        self._drop_early()
 
     def step(self) -> tuple[bool, float | None, int | None]:
         """Megatron's step; one whose norm was inf or NaN reports as a found-inf step does."""
@@ -170,12 +191,16 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         if self._clip_factor is not None:
             scale.append(self._clip_factor)
         self.optimizer.gather_scale = tuple(scale)
+        self.optimizer.commit_early = self._clip_factor is None  # what was computed early had every factor
         try:
             return super().step_with_ready_grads()
         finally:
-            self.optimizer.gather_scale = ()
+            self.optimizer.gather_scale, self.optimizer.commit_early = (), False
             if self.canzona.early_gathers is not None:
                 self.canzona.early_gathers.stepped()
+            stats = self.optimizer.last_stats
+            if stats.early or stats.recomputed:
+                self.early_steps["committed" if stats.early else "recomputed"] += 1
 
     # Checkpoints (canzona_patches/checkpoints/state.py): name-keyed global tensors, any DP/TP layout.
     def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
@@ -255,8 +280,8 @@ class CanzonaChainedOptimizer(ChainedOptimizer):
                 logger.warning(NONFINITE_SKIP)
                 found_inf = True
         for part in self.chained_optimizers:
-            if found_inf and part.canzona.early_gathers is not None:
-                part.canzona.early_gathers.drop()  # the staged gradients go before any state is touched
+            if found_inf:
+                part._drop_early()  # the staged gradients go before any state is touched
         return found_inf
 
     _nonfinite_norm = False

@@ -69,11 +69,42 @@ class _Stack:
 
     def absorb(self, state: OptimizerState) -> None:
         """Copy the tensors an update replaced into the stacked storage and point at it again."""
-        for name, tensor in self.tensors.items():
-            current = getattr(state, name)
-            if current is not tensor:
-                tensor.copy_(current)
-                setattr(state, name, tensor)
+        _absorb(state, self.tensors)
+
+
+def _absorb(state: OptimizerState, storage: dict[str, torch.Tensor]) -> None:
+    """Copy the tensors of ``state`` an update replaced into ``storage`` (by field) and point
+    ``state`` at it again."""
+    for name, tensor in storage.items():
+        current = getattr(state, name)
+        if current is not tensor:
+            tensor.copy_(current)
+            setattr(state, name, tensor)
+
+@dataclasses.dataclass
+class _Staged:
+    """A bucket's update run on a staging copy of its state, not yet the state."""
+
+    bucket: list[_Job]
+    stack: _Stack | None
+    state: OptimizerState
+    """The staging copy, updated."""
+    refresh: Refresh
+
+
+def _staging_copy(state: OptimizerState, spare: OptimizerState | None) -> OptimizerState:
+    """``state`` with every tensor copied, into ``spare``'s tensors where they fit (made once;
+    the strides too: a product's rounding may depend on its operands' layout, and SOAP's bases
+    come from ``eigh`` in column-major order)."""
+    buffers = spare.tensors() if spare is not None else {}
+    copies = {}
+    for name, tensor in state.tensors().items():
+        buffer = buffers.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype or buffer.stride() != tensor.stride():
+            buffer = torch.empty_like(tensor)
+        copies[name] = buffer.copy_(tensor)
+    return dataclasses.replace(state, **copies)
+
 
 # Param-group values saved as {"type": name, "fields": {...}} so that checkpoints hold only
 # plain containers and load with torch.load(..., weights_only=True).
@@ -140,6 +171,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.batch_same_shape = batch_same_shape
         self._stacks: dict[tuple[Any, ...], _Stack] = {}
+        self._staged: dict[tuple[Any, ...], _Staged] = {}
+        """Bucket -> its update run on a staging copy of its state (``_run_jobs(staged=True)``)."""
+        self._spares: dict[tuple[Any, ...], OptimizerState] = {}
+        """Bucket -> buffers of the state's shapes, reused by its next staging copy."""
         self._stack_of: dict[Any, tuple[Any, ...]] = {}
         self._names_by_id: dict[int, str] = {}
         for group in self.param_groups:
@@ -245,26 +280,80 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 buckets[(len(buckets),)].append(job)
         return [sorted(bucket, key=lambda job: self._refresh_offset(job[0], config)) for bucket in buckets.values()]
 
-    def _run_jobs(self, jobs: list[_Job], config: Any) -> dict[tuple[int, int], torch.Tensor]:
+    def _run_jobs(self, jobs: list[_Job], config: Any, *, staged: bool = False) -> dict[tuple[int, int], torch.Tensor]:
         """Run every job, a bucket of same-shape ones in one batched call on its stacked
-        state; directions by (owner id, piece)."""
+        state; directions by (owner id, piece). ``staged``: the updates run on staging copies
+        of the state and leave the state as it was, until :meth:`commit_staged` makes them the
+        state (or :meth:`discard_staged` drops them)."""
         directions: dict[tuple[int, int], torch.Tensor] = {}
         for bucket in self._buckets(jobs, config):
             grads = [grad for _, _, grad in bucket]
             state, stack = self._bucket_state(bucket, config, grads[0].device, grads[0].dtype)
             refresh = self._refresh(bucket, state.step + 1, config)
             batch = grads[0] if stack is None else torch.stack(grads)
-            out = self.update_fn(batch, state, config, refresh)
-            self._commit(bucket, state, stack)
-            if refresh.failed:
-                _log.warning(
-                    "step %d: the preconditioner refresh of %s did not converge (eigendecomposition, also in "
-                    "fp64 with a diagonal shift); they keep their previous preconditioner", state.step,
-                    ", ".join(self._owner_name(bucket[m][0]) for m in refresh.failed),
-                )
+            if staged:
+                members = self._members(bucket)
+                state = _staging_copy(state, self._spares.pop(members, None))
+                storage = state.tensors()
+                out = self.update_fn(batch, state, config, refresh)
+                if stack is not None:  # as a stack keeps what an update replaced: in its storage
+                    _absorb(state, storage)
+                self._staged[members] = _Staged(bucket, stack, state, refresh)
+            else:
+                out = self.update_fn(batch, state, config, refresh)
+                self._commit(bucket, state, stack)
+                self._warn_failed(bucket, refresh, state.step)
             for position, (owner, index, _) in enumerate(bucket):
                 directions[(id(owner), index)] = out if stack is None else out[position]
         return directions
+
+    def _warn_failed(self, bucket: list[_Job], refresh: Refresh, step: int) -> None:
+        if refresh.failed:
+            _log.warning(
+                "step %d: the preconditioner refresh of %s did not converge (eigendecomposition, also in "
+                "fp64 with a diagonal shift); they keep their previous preconditioner", step,
+                ", ".join(self._owner_name(bucket[m][0]) for m in refresh.failed),
+            )
+
+    # Staged updates ----------------------------------------------------------------------
+    @property
+    def staged_count(self) -> int:
+        """Buckets updated by a staged run and neither committed nor discarded yet."""
+        return len(self._staged)
+
+    def commit_staged(self) -> None:
+        """Make every staged update the state: each bucket's staging state takes the place of
+        its state (no copy: the state dicts point at it), and the replaced tensors are kept as
+        the next staging copy's buffers. Bit for bit what running the updates unstaged does."""
+        for members, staged in self._staged.items():
+            self._spares[members] = self._adopt(staged)
+            self._warn_failed(staged.bucket, staged.refresh, staged.state.step)
+        self._staged.clear()
+
+    def discard_staged(self) -> None:
+        """Drop every staged update; the state stays as it was (the staging buffers are kept)."""
+        for members, staged in self._staged.items():
+            self._spares[members] = staged.state
+        self._staged.clear()
+
+    def _adopt(self, staged: _Staged) -> OptimizerState:
+        """Point a bucket's state at ``staged.state``; returns the state it replaced."""
+        bucket, stack, state = staged.bucket, staged.stack, staged.state
+        if stack is None:
+            owner, index, _ = bucket[0]
+            stored = self._state_of(owner)["pieces"][index]
+            replaced = self.state_type.from_dict(dict(stored))
+            stored.update(state.as_dict())
+            return replaced
+        replaced = stack.state
+        stack.state, stack.tensors = state, state.tensors()
+        for position, view in enumerate(stack.views):
+            view.update({name: tensor[position] for name, tensor in stack.tensors.items()}, step=state.step)
+        return replaced
+
+    def _members(self, bucket: list[_Job]) -> tuple[Any, ...]:
+        """A bucket's identity: its (owner, piece index) pairs, owners by key or ``id``."""
+        return tuple((owner if isinstance(owner, str) else id(owner), index) for owner, index, _ in bucket)
 
     def _refresh(self, bucket: list[_Job], step: int, config: Any) -> Refresh:
         frequency = getattr(config, "precondition_frequency", 1)
@@ -275,7 +364,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
     ) -> tuple[OptimizerState, _Stack | None]:
         """The state a bucket updates: a lone piece's own, or the bucket's stacked state, whose
         members' state dicts hold views of it (made on first use, so no step copies state)."""
-        members = tuple((owner if isinstance(owner, str) else id(owner), index) for owner, index, _ in bucket)
+        members = self._members(bucket)
         if len(bucket) == 1:
             self._retire_stacks(members)
             owner, index, grad = bucket[0]
@@ -310,6 +399,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             old = self._stack_of.pop(member, None)
             if old is not None and old != members:
                 self._stacks.pop(old, None)
+                self._spares.pop(old, None)
 
     def _commit(self, bucket: list[_Job], state: OptimizerState, stack: _Stack | None) -> None:
         """Keep what the update did: tensors it replaced (SOAP's bases) and the step."""

@@ -43,6 +43,11 @@ class CanzonaConfig:
     """``async``: issue each micro-group's gather to its hosts as soon as the buckets holding
     its matrices have reduced, before the step (the hosts apply the loss scale and the clip
     factor; bitwise the same). Dense optimizers only; with experts the gathers start in the step."""
+    early_compute: bool | None = None
+    """With the early gathers: compute each micro-group's updates as soon as its gather has
+    landed, on staging copies of the state; the step commits them if the clip did not act, else
+    computes them again (exact either way). ``None``: on CUDA (a side stream), not on gloo,
+    where the host would run them inside backward; ``True``: there too."""
     layout: Literal["whole", "lean", "auto"] = "auto"
     """DP layout of the matrix buffers: ``whole`` (variable-size shards, every matrix whole on
     one DP rank, no DP traffic in the step), ``lean`` (Megatron's equal shards, split matrices

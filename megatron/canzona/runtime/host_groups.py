@@ -159,6 +159,10 @@ class StepStats:
 
     computed: list[str] = field(default_factory=list)
     """Tasks whose full update this rank computed."""
+    early: int = 0
+    """Micro-groups whose directions were computed before the step and used (committed)."""
+    recomputed: int = 0
+    """Micro-groups computed before the step whose results the step discarded and computed again."""
     bytes_sent: int = 0
     """Bytes sent to other ranks (real elements only)."""
     timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
@@ -257,6 +261,27 @@ class _InFlight:
     sent: int = 0
     """Bytes not yet counted in a step's stats (a gather issued before the step)."""
     waited: bool = False
+    scaled: int = 0
+    """How many of the step's scale factors :meth:`HostGroupEngine.precompute` applied to
+    ``recv`` already (a prefix: the loss scale's inverse)."""
+
+
+@dataclass
+class _Early:
+    """A micro-group computed before the step (:meth:`HostGroupEngine.precompute`)."""
+
+    directions: dict[str, torch.Tensor]
+    """The full directions of the matrices this rank computes, by task key."""
+    done: torch.cuda.Event | None = None
+    """Recorded on the stream that computed them (CUDA)."""
+
+
+def _checked(directions: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A host compute callback's directions, checked: one of each gradient's shape."""
+    out = list(directions)
+    if len(out) != len(grads) or any(d.shape != g.shape for d, g in zip(out, grads)):
+        raise RuntimeError("the host compute callback must return one full-shape direction per gradient")
+    return out
 
 
 def _bytes(buffer: torch.Tensor, size: int) -> torch.Tensor:
@@ -339,6 +364,7 @@ class HostGroupEngine:
         self._side: _SideStream | None = None
         self._layouts: dict[tuple[int, int], _ScatterLayout] = {}
         self._staged: dict[int, _InFlight | None] = {}
+        self._early: dict[int, _Early] = {}
         self.last_stats = StepStats()
 
     # Static layout -----------------------------------------------------------------------
@@ -480,26 +506,86 @@ class HostGroupEngine:
             send[seg.offset : seg.offset + seg.hi - seg.lo].copy_(raw[(seg.task.key, seg.lo)])
         self._staged[index] = self._all_to_all(send, exchange.recv_splits, exchange.send_splits, stats=False)
 
+    @torch.no_grad()
+    def precompute(self, index: int, raw: Mapping[tuple[str, int], torch.Tensor], compute: HostCompute,
+                   scale: Sequence[float | torch.Tensor] = ()) -> None:
+        """Compute micro-group ``index``'s directions now, before the step, from the gather
+        :meth:`prestart` issued and this rank's own ``raw`` pieces, each multiplied by ``scale``
+        (the loss scale's inverse: the first of the step's factors, known before it). ``compute``
+        must leave the optimizer state as it was (a staged update). The step uses them when it
+        is told its factors end there (:meth:`step`'s ``commit_early``: the clip did not bind),
+        else computes the group again from the same gather with the remaining factors.
+
+        On CUDA the caller runs this on a side stream: the gather's wait is a stream wait, and
+        an event marks the end of the work for the step to wait on. No host synchronisation."""
+        if index not in self._staged:
+            raise ValueError(f"micro-group {index} was not gathered early (prestart it first)")
+        if index in self._early:
+            raise ValueError(f"micro-group {index} is already computed")
+        exchange, inflight = self.exchanges[index], self._staged[index]
+        dtype = state_dtype_for(next(iter(raw.values())).dtype) if raw else torch.float32
+        device = next(iter(raw.values())).device if raw else torch.device("cpu")
+        if inflight is not None:
+            if inflight.work is not None:
+                inflight.work.wait()  # CUDA: the current (side) stream waits, not the host
+                inflight.work = None
+            if inflight.recv.is_cuda:  # issued on another stream, read on this one
+                current = torch.cuda.current_stream(inflight.recv.device)
+                inflight.recv.record_stream(current)
+                inflight.send.record_stream(current)
+            for factor in scale:
+                inflight.recv.mul_(factor)
+            inflight.scaled = len(scale)
+
+        def own(key: str, lo: int) -> torch.Tensor:
+            piece = raw[(key, lo)]
+            if not scale:
+                return piece if piece.dtype == dtype else piece.to(dtype)
+            piece = piece.to(dtype, copy=True)
+            for factor in scale:
+                piece.mul_(factor)
+            return piece
+
+        full = self._full_grads(exchange, inflight, own, dtype, device)
+        directions: dict[str, torch.Tensor] = {}
+        for batch in exchange.computed:
+            out = _checked(compute([t.key for t in batch], [full[t.key] for t in batch]), [full[t.key] for t in batch])
+            directions.update((t.key, d.to(dtype)) for t, d in zip(batch, out))
+        done = None
+        if device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self._early[index] = _Early(directions, done)
+
     def drop_staged(self) -> None:
-        """Discard every gather issued by :meth:`prestart` (their collectives complete first)."""
+        """Discard every gather issued by :meth:`prestart` and every group :meth:`precompute`
+        computed (their collectives complete first)."""
         for inflight in self._staged.values():
             if inflight is not None and inflight.work is not None:
                 inflight.work.wait()
         self._staged.clear()
+        self._early.clear()
 
     @property
     def staged(self) -> tuple[int, ...]:
         """Micro-groups whose gather :meth:`prestart` issued for the coming step."""
         return tuple(self._staged)
 
+    @property
+    def precomputed(self) -> tuple[int, ...]:
+        """Micro-groups :meth:`precompute` computed for the coming step."""
+        return tuple(self._early)
+
     # One step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, pieces: Mapping[tuple[str, int], LocalPiece], compute: HostCompute,
-             scale: Sequence[float | torch.Tensor] = ()) -> StepStats:
+             scale: Sequence[float | torch.Tensor] = (), commit_early: bool = False) -> StepStats:
         """Update every task; ``pieces`` maps ``(task key, lo)`` to this rank's piece of it.
         ``scale``: the factors, in order, that turned the raw gradients given to
         :meth:`prestart` into ``pieces``' gradients (loss-scale unscaling, the clip factor);
-        each received raw piece is multiplied by them."""
+        each received raw piece is multiplied by them. ``commit_early``: the groups
+        :meth:`precompute` computed had every factor (no clip acted), so their directions are
+        this step's; else they are computed again here, with ``compute``."""
         missing = [(key, lo) for key, held in self._mine.items() for lo, _ in held if (key, lo) not in pieces]
         if missing:
             raise ValueError(f"no local piece given for {missing[:3]}; every rank must step every piece it holds")
@@ -514,11 +600,13 @@ class HostGroupEngine:
         self._update_dtype = state_dtype_for(self._grad_dtype)
         if self._side is None:
             self._side = _SideStream(self._device)
+        self._commit_early = commit_early
         try:
             if self.exchanges:
                 (self._run_async if self.mode == "async" else self._run_sync)()
         finally:
             self._staged.clear()
+            self._early.clear()
         self.last_stats, stats = self._stats, self._stats
         del self._pieces, self._compute, self._scale
         return stats
@@ -532,16 +620,29 @@ class HostGroupEngine:
             gather = next_gather
             if k + 1 < len(self.exchanges):
                 next_gather = self._gather_of(k + 1)  # in flight during compute k
+            early = self._early.get(k)
+            if early is not None:  # computed before the step on a side stream: the main one waits
+                if early.done is not None:
+                    torch.cuda.current_stream(self._device).wait_event(early.done)
+                    for tensor in early.directions.values():
+                        tensor.record_stream(torch.cuda.current_stream(self._device))
             if k in self._staged and gather is not None:  # raw pieces: scale them as their holders did
                 self._wait(gather, "gather", exchange.index)
                 if gather.recv.is_cuda:  # allocated on the side stream that issued it, used here from now on
                     current = torch.cuda.current_stream(gather.recv.device)
                     gather.recv.record_stream(current)
                     gather.send.record_stream(current)
-                for factor in self._scale:
-                    gather.recv.mul_(factor)
-            full_grads = self._finish_gather(exchange, gather)
-            directions = self._host_compute(exchange, full_grads)
+                if early is None or not self._commit_early:
+                    for factor in self._scale[gather.scaled:]:
+                        gather.recv.mul_(factor)
+            if early is not None and self._commit_early:
+                directions = early.directions
+                self._stats.computed.extend(t.key for batch in exchange.computed for t in batch)
+                self._stats.early += 1
+            else:
+                self._stats.recomputed += early is not None
+                full_grads = self._finish_gather(exchange, gather)
+                directions = self._host_compute(exchange, full_grads)
             scatter = self._start_scatter(exchange, directions, gather)  # in flight while group k-1 is applied
             if pending is not None:
                 self._apply(*pending)
@@ -575,13 +676,20 @@ class HostGroupEngine:
     def _finish_gather(self, exchange: _Exchange, inflight: _InFlight | None) -> dict[str, torch.Tensor]:
         """Wait for the gather; the full gradient of every matrix this rank computes."""
         self._wait(inflight, "gather", exchange.index)
+        return self._full_grads(exchange, inflight, lambda key, lo: self._pieces[(key, lo)].grad,
+                                self._update_dtype, self._device)
+
+    def _full_grads(self, exchange: _Exchange, inflight: _InFlight | None, own: Callable[[str, int], torch.Tensor],
+                    dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """The full gradient of every matrix this rank computes, from the gather's ``recv`` and
+        this rank's pieces ``own(key, lo)`` (a local matrix's is used as it is)."""
         full: dict[str, torch.Tensor] = {}
         for batch in exchange.computed:
             for task in batch:
                 if task.is_local():  # the host's own piece is the whole matrix
-                    full[task.key] = self._pieces[(task.key, 0)].grad.view(task.local_shape)
+                    full[task.key] = own(task.key, 0).view(task.local_shape)
                     continue
-                full[task.key] = torch.empty(task.full_shape(self.tp_size), dtype=self._update_dtype, device=self._device)
+                full[task.key] = torch.empty(task.full_shape(self.tp_size), dtype=dtype, device=device)
         for seg in exchange.incoming:
             source = inflight.recv[seg.offset : seg.offset + seg.hi - seg.lo]  # type: ignore[union-attr]
             self._copies[(seg.task.key, seg.holder, seg.lo)].into_full(source, full[seg.task.key])
@@ -590,7 +698,7 @@ class HostGroupEngine:
                 if task.is_local():
                     continue
                 for lo, _ in self.holds(task):
-                    self._copies[(task.key, self.coord, lo)].into_full(self._pieces[(task.key, lo)].grad, full[task.key])
+                    self._copies[(task.key, self.coord, lo)].into_full(own(task.key, lo), full[task.key])
         return full
 
     def _host_compute(self, exchange: _Exchange, full_grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -601,10 +709,7 @@ class HostGroupEngine:
             grads = [full_grads[t.key] for t in batch]
             assert self._side is not None
             with self._side.compute(grads):
-                out = list(self._compute([t.key for t in batch], grads))
-                if len(out) != len(batch) or any(d.shape != g.shape for d, g in zip(out, grads)):
-                    raise RuntimeError("the host compute callback must return one full-shape direction per gradient")
-                out = [d.to(self._update_dtype) for d in out]
+                out = [d.to(self._update_dtype) for d in _checked(self._compute([t.key for t in batch], grads), grads)]
             self._side.hand_back(out)
             directions.update((t.key, d) for t, d in zip(batch, out))
             self._stats.computed.extend(t.key for t in batch)

@@ -83,6 +83,9 @@ class CanzonaOptimizer(MatrixOptimizer):
         self.gather_scale: tuple[Any, ...] = ()
         """Factors the hosts apply to gradients gathered before the step (loss-scale inverse,
         clip factor), set by the DistributedOptimizer around each step."""
+        self.commit_early = False
+        """Whether the directions computed before this step (:meth:`stage_compute`) are its own:
+        the factors known then were all of them (no clip acted). Set around each step."""
         self._unscaled: MuonConfig | None = None
         """:func:`unscaled` of the config, made at the first step with a narrow task."""
 
@@ -174,8 +177,14 @@ class CanzonaOptimizer(MatrixOptimizer):
 
     # Stepping ------------------------------------------------------------------------------
     def _update(self) -> None:
-        """Every matrix through the host groups, then AdamW where the elementwise ones are."""
-        self.last_stats = self._engine().step(self._local_pieces(), self._host_compute, scale=self.gather_scale)
+        """Every matrix through the host groups, then AdamW where the elementwise ones are.
+        Updates computed before the step become the state if the step used them, else go."""
+        self.last_stats = self._engine().step(self._local_pieces(), self._host_compute, scale=self.gather_scale,
+                                              commit_early=self.commit_early)
+        if self.last_stats.early:
+            self.commit_staged()
+        else:
+            self.discard_staged()
         self.last_step_updates = [self.report_name(key) for key in self.last_stats.computed]
         for group in self.param_groups:
             self._step_elementwise(group)
@@ -199,7 +208,13 @@ class CanzonaOptimizer(MatrixOptimizer):
                     )
         return pieces
 
-    def _host_compute(self, keys: Sequence[str], full_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def stage_compute(self, keys: Sequence[str], full_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`_host_compute` on staging copies of the state, before the step: the state
+        stays as it was until the step commits them (:meth:`commit_staged`)."""
+        return self._host_compute(keys, full_grads, staged=True)
+
+    def _host_compute(self, keys: Sequence[str], full_grads: Sequence[torch.Tensor], *,
+                      staged: bool = False) -> list[torch.Tensor]:
         """Full-matrix directions: fused matrices split, same-shape pieces batched, merged back;
         a narrow task's unscaled (:func:`narrow_updates`)."""
         jobs, narrow = [], []
@@ -210,11 +225,11 @@ class CanzonaOptimizer(MatrixOptimizer):
             mine = narrow if self._tasks[key].update_dtype is not None else jobs
             mine.extend((key, i, piece) for i, piece in enumerate(pieces))
             counts.append(len(pieces))
-        directions = self._run_jobs(jobs, self.config)
+        directions = self._run_jobs(jobs, self.config, staged=staged)
         if narrow:
             if self._unscaled is None:
                 self._unscaled = unscaled(self.config)
-            directions.update(self._run_jobs(narrow, self._unscaled))
+            directions.update(self._run_jobs(narrow, self._unscaled, staged=staged))
         return [
             merge_pieces([directions[(id(key), i)] for i in range(count)], self._layouts[key])
             for key, count in zip(keys, counts)
