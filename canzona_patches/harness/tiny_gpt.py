@@ -408,14 +408,10 @@ def _updated(optimizer) -> list[str]:
     return [name for part in parts for name in getattr(getattr(part, "optimizer", None), "last_step_updates", [])]
 
 
-def _early_steps(optimizer) -> dict[str, int]:
-    """Steps computed before they ran, by outcome (committed, recomputed, skipped), of the
-    Canzona optimizer (the most of each over a chained one's parts: they decide together)."""
-    counts: dict[str, int] = {}
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for outcome, count in getattr(part, "early_steps", {}).items():
-            counts[outcome] = max(counts.get(outcome, 0), count)
-    return counts
+def _early_steps(optimizer) -> list[dict[str, int]]:
+    """Steps computed before they ran, by outcome (committed, recomputed, skipped), of each
+    part of the Canzona optimizer (the dense one, then the expert one of a chained one)."""
+    return [dict(getattr(part, "early_steps", {})) for part in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
 def _early_count(optimizer, field: str) -> int | None:

@@ -29,6 +29,7 @@ Checkpoint hooks are in :mod:`canzona_patches.checkpoints.state` and
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import time
@@ -170,6 +171,22 @@ class IntervalMetrics:
         self._step_events: list[tuple[Any, Any]] = []
         self._iterations = 0
         self._samples = 0
+        self._parts: list[Any] = []
+        self._early_reported: collections.Counter[str] = collections.Counter()
+
+    def watch(self, optimizer: Any) -> None:
+        """Report the early compute of ``optimizer`` (each part of a chained one)."""
+        self._parts = [p for p in getattr(optimizer, "chained_optimizers", [optimizer]) if hasattr(p, "early_steps")]
+
+    def _early_steps(self) -> dict[str, int] | None:
+        """Steps computed early since the last report, by outcome; ``None`` without early compute.
+        The parts of a chained optimizer decide together: each outcome's most over them."""
+        early = [p for p in self._parts if p.canzona.early_gathers is not None and p.canzona.early_gathers.compute_early]
+        if not early:
+            return None
+        total = collections.Counter({k: max(p.early_steps[k] for p in early) for k in ("committed", "recomputed", "skipped")})
+        since = {k: total[k] - self._early_reported[k] for k in total}
+        return since
 
     def time_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap ``optimizer.step`` to accumulate its time without waiting for the device: on
@@ -236,8 +253,10 @@ class IntervalMetrics:
             "canzona": bool(args.canzona),
             "dp_size": args.data_parallel_size,
             "tp_size": args.tensor_model_parallel_size,
+            "early_compute": self._early_steps(),
         }
         if reset:
+            self._early_reported.update(metrics["early_compute"] or {})
             self._loss_sum, self._loss_count, self._step_seconds, self._iterations, self._samples = 0.0, 0, 0.0, 0, 0
         self._write(metrics)
         return metrics
@@ -271,6 +290,8 @@ def write_scalars(metrics: dict[str, Any], plan: dict[str, float], iteration: in
     scalars = {"canzona/optimizer step ms": metrics["optimizer_step_ms"], **plan}
     if metrics["tokens_per_s"] is not None:
         scalars["canzona/tokens per s"] = metrics["tokens_per_s"]
+    for outcome, steps in (metrics["early_compute"] or {}).items():
+        scalars[f"canzona/early compute {outcome} steps"] = steps
     writer = _training.get_tensorboard_writer()
     if writer is not None:
         for tag, value in scalars.items():
@@ -286,6 +307,9 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     line += f" optimizer step (ms): {metrics['optimizer_step_ms']:.2f} |"
     if metrics["tokens_per_s"] is not None:
         line += f" throughput (tokens/s): {metrics['tokens_per_s']:.1f} |"
+    early = metrics["early_compute"]
+    if early is not None:
+        line += " early compute committed/recomputed/skipped: {committed}/{recomputed}/{skipped} |".format(**early)
     if metrics["progress"] is not None:
         line += f" progress: {100.0 * metrics['progress']:.1f}% |"
     return line
@@ -306,6 +330,7 @@ def timing_optimizer_step(setup_model_and_optimizer: Callable[..., Any], run: An
         if optimizer is not None:
             # An instance attribute shadows the class's step; train_step calls optimizer.step().
             optimizer.step = metrics.time_step(optimizer.step)
+            metrics.watch(optimizer)
         return model, optimizer, scheduler
 
     return setup_with_timed_step

@@ -242,6 +242,9 @@ BAD_INPUTS = {
     "fp32_accumulating_reduce_scatter": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer",
                                           "--ddp-reduce-scatter-with-fp32-accumulation"],
                                          "--ddp-reduce-scatter-with-fp32-accumulation replaces the reduce-scatter"),
+    "early_compute_without_early_gathers": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer",
+                                             "--canzona-early-compute", "--canzona-no-early-gather"],
+                                            "drop --canzona-no-early-gather, or --canzona-early-compute"),
 }
 
 

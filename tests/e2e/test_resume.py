@@ -18,7 +18,9 @@ step, here run as training ends), then the job is resumed at DP 2, again with ``
 
 With pipeline parallelism (a third sequence): 8 iterations at PP 2 saving iteration 4, resumed
 from it at PP 2 and at PP 1 x DP 2 (stage 1's layer 0 is the model's layer 1: the optimizer
-state is keyed by global layer number).
+state is keyed by global layer number). The PP 2 runs compute the matrices early
+(``--canzona-early-compute``), clipping at 0.7 so that iteration 4, the one saved, computes
+them again.
 
 Megatron's own AdamW in the legacy ``--ckpt-format torch`` (a fourth sequence): saved at
 iteration 4 of 8 at DP 2, resumed with its moments (canzona_patches/integration/megatron_fixes.py makes
@@ -147,8 +149,11 @@ def async_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture(scope="module")
 def pp_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    pp2 = ("--pipeline-model-parallel-size", "2")
-    return _save_then_resume(demo_data, tmp_path_factory.mktemp("pp"), pp2, {"pp2": pp2, "dp2": ()})
+    # Early compute forced on gloo, clipping at 0.7: iterations 1-3 (norms ~0.67) commit what was
+    # computed in backward, iteration 4 (0.75) computes again, and is the one saved.
+    clip = ("--clip-grad", "0.7")
+    pp2 = ("--pipeline-model-parallel-size", "2", "--canzona-early-compute", *clip)
+    return _save_then_resume(demo_data, tmp_path_factory.mktemp("pp"), pp2, {"pp2": pp2, "dp2": clip})
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +275,17 @@ def test_resume_at_pp2_from_a_pp2_checkpoint_is_exact(pp_runs):
     _assert_repeats_exactly(pp_runs["pp2"], pp_runs["reference"])
 
 
+def test_a_checkpoint_saved_right_after_a_recomputed_early_step_resumes_exactly(pp_runs):
+    """The PP 2 runs compute early (``--canzona-early-compute``): the saved iteration's updates
+    were computed in backward, dropped because the clip acted, and computed again; the resume
+    above repeats the run bit for bit, and commits and recomputes as it did."""
+    outcomes = {i: m["early_compute"] for i, m in pp_runs["reference"].items()}
+    committed, recomputed = {"committed": 1, "recomputed": 0, "skipped": 0}, {"committed": 0, "recomputed": 1, "skipped": 0}
+    assert [outcomes[i] for i in (1, 2, 3, SAVE_INTERVAL)] == [committed] * 3 + [recomputed], outcomes
+    assert {i: m["early_compute"] for i, m in pp_runs["pp2"].items()} == {i: outcomes[i] for i in pp_runs["pp2"]}
+    assert pp_runs["dp2"][ITERS]["early_compute"] is None  # gloo's default: computed in the step
+
+
 def test_resume_at_dp2_from_a_pp2_checkpoint(pp_runs):
     """The two stages' state merged into one model: losses and grad norms within 1e-5 (relative)."""
     _assert_repeats_closely(pp_runs["dp2"], pp_runs["reference"], dp_size=2)
@@ -279,3 +295,4 @@ def test_megatron_adamw_resumes_exactly_from_the_legacy_format(legacy_runs):
     _assert_repeats_exactly(legacy_runs["resumed"], legacy_runs["reference"])
     # The control: without the moments the next step already differs.
     assert legacy_runs["no_optim"][SAVE_INTERVAL + 2]["grad_norm"] != legacy_runs["reference"][SAVE_INTERVAL + 2]["grad_norm"]
+

@@ -35,3 +35,14 @@ def test_iterations_are_recorded_without_host_reads_and_reported_exactly():
     assert report["optimizer_step_ms"] > 0
     again = metrics.report(iteration=6, interval_s=1.0, learning_rate=1e-3, grad_norm=None, reset=True)
     assert again["lm_loss"] is None and again["optimizer_step_ms"] == 0.0
+
+
+def test_the_line_counts_early_compute_outcomes_only_where_it_runs():
+    from canzona_patches.integration.training import format_metrics
+
+    metrics = IntervalMetrics(_args())
+    report = metrics.report(iteration=5, interval_s=1.0, learning_rate=1e-3, grad_norm=None, reset=True)
+    assert report["early_compute"] is None  # no optimizer computing early is watched
+    assert "early compute" not in format_metrics(report)
+    line = format_metrics({**report, "early_compute": {"committed": 9, "recomputed": 1, "skipped": 0}})
+    assert " early compute committed/recomputed/skipped: 9/1/0 |" in line

@@ -86,6 +86,9 @@ def results(tmp_path_factory) -> dict[tuple[str, str], list[dict]]:
     four += [(opt, "dp4", _run(opt)) for opt in YARDSTICK]  # EP 1 x DP 4: the reduce order alone
     early = replace(_run("muon", tp_size=2, ep_size=2), nan_grad_at_step=1, return_state=True)
     four += [("early_on", "ep2_tp2", early), ("early_off", "ep2_tp2", replace(early, early_gather=False))]
+    computed = replace(early, clip_grad=3.0, big_grad_at_step=STEPS - 1)  # the clip acts at the last step only
+    four += [("compute_early", "ep2_tp2", replace(computed, early_compute=True, early_gather_at_dispatch=True)),
+             ("compute_in_step", "ep2_tp2", computed)]
     four += [("saved", "ep2_dp2", ResumeJob(run=saved, save_dir=str(root), save_after=(HALF,))),
              ("resumed", "ep4", ResumeJob(run=replace(saved, ep_size=4), load_dir=str(root)))]
     one = [(opt, "single", _run(opt)) for opt in OPTIMIZERS]
@@ -198,3 +201,23 @@ def test_gathers_issued_as_buckets_reduce_with_experts_are_bitwise_the_steps_own
         assert on["early_gathers"] > 0 and off["early_gathers"] is None
         assert any(k.startswith("1/") for k in on["state"]), "the expert optimizer's state is compared too"
         _assert_bitwise_with_skip_and_clip(on, off, skipped=(1,), clip=1.0)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_early_compute_with_experts_is_bitwise_the_steps_own(results) -> None:
+    """Both optimizers' matrices computed where their early gathers land (in backward), then
+    committed (steps 0 and 2), dropped (the NaN step 1) and computed again (step 3, whose clip
+    acts because rank 0's gradients were made 100 times larger): bitwise the run computing
+    them in the step, the expert optimizer's state included."""
+    from .test_early_compute import _same
+
+    for early, step in zip(results[("compute_early", "ep2_tp2")], results[("compute_in_step", "ep2_tp2")]):
+        # the dense optimizer's and the expert optimizer's, decided together
+        assert early["early_steps"] == 2 * [{"committed": 2, "skipped": 1, "recomputed": 1}], early["early_steps"]
+        assert step["grad_norms"][STEPS - 1] > 3.0 > max(step["grad_norms"][0], step["grad_norms"][2])
+        assert _same(early["losses"], step["losses"]) and _same(early["grad_norms"], step["grad_norms"])
+        for name, expected in step["params"].items():
+            assert torch.equal(early["params"][name], expected), name
+        assert any(k.startswith("1/") for k in step["state"]), "the expert optimizer's state is compared too"
+        for path, expected in step["state"].items():
+            assert torch.equal(early["state"][path], expected), path

@@ -87,7 +87,7 @@ def test_early_compute_is_bitwise_the_steps_own(results, optimizer: str, case: s
         for rank, (early, step) in enumerate(zip(results[(optimizer, case, variant)], results[(optimizer, case, "step")])):
             where = f"{optimizer} {case} {variant} rank {rank}"
             assert early["early_computed"] > 0 and not step["early_computed"], where
-            assert early["early_steps"] == OUTCOMES and step["early_steps"] == {}, (where, early["early_steps"])
+            assert early["early_steps"] == [OUTCOMES] and step["early_steps"] == [{}], (where, early["early_steps"])
             assert early["skipped_steps"] == step["skipped_steps"] == [NAN_STEP], where
             norms = step["grad_norms"]
             assert norms[BIG_STEP] > CLIP and all(n < CLIP for i, n in enumerate(norms) if i not in (NAN_STEP, BIG_STEP))
