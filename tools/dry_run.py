@@ -33,6 +33,7 @@ import time
 from megatron.canzona.planning import DEFAULT_ALPHA, OPTIMIZERS, QWEN3_MODELS, get_qwen3_config, qwen3_specs
 from megatron.canzona.planning.grid import expert_coordinates, expert_dp_size
 from megatron.canzona.planning.memory import (
+    EARLY_COMPUTE_BYTES,
     FIELD_KINDS,
     STATE_BYTES,
     STATE_KINDS,
@@ -70,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cluster the auto layout is projected on (a preset or a TOML/JSON file)")
     p.add_argument("--params-dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="parameter dtype")
     p.add_argument("--grad-reduce-in-fp32", action="store_true", help="fp32 gradient buffers")
+    p.add_argument("--no-early-compute", "--canzona-no-early-compute", dest="early_compute", action="store_false",
+                   help="the run computes every matrix update in the step (pretrain_gpt.py's --canzona-no-early-compute; "
+                   "default: early, as on CUDA, with its staging state and directions counted)")
+    p.add_argument("--early-compute-budget", "--canzona-early-compute-budget", dest="early_compute_budget", type=float,
+                   default=EARLY_COMPUTE_BYTES / 2**30, metavar="GIB",
+                   help="most GiB early compute keeps per rank (pretrain_gpt.py's --canzona-early-compute-budget)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     if args.model.lower() not in QWEN3_MODELS:
@@ -90,6 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as error:
         p.error(str(error))
     return args
+
+
+def early_budget(args: argparse.Namespace) -> int:
+    """Bytes early compute may keep on the rank (0 without early compute)."""
+    return int(args.early_compute_budget * 2**30) if args.early_compute else 0
 
 
 def expert_tp_size(args: argparse.Namespace) -> int:
@@ -164,7 +176,8 @@ def build_rank(args: argparse.Namespace):
     )
     stage = coordinates(args.rank, args.tp, args.dp)[2]
     # The setup is made from the live model's parameters, as pretrain_gpt.py makes it.
-    canzona = CanzonaConfig(optimizer=args.optimizer, alpha=args.alpha, layout=args.layout, cluster=args.cluster)
+    canzona = CanzonaConfig(optimizer=args.optimizer, alpha=args.alpha, layout=args.layout, cluster=args.cluster,
+                            early_compute=None if args.early_compute else False, early_compute_bytes=early_budget(args))
     setup = make_setup([model], ddp_config, canzona, dp_size=args.dp, tp_size=args.tp, ep_size=args.ep,
                        expert_tp_size=expert_tp_size(args), host_ranks=host_ranks(args, stage), log=False)
     ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=setup.layouts[0])
@@ -273,18 +286,21 @@ def split_optimizer(optimizer):
     return dense, expert
 
 
-def measure(ddp_model, optimizer) -> dict:
+def measure(ddp_model, optimizer, early_compute: int = EARLY_COMPUTE_BYTES) -> dict:
     """What the built rank actually holds, in elements: its dense buffers and optimizer, and
-    (``experts``) its expert-parallel ones."""
+    (``experts``) its expert-parallel ones; with an ``early_compute`` budget in bytes (CUDA's
+    default; 0: none), what the early compute of its engine keeps."""
     dense, expert = split_optimizer(optimizer)
-    record = _measure_part(list(ddp_model.buffers), dense)
-    record["experts"] = None if expert is None else _measure_part(list(ddp_model.expert_parallel_buffers), expert)
+    record = _measure_part(list(ddp_model.buffers), dense, early_compute)
+    record["experts"] = (None if expert is None else
+                         _measure_part(list(ddp_model.expert_parallel_buffers), expert, early_compute))
     return record
 
 
-def _measure_part(buffers: list, optimizer) -> dict:
+def _measure_part(buffers: list, optimizer, early_compute: int) -> dict:
     """Buffers, shards, main parameters, state and temporaries of one distributed optimizer."""
     from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR
+    from canzona_patches.integration.optimizer import early_groups
 
     matrix = [b for b in buffers if getattr(b.params[0], BUFFER_ROUTING_ATTR, False)]
     other = [b for b in buffers if not getattr(b.params[0], BUFFER_ROUTING_ATTR, False)]
@@ -300,6 +316,8 @@ def _measure_part(buffers: list, optimizer) -> dict:
             for p in group["params"]:
                 kinds["adam_moments"] += sum(v.numel() for v in inner.state[p].values() if hasattr(v, "numel"))
     main = sum(t.numel() for group in optimizer.shard_fp32_from_float16_groups for t in group if t is not None)
+    groups = early_groups(inner, early_compute) if early_compute and inner.engine.mode == "async" else frozenset()
+    hosted = {t.key for e in inner.engine.exchanges if e.index in groups for b in e.computed for t in b}
     largest, step = inner.engine.temporaries()
     tp = inner.engine.tp_size
     batch = max((sum(math.prod(inner._tasks[k].full_shape(tp)) for k in keys) for keys in inner.engine.compute_batches()),
@@ -318,6 +336,10 @@ def _measure_part(buffers: list, optimizer) -> dict:
         "step_temporary_elements": step,
         "compute_batch_elements": batch,
         "early_gather_elements": inner.engine.early_temporaries() if optimizer.canzona.early_gathers else 0,
+        # the staging copy mirrors the state it stages: what init_state made of those matrices
+        "early_state_elements": sum(value.numel() for key in hosted for piece in inner.matrix_state[key]["pieces"]
+                                    for value in piece.values() if hasattr(value, "numel")),
+        "early_direction_elements": inner.engine.early_directions(groups),
         "device": str(buffers[0].param_data.device),
     }
 
@@ -325,7 +347,8 @@ def _measure_part(buffers: list, optimizer) -> dict:
 def predict(args: argparse.Namespace, plan, specs_state: StateLayout, specs) -> dict:
     """The planner's prediction of what :func:`measure` finds, dense and (``experts``) expert."""
     dp_rank, tp_rank, _ = coordinates(args.rank, args.tp, args.dp)
-    mem = rank_memory(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, state=specs_state)
+    mem = rank_memory(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, state=specs_state,
+                      early_compute_bytes=early_budget(args))
     record = _predict_part(args, mem, plan)
     record["experts"] = None if mem.experts is None else _predict_part(args, mem.experts, plan.experts)
     return record
@@ -364,6 +387,8 @@ def _predict_part(args: argparse.Namespace, mem: RankMemory, plan) -> dict:
         "step_temporary_elements": mem.step_temporary_elements,
         "compute_batch_elements": mem.compute_batch_elements,
         "early_gather_elements": mem.early_gather_elements,
+        "early_state_elements": mem.early_state_elements,
+        "early_direction_elements": mem.early_direction_elements,
     }
 
 
@@ -381,13 +406,17 @@ TEMPORARY_ROWS = (
     ("step_temporary_elements", "host-group buffers alive at once", STATE_BYTES),
     ("compute_batch_elements", "largest host-compute batch (stacked grads)", STATE_BYTES),
     ("early_gather_elements", "early gather buffers (alive from backward)", STATE_BYTES),
+    ("early_state_elements", "early compute: staging copy of the matrix state", STATE_BYTES),
+    ("early_direction_elements", "early compute: directions (alive from backward)", STATE_BYTES),
 )
 EXPERT = "expert "
 """Label prefix of the expert part's rows."""
-STEADY = ("parameter buffers", "gradient buffers", "fp32 main parameters")
+STEADY = ("parameter buffers", "gradient buffers", "fp32 main parameters",
+          "early compute: staging copy of the matrix state")
 """What a part holds between steps, with the optimizer state; the step adds the host-group
 buffers and a stack copy."""
-TRANSIENT = ("host-group buffers alive at once", "largest host-compute batch (stacked grads)")
+TRANSIENT = ("host-group buffers alive at once", "largest host-compute batch (stacked grads)",
+             "early compute: directions (alive from backward)")
 
 
 def memory_summary(rows: list[dict]) -> dict:
@@ -454,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     matrix = canzona.matrix
     state = StateLayout(optimizer=args.optimizer, max_precond_dim=getattr(matrix, "max_precond_dim", 10000),
                         grafting=getattr(matrix, "grafting", "adam") == "adam")
-    measured = measure(ddp_model, optimizer)
+    budget = canzona.early_compute_bytes if canzona.early_compute is not False else 0
+    measured = measure(ddp_model, optimizer, early_compute=budget)
     predicted = predict(args, plan, state, specs)
     rows = [catalog_row(args, specs), *compare(predicted, measured)]
     dp_rank, tp_rank, stage = coordinates(args.rank, args.tp, args.dp)

@@ -135,6 +135,8 @@ class TinyRun:
     (``--canzona-early-compute``: on gloo the host runs them there, inside backward with
     :attr:`early_gather_at_dispatch`); the step commits them or, the clip acting, computes them
     again. Off: in the step."""
+    early_compute_bytes: int | None = None
+    """Their memory budget per rank (``--canzona-early-compute-budget``; default 1 GiB)."""
     return_state: bool = False
     """Return this rank's optimizer state (``state``: every tensor of the Canzona inner
     optimizer by path), for bitwise comparisons of runs on the same layout."""
@@ -384,6 +386,7 @@ def canzona_config(run: TinyRun):
         optimizer=name, matrix=matrix[name], alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
         tp_mode=run.tp_mode, layout=run.canzona_layout, early_gather=run.early_gather,
         early_compute=run.early_gather and run.early_compute,  # forced (gloo); off otherwise
+        **({} if run.early_compute_bytes is None else {"early_compute_bytes": run.early_compute_bytes}),
     )
 
 

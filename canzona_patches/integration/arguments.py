@@ -125,6 +125,11 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
            "them again) or a gradient is inf/NaN (skipped): bitwise the same. Default: on CUDA with the early "
            "gathers; given, also on gloo (the host then computes them in backward).",
            off="Compute every matrix update in the optimizer step.")
+    group.add_argument("--canzona-early-compute-budget", type=float, default=defaults.early_compute_bytes / 2**30,
+                       metavar="GIB",
+                       help="Most GiB early compute keeps per rank (a staging copy of the matrices' optimizer state "
+                       "and their updates, until the step): the micro-groups whose buckets reduce first and fit are "
+                       "computed early, the others in the step. tools/dry_run.py shows what a rank keeps.")
     group.add_argument("--canzona-tp-group-budget", type=float, default=defaults.tp_group_budget,
                        help="Most cost one host takes in one micro-group (default: about a quarter of "
                        "the busiest host's work, two groups at least on a host with two matrices).")
@@ -381,6 +386,10 @@ def _check_ranges(args: argparse.Namespace) -> None:
     if not 0.0 <= args.canzona_alpha <= 1.0:
         raise CanzonaArgumentError(
             f"--canzona-alpha {args.canzona_alpha} is outside [0, 1]: pass e.g. --canzona-alpha 0.5")
+    if not args.canzona_early_compute_budget >= 0.0:  # NaN too
+        raise CanzonaArgumentError(
+            f"--canzona-early-compute-budget {args.canzona_early_compute_budget} must be 0 or more GiB: pass e.g. 1, "
+            "or --canzona-no-early-compute")
     budget = args.canzona_tp_group_budget
     if budget is not None and budget <= 0:
         raise CanzonaArgumentError(
@@ -486,6 +495,7 @@ def canzona_config_from_args(args: argparse.Namespace):
     }[args.optimizer]()
     adamw = AdamWConfig(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
     return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, adamw=adamw, early_compute=args.canzona_early_compute,
+                         early_compute_bytes=int(args.canzona_early_compute_budget * 2**30),
                          **{field: getattr(args, f"canzona_{field}") for field in CANZONA_FLAG_FIELDS})
 
 

@@ -152,7 +152,7 @@ class EarlyGathers:
             if k not in self.engine.staged and needs <= reduced:
                 self.engine.prestart(k, self.raw)
                 count += 1
-                if self.compute_early:
+                if self.compute_early and self.engine.exchanges[k].index in self.early.groups:
                     self._precompute(k)
         self.issued += count
         return count
@@ -204,6 +204,9 @@ class EarlyCompute:
     """The factors known before the step (the loss scale's inverse, or none)."""
     forced: bool = False
     """Compute early on gloo too (``--canzona-early-compute``), where the host runs it."""
+    groups: frozenset[int] = frozenset()
+    """The micro-groups (by index) this rank computes early, within the memory budget
+    (:func:`~megatron.canzona.planning.memory.early_compute_groups`); the others in the step."""
 
 
 def attach(engine: Any, binding: Any, model_chunks: Sequence[Any], compute: EarlyCompute | None = None) -> EarlyGathers | None:

@@ -38,6 +38,7 @@ from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, is_expert_pa
 from canzona_patches.integration.setup import CanzonaPart, CanzonaSetup
 from canzona_patches.integration.uneven import shard_bounds
 from canzona_patches.version import require_pinned_megatron
+from megatron.canzona.planning.memory import STATE_BYTES, early_compute_groups
 from megatron.canzona.planning.schedule import Coord
 from megatron.canzona.runtime.host_groups import HostGroupEngine
 from megatron.canzona.runtime.optimizer import CanzonaOptimizer, narrow_updates
@@ -89,7 +90,7 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts)
         compute = None if setup.config.early_compute is False else EarlyCompute(
             compute=inner.stage_compute, discard=inner.discard_staged, scale=self._early_scale,
-            forced=bool(setup.config.early_compute))
+            forced=bool(setup.config.early_compute), groups=early_groups(inner, setup.config.early_compute_bytes))
         early = attach_early_gathers(engine, binding, model_chunks, compute) if setup.config.early_gather else None
         self.canzona = CanzonaPart(binding=binding, engine=engine, tp_group=ranks.tp, early_gathers=early)
         self.early_steps: collections.Counter[str] = collections.Counter()
@@ -236,6 +237,16 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
             return torch.zeros(1, device=_collective_device())
         norms = torch.stack(torch._foreach_norm(grads))
         return (~torch.isfinite(norms).all()).to(torch.float32).reshape(1)
+
+
+def early_groups(inner: CanzonaOptimizer, budget_bytes: int) -> frozenset[int]:
+    """The micro-groups this rank computes early within ``budget_bytes``
+    (:func:`~megatron.canzona.planning.memory.early_compute_groups`, as the memory model picks them)."""
+    engine = inner.engine
+    assert engine is not None
+    return early_compute_groups(
+        ((max(t.task.bucket for t in e.tasks), e.index, sum(inner.early_elements(t.key) for b in e.computed for t in b))
+         for e in engine.exchanges), budget_bytes // STATE_BYTES)
 
 
 NONFINITE_SKIP = "Canzona: skipping the optimizer step, a gradient holds inf or NaN"

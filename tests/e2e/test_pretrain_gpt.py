@@ -245,6 +245,8 @@ BAD_INPUTS = {
     "early_compute_without_early_gathers": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer",
                                              "--canzona-early-compute", "--canzona-no-early-gather"],
                                             "drop --canzona-no-early-gather, or --canzona-early-compute"),
+    "negative_early_compute_budget": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer",
+                                       "--canzona-early-compute-budget", "-1"], "must be 0 or more GiB"),
 }
 
 

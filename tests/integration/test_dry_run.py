@@ -30,6 +30,11 @@ def dry_run(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": ROOT})
 
 
+EARLY_STATE = "early compute: staging copy of the matrix state"
+EARLY_DIRECTIONS = "early compute: directions (alive from backward)"
+STEADY = ("parameter buffers", "gradient buffers", "fp32 main parameters", EARLY_STATE)
+"""What a rank holds between steps, besides the optimizer state."""
+
 CASES = {
     # The issue's cases: 144 matrices for 256 GPUs, and Qwen3-32B's recipe on 256 GPUs.
     "qwen3-8b tp2 dp128": ("--model", "qwen3-8b", "--tp", "2", "--dp", "128"),
@@ -55,8 +60,12 @@ def test_a_full_size_rank_is_what_the_plan_predicts(case):
     state = sum(row["measured"] for name, row in rows.items() if name.startswith("optimizer state"))
     assert state > 0
     memory = report["memory"]
-    steady = sum(rows[name]["bytes"] for name in ("parameter buffers", "gradient buffers", "fp32 main parameters"))
+    steady = sum(rows[name]["bytes"] for name in STEADY)
     assert memory["steady_bytes"] == steady + 4 * state
+    early = rows[EARLY_STATE]["bytes"] + rows[EARLY_DIRECTIONS]["bytes"]
+    assert early <= 2**30, "early compute keeps at most its budget (1 GiB by default)"
+    if case == "qwen3-8b tp2 dp128":  # 0.75 GiB: every micro-group computed early
+        assert rows[EARLY_STATE]["measured"] == rows["optimizer state: momentum"]["measured"]
     assert memory["steady_bytes"] < memory["peak_bytes"] <= PEAK_FACTOR * memory["steady_bytes"]
     if "soap" in case:
         assert rows["optimizer state: eigenbases"]["measured"] > 0
@@ -92,8 +101,7 @@ def test_a_full_size_moe_rank_is_what_the_plan_predicts():
     assert rows["expert parameter buffers"]["measured"] >= 48 * 16 * 3 * 2048 * 768
     assert len(report["expert_buckets"]) == rows["expert matrix buffer buckets"]["measured"] > 2
     state = sum(row["measured"] for name, row in rows.items() if name.startswith("optimizer state"))
-    steady = sum(rows[prefix + name]["bytes"] for prefix in ("", "expert ")
-                 for name in ("parameter buffers", "gradient buffers", "fp32 main parameters"))
+    steady = sum(rows[prefix + name]["bytes"] for prefix in ("", "expert ") for name in STEADY)
     memory = report["memory"]
     assert memory["steady_bytes"] == steady + 4 * state
     assert memory["steady_bytes"] < memory["peak_bytes"] <= PEAK_FACTOR * memory["steady_bytes"]

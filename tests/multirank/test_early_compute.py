@@ -15,7 +15,9 @@ DP 3 x TP 2, parameters, optimizer state and losses must agree bit for bit throu
 
 The early compute runs as CUDA runs it, from the reduce-scatters' dispatch inside backward
 (on gloo each waits for its reduce-scatter there, so the host computes inside backward), and
-once (Muon, TP 2 x DP 2) when the buckets finish reducing, gloo's default moment.
+once (Muon, TP 2 x DP 2) when the buckets finish reducing, gloo's default moment; and once
+(Muon, TP 2 x DP 2) with a memory budget that holds one of the three micro-groups: the first
+to become ready is computed early, the others in the step.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ NAN_STEP, BIG_STEP = 2, 4
 OUTCOMES = {"committed": 4, "recomputed": 1, "skipped": 1}
 OPTIMIZERS = ("muon", "shampoo", "soap")
 SHAPES = {2: (1, "dp2"), 4: (2, "tp2_dp2"), 6: (2, "dp3_tp2")}
+BUDGET = 80_000
+"""Bytes: one micro-group's staging state and directions on a rank of the tiny model at TP 2 x DP 2."""
 """World size -> (TP size, case)."""
 LAUNCH_TIMEOUT_S = 300.0
 TEST_TIMEOUT_S = 4 * LAUNCH_TIMEOUT_S
@@ -69,7 +73,8 @@ def results() -> dict[tuple[str, str, str], list[dict]]:
             names += [(optimizer, case, "early"), (optimizer, case, "step")]
         if case == "tp2_dp2":
             runs.append(replace(_run("muon", tp_size, world_size), early_compute=True))
-            names.append(("muon", case, "finish"))
+            runs.append(replace(runs[0], early_compute_bytes=BUDGET))
+            names += [("muon", case, "finish"), ("muon", case, "budget")]
         per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=world_size, timeout_s=LAUNCH_TIMEOUT_S), runs)
         for i, name in enumerate(names):
             out[name] = [rank[i] for rank in per_rank]
@@ -82,11 +87,13 @@ CASES = [(o, case) for _, case in SHAPES.values() for o in OPTIMIZERS]
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize(("optimizer", "case"), CASES)
 def test_early_compute_is_bitwise_the_steps_own(results, optimizer: str, case: str) -> None:
-    variants = ["early", "finish"] if (optimizer, case, "finish") in results else ["early"]
+    variants = ["early", "finish", "budget"] if (optimizer, case, "finish") in results else ["early"]
     for variant in variants:
         for rank, (early, step) in enumerate(zip(results[(optimizer, case, variant)], results[(optimizer, case, "step")])):
             where = f"{optimizer} {case} {variant} rank {rank}"
             assert early["early_computed"] > 0 and not step["early_computed"], where
+            if variant == "budget":  # one micro-group a step of the three, the others computed in the step
+                assert early["early_computed"] == STEPS < results[(optimizer, case, "early")][rank]["early_computed"]
             assert early["early_steps"] == [OUTCOMES] and step["early_steps"] == [{}], (where, early["early_steps"])
             assert early["skipped_steps"] == step["skipped_steps"] == [NAN_STEP], where
             norms = step["grad_norms"]

@@ -18,7 +18,7 @@ parameters).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .cost import OPTIMIZERS
@@ -36,6 +36,9 @@ FIELD_KINDS: dict[str, str] = {
 }
 """State field name -> kind, for every matrix optimizer's state."""
 STATE_KINDS: tuple[str, ...] = ("momentum", "statistics", "roots", "eigenbases", "moments", "adam_moments")
+EARLY_COMPUTE_BYTES = 1 << 30
+"""Default bound on what early compute keeps per rank and optimizer: the staging copy of the
+state of the matrices it computes early and their directions (``--canzona-early-compute-budget``)."""
 STATE_BYTES = 4
 """Optimizer state and main parameters are fp32."""
 
@@ -99,22 +102,50 @@ class RankMemory:
     """Send and receive buffers of every micro-group's gather, alive at once from the
     buckets' reductions (in backward, beside the activations) to the step when the gathers
     go early (``canzona_patches.integration.early_gather``)."""
+    early_state_elements: int = 0
+    """With early compute: the staging copy of the state of the matrices this rank computes
+    early (:func:`early_compute_groups`), made once and swapped with the state at each step
+    that commits it: the size of that state."""
+    early_direction_elements: int = 0
+    """With early compute: the full direction of every matrix this rank computes early, alive
+    from its computation (in backward or the reduce-scatters after it) to the step."""
     experts: RankMemory | None = None
     """The same for the rank's expert-parallel buffers and the expert optimizer (a second
     one, stepped after the dense one); ``None`` without expert parallelism."""
 
 
+def early_compute_groups(groups: Iterable[tuple[int, int, int]], budget_elements: int) -> frozenset[int]:
+    """The micro-groups a rank computes early: ``groups`` are ``(ready, group, elements)``,
+    ``ready`` the last bucket the group's matrices reduce in (buckets reduce in index order,
+    the model's last layers first) and ``elements`` what computing its matrices on this rank
+    early keeps (their staging state and directions). In the order they become ready, as long
+    as all of them fit in ``budget_elements``: the groups with the most of backward and of the
+    reduce-scatters' tail to hide in; the others are computed in the step. (Whole groups: a
+    group's matrices are batched as the step batches them, so what it computes is bitwise the
+    step's.)"""
+    chosen, used = set(), 0
+    for _, group, elements in sorted(groups):
+        if used + elements > budget_elements:
+            break
+        used += elements
+        chosen.add(group)
+    return frozenset(chosen)
+
+
 def rank_memory(
     plan: CanzonaPlan, specs: Sequence[ParamSpec], *, dp_rank: int, tp_rank: int, state: StateLayout,
+    early_compute_bytes: int = EARLY_COMPUTE_BYTES,
 ) -> RankMemory:
     """Predicted memory of rank ``(dp_rank, tp_rank)`` under ``plan`` (async mode), its
-    expert buffers included (``experts``) when the plan has an expert plan."""
+    expert buffers included (``experts``) when the plan has an expert plan; early compute
+    bounded by ``early_compute_bytes``."""
     experts = None
     if plan.experts is not None:
         expert_dp_rank, _, expert_tp_rank = expert_coordinates(
             dp_rank, tp_rank, tp_size=plan.tp_size, ep_size=plan.ep_size, expert_tp_size=plan.experts.tp_size)
         # Every EP rank holds the same local expert names, so the EP coordinate does not matter.
-        experts = rank_memory(plan.experts, specs, dp_rank=expert_dp_rank, tp_rank=expert_tp_rank, state=state)
+        experts = rank_memory(plan.experts, specs, dp_rank=expert_dp_rank, tp_rank=expert_tp_rank, state=state,
+                              early_compute_bytes=early_compute_bytes)
     by_name = {(s.chunk, s.name): s for s in specs}
     buffers = [(c, dp.matrix) for c, dp in enumerate(plan.layouts)]
     buffers += [(c, dp.elementwise) for c, dp in enumerate(plan.layouts) if dp.elementwise is not None]
@@ -124,6 +155,7 @@ def rank_memory(
             for rows, cols in by_name[(h.chunk, h.name)].part_matrices(h.part):
                 for kind, numel in state.numel(rows, cols).items():
                     kinds[kind] += numel
+    staged = _early_compute(plan, by_name, (dp_rank, tp_rank), state, early_compute_bytes)
     for _, buffer in buffers[len(plan.layouts):]:
         kinds["adam_moments"] += 2 * _shard_numel(buffer, dp_rank)
     largest, step, early = _temporaries(plan, dp_rank, tp_rank)
@@ -136,8 +168,27 @@ def rank_memory(
         step_temporary_elements=step,
         compute_batch_elements=_largest_batch(plan, dp_rank, tp_rank),
         early_gather_elements=early,
+        early_state_elements=staged[0],
+        early_direction_elements=staged[1],
         experts=experts,
     )
+
+
+def _early_compute(plan: CanzonaPlan, by_name: dict, me: tuple[int, int], state: StateLayout,
+                   budget_bytes: int) -> tuple[int, int]:
+    """(staging state, direction) elements of the micro-groups rank ``me`` computes early
+    (:func:`early_compute_groups`)."""
+    ready: dict[int, int] = {}
+    mine: dict[int, list[int]] = {}  # group -> (staging state, directions) of its matrices on this rank
+    for task in plan_schedule(plan).tasks:
+        ready[task.group] = max(ready.get(task.group, 0), task.bucket)
+        counts = mine.setdefault(task.group, [0, 0])
+        if task.host == me:
+            for rows, cols in by_name[(task.chunk, task.name)].part_matrices(task.part):
+                counts[0] += sum(state.numel(rows, cols).values())
+                counts[1] += rows * cols
+    chosen = early_compute_groups(((ready[g], g, sum(c)) for g, c in mine.items()), budget_bytes // STATE_BYTES)
+    return sum(mine[g][0] for g in chosen), sum(mine[g][1] for g in chosen)
 
 
 def _largest_batch(plan: CanzonaPlan, dp_rank: int, tp_rank: int) -> int:

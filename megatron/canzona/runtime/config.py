@@ -7,6 +7,7 @@ from typing import Literal
 
 from megatron.canzona.optim import MATRIX_OPTIMIZERS, AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
 from megatron.canzona.planning import DEFAULT_ALPHA, LAYOUTS, OPTIMIZERS, CostModel
+from megatron.canzona.planning.memory import EARLY_COMPUTE_BYTES
 from megatron.canzona.runtime.host_groups import MODES as TP_MODES
 MatrixConfig = MuonConfig | ShampooConfig | SOAPConfig
 COSTS = ("flops", "numel")
@@ -48,6 +49,9 @@ class CanzonaConfig:
     landed, on staging copies of the state; the step commits them if the clip did not act, else
     computes them again (exact either way). ``None``: on CUDA (a side stream), not on gloo,
     where the host would run them inside backward; ``True``: there too."""
+    early_compute_bytes: int = EARLY_COMPUTE_BYTES
+    """Most bytes early compute keeps per rank and optimizer (staging state and directions):
+    the micro-groups that become ready first and fit are computed early, the rest in the step."""
     layout: Literal["whole", "lean", "auto"] = "auto"
     """DP layout of the matrix buffers: ``whole`` (variable-size shards, every matrix whole on
     one DP rank, no DP traffic in the step), ``lean`` (Megatron's equal shards, split matrices

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -457,6 +457,13 @@ class HostGroupEngine:
         """Elements of every micro-group's gather buffers (send and receive): alive at once,
         from the buckets' reductions to the step, when :meth:`prestart` issues them all."""
         return sum(sum(e.send_splits) + sum(e.recv_splits) for e in self.exchanges if e.moves)
+
+    def early_directions(self, groups: Collection[int]) -> int:
+        """Elements of the full direction of every matrix this rank computes in micro-groups
+        ``groups``: alive at once, from their computation to the step, when :meth:`precompute`
+        computes them."""
+        return sum(rows * cols for e in self.exchanges if e.index in groups for batch in e.computed
+                   for rows, cols in (task.full_shape(self.tp_size) for task in batch))
 
     def compute_batches(self) -> list[tuple[str, ...]]:
         """The task keys of each host-compute callback this rank makes per step, in order."""

@@ -152,6 +152,14 @@ class CanzonaOptimizer(MatrixOptimizer):
                 if not self.state[p]:
                     self.state[p].update(AdamWState.create(p.shape, device=p.device, grad_dtype=p.dtype).as_dict())
 
+    def early_elements(self, key: str) -> int:
+        """Elements computing task ``key`` early keeps: a staging copy of its state (as
+        :meth:`init_state` makes it) and its full direction."""
+        shapes = self._piece_shapes(key)
+        state = sum(t.numel() for shape in shapes
+                    for t in self.state_type.create(shape, self.config, device="meta").tensors().values())
+        return state + sum(shape.numel() for shape in shapes)
+
     def _piece_shapes(self, key: str) -> list[torch.Size]:
         shape = self._tasks[key].full_shape(self._engine().tp_size)
         return [p.shape for p in split_pieces(torch.empty(shape, device="meta"), self._layouts[key])]
