@@ -166,12 +166,19 @@ gathers issued in the step rather than as the buckets finish reducing)."""
 ADAMW = "adamw"
 """With ``--iteration``: Megatron's distributed AdamW, the iteration Muon's should cost."""
 
+EARLY_COMPUTE = "canzona_early"
+"""With ``--iteration``: ``canzona`` with ``--canzona-early-compute``, each micro-group computed
+where its gather lands, issued from the reduce-scatters' dispatch as on CUDA (on gloo the host
+waits for each reduce-scatter there and computes inside backward)."""
+
 
 def variants(args: argparse.Namespace) -> dict[str, tuple[str, str, str]]:
-    adamw = {ADAMW: ("adam", "async", "whole")} if args.iteration else {}
+    if not args.iteration:
+        return DP_VARIANTS if args.tp == 1 else TP_VARIANTS
+    extra = {EARLY_COMPUTE: ("muon", "async", "whole"), ADAMW: ("adam", "async", "whole")}
     if args.tp == 1:
-        return {**DP_VARIANTS, **adamw}
-    return {**TP_VARIANTS, LATE_GATHER: TP_VARIANTS["canzona"], **adamw} if args.iteration else TP_VARIANTS
+        return {**DP_VARIANTS, **extra}
+    return {**TP_VARIANTS, LATE_GATHER: TP_VARIANTS["canzona"], **extra}
 
 
 def runs_for(args: argparse.Namespace) -> list[TinyRun]:
@@ -185,7 +192,8 @@ def runs_for(args: argparse.Namespace) -> list[TinyRun]:
             overlap_param_gather=args.iteration and optimizer != "sync_muon",
             lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
             ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha,
-            early_gather=name != LATE_GATHER,
+            early_gather=name != LATE_GATHER, early_compute=name == EARLY_COMPUTE,
+            early_gather_at_dispatch=name == EARLY_COMPUTE,
             **(dict(num_experts=args.num_experts, ep_size=args.ep, moe_ffn_hidden=args.moe_ffn_hidden,
                     moe_topk=args.moe_topk) if args.moe else {}),
         )
@@ -270,7 +278,7 @@ def matrices_per_rank(last: dict[str, list[dict]], args: argparse.Namespace) -> 
             else [len(r["updated"]) for r in last["sync"]])
     return {
         "model": {"dense": dense, "experts": experts, "routers": routers},
-        **{name: [len(r["updated"]) for r in last[name]] for name in ("canzona", "canzona_lean", LATE_GATHER)
+        **{name: [len(r["updated"]) for r in last[name]] for name in ("canzona", "canzona_lean", LATE_GATHER, EARLY_COMPUTE)
            if name in last},
         "sync": sync,
         "megatron_mean": (dense + routers) / args.dp + experts / args.ep / expert_dp,
@@ -390,17 +398,33 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
         report["iteration_parts_ms"] = {
             name: {part: 1e3 * statistics.median(times) for part, times in iteration_parts(last[name], args.warmup).items()}
             for name in last}
+        report["early_compute"] = early_compute_summary(report["iteration_parts_ms"], last)
     report["split_matrices"] = sum(p.host is None for part in plans for p in part.dp.matrix.placements)
     if args.moe:  # tiny_gpt reports the bytes of one Canzona optimizer, not of a dense + expert chain
         report["host_group_bytes_per_rank_step"] = None
         return report
-    host_names = [n for n in ("canzona", "canzona_lean", LATE_GATHER, "sync") if n in last and (args.tp > 1 or n != "sync")]
+    host_names = [n for n in ("canzona", "canzona_lean", LATE_GATHER, EARLY_COMPUTE, "sync")
+                  if n in last and (args.tp > 1 or n != "sync")]
     report["host_group_bytes_per_rank_step"] = {
         name: sum(r["tp_stats"]["bytes_sent"] for r in last[name]) / world for name in host_names
     }
     if args.tp > 1:
         report["host_group_bytes_per_rank_step"]["megatron"] = megatron_duplicated_bytes(last["canzona"][0]["params"], args)
     return report
+
+
+def early_compute_summary(parts: dict[str, dict[str, float]], last: dict[str, list[dict]]) -> dict:
+    """Early compute against computing in the step: the exposed optimizer time of each, and the
+    share of micro-groups computed before backward ended (every early one here: they are issued
+    from the reduce-scatters' dispatch, inside backward)."""
+    early, step = parts[EARLY_COMPUTE]["exposed_optimizer"], parts["canzona"]["exposed_optimizer"]
+    runs = last[EARLY_COMPUTE]
+    groups = len({index for r in runs for _, index, _, _ in r["tp_stats"]["timeline"]}) or 1
+    steps = max(1, len(runs[0]["losses"]))
+    share = min(1.0, max(r["early_computed"] or 0 for r in runs) / (groups * steps))
+    return {"exposed_optimizer_ms": {"in_step": step, "early": early}, "fall": 1.0 - early / step,
+            "share_of_groups_computed_in_backward": share, "micro_groups": groups,
+            "steps_by_outcome": runs[0]["early_steps"][0]}
 
 
 def print_iteration_table(report: dict, names: list[str]) -> None:
@@ -414,6 +438,11 @@ def print_iteration_table(report: dict, names: list[str]) -> None:
         print(f"{name:<14} {p['forward_backward']:>13.2f} {p['exposed_optimizer']:>13.2f} {p['rest']:>8.2f} "
               f"{p['iteration']:>10.2f} {p['forward_backward'] / parts['megatron']['forward_backward']:>19.3f} "
               f"{p['iteration'] / parts['megatron']['iteration']:>21.3f} {p['iteration'] / parts[ADAMW]['iteration']:>18.3f}")
+    early = report["early_compute"]
+    exposed = early["exposed_optimizer_ms"]
+    print(f"early compute: exposed optimizer time {exposed['early']:.2f} ms against {exposed['in_step']:.2f} ms computing "
+          f"in the step ({100 * early['fall']:.1f}% less); {100 * early['share_of_groups_computed_in_backward']:.0f}% of "
+          f"the {early['micro_groups']} micro-groups computed in backward")
 
 
 def print_table(report: dict, names: list[str]) -> None:

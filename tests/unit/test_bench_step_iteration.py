@@ -64,6 +64,22 @@ def test_iteration_flag_checks(bench):
 def test_iteration_at_tp2_times_the_gathers_issued_in_the_step_too(bench):
     args = bench.parse_args(["--iteration", "--tp", "2", "--dp", "1"])
     runs = bench.runs_for(args)
-    assert list(bench.variants(args)) == ["canzona", "canzona_lean", "sync", "megatron", bench.LATE_GATHER, bench.ADAMW]
-    assert [r.early_gather for r in runs[:6]] == [True, True, True, True, False, True]
+    assert list(bench.variants(args)) == ["canzona", "canzona_lean", "sync", "megatron", bench.LATE_GATHER,
+                                          bench.EARLY_COMPUTE, bench.ADAMW]
+    assert [r.early_gather for r in runs[:7]] == [True, True, True, True, False, True, True]
+    # the early compute is forced on gloo, from the reduce-scatters' dispatch, as on CUDA
+    assert [(r.early_compute, r.early_gather_at_dispatch) for r in runs[:7]] == [(False, False)] * 5 + [(True, True)] + [
+        (False, False)]
     assert bench.LATE_GATHER not in bench.variants(bench.parse_args(["--tp", "2", "--dp", "1"]))
+    assert bench.EARLY_COMPUTE not in bench.variants(bench.parse_args(["--tp", "2", "--dp", "1"]))
+
+
+def test_the_early_compute_summary_reads_its_runs(bench):
+    timeline = [("gather", k, 0.0, 1.0) for k in range(3)] + [("apply", k, 1.0, 2.0) for k in range(3)]
+    runs = [{"tp_stats": {"timeline": timeline}, "losses": [1.0] * 4, "early_computed": 9,
+             "early_steps": [{"committed": 3, "skipped": 1}]}] * 2
+    parts = {"canzona": {"exposed_optimizer": 400.0}, bench.EARLY_COMPUTE: {"exposed_optimizer": 100.0}}
+    summary = bench.early_compute_summary(parts, {bench.EARLY_COMPUTE: runs})
+    assert summary["fall"] == pytest.approx(0.75)
+    assert summary["micro_groups"] == 3 and summary["share_of_groups_computed_in_backward"] == pytest.approx(0.75)
+    assert summary["steps_by_outcome"] == {"committed": 3, "skipped": 1}
