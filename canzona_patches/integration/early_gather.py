@@ -38,6 +38,17 @@ those gathers in flight. What it costs: the gathers' send and receive buffers ar
 from the bucket's reduction to the step (at most every micro-group's at once, the bytes
 this rank moves in the step; on CUDA this overlaps the end of backward's activations), and
 no host synchronisation.
+
+**Early compute** (:class:`EarlyCompute`, ``--canzona-early-compute``): where a micro-group's
+gather is issued, its host also computes the group's updates at once, on a second side stream
+made once (CUDA; on gloo the host itself, only when asked), on staging copies of the optimizer
+state (``CanzonaOptimizer.stage_compute``), speculating that the clip will not act. The step
+commits them if no factor remains to apply, computes the group again if the clip acts, and a
+skipped step drops them (:meth:`EarlyGathers.drop`); bitwise the step's own computation either
+way. Only the micro-groups within the memory budget go early (:attr:`EarlyCompute.groups`).
+Costs: the staging copy of those matrices' state (made once) and their directions, alive from
+their computation to the step; with a loss scaler, the main stream waits for the compute stream
+before Megatron unscales the gradients in place (:meth:`EarlyGathers.settle`).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ Shards and pieces are cut here by hand, not with the engine's own helpers.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -179,15 +181,19 @@ def engine_body(dp: int, tp: int, device: str = "cpu") -> dict[str, dict]:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     out = {mode: _train(dp, tp, mode, torch.device(device)) for mode in ("async", "sync")}
     out["staged"] = _train(dp, tp, "async", torch.device(device), staged=True)
+    out["early"] = _train(dp, tp, "async", torch.device(device), staged=True, early=True)
     out["narrow"] = _train(dp, tp, "async", torch.device(device), narrow=True)
     return out
 
 
-def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = False, narrow: bool = False) -> dict:
+def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = False, narrow: bool = False,
+           early: bool = False) -> dict:
     """Two engine steps on this rank's pieces, checked against the full-matrix reference.
     ``staged``: every gather is issued before the step from raw (bf16, unscaled, unclipped)
     pieces, the host scaling what it receives; step 0's staged gathers are dropped first (a
-    skipped step) and issued again. ``narrow``: Newton-Schulz in bf16, whole matrices'
+    skipped step) and issued again. ``early`` too: no clip, and every group is computed
+    before the step (``precompute``; on CUDA on a side stream, as the early gathers run it),
+    the step committing what it computed. ``narrow``: Newton-Schulz in bf16, whole matrices'
     directions scattered in bf16 (:func:`_narrowed`)."""
     rank = dist.get_rank()
     coord = (rank // tp, rank % tp)
@@ -197,7 +203,8 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
     raw_grads = None
     if staged:  # raw gradients as a bf16 buffer holds them; the main ones are scaled fp32 copies
         raw_grads = [{n: g.to(torch.bfloat16) for n, g in step.items()} for step in grads]
-        grads = [{n: (g.float() * UNSCALE) * CLIP for n, g in step.items()} for step in raw_grads]
+        clip = 1.0 if early else CLIP
+        grads = [{n: (g.float() * UNSCALE) * clip for n, g in step.items()} for step in raw_grads]
     tasks = _narrowed(_tasks(specs, dp, tp), specs, tp) if narrow else _tasks(specs, dp, tp)
     config = CONFIG_BF16 if narrow else CONFIG
     engine = HostGroupEngine(tasks, group=None, rank_of={(d, t): d * tp + t for d in range(dp) for t in range(tp)},
@@ -230,7 +237,17 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
             if attempt + 1 < rounds:
                 engine.drop_staged()
         assert engine.staged
-        stats.append(engine.step(pieces, host_math, scale=(UNSCALE, CLIP)))
+        if early:
+            side = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+            for index in range(len(engine.exchanges)):
+                if side is not None:
+                    side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    engine.precompute(index, raw, host_math, scale=(UNSCALE,))
+            stats.append(engine.step(pieces, host_math, scale=(UNSCALE,), commit_early=True))
+            assert stats[-1].early == len(engine.exchanges) and not engine.precomputed
+        else:
+            stats.append(engine.step(pieces, host_math, scale=(UNSCALE, CLIP)))
         assert not engine.staged
         side_streams.add(id(engine._side))
 
@@ -283,6 +300,8 @@ def test_engine_equals_single_device_muon(dp: int, tp: int) -> None:
         assert a["mismatched"] == [] and s["mismatched"] == [], f"rank {rank}"
         staged = per_rank[rank]["staged"]  # gathered before the step, scaled by the host: bitwise the same
         assert staged["mismatched"] == [], f"rank {rank} staged"
+        early = per_rank[rank]["early"]  # computed before the step too, committed: bitwise the same
+        assert early["mismatched"] == [] and early["bytes_sent"] == staged["bytes_sent"], f"rank {rank} early"
         assert staged["bytes_sent"] == [_expected_bytes(dp, tp, coord, "async")] * STEPS
         narrow = per_rank[rank]["narrow"]  # bf16 Newton-Schulz, whole matrices scattered in bf16: bitwise
         assert narrow["mismatched"] == [], f"rank {rank} narrow"
@@ -337,7 +356,7 @@ def test_engine_on_cuda_side_stream(backend: str) -> None:
         dp, tp, "cuda",
     )
     for rank, result in enumerate(per_rank):
-        for mode in ("async", "sync"):
+        for mode in ("async", "sync", "early"):
             # cuBLAS may pick other kernels on another stream: allow rounding, not bits
             assert result[mode]["max_error"] <= 1e-5, f"rank {rank} {mode}"
         # bf16 Newton-Schulz, whole matrices' directions scattered in bf16 over NCCL (a uint8
