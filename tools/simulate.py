@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import re
@@ -41,6 +42,7 @@ from megatron.canzona.planning import (  # noqa: E402
     qwen3_specs,
 )
 from megatron.canzona.planning.geometry import default_bucket_size  # noqa: E402
+from megatron.canzona.planning.memory import EARLY_COMPUTE_BYTES  # noqa: E402
 from megatron.canzona.planning.sim import (  # noqa: E402
     STRATEGIES,
     ClusterSpec,
@@ -137,6 +139,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "measured on an H100, tools/bench_overlap.py)")
     p.add_argument("--clip-rate", type=float, default=0.0,
                    help="with --early-compute: the fraction of steps whose clip binds and recomputes in the step")
+    p.add_argument("--early-compute-budget", type=float, default=EARLY_COMPUTE_BYTES / 2**30, metavar="GIB",
+                   help="with --early-compute: the most GiB each rank keeps for it (--canzona-early-compute-budget; "
+                        "the groups that fit go early, the others in the step; 'inf': every group)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--cases", action="store_true",
                    help="every model of docs/projection.md's table at 64, 128 and 256 GPUs (recipe sizes)")
@@ -148,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "pick values in [0, 1]")
     if args.clip_rate and not args.early_compute:
         p.error("--clip-rate prices the recomputes of --early-compute: add --early-compute")
+    if not args.early_compute_budget >= 0.0:
+        p.error(f"--early-compute-budget {args.early_compute_budget} must be 0 or more GiB ('inf': no bound)")
     return args
 
 
@@ -184,7 +191,13 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             "grad_reduce_in_fp32": not args.grad_reduce_in_bf16, "overlap": args.overlap,
             "bucket_size": args.bucket_size or default_bucket_size(dp),
             "early_compute": getattr(args, "early_compute", False), "clip_rate": getattr(args, "clip_rate", 0.0),
-            "early_efficiency": getattr(args, "early_efficiency", EARLY_COMPUTE_EFFICIENCY)}
+            "early_efficiency": getattr(args, "early_efficiency", EARLY_COMPUTE_EFFICIENCY),
+            "early_compute_bytes": early_compute_bytes(getattr(args, "early_compute_budget", EARLY_COMPUTE_BYTES / 2**30))}
+
+
+def early_compute_bytes(gib: float) -> int | None:
+    """``--early-compute-budget`` in bytes; ``None`` for no bound."""
+    return None if math.isinf(gib) else int(gib * 2**30)
 
 
 def stage_specs(args: argparse.Namespace, run: dict[str, Any], pp_rank: int) -> list:
@@ -232,6 +245,7 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
             alpha=run["alpha"], bucket_size=run["bucket_size"], ns_method=run["ns_method"],
             early_compute=run.get("early_compute", False), clip_rate=run.get("clip_rate", 0.0),
             early_efficiency=run.get("early_efficiency", EARLY_COMPUTE_EFFICIENCY),
+            early_compute_bytes=run.get("early_compute_bytes", EARLY_COMPUTE_BYTES),
         )
     return out
 

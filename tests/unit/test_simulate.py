@@ -204,6 +204,30 @@ def test_early_compute_runs_once_gathered_and_commits_at_the_step():
         simulate(specs, early_compute=True, clip_rate=1.5, **kwargs)
 
 
+def test_early_compute_keeps_to_each_ranks_memory_budget():
+    """Each rank computes early only the micro-groups that fit ``early_compute_bytes`` (what the
+    runtime picks: in the order their last bucket reduces), the others in the step: no budget
+    gives the step back as without early compute, a budget of two matrices lies in between."""
+    specs = [matrix(name=f"w{i}", order=i) for i in range(16)]
+    work = Workload(global_batch=2, micro_batch=1, seq_length=4096, flops_per_token=1e10)
+    kwargs = dict(strategy="canzona", dp_size=2, tp_size=1, workload=work, wire=WIRE, bucket_size=NUMEL // 2,
+                  cluster=cluster(), early_efficiency=1.0)
+    today = simulate(specs, **kwargs)
+    unbounded = simulate(specs, early_compute=True, early_compute_bytes=None, **kwargs)
+    none = simulate(specs, early_compute=True, early_compute_bytes=0, **kwargs)
+    two = 2 * NUMEL * 2 * 4  # bytes: two matrices' momentum and direction in fp32
+    some = simulate(specs, early_compute=True, early_compute_bytes=two, **kwargs)
+    assert none.optimizer_step_seconds == pytest.approx(today.optimizer_step_seconds, rel=1e-12)
+    assert unbounded.optimizer_step_seconds < some.optimizer_step_seconds < today.optimizer_step_seconds
+
+    def early_groups(result) -> int:  # (rank, group) computed before the step's start
+        origin = result.iteration_seconds - result.optimizer_step_seconds
+        return sum(s.kind == "compute" and s.start < origin for s in result.timeline)
+
+    assert early_groups(none) == 0 < early_groups(some) < early_groups(unbounded)
+    assert unbounded.details["early_compute_bytes"] is None and some.details["early_compute_bytes"] == two
+
+
 def test_cluster_backend_is_nccl_or_gloo(tmp_path):
     assert load_cluster(write(tmp_path, "c.toml", toml_of(TOY))).backend == "nccl"
     assert ClusterSpec.from_dict({**TOY, "backend": "gloo"}).to_dict()["backend"] == "gloo"

@@ -11,7 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..comm import narrow_update_bytes
-from ..cost import CostModel
+from ..cost import OPTIMIZERS, CostModel
+from ..memory import StateLayout
 from ..plan import BufferPlan, CanzonaPlan
 from ..schedule import Schedule, buffer_schedule, plan_schedule
 from ..specs import ParamSpec
@@ -94,19 +95,21 @@ def _spec_map(specs: Sequence[ParamSpec]) -> dict[tuple[int, str], ParamSpec]:
 
 
 def sim_tasks(schedule: Schedule, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
-              narrow: Mapping[str, int] | None = None) -> list[SimTask]:
+              narrow: Mapping[str, int] | None = None, state: StateLayout | None = None) -> list[SimTask]:
     """The schedule's tasks (:mod:`..schedule`) on the stage's ranks, each with its update's
-    seconds (and, in ``narrow``, its update's bytes per element on the wire): what the
-    simulator runs."""
+    seconds (and, in ``narrow``, its update's bytes per element on the wire; with ``state``,
+    what computing it early keeps): what the simulator runs."""
     by_key = _spec_map(specs)
     narrow = narrow or {}
     out = []
     for t in schedule.tasks:
         spec = by_key[(t.chunk, t.name)]
+        early = 0 if state is None else sum(sum(state.numel(rows, cols).values()) + rows * cols
+                                            for rows, cols in spec.part_matrices(t.part))
         out.append(SimTask(t.name, tuple((rank(*coord), hi - lo) for coord, lo, hi in t.holders(schedule.tp_size)),
                            None if t.host is None else rank(*t.host),
                            seconds(spec) if t.span is None else seconds(spec, t.part), t.group,
-                           (t.chunk, t.bucket), narrow.get(t.key)))
+                           (t.chunk, t.bucket), narrow.get(t.key), early))
     return out
 
 
@@ -117,7 +120,11 @@ def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, 
     ``cost_model``: the optimizer, whose whole matrices' bf16 Muon directions go back in bf16."""
     schedule = plan_schedule(plan, synchronous=synchronous)
     narrow = narrow_update_bytes(schedule.tasks, specs, cost_model) if cost_model is not None else None
-    return sim_tasks(schedule, specs, seconds, rank, narrow)
+    state = None
+    if cost_model is not None:
+        state = StateLayout(optimizer=cost_model.kind if cost_model.kind in OPTIMIZERS else "muon",
+                            max_precond_dim=cost_model.max_precond_dim)
+    return sim_tasks(schedule, specs, seconds, rank, narrow, state)
 
 
 def buffer_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..comm import WireConfig
 from ..cost import OPTIMIZERS, Calibration, CostModel
 from ..experts import split_experts
+from ..memory import EARLY_COMPUTE_BYTES, STATE_BYTES
 from ..geometry import default_bucket_size
 from ..megatron_main import plan_megatron_main
 from ..partition import DEFAULT_ALPHA, plan_zero1
@@ -347,6 +348,7 @@ def simulate(
     early_compute: bool = False,
     early_efficiency: float = EARLY_COMPUTE_EFFICIENCY,
     clip_rate: float = 0.0,
+    early_compute_bytes: int | None = EARLY_COMPUTE_BYTES,
 ) -> StrategyResult:
     """One iteration of the pipeline stage whose parameters are ``specs`` (package docstring).
 
@@ -357,7 +359,8 @@ def simulate(
     step, once gathered (:class:`~.step.EarlyCompute`), beside backward at ``early_efficiency``
     and at full rate in the reduce-scatter's exposed tail, speculating that the clip does not
     bind; a fraction ``clip_rate`` of steps finds it binding and recomputes in the step, as
-    without early compute, and the step is the mean of the two."""
+    without early compute, and the step is the mean of the two. Each rank computes early only
+    the groups that fit ``early_compute_bytes`` (the runtime's budget; ``None``: all)."""
     grid = _check(strategy, dp_size, tp_size, ep_size, expert_tp_size, pp_size)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
@@ -377,13 +380,15 @@ def simulate(
             reduced = {key: max(at, -phases.rs_exposed) for key, at in reduced.items()}
     if not 0.0 <= clip_rate <= 1.0 or not 0.0 <= early_efficiency <= 1.0:
         raise ValueError(f"clip_rate {clip_rate} and early_efficiency {early_efficiency} must lie in [0, 1]")
-    early = EarlyCompute(-phases.rs_exposed, early_efficiency) if early_compute and reduced is not None else None
+    budget = None if early_compute_bytes is None else early_compute_bytes // STATE_BYTES
+    early = EarlyCompute(-phases.rs_exposed, early_efficiency, budget) if early_compute and reduced is not None else None
     step_end, run = _run_step(work, grid, cluster, wire, slowdown, reduced, early)
     if early is not None and clip_rate > 0.0:  # a binding clip recomputes in the step: today's step
         step_end = (1.0 - clip_rate) * step_end + clip_rate * _run_step(work, grid, cluster, wire, slowdown, reduced)[0]
     result = _assemble(strategy, ctx, work, phases, slowdown, step_end, run)
     if early is not None:
-        result.details.update(early_compute=True, early_efficiency=early_efficiency, clip_rate=clip_rate)
+        result.details.update(early_compute=True, early_efficiency=early_efficiency, clip_rate=clip_rate,
+                              early_compute_bytes=early_compute_bytes)
     return result
 
 

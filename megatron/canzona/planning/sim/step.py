@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..comm import WireConfig
+from ..memory import early_compute_groups
 from .cluster import ClusterSpec
 from .network import Flows, Topology
 from .result import Segment
@@ -60,6 +61,9 @@ class SimTask:
     update_bytes: int | None = None
     """Bytes per element of its update on the wire when narrower than the wire's fp32 (a whole
     matrix's bf16 Muon direction: :func:`~megatron.canzona.planning.comm.narrow_update_bytes`)."""
+    early_elements: int = 0
+    """What computing it before the step keeps on its host: its state's staging copy and its
+    direction, in fp32 elements (:func:`~megatron.canzona.planning.memory.early_compute_groups`)."""
 
     @property
     def numel(self) -> int:
@@ -166,6 +170,10 @@ class EarlyCompute:
     efficiency: float
     """Rate of a side stream's compute beside backward's, against its rate alone (measured:
     ``tools/bench_overlap.py``)."""
+    budget_elements: int | None = None
+    """What early compute may keep per rank (``--canzona-early-compute-budget``, in fp32
+    elements): each rank computes early only the groups that fit, as the runtime picks them;
+    ``None``: every group."""
 
     def finish(self, start: float, seconds: float) -> float:
         """When work of ``seconds`` (alone) started at ``start`` ends: at :attr:`efficiency`
@@ -232,12 +240,14 @@ def _run_early(run: StepRun, groups: Sequence[Sequence[SimTask]], landed: Sequen
     previous group is applied. Work before the step's start is not the step's."""
     done: list[dict[int, float]] = []
     free = {r: float("-inf") for r in run.members}
+    allowed = _early_groups(groups, early.budget_elements)
     for k, at in enumerate(landed):
         start = ready[k] if at is None else at
         ends = {}
         for r in run.members:
             seconds = compute[k].get(r, 0.0) * run.slowdown
-            begin = max(start, free[r])
+            # a group beyond the rank's budget is computed in the step, from its start
+            begin = max(start if allowed is None or k in allowed.get(r, ()) else max(start, 0.0), free[r])
             ends[r] = free[r] = early.finish(begin, seconds) if seconds > 0 else max(free[r], start)
             if seconds > 0:
                 run.segments.append(Segment(r, "compute", "compute", begin, ends[r], str(k)))
@@ -252,6 +262,22 @@ def _run_early(run: StepRun, groups: Sequence[Sequence[SimTask]], landed: Sequen
         if k:
             _apply_group(run, k - 1, scatters[k - 1], apply[k - 1])
     _apply_group(run, len(groups) - 1, scatters[-1], apply[-1])
+
+
+def _early_groups(groups: Sequence[Sequence[SimTask]], budget: int | None) -> dict[int, frozenset[int]] | None:
+    """Per host, the groups (by position) it computes early within ``budget`` elements, as the
+    runtime picks them (in the order their last bucket reduces); ``None``: every group."""
+    if budget is None:
+        return None
+    ready = [max((t.reduced_by[1] for t in g if t.reduced_by is not None), default=0) for g in groups]
+    kept: dict[int, dict[int, int]] = {}
+    for k, group in enumerate(groups):
+        for task in group:
+            if task.host is not None:
+                kept.setdefault(task.host, {}).setdefault(k, 0)
+                kept[task.host][k] += task.early_elements
+    return {r: early_compute_groups(((ready[k], k, mine.get(k, 0)) for k in range(len(groups))), budget)
+            for r, mine in kept.items()}
 
 
 def _early_gathers(run: StepRun, groups: Sequence[Sequence[SimTask]],
