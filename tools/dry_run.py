@@ -337,8 +337,9 @@ def _measure_part(buffers: list, optimizer, early_compute: int) -> dict:
         "compute_batch_elements": batch,
         "early_gather_elements": inner.engine.early_temporaries() if optimizer.canzona.early_gathers else 0,
         # the staging copy mirrors the state it stages: what init_state made of those matrices
-        "early_state_elements": sum(value.numel() for key in hosted for piece in inner.matrix_state[key]["pieces"]
-                                    for value in piece.values() if hasattr(value, "numel")),
+        "early_state_elements": 0 if inner.direction_fn is not None else sum(  # Muon: advanced at the commit
+            value.numel() for key in hosted for piece in inner.matrix_state[key]["pieces"]
+            for value in piece.values() if hasattr(value, "numel")),
         "early_direction_elements": inner.engine.early_directions(groups),
         "device": str(buffers[0].param_data.device),
     }

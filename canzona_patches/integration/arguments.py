@@ -127,9 +127,9 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
            off="Compute every matrix update in the optimizer step.")
     group.add_argument("--canzona-early-compute-budget", type=float, default=defaults.early_compute_bytes / 2**30,
                        metavar="GIB",
-                       help="Most GiB early compute keeps per rank (a staging copy of the matrices' optimizer state "
-                       "and their updates, until the step): the micro-groups whose buckets reduce first and fit are "
-                       "computed early, the others in the step. tools/dry_run.py shows what a rank keeps.")
+                       help="Most GiB early compute keeps per rank (the matrices' updates until the step, and for "
+                       "Shampoo and SOAP a staging copy of their state): the micro-groups whose buckets reduce first and "
+                       "fit are computed early, the others in the step. tools/dry_run.py shows what a rank keeps.")
     group.add_argument("--canzona-tp-group-budget", type=float, default=defaults.tp_group_budget,
                        help="Most cost one host takes in one micro-group (default: about a quarter of "
                        "the busiest host's work, two groups at least on a host with two matrices).")

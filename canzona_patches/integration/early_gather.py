@@ -41,14 +41,17 @@ no host synchronisation.
 
 **Early compute** (:class:`EarlyCompute`, ``--canzona-early-compute``): where a micro-group's
 gather is issued, its host also computes the group's updates at once, on a second side stream
-made once (CUDA; on gloo the host itself, only when asked), on staging copies of the optimizer
-state (``CanzonaOptimizer.stage_compute``), speculating that the clip will not act. The step
-commits them if no factor remains to apply, computes the group again if the clip acts, and a
-skipped step drops them (:meth:`EarlyGathers.drop`); bitwise the step's own computation either
-way. Only the micro-groups within the memory budget go early (:attr:`EarlyCompute.groups`).
-Costs: the staging copy of those matrices' state (made once) and their directions, alive from
-their computation to the step; with a loss scaler, the main stream waits for the compute stream
-before Megatron unscales the gradients in place (:meth:`EarlyGathers.settle`).
+made once (CUDA; on gloo the host itself, only when asked), leaving the optimizer state as it
+was (``CanzonaOptimizer.stage_compute``: Muon's new momentum made apart, Shampoo's and SOAP's
+staging copies of their state), speculating that the clip will not act. The step commits them
+if no factor remains to apply (Muon's momentum advancing then, from the gradients gathered
+again), computes the group again if the clip acts, and a skipped step drops them
+(:meth:`EarlyGathers.drop`); bitwise the step's own computation either way. Only the
+micro-groups within the memory budget go early (:attr:`EarlyCompute.groups`). Costs: those
+matrices' directions (and Shampoo's and SOAP's staging copies, made once), alive from their
+computation to the step; Muon's momentum pass at the commit; with a loss scaler, the main stream
+waits for the compute stream before Megatron unscales the gradients in place
+(:meth:`EarlyGathers.settle`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Staged updates (what early compute runs before the step): the state stays as it was until
 they are committed, a commit is bitwise the unstaged update, a discard leaves the state
-untouched, and the staging buffers are made once (the state and its staging copy swap)."""
+untouched. Shampoo and SOAP update a staging copy of their state, made once (the state and
+its copy swap at each commit); Muon keeps no copy: its momentum advances at the commit, from
+the gradients given again."""
 
 from __future__ import annotations
 
@@ -26,6 +28,17 @@ class WithLone(Stack):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lone(super().forward(x))
+
+
+def _grads(optimizer) -> dict:
+    """The matrices' gradient pieces by bucket member ``(id(param), piece)``: what a commit takes."""
+    out = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None and optimizer._is_matrix(group, param):
+                for i, piece in enumerate(split_pieces(param.grad, group["fused_layout"])):
+                    out[(id(param), i)] = piece
+    return out
 
 
 def _matrix_step(optimizer, *, staged: bool):
@@ -86,7 +99,7 @@ def test_staged_updates_commit_bitwise_and_discard_without_a_trace(name):
         apply = _matrix_step(staged, staged=True)
         if step:
             assert _same_state(_state(staged, models[1]), before), "a staged update must not touch the state"
-        staged.commit_staged()
+        staged.commit_staged(_grads(staged))
         assert staged.staged_count == 0
         apply()
         assert _same_state(_state(staged, models[1]), _state(reference, models[0])), step
@@ -94,9 +107,15 @@ def test_staged_updates_commit_bitwise_and_discard_without_a_trace(name):
             assert torch.equal(p, q), step
         for key, pointer in _pointers(staged, models[1]).items():
             seen.setdefault(key, set()).add(pointer)
-    # A stack's state and one staging copy, swapped at each commit: nothing allocated per step.
-    # (A lone SOAP matrix's refresh makes new bases, staged or not.)
-    assert max(len(pointers) for key, pointers in seen.items() if key.startswith("layers.")) == 2
+    # A stack's state and one staging copy, swapped at each commit: nothing allocated per step;
+    # Muon's momentum never moves (no copy). (A lone SOAP matrix's refresh makes new bases,
+    # staged or not.)
+    stacked = max(len(pointers) for key, pointers in seen.items() if key.startswith("layers."))
+    assert stacked == (1 if name == "muon" else 2)
+    if name == "muon":
+        with pytest.raises(RuntimeError, match="pass grads"):
+            _matrix_step(staged, staged=True)
+            staged.commit_staged()
 
 
 def _same_state(a: dict, b: dict) -> bool:

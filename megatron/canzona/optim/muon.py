@@ -90,9 +90,37 @@ def muon_update(
     ``scale * NS(M)`` (or ``NS((1-momentum)*G + momentum*M)`` with Nesterov).
     """
     assert state.momentum is not None
+    grad = muon_advance(grad, state, config)
+    return _direction(grad, state.momentum, config)
+
+
+@torch.no_grad()
+def muon_advance(grad: torch.Tensor, state: MuonState, config: MuonConfig) -> torch.Tensor:
+    """Muon's state update alone: ``M <- momentum*M + (1-momentum)*G`` and the step count;
+    returns ``grad`` in the momentum's dtype."""
+    assert state.momentum is not None
     grad = grad.to(state.momentum.dtype)
     state.momentum.lerp_(grad, 1 - config.momentum)
-    source = grad.lerp(state.momentum, config.momentum) if config.nesterov else state.momentum
+    state.step += 1
+    return grad
+
+
+@torch.no_grad()
+def muon_direction(
+    grad: torch.Tensor, state: MuonState, config: MuonConfig, refresh: Refresh | None = None,
+) -> torch.Tensor:
+    """:func:`muon_update`'s direction without touching ``state``: the new momentum is made
+    apart (the same ``lerp``, so the same values) and dropped. :func:`muon_advance` with the
+    same gradient then gives the state :func:`muon_update` leaves: a step computed before it is
+    known whether it is kept, and committed later."""
+    assert state.momentum is not None
+    grad = grad.to(state.momentum.dtype)
+    return _direction(grad, state.momentum.lerp(grad, 1 - config.momentum), config)
+
+
+def _direction(grad: torch.Tensor, momentum: torch.Tensor, config: MuonConfig) -> torch.Tensor:
+    """``scale * NS(M)`` (or of ``G.lerp(M, momentum)`` with Nesterov) for the new momentum ``M``."""
+    source = grad.lerp(momentum, config.momentum) if config.nesterov else momentum
     orthogonal = newton_schulz(
         source,
         num_steps=config.num_ns_steps,
@@ -102,8 +130,5 @@ def muon_update(
         method=config.ns_method,
         measured=config.ns_measured,
     )
-    state.step += 1
     rows, cols = grad.shape[-2:]
-    return orthogonal.to(state.momentum.dtype) * muon_scale(
-        rows, cols, config.scale_mode, config.extra_scale_factor
-    )
+    return orthogonal.to(momentum.dtype) * muon_scale(rows, cols, config.scale_mode, config.extra_scale_factor)

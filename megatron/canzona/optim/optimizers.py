@@ -30,7 +30,7 @@ import dataclasses
 import itertools
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -38,7 +38,7 @@ import torch
 from megatron.canzona.optim.adamw import AdamWState, adamw_foreach
 from megatron.canzona.optim.common import OptimizerState, Refresh, apply_update, refresh_due, refresh_offset
 from megatron.canzona.optim.config import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
-from megatron.canzona.optim.muon import MuonState, muon_update
+from megatron.canzona.optim.muon import MuonState, muon_advance, muon_direction, muon_update
 from megatron.canzona.optim.shampoo import ShampooState, shampoo_update
 from megatron.canzona.optim.soap import SOAPState, soap_update
 from megatron.canzona.optim.split import GateUpLayout, QKVLayout, merge_pieces, split_pieces
@@ -88,8 +88,11 @@ class _Staged:
     bucket: list[_Job]
     stack: _Stack | None
     state: OptimizerState
-    """The staging copy, updated."""
+    """The staging copy, updated; with ``deferred``, the state itself, as it was."""
     refresh: Refresh
+    config: Any
+    deferred: bool = False
+    """The optimizer's ``direction_fn`` ran: the state advances at the commit (``advance_fn``)."""
 
 
 def _staging_copy(state: OptimizerState, spare: OptimizerState | None) -> OptimizerState:
@@ -147,6 +150,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
     state_type: ClassVar[type[Any]]
     update_fn: ClassVar[Callable[..., torch.Tensor]]
     """``(grad, state, config, refresh) -> direction``."""
+    direction_fn: ClassVar[Callable[..., torch.Tensor] | None] = None
+    """Optional: ``update_fn``'s direction without touching the state, which ``advance_fn``
+    ``(grad, state, config)`` then updates as ``update_fn`` would: a staged update of such an
+    optimizer keeps no copy of its state, and its commit takes the gradients again."""
+    advance_fn: ClassVar[Callable[..., Any] | None] = None
 
     def __init__(
         self,
@@ -291,14 +299,17 @@ class MatrixOptimizer(torch.optim.Optimizer):
             state, stack = self._bucket_state(bucket, config, grads[0].device, grads[0].dtype)
             refresh = self._refresh(bucket, state.step + 1, config)
             batch = grads[0] if stack is None else torch.stack(grads)
-            if staged:
+            if staged and self.direction_fn is not None:  # the state advances at the commit
+                out = self.direction_fn(batch, state, config, refresh)
+                self._staged[self._members(bucket)] = _Staged(bucket, stack, state, refresh, config, deferred=True)
+            elif staged:
                 members = self._members(bucket)
                 state = _staging_copy(state, self._spares.pop(members, None))
                 storage = state.tensors()
                 out = self.update_fn(batch, state, config, refresh)
                 if stack is not None:  # as a stack keeps what an update replaced: in its storage
                     _absorb(state, storage)
-                self._staged[members] = _Staged(bucket, stack, state, refresh)
+                self._staged[members] = _Staged(bucket, stack, state, refresh, config)
             else:
                 out = self.update_fn(batch, state, config, refresh)
                 self._commit(bucket, state, stack)
@@ -321,19 +332,34 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """Buckets updated by a staged run and neither committed nor discarded yet."""
         return len(self._staged)
 
-    def commit_staged(self) -> None:
-        """Make every staged update the state: each bucket's staging state takes the place of
-        its state (no copy: the state dicts point at it), and the replaced tensors are kept as
-        the next staging copy's buffers. Bit for bit what running the updates unstaged does."""
-        for members, staged in self._staged.items():
-            self._spares[members] = self._adopt(staged)
+    def commit_staged(self, grads: Mapping[tuple[Any, int], torch.Tensor] | None = None,
+                      owners: Collection[Any] | None = None) -> None:
+        """Make the staged updates (of ``owners``' buckets, default all) the state: each
+        bucket's staging state takes the place of its state (no copy: the state dicts point at
+        it), and the replaced tensors are kept as the next staging copy's buffers; an optimizer
+        with ``advance_fn`` advances its state from ``grads`` again (``(owner, piece)``, keyed
+        as its buckets' members: the staged gradients). Bit for bit what running the updates
+        unstaged does."""
+        for members, staged in list(self._staged.items()):
+            if owners is not None and any(owner not in owners for owner, _ in members):
+                continue
+            if staged.deferred:
+                if grads is None:
+                    raise RuntimeError("this optimizer's staged updates commit with their gradients; pass grads")
+                pieces = [grads[member] for member in members]
+                assert self.advance_fn is not None
+                self.advance_fn(pieces[0] if staged.stack is None else torch.stack(pieces), staged.state, staged.config)
+                self._commit(staged.bucket, staged.state, staged.stack)
+            else:
+                self._spares[members] = self._adopt(staged)
             self._warn_failed(staged.bucket, staged.refresh, staged.state.step)
-        self._staged.clear()
+            del self._staged[members]
 
     def discard_staged(self) -> None:
         """Drop every staged update; the state stays as it was (the staging buffers are kept)."""
         for members, staged in self._staged.items():
-            self._spares[members] = staged.state
+            if not staged.deferred:
+                self._spares[members] = staged.state
         self._staged.clear()
 
     def _adopt(self, staged: _Staged) -> OptimizerState:
@@ -458,6 +484,8 @@ class Muon(MatrixOptimizer):
     config_type = MuonConfig
     state_type = MuonState
     update_fn = staticmethod(muon_update)
+    direction_fn = staticmethod(muon_direction)
+    advance_fn = staticmethod(muon_advance)
 
 
 class Shampoo(MatrixOptimizer):

@@ -37,8 +37,9 @@ FIELD_KINDS: dict[str, str] = {
 """State field name -> kind, for every matrix optimizer's state."""
 STATE_KINDS: tuple[str, ...] = ("momentum", "statistics", "roots", "eigenbases", "moments", "adam_moments")
 EARLY_COMPUTE_BYTES = 1 << 30
-"""Default bound on what early compute keeps per rank and optimizer: the staging copy of the
-state of the matrices it computes early and their directions (``--canzona-early-compute-budget``)."""
+"""Default bound on what early compute keeps per rank and optimizer: the directions of the
+matrices it computes early and (Shampoo, SOAP) the staging copy of their state
+(``--canzona-early-compute-budget``)."""
 STATE_BYTES = 4
 """Optimizer state and main parameters are fp32."""
 
@@ -53,6 +54,12 @@ class StateLayout:
     """Shampoo: sides above it keep a diagonal (length-d) statistic; SOAP: no rotation."""
     grafting: bool = True
     """Shampoo: Adam grafting keeps a second moment."""
+
+    @property
+    def staged(self) -> bool:
+        """Whether early compute keeps a staging copy of the state (Muon advances its momentum
+        at the commit instead, from the gradients gathered again)."""
+        return self.optimizer != "muon"
 
     def numel(self, rows: int, cols: int) -> dict[str, int]:
         """Elements per state kind of one ``rows x cols`` matrix."""
@@ -105,7 +112,8 @@ class RankMemory:
     early_state_elements: int = 0
     """With early compute: the staging copy of the state of the matrices this rank computes
     early (:func:`early_compute_groups`), made once and swapped with the state at each step
-    that commits it: the size of that state."""
+    that commits it: the size of that state (none for Muon, whose momentum advances at the
+    commit: :attr:`StateLayout.staged`)."""
     early_direction_elements: int = 0
     """With early compute: the full direction of every matrix this rank computes early, alive
     from its computation (in backward or the reduce-scatters after it) to the step."""
@@ -185,7 +193,7 @@ def _early_compute(plan: CanzonaPlan, by_name: dict, me: tuple[int, int], state:
         counts = mine.setdefault(task.group, [0, 0])
         if task.host == me:
             for rows, cols in by_name[(task.chunk, task.name)].part_matrices(task.part):
-                counts[0] += sum(state.numel(rows, cols).values())
+                counts[0] += sum(state.numel(rows, cols).values()) if state.staged else 0
                 counts[1] += rows * cols
     chosen = early_compute_groups(((ready[g], g, sum(c)) for g, c in mine.items()), budget_bytes // STATE_BYTES)
     return sum(mine[g][0] for g in chosen), sum(mine[g][1] for g in chosen)

@@ -46,12 +46,13 @@ class CanzonaConfig:
     factor; bitwise the same). Dense optimizers only; with experts the gathers start in the step."""
     early_compute: bool | None = None
     """With the early gathers: compute each micro-group's updates as soon as its gather has
-    landed, on staging copies of the state; the step commits them if the clip did not act, else
+    landed, leaving the state as it was; the step commits them if the clip did not act, else
     computes them again (exact either way). ``None``: on CUDA (a side stream), not on gloo,
     where the host would run them inside backward; ``True``: there too."""
     early_compute_bytes: int = EARLY_COMPUTE_BYTES
-    """Most bytes early compute keeps per rank and optimizer (staging state and directions):
-    the micro-groups that become ready first and fit are computed early, the rest in the step."""
+    """Most bytes early compute keeps per rank and optimizer (directions, and Shampoo's and
+    SOAP's staging state): the micro-groups that become ready first and fit are computed early,
+    the rest in the step."""
     layout: Literal["whole", "lean", "auto"] = "auto"
     """DP layout of the matrix buffers: ``whole`` (variable-size shards, every matrix whole on
     one DP rank, no DP traffic in the step), ``lean`` (Megatron's equal shards, split matrices

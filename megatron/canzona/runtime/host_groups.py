@@ -586,13 +586,16 @@ class HostGroupEngine:
     # One step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, pieces: Mapping[tuple[str, int], LocalPiece], compute: HostCompute,
-             scale: Sequence[float | torch.Tensor] = (), commit_early: bool = False) -> StepStats:
+             scale: Sequence[float | torch.Tensor] = (), commit_early: bool = False,
+             replay: Callable[[Sequence[str], Sequence[torch.Tensor]], None] | None = None) -> StepStats:
         """Update every task; ``pieces`` maps ``(task key, lo)`` to this rank's piece of it.
         ``scale``: the factors, in order, that turned the raw gradients given to
         :meth:`prestart` into ``pieces``' gradients (loss-scale unscaling, the clip factor);
         each received raw piece is multiplied by them. ``commit_early``: the groups
         :meth:`precompute` computed had every factor (no clip acted), so their directions are
-        this step's; else they are computed again here, with ``compute``."""
+        this step's; else they are computed again here, with ``compute``. ``replay``: called per
+        batch of a committed group with its full gradients, rebuilt from the same gather (an
+        optimizer that advances its state at the commit)."""
         missing = [(key, lo) for key, held in self._mine.items() for lo, _ in held if (key, lo) not in pieces]
         if missing:
             raise ValueError(f"no local piece given for {missing[:3]}; every rank must step every piece it holds")
@@ -607,7 +610,7 @@ class HostGroupEngine:
         self._update_dtype = state_dtype_for(self._grad_dtype)
         if self._side is None:
             self._side = _SideStream(self._device)
-        self._commit_early = commit_early
+        self._commit_early, self._replay = commit_early, replay
         try:
             if self.exchanges:
                 (self._run_async if self.mode == "async" else self._run_sync)()
@@ -615,7 +618,7 @@ class HostGroupEngine:
             self._staged.clear()
             self._early.clear()
         self.last_stats, stats = self._stats, self._stats
-        del self._pieces, self._compute, self._scale
+        del self._pieces, self._compute, self._scale, self._replay
         return stats
 
     def _run_async(self) -> None:
@@ -644,6 +647,10 @@ class HostGroupEngine:
                         gather.recv.mul_(factor)
             if early is not None and self._commit_early:
                 directions = early.directions
+                if self._replay is not None and exchange.computed:  # before the scatter reuses the gather
+                    full_grads = self._finish_gather(exchange, gather)
+                    for batch in exchange.computed:
+                        self._replay([t.key for t in batch], [full_grads[t.key] for t in batch])
                 self._stats.computed.extend(t.key for batch in exchange.computed for t in batch)
                 self._stats.early += 1
             else:

@@ -73,6 +73,7 @@ class CanzonaOptimizer(MatrixOptimizer):
         self.math = math
         self.config_type, self.state_type = kind.config_type, kind.state_type
         self.update_fn = kind.update_fn  # type: ignore[misc]  (a plain function on the instance)
+        self.direction_fn, self.advance_fn = kind.direction_fn, kind.advance_fn  # type: ignore[misc]
         super().__init__(params, lr=lr, weight_decay=weight_decay, config=config, adamw_config=adamw_config,
                          batch_same_shape=True)
         self.config = config
@@ -153,11 +154,12 @@ class CanzonaOptimizer(MatrixOptimizer):
                     self.state[p].update(AdamWState.create(p.shape, device=p.device, grad_dtype=p.dtype).as_dict())
 
     def early_elements(self, key: str) -> int:
-        """Elements computing task ``key`` early keeps: a staging copy of its state (as
-        :meth:`init_state` makes it) and its full direction."""
+        """Elements computing task ``key`` early keeps: its full direction, and a staging copy
+        of its state (as :meth:`init_state` makes it) unless the optimizer advances its state at
+        the commit (Muon)."""
         shapes = self._piece_shapes(key)
-        state = sum(t.numel() for shape in shapes
-                    for t in self.state_type.create(shape, self.config, device="meta").tensors().values())
+        state = 0 if self.direction_fn is not None else sum(
+            t.numel() for shape in shapes for t in self.state_type.create(shape, self.config, device="meta").tensors().values())
         return state + sum(shape.numel() for shape in shapes)
 
     def _piece_shapes(self, key: str) -> list[torch.Size]:
@@ -188,7 +190,8 @@ class CanzonaOptimizer(MatrixOptimizer):
         """Every matrix through the host groups, then AdamW where the elementwise ones are.
         Updates computed before the step become the state if the step used them, else go."""
         self.last_stats = self._engine().step(self._local_pieces(), self._host_compute, scale=self.gather_scale,
-                                              commit_early=self.commit_early)
+                                              commit_early=self.commit_early,
+                                              replay=self._replay if self.direction_fn is not None else None)
         if self.last_stats.early:
             self.commit_staged()
         else:
@@ -215,6 +218,13 @@ class CanzonaOptimizer(MatrixOptimizer):
                         lr=group["lr"], weight_decay=group["weight_decay"],
                     )
         return pieces
+
+    def _replay(self, keys: Sequence[str], full_grads: Sequence[torch.Tensor]) -> None:
+        """Commit the staged updates of ``keys`` from their full gradients, given again (an
+        optimizer whose staged updates leave the state to advance at the commit: Muon)."""
+        grads = {(key, i): piece for key, grad in zip(keys, full_grads)
+                 for i, piece in enumerate(split_pieces(grad, self._layouts[key]))}
+        self.commit_staged(grads, owners=set(keys))
 
     def stage_compute(self, keys: Sequence[str], full_grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """:meth:`_host_compute` on staging copies of the state, before the step: the state

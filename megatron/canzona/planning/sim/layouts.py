@@ -104,12 +104,14 @@ def sim_tasks(schedule: Schedule, specs: Sequence[ParamSpec], seconds: Seconds, 
     out = []
     for t in schedule.tasks:
         spec = by_key[(t.chunk, t.name)]
-        early = 0 if state is None else sum(sum(state.numel(rows, cols).values()) + rows * cols
-                                            for rows, cols in spec.part_matrices(t.part))
+        matrices = spec.part_matrices(t.part)
+        early = 0 if state is None else sum(sum(state.numel(rows, cols).values()) * state.staged + rows * cols
+                                            for rows, cols in matrices)
+        advanced = 0 if state is None or state.staged else sum(rows * cols for rows, cols in matrices)
         out.append(SimTask(t.name, tuple((rank(*coord), hi - lo) for coord, lo, hi in t.holders(schedule.tp_size)),
                            None if t.host is None else rank(*t.host),
                            seconds(spec) if t.span is None else seconds(spec, t.part), t.group,
-                           (t.chunk, t.bucket), narrow.get(t.key), early))
+                           (t.chunk, t.bucket), narrow.get(t.key), early, advanced))
     return out
 
 

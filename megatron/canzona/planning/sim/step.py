@@ -38,6 +38,9 @@ from .result import Segment
 MOMENTUM_BYTES_PER_ELEMENT = 12
 """fp32 gradient read, fp32 momentum read and written."""
 APPLY_BYTES_PER_ELEMENT = 14
+COMMIT_BYTES_PER_ELEMENT = 20
+"""Bytes per element of committing a Muon update computed early: its full gradient rebuilt from
+the gather (read, write: 8) and the momentum advanced (read it and the gradient, write it: 12)."""
 """fp32 parameter and update read, fp32 parameter and bf16 model copy written."""
 ADAMW_BYTES_PER_ELEMENT = 30
 """fp32 gradient, parameter and two moments read (16), parameter and moments written (12), bf16 copy (2)."""
@@ -64,6 +67,9 @@ class SimTask:
     early_elements: int = 0
     """What computing it before the step keeps on its host: its state's staging copy and its
     direction, in fp32 elements (:func:`~megatron.canzona.planning.memory.early_compute_groups`)."""
+    commit_elements: int = 0
+    """Elements whose state its host advances when the step commits it, computed early (Muon's
+    momentum: :data:`COMMIT_BYTES_PER_ELEMENT` each, before its scatter)."""
 
     @property
     def numel(self) -> int:
@@ -258,6 +264,9 @@ def _run_early(run: StepRun, groups: Sequence[Sequence[SimTask]], landed: Sequen
     scatters: list[float | None] = []
     for k, group in enumerate(groups):
         issue = {r: max(0.0, done[k][r]) for r in run.members}
+        for task in group:  # committing a state that advances at the commit, before the scatter
+            if task.host is not None and task.commit_elements and (allowed is None or k in allowed.get(task.host, ())):
+                issue[task.host] += run.elementwise_seconds(task.commit_elements, COMMIT_BYTES_PER_ELEMENT)
         scatters.append(run.collective(_scatter(run, group), issue, "scatter", str(k)))
         if k:
             _apply_group(run, k - 1, scatters[k - 1], apply[k - 1])
