@@ -145,10 +145,16 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         return (self.grad_scaler is None and clipping
                 and not any(self.has_grad_norm_group(group) for group in SEPARATE_GRAD_NORM_GROUPS))
 
+    def _settle_early(self) -> None:
+        """Before Megatron unscales the gradients in place: what early compute still reads of them
+        is read (CUDA, a stream wait; only with a loss scaler, the one in-place write before the
+        step that a committed early result could see)."""
+        if self.grad_scaler is not None and self.canzona.early_gathers is not None:
+            self.canzona.early_gathers.settle()
+
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        if self.grad_scaler is not None and self.canzona.early_gathers is not None:
-            self.canzona.early_gathers.settle()  # the unscaling below writes what early compute reads
+        self._settle_early()
         found_inf = super().prepare_grads()
         self._clip_factor, self._nonfinite_norm = None, False
         if self.grad_scaler is None and not self.reads_nonfinite_from_norm():
@@ -281,6 +287,7 @@ class CanzonaChainedOptimizer(ChainedOptimizer):
         flags = []
         self._nonfinite_norm = False
         for part in self.chained_optimizers:
+            part._settle_early()
             found_inf |= DistributedOptimizer.prepare_grads(part)
             part._clip_factor, part._nonfinite_norm = None, False
             if part.grad_scaler is None and not part.reads_nonfinite_from_norm(clipping=True):
