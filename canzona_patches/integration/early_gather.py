@@ -211,7 +211,7 @@ class EarlyCompute:
     """What the early gathers need to compute a micro-group before the step, staged."""
 
     compute: Callable[[Sequence[str], Sequence[torch.Tensor]], Sequence[torch.Tensor]]
-    """The inner optimizer's host compute on staging copies of the state."""
+    """The inner optimizer's host compute leaving its state as it was (``stage_compute``)."""
     discard: Callable[[], None]
     """Drops the staged updates (a skipped step)."""
     scale: Callable[[], tuple[Any, ...]]

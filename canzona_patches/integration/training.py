@@ -184,9 +184,8 @@ class IntervalMetrics:
         early = [p for p in self._parts if p.canzona.early_gathers is not None and p.canzona.early_gathers.compute_early]
         if not early:
             return None
-        total = collections.Counter({k: max(p.early_steps[k] for p in early) for k in ("committed", "recomputed", "skipped")})
-        since = {k: total[k] - self._early_reported[k] for k in total}
-        return since
+        return {k: max(p.early_steps[k] for p in early) - self._early_reported[k]
+                for k in ("committed", "recomputed", "skipped")}
 
     def time_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap ``optimizer.step`` to accumulate its time without waiting for the device: on

@@ -43,7 +43,7 @@ class CanzonaConfig:
     early_gather: bool = True
     """``async``: issue each micro-group's gather to its hosts as soon as the buckets holding
     its matrices have reduced, before the step (the hosts apply the loss scale and the clip
-    factor; bitwise the same). Dense optimizers only; with experts the gathers start in the step."""
+    factor; bitwise the same). The dense and the expert optimizer alike."""
     early_compute: bool | None = None
     """With the early gathers: compute each micro-group's updates as soon as its gather has
     landed, leaving the state as it was; the step commits them if the clip did not act, else
