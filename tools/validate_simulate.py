@@ -68,6 +68,18 @@ CASES = ((2, 1), (4, 1), (1, 2), (2, 2))
 """(DP, TP) of the measured cases."""
 VARIANTS = ("canzona", "sync", "megatron")
 """bench_step's variants, in its order."""
+EARLY = "canzona_early"
+"""bench_step ``--iteration``'s ``canzona`` with early compute forced on gloo, validated with
+``--iteration``. There each early gather is issued from the reduce-scatter's dispatch as on
+NCCL, and the host computes a landed micro-group inside backward at full speed, lengthening
+the measured forward-backward rather than beside it: it is predicted as the simulator's
+early compute (``early_compute=True``) on the probe's cluster with NCCL's dispatch, side
+compute at efficiency 1 and no memory bound."""
+
+
+def variants_for(iteration: bool) -> tuple[str, ...]:
+    """The bench_step variants a run validates: :data:`EARLY` too with ``--iteration``."""
+    return (*VARIANTS, EARLY) if iteration else VARIANTS
 WIRE = WireConfig(param_bytes=4, grad_bytes=4)
 """bench_step's tiny GPT: fp32 parameters, gradients reduced in fp32."""
 PUBLISHED = {"megatron_layerwise": 0.632, "layer_sharded": 0.157}
@@ -85,7 +97,7 @@ def strategy_of(variant: str, tp_size: int) -> str:
     """The simulator's strategy for one of bench_step's variants."""
     if variant == "sync":
         return "sync" if tp_size == 1 else "canzona_tp_sync"
-    return {"canzona": "canzona", "megatron": "megatron_layerwise"}[variant]
+    return {"canzona": "canzona", EARLY: "canzona", "megatron": "megatron_layerwise"}[variant]
 
 
 def tiny_gpt_specs(layers: int, hidden: int, ffn_hidden: int, tp_size: int) -> list[ParamSpec]:
@@ -154,12 +166,16 @@ def predict_case(specs: list[ParamSpec], dp_size: int, tp_size: int, cluster: Cl
     plans = layerwise_plans(specs, dp_size, tp_size, bucket_size=bucket_size)
     iteration = forward_backward is not None
     out = {}
-    for variant in VARIANTS:
+    for variant in variants_for(iteration):
         strategy = strategy_of(variant, tp_size)
         kw = dict(strategy=strategy, dp_size=dp_size, tp_size=tp_size, optimizer="muon", wire=WIRE, alpha=alpha,
                   plan=plans[0] if strategy == "megatron_layerwise" else None, bucket_size=bucket_size,
                   workload=iteration_workload(dp_size, forward_backward[variant], cluster) if iteration else None)
-        r = simulate(specs, cluster=cluster, calibration=calibration, **kw)
+        on = cluster
+        if variant == EARLY:
+            kw.update(early_compute=True, early_efficiency=1.0, early_compute_bytes=None)
+            on = dataclasses.replace(cluster, backend="nccl")
+        r = simulate(specs, cluster=on, calibration=calibration, **kw)
         row: dict[str, Any] = {
             "strategy": strategy, "seconds": timed_seconds(r, variant, iteration),
             "step_compute_seconds": r.step_compute_seconds,
@@ -341,14 +357,15 @@ def validate(args: argparse.Namespace, clusters: list[ClusterSpec], calibration:
         runs = (reused or {}).get(f"{dp_size}x{tp_size}") or [run_bench_step(dp_size, tp_size, args)[0]]
         specs = tiny_gpt_specs(args.layers, args.hidden, args.ffn_hidden, tp_size)
         cluster = pick_cluster(clusters, dp_size * tp_size)
+        variants = variants_for(args.iteration)
         forward_backward = ({v: statistics.median(r["median_forward_backward_ms"][v] for r in runs) / 1e3
-                             for v in VARIANTS} if args.iteration else None)
+                             for v in variants} if args.iteration else None)
         predicted = predict_case(specs, dp_size, tp_size, cluster, calibration, args.alpha, factors,
                                  bucket_size=args.bucket_size, forward_backward=forward_backward)
         row: dict[str, Any] = {"dp_size": dp_size, "tp_size": tp_size, "cluster": cluster.name, "variants": {},
                                "bench_steps": runs}
-        rounds = {v: round_medians(runs, v) for v in VARIANTS}
-        for variant in VARIANTS:
+        rounds = {v: round_medians(runs, v) for v in variants}
+        for variant in variants:
             each = [r["median_step_ms"][variant] / 1e3 for r in runs]
             m = statistics.median(step_seconds(runs, variant))
             p = predicted[variant]
@@ -357,9 +374,9 @@ def validate(args: argparse.Namespace, clusters: list[ClusterSpec], calibration:
                                         "formula_ratio": p["formula_seconds"] / m,
                                         "in_situ_ratio": p.get("in_situ_seconds", math.nan) / m,
                                         "within": abs(p["seconds"] / m - 1) <= args.tolerance}
-        pred = {v: row["variants"][v]["seconds"] for v in VARIANTS}
-        meas = {v: row["variants"][v]["measured_seconds"] for v in VARIANTS}
-        for v in VARIANTS:  # speed-ups cancel the machine's drift between runs, absolute times do not
+        pred = {v: row["variants"][v]["seconds"] for v in variants}
+        meas = {v: row["variants"][v]["measured_seconds"] for v in variants}
+        for v in variants:  # speed-ups cancel the machine's drift between runs, absolute times do not
             row["variants"][v]["to_sync_ratio"] = (pred[v] / pred["sync"]) / (meas[v] / meas["sync"])
         pairs = pair_verdicts(pred, rounds)
         row.update(predicted_ranking=ranking(pred), measured_ranking=ranking(meas), pairs=pairs,

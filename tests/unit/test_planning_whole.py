@@ -129,7 +129,8 @@ def test_auto_never_picks_the_slower_layout() -> None:
 
 def test_projection_of_both_layouts_at_scale() -> None:
     """Qwen3-8B on 256 H100s (TP 2 x DP 128): the lean layout splits every matrix and its hosts
-    pull them over the inter-node links in the step; the whole layout moves nothing there."""
+    pull them over the inter-node links in the step; the whole layout moves nothing there, and
+    pays for its unequal shards in the bucket collectives instead."""
     from megatron.canzona.planning.sim import load_cluster
 
     specs = qwen3_specs("qwen3-8b", tp_size=2)
@@ -137,10 +138,14 @@ def test_projection_of_both_layouts_at_scale() -> None:
     cluster = load_cluster("h100-ib400")
     results = project_layouts(specs, plans, cluster=cluster, optimizer="muon", wire=WireConfig(grad_bytes=4))
     assert results["whole"].optimizer_step_seconds < results["lean"].optimizer_step_seconds
+    # The whole layout's unequal collectives cost a little more than equal ones (a rank with an
+    # empty shard forwards the whole bucket): here that outweighs its shorter step, so auto
+    # takes the lean layout.
+    assert results["whole"].grad_reduce_seconds > results["lean"].grad_reduce_seconds
     choice = faster_layout(results)
-    assert choice == "whole"
+    assert choice == min(results, key=lambda n: results[n].iteration_seconds)
     line = layout_line(choice, results, cluster, iteration=False)
-    assert line.startswith("[canzona] layout auto -> whole (projected on h100-ib400): whole step ")
+    assert line.startswith(f"[canzona] layout auto -> {choice} (projected on h100-ib400): whole step ")
     assert "| lean step" in line and "\n" not in line
     assert isinstance(cluster, ClusterSpec)
 
@@ -172,3 +177,20 @@ def test_megatron_main_model_keeps_matrices_whole_in_equal_shards() -> None:
         width = bucket.shard_bounds[1] - bucket.shard_bounds[0]
         assert width <= 1.3 * bucket.numel_unpadded / 8 + max(p.end - p.start for p in buffer.placements)
     assert record["padding_overhead"] < padding
+
+
+@pytest.mark.parametrize("bucket_size", [5_000, 20_000, 100_000])
+def test_whole_buckets_close_where_megatron_closes_them(bucket_size: int) -> None:
+    """The whole layout pads nothing, so its matrix buckets are Megatron's own: a bucket closes
+    once it reaches the size, the last holds what remains (not merged into the one before,
+    which would delay that bucket's reduce-scatter to the end of backward)."""
+    from megatron.canzona.planning.geometry import stock_bucket_ranges
+
+    specs = small_model(layers=5)
+    plan = make_plan(specs, dp_size=4, cost_model=COST, layout="whole", bucket_size=bucket_size)
+    mats = sorted(specs, key=lambda s: s.order)
+    expected = stock_bucket_ranges([s.numel for s in mats], bucket_size)
+    buckets = {p.name: p.bucket for p in plan.layouts[0].matrix.placements}
+    got = [buckets[s.name] for s in mats]
+    assert got == [k for k, (a, b) in enumerate(expected) for _ in range(a, b)]
+    assert len(plan.layouts[0].matrix.buckets) == len(expected)

@@ -487,3 +487,39 @@ def test_layering_allows_the_simulator():
     """The simulator is part of the pure planning layer (tests/unit/test_layering.py checks it)."""
     assert (ROOT / "megatron" / "canzona" / "planning" / "sim" / "simulate.py").exists()
     assert "torch" not in open(os.path.join(ROOT, "megatron", "canzona", "planning", "sim", "step.py")).read()
+
+
+# ------------------------------------------------------------ unequal shards, as NCCL runs them
+
+
+def test_unequal_shards_are_priced_as_nccl_groups_them():
+    """A bucket of shards of different sizes is a group of ring reduces (broadcasts), one per
+    non-empty shard: the ring fills once and each further call adds a step; a rank whose shard
+    is empty forwards every other shard, so the bytes are the bucket's, not (p - 1)/p of it."""
+    from megatron.canzona.planning.sim.network import Topology, grouped_ring_seconds
+
+    toy = cluster()
+    link = toy.intra_node
+    shards = [4000.0, 0.0, 1000.0, 3000.0]
+    pipelined = (4 - 1 + 3 - 1) * 10e-6 + 8000.0 / 100e9
+    assert grouped_ring_seconds(shards, link, 1.0) == pytest.approx(pipelined, rel=1e-12)
+    assert grouped_ring_seconds(shards, link, 1.0, pipelined=False) == pytest.approx(
+        3 * 3 * 10e-6 + 8000.0 / 100e9, rel=1e-12)
+    assert grouped_ring_seconds([0.0] * 4, link, 1.0) == 0.0
+    topology = Topology(toy)
+    even = topology.ring(8000.0, [0, 1, 2, 3])
+    assert even == pytest.approx(3 * 10e-6 + 0.75 * 8000.0 / 100e9, rel=1e-12)
+    assert topology.grouped(shards, [0, 1, 2, 3]) > even  # what the whole layout pays for its shards
+
+
+def test_whole_layout_buckets_pay_for_their_unequal_shards():
+    """The simulator prices each whole-layout bucket from its shard bounds: the same matrices
+    reduce-scatter slower in the whole layout's unequal shards than in equal ones."""
+    specs = [matrix(name=f"w{i}", order=i) for i in range(3)]
+    whole = make_plan(specs, dp_size=4, cost_model=CostModel(kind="muon"), layout="whole", bucket_size=10**9, wire=WIRE)
+    bucket = whole.layouts[0].matrix.buckets[0]
+    assert not bucket.uniform
+    r = simulate(specs, strategy="canzona", cluster=cluster(), dp_size=4, wire=WIRE, plan=whole)
+    sizes = [(b - a) * 4 for a, b in zip(bucket.shard_bounds, bucket.shard_bounds[1:])]
+    k = sum(s > 0 for s in sizes)
+    assert r.grad_reduce_seconds == pytest.approx((3 + k - 1) * 10e-6 + sum(sizes) / 100e9, rel=1e-12)

@@ -37,3 +37,11 @@ def test_pooled_steps_and_rounds_from_reports():
     old = {"median_step_ms": {"canzona": 50.0}}  # an older report: its median stands for the run
     assert step_seconds([new, old], "canzona") == [0.01, 0.02, 0.03, 0.04, 0.05]
     assert round_medians([new, old], "canzona") == [0.02, 0.04, 0.05]
+
+
+def test_early_compute_is_validated_with_the_iteration():
+    """bench_step --iteration's early-compute variant is predicted as Canzona's strategy with
+    early compute; the step mode has no such variant."""
+    assert validate.EARLY not in validate.variants_for(False)
+    assert validate.variants_for(True)[-1] == validate.EARLY
+    assert validate.strategy_of(validate.EARLY, 2) == "canzona"

@@ -1,7 +1,9 @@
 """Canzona's α-balanced plan of one pipeline stage: lean layouts, one host per matrix, micro-groups.
 
 1. **Buckets** are Megatron's: contiguous in backprop order, near the bucket size
-   (:func:`~megatron.canzona.planning.geometry.lean_bucket_ranges`), equal shards.
+   (:func:`~megatron.canzona.planning.geometry.lean_bucket_ranges`), equal shards. The
+   whole layout cuts them exactly as Megatron does
+   (:func:`~megatron.canzona.planning.geometry.stock_bucket_ranges`).
 2. **Layouts.** Each bucket is filled at a ladder of shard widths
    (:func:`~megatron.canzona.planning.lean.shard_ladder`): the tightest width splits the
    most matrices across shards; wider ones pad more and keep more matrices whole. A whole
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 
 from .comm import WireConfig, collective_bytes, narrow_bytes
 from .cost import CostModel
-from .geometry import default_bucket_size, lean_bucket_ranges
+from .geometry import default_bucket_size, lean_bucket_ranges, stock_bucket_ranges
 from .hosts import HostItem, assign_hosts, default_budget, schedule_groups
 from .lean import balanced_homes, lean_buffer, shard_ladder
 from .partition import DEFAULT_ALPHA, check_inputs, check_tp_size, elementwise_buffer
@@ -148,7 +150,10 @@ def plan_canzona(
     mats = [matrix_specs([s for s in specs if s.chunk == c]) for c in chunks]
     stage = _Stage.of(mats, cost_model, dp_size=dp_size, tp_size=tp_size, alpha=alpha, wire=wire or WireConfig(),
                       base=base)
-    ranges = [lean_bucket_ranges([s.numel for s in chunk], bucket_size) for chunk in mats]
+    # The whole layout pads nothing, so it keeps Megatron's own bucket rule: its last bucket
+    # closes where AdamW's would, and the reduce-scatters after backward are AdamW's.
+    bucket_ranges = stock_bucket_ranges if layout == "whole" else lean_bucket_ranges
+    ranges = [bucket_ranges([s.numel for s in chunk], bucket_size) for chunk in mats]
     if layout == "whole":
         buffers = _whole_fill(stage, ranges)
         _, items, hosts, loads = stage.hosts(buffers)

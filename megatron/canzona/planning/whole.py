@@ -1,8 +1,9 @@
 """Canzona's whole layout of a matrix buffer: every matrix whole in one DP rank's shard, shards
 of variable size, no padding.
 
-Buckets are Megatron's: contiguous runs of parameters in backprop order near the configured
-size (:func:`~megatron.canzona.planning.geometry.lean_bucket_ranges`). Inside a bucket the
+Buckets are Megatron's: contiguous runs of parameters in backprop order, each closing once
+it reaches the configured size (:func:`~megatron.canzona.planning.geometry.stock_bucket_ranges`,
+Megatron's own rule: the last bucket is whatever remains, so it reduces as early as AdamW's). Inside a bucket the
 order of parameters is free, so each bucket lists its matrices grouped by owner, DP rank 0's
 first, and cuts rank r's shard exactly around rank r's matrices (paper Eq. (1) with the
 owners chosen for balance rather than by position). A rank may own nothing in a bucket: its

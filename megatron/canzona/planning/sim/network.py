@@ -7,6 +7,16 @@ tp_rank``, TP fastest) and fill nodes in order: rank r is on node ``r // gpus_pe
   (p − 1)/p · S per rank in p − 1 steps: ``(p − 1)·α + (p − 1)/p · S / (B·ring_efficiency)``,
   with the inter-node link's α and B when the group spans nodes (every ring then crosses
   the slower link); an all-reduce is a reduce-scatter then an all-gather.
+* A bucket whose DP shards differ in size (the whole layout) is reduce-scattered and
+  all-gathered as torch's ProcessGroupNCCL runs unequal list-form collectives: one NCCL group
+  of ``ncclReduce`` (``ncclBroadcast``) calls, one per rank whose shard is not empty, each a
+  ring pass of that shard (a reduce moves its whole shard through every rank). The calls of
+  a group run in order on each rank, a rank starting the next as soon as it has passed the
+  last one on, so they pipeline around the ring: the ring fills once and each further call
+  adds one step, ``(p − 1 + k − 1)·α + Σ shard / (B·ring_efficiency)`` for k non-empty
+  shards (against ``(p − 1)·α + (p − 1)/p · S / (B·ring_efficiency)`` for equal shards). This
+  is an assumption about NCCL's grouped kernels, not a measurement: calls run one after
+  another would pay ``k·(p − 1)·α`` (:func:`grouped_ring_seconds` with ``pipelined=False``).
 * An all-to-all (a fused exchange of uneven pieces) ends when its slowest rank does: rank
   r needs ``α + max(out_r, in_r) / (B·alltoall_efficiency)`` per link, intra-node and
   inter-node bytes each on their own link (the slower of the two counts), α of the slowest
@@ -27,6 +37,19 @@ def ring_seconds(nbytes: float, group_size: int, link: LinkSpec, efficiency: flo
         return 0.0
     steps = group_size - 1
     return steps * link.latency_s + steps / group_size * nbytes / (link.bytes_per_s * efficiency)
+
+
+def grouped_ring_seconds(shard_bytes: Sequence[float], link: LinkSpec, efficiency: float,
+                         pipelined: bool = True) -> float:
+    """One group of ring reduces (or broadcasts), one per non-empty entry of ``shard_bytes``
+    (a byte count per rank of the group), as NCCL runs an unequal reduce-scatter (all-gather)
+    (module docstring)."""
+    p = len(shard_bytes)
+    sizes = [b for b in shard_bytes if b > 0]
+    if p <= 1 or not sizes:
+        return 0.0
+    steps = (p - 1 + len(sizes) - 1) if pipelined else len(sizes) * (p - 1)
+    return steps * link.latency_s + sum(sizes) / (link.bytes_per_s * efficiency)
 
 
 @dataclass
@@ -64,6 +87,14 @@ class Topology:
             return 0.0
         link = self.cluster.link(self.spans_nodes(members))
         return ring_seconds(nbytes, len(members), link, self.cluster.collectives.ring_efficiency)
+
+    def grouped(self, shard_bytes: Sequence[float], members: Sequence[int]) -> float:
+        """An unequal reduce-scatter or all-gather over ``members``, rank i's shard holding
+        ``shard_bytes[i]`` bytes (:func:`grouped_ring_seconds`)."""
+        if len(members) <= 1:
+            return 0.0
+        link = self.cluster.link(self.spans_nodes(members))
+        return grouped_ring_seconds(shard_bytes, link, self.cluster.collectives.ring_efficiency)
 
     def flows(self, transfers: Iterable[tuple[int, int, float]]) -> Flows:
         """Sum ``(src, dst, bytes)`` transfers per rank and link (a rank's own bytes stay put)."""

@@ -13,7 +13,7 @@ from ..memory import EARLY_COMPUTE_BYTES, STATE_BYTES
 from ..geometry import default_bucket_size
 from ..megatron_main import plan_megatron_main
 from ..partition import DEFAULT_ALPHA, plan_zero1
-from ..plan import BufferPlan, CanzonaPlan, DPPlan
+from ..plan import Bucket, BufferPlan, CanzonaPlan, DPPlan
 from ..planner import make_plan
 from ..specs import ParamSpec
 from .cluster import ClusterSpec
@@ -438,13 +438,22 @@ def _bucket_syncs(ctx: _Context, work: Work, topology: Topology, workload: Workl
             matrices = i == 0 and any(p.name in dense_matrices for p in buffer.placements)
             for k, bucket in enumerate(buffer.buckets):
                 frac = max((ready.get((chunk, p.name), 1.0) for p in buffer.placements if p.bucket == k), default=1.0)
-                rs = topology.ring(bucket.numel * ctx.wire.grad_bytes, buffers.group)
+                rs = _bucket_seconds(topology, bucket, ctx.wire.grad_bytes, buffers.group)
                 reduce.append(BucketSync(2 * rs if work.all_reduce else rs, frac, str(k),
                                          key=(chunk, k) if matrices else None))
                 if not work.all_reduce:
-                    gather.append(BucketSync(topology.ring(bucket.numel * ctx.wire.param_bytes, buffers.group), frac,
-                                             str(k)))
+                    gather.append(BucketSync(_bucket_seconds(topology, bucket, ctx.wire.param_bytes, buffers.group),
+                                             frac, str(k)))
     return reduce, gather
+
+
+def _bucket_seconds(topology: Topology, bucket: Bucket, bytes_per_element: int, group: Sequence[int]) -> float:
+    """One bucket's reduce-scatter (or all-gather): a ring over equal shards, a group of ring
+    reduces (broadcasts) over shards of different sizes, as torch runs it on NCCL."""
+    if bucket.uniform or len(bucket.shard_bounds) != len(group) + 1:
+        return topology.ring(bucket.numel * bytes_per_element, group)
+    bounds = bucket.shard_bounds
+    return topology.grouped([(b - a) * bytes_per_element for a, b in zip(bounds, bounds[1:])], group)
 
 
 @dataclass(frozen=True)
