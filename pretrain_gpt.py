@@ -42,8 +42,10 @@ from canzona_patches.integration.training import LOSS_KEY
 from megatron.canzona.data import GPTDataConfig, build_gpt_datasets, check_gpt_data, describe_datasets
 from megatron.canzona.runtime.lifetime import end_with_parent, launched_by_torchrun
 from megatron.canzona.runtime.save_lock import SaveDirectoryLocked, take_save_lock
+from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
+from megatron.core.utils import get_batch_on_this_cp_rank
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.argument_utils import (
     core_transformer_config_from_args,
@@ -207,12 +209,17 @@ def get_batch(data_iterator: Any) -> dict[str, torch.Tensor]:
     """The next micro-batch, on this rank's device.
 
     All TP ranks of one DP rank read the same samples (the sampler is keyed by DP rank),
-    so each reads its own iterator instead of receiving a broadcast from TP rank 0.
+    so each reads its own iterator instead of receiving a broadcast from TP rank 0. Under
+    context parallelism each CP rank keeps its two chunks of every sequence, as Megatron cuts
+    them (``get_batch_on_this_cp_rank``); the losses are reduced over DP x CP by Megatron.
     """
     batch = next(data_iterator)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    return {key: value if value is None or device is None else value.to(device, non_blocking=True)
-            for key, value in batch.items()}
+    batch = {key: value if value is None or device is None else value.to(device, non_blocking=True)
+             for key, value in batch.items()}
+    if parallel_state.get_context_parallel_world_size() > 1:  # this CP rank's chunks r and 2 CP - 1 - r
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+    return batch
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

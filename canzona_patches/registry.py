@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 import tomllib
 from collections.abc import Callable, Collection, Iterator
@@ -52,9 +53,10 @@ UNEVEN = "uneven"  # layout.full_param_layouts, for a plan with variable-size DP
 EARLY_GATHER = "early-gather"  # early_gather.attach, when an async Canzona optimizer has gathers to issue
 BASELINE = "baseline"  # upstream fixes only Megatron's own optimizers need
 NORM = "norm"  # Megatron's gradient norm without Apex or Transformer Engine (pretrain_gpt.py and the harness)
+CONTEXT_PARALLEL = "context-parallel"  # pretrain_gpt.py with --context-parallel-size > 1 and no transformer-engine
 SCOPED = "scoped"  # swapped in for one call (:func:`swapped`), never installed
-GROUPS = (CPU, CPU_TRAINING, CPU_CHECKPOINT, CPU_SYNC_SAVE, ARGUMENTS, CHECKSUMS, PRETRAIN, NORM, CANZONA, UNEVEN,
-          EARLY_GATHER, BASELINE, SCOPED)
+GROUPS = (CPU, CPU_TRAINING, CPU_CHECKPOINT, CPU_SYNC_SAVE, ARGUMENTS, CHECKSUMS, PRETRAIN, NORM, CONTEXT_PARALLEL,
+          CANZONA, UNEVEN, EARLY_GATHER, BASELINE, SCOPED)
 
 
 class Run:
@@ -144,6 +146,11 @@ def _local_norm_fallback(args: Any) -> bool:
     return clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
 
 
+def _context_parallel_without_te(args: Any) -> bool:
+    """``--context-parallel-size`` > 1 where transformer-engine (Megatron's CP attention) is absent."""
+    return getattr(args, "context_parallel_size", 1) > 1 and importlib.util.find_spec("transformer_engine") is None
+
+
 def _megatron_distributed_optimizer_legacy_format(args: Any) -> bool:
     return _megatron_distributed_optimizer(args) and args.ckpt_format == "torch"
 
@@ -154,7 +161,7 @@ CONDITIONS: dict[str, Callable[[Any], bool]] = {
     predicate.__name__.removeprefix("_"): predicate for predicate in (
         _always, _never, _no_cuda, _checksums, _synchronous_saves_on_cpu, _canzona, _layer_wise_muon,
         _megatron_distributed_optimizer, _megatron_distributed_optimizer_on_torch,
-        _megatron_distributed_optimizer_legacy_format, _local_norm_fallback,
+        _megatron_distributed_optimizer_legacy_format, _local_norm_fallback, _context_parallel_without_te,
     )
 }
 """The predicates a row's ``when`` names, by their function's name."""

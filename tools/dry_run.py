@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="qwen3-8b", help=f"one of: {', '.join(QWEN3_MODELS)}")
     p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=8, help="data-parallel size")
+    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
+                   help="context-parallel size: the plan and the optimizer shard over DP x CP, as Megatron's DDP "
+                   "reduces over it (ranks in Megatron's order, TP then CP then DP)")
     p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
                    help="expert-parallel size (MoE models; expert TP is 1 above 1)")
@@ -81,11 +84,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.model.lower() not in QWEN3_MODELS:
         p.error(f"unknown model {args.model!r}; choose one of: {', '.join(QWEN3_MODELS)}")
-    world = args.tp * args.dp * args.pp
-    if min(args.tp, args.dp, args.pp) < 1:
-        p.error("--tp, --dp and --pp must be 1 or more")
+    world = args.tp * args.dp * args.cp * args.pp
+    if min(args.tp, args.dp, args.cp, args.pp) < 1:
+        p.error("--tp, --dp, --cp and --pp must be 1 or more")
     if not 0 <= args.rank < world:
-        p.error(f"--rank {args.rank} is outside the world of TP {args.tp} x DP {args.dp} x PP {args.pp} = {world} ranks")
+        cp = f" x CP {args.cp}" if args.cp > 1 else ""
+        p.error(f"--rank {args.rank} is outside the world of TP {args.tp} x DP {args.dp}{cp} x PP {args.pp} = {world} "
+                "ranks")
+    # The optimizer's view from here on: DP x CP ranks (a rank's index there is cp_rank + CP x dp_rank).
+    args.data_parallel, args.dp = args.dp, args.dp * args.cp
     cfg = get_qwen3_config(args.model)
     try:
         check_experts(cfg, ep_size=args.ep, expert_tp_size=expert_tp_size(args) if cfg.is_moe else 1,
@@ -492,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     expert_dp_rank, ep_rank, _ = expert_coords(args)
     experts = measured["experts"]
     report = {
-        "config": {"model": args.model, "tp": args.tp, "dp": args.dp, "pp": args.pp, "ep": args.ep, "rank": args.rank,
-                   "dp_rank": dp_rank, "tp_rank": tp_rank, "pp_stage": stage,
+        "config": {"model": args.model, "tp": args.tp, "dp": args.data_parallel, "cp": args.cp, "pp": args.pp,
+                   "ep": args.ep, "rank": args.rank, "dp_rank": dp_rank // args.cp, "cp_rank": dp_rank % args.cp,
+                   "tp_rank": tp_rank, "pp_stage": stage,
                    "expert_dp": None if plan.experts is None else plan.experts.dp_size,
                    "expert_dp_rank": expert_dp_rank, "ep_rank": ep_rank, "optimizer": args.optimizer,
                    "params_dtype": args.params_dtype, "grad_reduce_in_fp32": args.grad_reduce_in_fp32,
@@ -516,8 +524,9 @@ def print_report(report: dict) -> None:
     c = report["config"]
     experts = "" if c["expert_dp"] is None else \
         f" (experts: EP {c['ep']} x expert DP {c['expert_dp']}, EP rank {c['ep_rank']}, expert DP rank {c['expert_dp_rank']})"
-    print(f"[canzona] dry run: {c['model']} TP {c['tp']} x DP {c['dp']} x PP {c['pp']}, rank {c['rank']} "
-          f"(DP rank {c['dp_rank']}, TP rank {c['tp_rank']}, stage {c['pp_stage']}){experts}, {c['optimizer']}, "
+    cp, cp_rank = (f" x CP {c['cp']}", f", CP rank {c['cp_rank']}") if c.get("cp", 1) > 1 else ("", "")
+    print(f"[canzona] dry run: {c['model']} TP {c['tp']} x DP {c['dp']}{cp} x PP {c['pp']}, rank {c['rank']} "
+          f"(DP rank {c['dp_rank']}{cp_rank}, TP rank {c['tp_rank']}, stage {c['pp_stage']}){experts}, {c['optimizer']}, "
           f"{c['params_dtype']} parameters, built on {c['device']} in {report['build_seconds']:.1f} s")
     width = max(44, *(len(row["quantity"]) + 2 for row in report["rows"]))
     print(f"{'':2}{'quantity':<{width}}{'predicted':>16}{'measured':>16}{'bytes':>14}")

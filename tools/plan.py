@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="qwen3-8b", help=f"one of: {', '.join(QWEN3_MODELS)}")
     p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=8, help="data-parallel size")
+    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
+                   help="context-parallel size: the plan spans DP x CP ranks, as Megatron's DDP reduces over them")
     p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
                    help="expert-parallel size (MoE models): each EP rank holds num_experts/EP local experts")
     p.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=int, default=1,
@@ -108,9 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases", action="store_true", help="run docs/planner.md's case matrix and print its table")
     p.add_argument("--moe-cases", action="store_true", help="run docs/planner.md's mixture-of-experts table")
     args = p.parse_args(argv)
-    for flag in ("tp", "dp", "ep", "etp", "pp"):
+    for flag in ("tp", "dp", "cp", "ep", "etp", "pp"):
         if getattr(args, flag) < 1:
             p.exit(2, f"plan.py: error: --{flag} {getattr(args, flag)}: a parallel size is --{flag} 1 or more\n")
+    args.data_parallel, args.dp = args.dp, args.dp * args.cp  # the plan's DP group is DP x CP
     return args
 
 
@@ -243,7 +246,7 @@ def report(args: argparse.Namespace) -> dict:
     dense, experts = split_experts(specs)
     rep = {
         "config": {
-            "model": args.model, "tp": args.tp, "dp": args.dp, "ep": args.ep, "etp": args.etp, "pp": args.pp,
+            "model": args.model, "tp": args.tp, "dp": args.data_parallel, "cp": args.cp, "ep": args.ep, "etp": args.etp, "pp": args.pp,
             "expert_dp": expert_dp_size(dp_size=args.dp, tp_size=args.tp, ep_size=args.ep, expert_tp_size=args.etp),
             "expert_layout": args.expert_layout, "joint_balance": args.joint_balance,
             "optimizer": args.optimizer, "cost": cm.kind if cm.kind != "muon" else f"muon, {cm.ns_method} Newton-Schulz in {cm.ns_dtype}",
@@ -281,7 +284,7 @@ TABLE_HEADER = (f"{'strategy':<20}{'makespan/LB':>12}{'padding':>9}{'split':>7}{
 def print_report(rep: dict) -> None:
     c = rep["config"]
     moe = "expert_lower_bound" in rep
-    parallel = f"TP={c['tp']} DP={c['dp']}" + (f" EP={c['ep']} ETP={c['etp']}" if moe else "")
+    parallel = f"TP={c['tp']} DP={c['dp']}" + (f" CP={c['cp']}" if c["cp"] > 1 else "") + (f" EP={c['ep']} ETP={c['etp']}" if moe else "")
     print(f"{c['model']}  {parallel}  cost={c['cost']} ({c['cost_unit']})  alpha={c['alpha']}  "
           f"bucket_size={c['bucket_size']:,}  matrices={c['num_matrices']}"
           + (f"  expert matrices={c['num_expert_matrices']} per EP rank" if moe else ""))
@@ -291,7 +294,8 @@ def print_report(rep: dict) -> None:
               f"the tables below are its buffers")
     print(f"lower bound per GPU (max of total/(DP*TP) and largest matrix): {rep['lower_bound']:.4g} {c['cost_unit']}\n")
     if moe:
-        print(f"dense buffers (DP {c['dp']} x TP {c['tp']})")
+        cp = f" x CP {c['cp']}" if c["cp"] > 1 else ""
+        print(f"dense buffers (DP {c['dp']}{cp} x TP {c['tp']})")
     print(TABLE_HEADER)
     for name, s in rep["strategies"].items():
         print_row(name, s)

@@ -68,7 +68,7 @@ DEFAULT_STRATEGIES = ("canzona", "canzona_lean", "megatron_layerwise", "layer_sh
                       "zero1", "adamw")
 PEERS = ("megatron_layerwise", "layer_sharded", "megatron_main")
 """The layouts Megatron users pick today, which Canzona's step is held against."""
-RECIPE_KEYS = {"TP": "tp", "PP": "pp", "EP": "ep", "ETP": "etp", "MICRO_BATCH": "micro_batch",
+RECIPE_KEYS = {"TP": "tp", "CP": "cp", "PP": "pp", "EP": "ep", "ETP": "etp", "MICRO_BATCH": "micro_batch",
                "GLOBAL_BATCH": "global_batch", "SEQ_LENGTH": "seq_length", "PP_FIRST_LAYERS": "first_stage_layers",
                "PP_LAST_LAYERS": "last_stage_layers"}
 
@@ -77,7 +77,7 @@ def recipe_defaults(model: str) -> dict[str, int]:
     """Parallel sizes and batch of a model's recipe: common.sh's defaults, then the recipe's
     ``VAR="${VAR:-N}"`` lines (the recipe wins)."""
     pattern = re.compile(r'(?:^|\s)(\w+)="\$\{\w+:-(\d+)\}"', re.MULTILINE)
-    out: dict[str, Any] = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "micro_batch": 1, "global_batch": 128,
+    out: dict[str, Any] = {"tp": 1, "cp": 1, "pp": 1, "ep": 1, "etp": 1, "micro_batch": 1, "global_batch": 128,
                            "seq_length": 4096, "first_stage_layers": None, "last_stage_layers": None}
     recipe = os.path.join(RECIPE_DIR, f"pretrain_{model.replace('-', '_')}.sh")
     texts = []
@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="qwen3-32b", help=f"one of: {', '.join(QWEN3_MODELS)}")
     p.add_argument("--gpus", type=int, default=256, help="GPUs of the job: DP = GPUs / (TP x PP)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: the recipe's)")
+    p.add_argument("--cp", type=int, help="context-parallel size (default: the recipe's): each sequence cut over CP "
+                   "GPUs; the optimizer and the bucket collectives span DP x CP, as Megatron's DDP reduces over it")
     p.add_argument("--pp", type=int, help="pipeline-parallel size (default: the recipe's)")
     p.add_argument("--ep", type=int, help="expert-parallel size, MoE models (default: the recipe's)")
     p.add_argument("--etp", type=int, help="expert tensor-parallel size (default 1, as the recipes)")
@@ -167,15 +169,20 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
     cfg = get_qwen3_config(args.model)
     recipe = recipe_defaults(cfg.name)
     sizes = {k: getattr(args, k) if getattr(args, k, None) is not None else recipe[k]
-             for k in ("tp", "pp", "ep", "etp", "micro_batch", "seq_length", "first_stage_layers", "last_stage_layers")}
+             for k in ("tp", "cp", "pp", "ep", "etp", "micro_batch", "seq_length", "first_stage_layers",
+                       "last_stage_layers")}
     if not cfg.is_moe:
         sizes["ep"] = sizes["etp"] = 1
     if args.pp is not None and args.pp != recipe["pp"] and args.first_stage_layers is None:
         sizes["first_stage_layers"] = sizes["last_stage_layers"] = None  # the recipe's split is for its own PP
-    if args.gpus < 1 or args.gpus % (sizes["tp"] * sizes["pp"]):
-        raise ValueError(f"--gpus {args.gpus} is not a multiple of TP {sizes['tp']} x PP {sizes['pp']}; "
-                         f"pass a multiple of {sizes['tp'] * sizes['pp']}")
-    dp = args.gpus // (sizes["tp"] * sizes["pp"])
+    model_parallel = sizes["tp"] * sizes["cp"] * sizes["pp"]
+    if sizes["cp"] < 1 or args.gpus < 1 or args.gpus % model_parallel:
+        raise ValueError(f"--gpus {args.gpus} is not a multiple of TP {sizes['tp']} x CP {sizes['cp']} x PP "
+                         f"{sizes['pp']}; pass a multiple of {model_parallel}")
+    if sizes["seq_length"] % (2 * sizes["cp"]):
+        raise ValueError(f"--seq-length {sizes['seq_length']} must be a multiple of 2 x CP = {2 * sizes['cp']} "
+                         "(each CP rank holds two equal chunks of every sequence)")
+    dp = args.gpus // model_parallel
     per_step = dp * sizes["micro_batch"]
     note = None
     global_batch = args.global_batch
@@ -185,11 +192,12 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             global_batch = -(-global_batch // per_step) * per_step
             note = (f"global batch raised from the recipe's {recipe['global_batch']} to {global_batch}: "
                     f"DP {dp} x micro batch {sizes['micro_batch']} needs a multiple of {per_step}")
-    return {"model": cfg.name, "gpus": args.gpus, "dp": dp, **sizes, "global_batch": global_batch, "note": note,
+    return {"model": cfg.name, "gpus": args.gpus, "dp": dp, "dp_cp": dp * sizes["cp"], **sizes,
+            "global_batch": global_batch, "note": note,
             "optimizer": args.optimizer, "ns_method": args.muon_ns_method, "split_qkv": args.split_qkv,
             "split_gate_up": getattr(args, "split_gate_up", False), "alpha": args.alpha,
             "grad_reduce_in_fp32": not args.grad_reduce_in_bf16, "overlap": args.overlap,
-            "bucket_size": args.bucket_size or default_bucket_size(dp),
+            "bucket_size": args.bucket_size or default_bucket_size(dp * sizes["cp"]),
             "early_compute": getattr(args, "early_compute", False), "clip_rate": getattr(args, "clip_rate", 0.0),
             "early_efficiency": getattr(args, "early_efficiency", EARLY_COMPUTE_EFFICIENCY),
             "early_compute_bytes": early_compute_bytes(getattr(args, "early_compute_budget", EARLY_COMPUTE_BYTES / 2**30))}
@@ -219,7 +227,7 @@ def layerwise_plans(specs: list, run: dict[str, Any]) -> tuple[Any, Any]:
     quiet_megatron_notices()
     from canzona_patches.integration.layerwise_baseline import plan_megatron_layerwise_stage
 
-    return plan_megatron_layerwise_stage(specs, dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"],
+    return plan_megatron_layerwise_stage(specs, dp_size=run["dp_cp"], tp_size=run["tp"], ep_size=run["ep"],
                                          expert_tp_size=run["etp"], cost_model=CostModel(kind=run["optimizer"]),
                                          bucket_size=run["bucket_size"])
 
@@ -230,7 +238,7 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
     cfg = get_qwen3_config(run["model"])
     activity = cfg.moe_router_topk * run["ep"] / cfg.num_experts if cfg.is_moe else 1.0
     workload = Workload(global_batch=run["global_batch"], micro_batch=run["micro_batch"], seq_length=run["seq_length"],
-                        expert_activity=activity)
+                        expert_activity=activity, context_parallel=run.get("cp", 1))
     wire = WireConfig(grad_bytes=4 if run["grad_reduce_in_fp32"] else 2)
     fused = fused_gate_up(specs)
     layerwise = layerwise_plans(fused, run) if set(strategies) & set(NEEDS_LAYERWISE_PLAN) else (None, None)
@@ -238,7 +246,7 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
     for name in strategies:
         plan, expert_plan = layerwise if name in NEEDS_LAYERWISE_PLAN else (None, None)
         out[name] = simulate(
-            specs if name.startswith("canzona") else fused, strategy=name, cluster=cluster, dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"],
+            specs if name.startswith("canzona") else fused, strategy=name, cluster=cluster, dp_size=run["dp_cp"], tp_size=run["tp"], ep_size=run["ep"],
             expert_tp_size=run["etp"], pp_size=run["pp"], optimizer=run["optimizer"],
             calibration=calibrations[strategy_ns_method(name, run["ns_method"])] if calibrations else None,
             workload=workload, plan=plan, expert_plan=expert_plan, wire=wire, overlap=run["overlap"],
@@ -257,7 +265,7 @@ def physical_limit(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
     cost = CostModel(kind=run["optimizer"], calibration=calibrations[run["ns_method"]] if calibrations else None,
                      ns_method=run["ns_method"], ns_dtype=cluster.gpu.ns_dtype)
     seconds = seconds_per_update(cost, cluster)
-    gpus = run["dp"] * run["tp"]
+    gpus = run["dp_cp"] * run["tp"]
     expert_gpus = gpus // (run["ep"] * run["etp"])
     work, largest, applied, adamw = 0.0, 0.0, 0.0, 0.0
     for spec in matrix_specs(specs):
@@ -265,9 +273,9 @@ def physical_limit(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
         t = seconds(spec)
         work += t * copies / (expert_gpus * run["etp"] if spec.is_expert else gpus)
         largest = max(largest, *(seconds(spec, k) for k in range(len(spec.parts))))
-        applied += spec.numel / (expert_gpus if spec.is_expert else run["dp"])
+        applied += spec.numel / (expert_gpus if spec.is_expert else run["dp_cp"])
     for spec in elementwise_specs(specs):
-        adamw += spec.numel / (expert_gpus if spec.is_expert else run["dp"])
+        adamw += spec.numel / (expert_gpus if spec.is_expert else run["dp_cp"])
     memory = cluster.gpu.memory_bytes_per_s
     return max(work, largest) + (applied * APPLY_BYTES_PER_ELEMENT + adamw * ADAMW_BYTES_PER_ELEMENT) / memory
 
@@ -312,8 +320,9 @@ def project(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Strateg
 def print_report(report: dict[str, Any]) -> None:
     c = report["config"]
     moe = f" EP {c['ep']} ETP {c['etp']}" if c["ep"] > 1 else ""
+    cp = f" CP {c['cp']}" if c.get("cp", 1) > 1 else ""
     print(f" [simulate] {c['model']} on {c['gpus']} x {c['cluster']} ({c['gpus_per_node']} per node) | TP {c['tp']} "
-          f"PP {c['pp']} DP {c['dp']}{moe} | global batch {c['global_batch']}, micro batch {c['micro_batch']}, "
+          f"PP {c['pp']} DP {c['dp']}{cp}{moe} | global batch {c['global_batch']}, micro batch {c['micro_batch']}, "
           f"seq {c['seq_length']} | {c['optimizer']}: {c['cost']} | MFU {report['cluster']['training']['mfu']:.2f}")
     if c["note"]:
         print(f" [simulate] note: {c['note']}")

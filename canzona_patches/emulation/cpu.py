@@ -185,6 +185,8 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     def factory_on_cpu(*args: Any, **kwargs: Any) -> torch.Tensor:
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = _target
+        if kwargs.get("pin_memory"):  # pinning needs an accelerator; without one it raises
+            kwargs["pin_memory"] = False
         return factory(*args, **kwargs)
 
     return factory_on_cpu

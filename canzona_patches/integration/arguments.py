@@ -25,6 +25,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import importlib.util
 import os
 import re
 import typing
@@ -290,6 +291,7 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
                 f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
                 f"{args.micro_batch_size} x data-parallel size {dp}: pick a global batch that is "
                 f"(e.g. {args.micro_batch_size * dp * max(1, args.global_batch_size // (args.micro_batch_size * dp))})")
+    _check_context_parallel(args)
     if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
         raise CanzonaArgumentError(
             f"--ddp-bucket-size {args.ddp_bucket_size} must be a positive number of elements (or omit it for "
@@ -320,6 +322,32 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
                 f"--canzona-metrics-file {metrics}: {parent} is a file, not a directory; pick another path")
 
 
+def _check_context_parallel(args: argparse.Namespace) -> None:
+    """Context parallelism: the sequence cut Megatron needs, and, without transformer-engine,
+    what the CPU context-parallel attention (canzona_patches/emulation/context_parallel.py)
+    does not compute."""
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp <= 1:
+        return
+    if args.seq_length is not None and args.seq_length % (2 * cp):
+        raise CanzonaArgumentError(
+            f"--seq-length {args.seq_length} is not a multiple of 2 x --context-parallel-size {cp} = {2 * cp}: each "
+            f"CP rank holds two equal chunks of every sequence; pick a multiple of {2 * cp}")
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    unsupported = [flag for flag, given in (
+        ("--window-size", getattr(args, "window_size", None) is not None),
+        ("--softmax-type " + str(getattr(args, "softmax_type", "vanilla")),
+         getattr(args, "softmax_type", "vanilla") != "vanilla"),
+        ("--reset-attention-mask", getattr(args, "reset_attention_mask", False)),
+    ) if given]
+    if unsupported:
+        raise CanzonaArgumentError(
+            f"--context-parallel-size {cp} without transformer-engine runs plain causal attention over whole "
+            f"sequences; {', '.join(unsupported)} needs transformer-engine's: install it, or drop "
+            f"{'it' if len(unsupported) == 1 else 'them'}")
+
+
 def _check_cluster(args: argparse.Namespace) -> None:
     """The cluster ``--canzona-layout auto`` projects on must load, before any rank builds."""
     if args.canzona_cluster is None:
@@ -337,10 +365,6 @@ def _check_cluster(args: argparse.Namespace) -> None:
 
 def _check_parallelism(args: argparse.Namespace) -> None:
     """Parallel layouts the Canzona plan does not cover yet."""
-    if args.context_parallel_size > 1:
-        raise CanzonaArgumentError(
-            f"--canzona does not plan over context parallelism yet: pass --context-parallel-size 1 "
-            f"(not {args.context_parallel_size})")
     if args.num_distributed_optimizer_instances > 1:
         raise CanzonaArgumentError(
             "--canzona shards one optimizer instance over the whole data-parallel group: drop "

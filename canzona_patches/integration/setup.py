@@ -147,7 +147,7 @@ def setup_from_args(model_chunks: list[torch.nn.Module], ddp_config: Any, args: 
                     summarize_here: bool = False) -> CanzonaSetup:
     """:func:`make_setup` configured by ``pretrain_gpt.py``'s flags and Megatron's process groups."""
     workload = Workload(global_batch=args.global_batch_size, micro_batch=args.micro_batch_size,
-                        seq_length=args.seq_length)
+                        seq_length=args.seq_length, context_parallel=getattr(args, "context_parallel_size", 1))
     return make_setup(
         model_chunks, ddp_config, canzona_config_from_args(args),
         dp_size=parallel_state.get_data_parallel_world_size(with_context_parallel=True),
@@ -169,11 +169,18 @@ def _stage_first_rank() -> tuple[bool, int | None]:
     return first, (parallel_state.get_pipeline_model_parallel_rank() if stages > 1 else None)
 
 
+def _dp_text(dp_size: int) -> str:
+    """``DP d``, or ``DP d x CP c`` under context parallelism (the plan spans both: Megatron's
+    DDP reduces and its distributed optimizer shards over DP x CP)."""
+    cp = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    return f"DP {dp_size // cp} x CP {cp}" if cp > 1 else f"DP {dp_size}"
+
+
 def _log_plan(plan: CanzonaPlan, s: dict, stage: int | None = None) -> None:
     """One line: layout, balance, padding, buckets, split matrices, bytes per rank."""
     prefix = "[canzona] plan:" if stage is None else f"[canzona] stage {stage} plan:"
     print(
-        f"{prefix} {plan.layout} layout, {len(plan.hosts)} matrices over DP {plan.dp_size} x TP {plan.tp_size}, "
+        f"{prefix} {plan.layout} layout, {len(plan.hosts)} matrices over {_dp_text(plan.dp_size)} x TP {plan.tp_size}, "
         f"{s['num_buckets']} bucket(s), {s['split_params']} split across DP shards, "
         f"{plan.num_groups} micro-group(s), alpha {plan.layouts[0].alpha}, cost {plan.layouts[0].cost_kind} | "
         f"DP x TP makespan / lower bound {s['makespan_over_lower_bound']:.3f} | padding {100 * s['padding_overhead']:.1f}% | "

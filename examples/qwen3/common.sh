@@ -15,6 +15,8 @@
 #                  adamw:     --optimizer adam with Megatron's distributed optimizer
 #   OPTIMIZER      matrix optimizer of canzona/sync/layerwise: muon (default) | shampoo | soap
 #   TP PP          tensor / pipeline parallel sizes (the recipe's defaults suit 8-GPU nodes)
+#   CP             context-parallel size (default 1): each sequence cut over CP GPUs, for long
+#                  contexts (pretrain_qwen3_8b_32k.sh); SEQ_LENGTH must be a multiple of 2 x CP
 #   PP_FIRST_LAYERS PP_LAST_LAYERS   layers of the first / last pipeline stage when the layers
 #                  do not split evenly (the other stages share the rest equally)
 #   EP ETP         MoE recipes (NUM_EXPERTS set) only: expert-parallel size (default 1) and
@@ -217,6 +219,10 @@ qwen3_parallel_args() {
     if (( TP > 1 )); then
         PARALLEL_ARGS+=(--sequence-parallel)
     fi
+    if (( CP > 1 )); then
+        (( SEQ_LENGTH % (2 * CP) == 0 )) || qwen3_die "SEQ_LENGTH=$SEQ_LENGTH is not a multiple of 2 x CP = $((2 * CP))"
+        PARALLEL_ARGS+=(--context-parallel-size "$CP")
+    fi
     if [[ -n "${PP_FIRST_LAYERS:-}" ]]; then
         PARALLEL_ARGS+=(--decoder-first-pipeline-num-layers "$PP_FIRST_LAYERS")
     fi
@@ -331,6 +337,7 @@ qwen3_defaults() {
     PRECISION="${PRECISION:-bf16}"
     NPROC_PER_NODE="${NPROC_PER_NODE:-8}"
     TP="${TP:-1}"
+    CP="${CP:-1}"
     PP="${PP:-1}"
     EP="${EP:-1}"
     ETP="${ETP:-1}"

@@ -49,6 +49,8 @@ RECIPES = {
     "qwen3-tiny": "pretrain_qwen3_tiny.sh",
     "qwen3-moe-tiny": "pretrain_qwen3_moe_tiny.sh",
 }
+LONG_CONTEXT = {"qwen3-8b-32k": ("qwen3-8b", "pretrain_qwen3_8b_32k.sh")}
+"""Recipes of a catalog model at a longer context (name -> model, recipe): context parallelism."""
 CPU_RECIPES = ("qwen3-tiny", "qwen3-moe-tiny")
 GPU_RECIPES = [model for model in RECIPES if model not in CPU_RECIPES]
 VARIANTS = ("canzona", "sync", "layerwise", "adamw")
@@ -80,7 +82,7 @@ QWEN3_TOKENIZER_VOCAB = 151669
 # 8 nodes one GPU would hold its experts' whole optimizer state). The tiny recipes run 2 CPU
 # ranks.
 WORLD_SIZES = {model: (8, 64) for model in GPU_RECIPES} | {"qwen3-235b-a22b": (128, 256)} \
-    | {model: (2,) for model in CPU_RECIPES}
+    | {model: (2,) for model in CPU_RECIPES} | {name: (64, 256) for name in LONG_CONTEXT}
 CHECK_TIMEOUT_S = 240
 TINY_RUN_TIMEOUT_S = 240
 
@@ -88,7 +90,7 @@ TINY_RUN_TIMEOUT_S = 240
 def dry_run(recipe: str, *args: str, **env: str) -> list[str]:
     """The recipe's torchrun command (DRY_RUN=1), split into words."""
     clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("SLURM_", "MASTER_", "NNODES", "NODE_RANK", "VARIANT", "OPTIMIZER", "TP", "PP",
+             if not k.startswith(("SLURM_", "MASTER_", "NNODES", "NODE_RANK", "VARIANT", "OPTIMIZER", "TP", "CP", "PP",
                                   "PRECISION", "EP", "ETP", "NCCL_", "GLOO_", "TORCH_NCCL_", "PYTORCH_CUDA_ALLOC_CONF", "DATA_",
                                   "TOKENIZER_", "DIST_TIMEOUT", "GC_INTERVAL", "SHUTDOWN_TIMEOUT"))}
     result = subprocess.run(["bash", str(RECIPES_DIR / recipe), *args], env={**clean, "DRY_RUN": "1", **env},
@@ -151,7 +153,8 @@ def _shellcheck() -> str | None:
 def test_scripts_pass_shellcheck() -> None:
     if _shellcheck() is None:
         pytest.skip("shellcheck is not installed and apt-get could not install it (not root, or offline)")
-    ours = [*(RECIPES_DIR / name for name in RECIPES.values()), RECIPES_DIR / "common.sh",
+    ours = [*(RECIPES_DIR / name for name in RECIPES.values()),
+            *(RECIPES_DIR / recipe for _, recipe in LONG_CONTEXT.values()), RECIPES_DIR / "common.sh",
             RECIPES_DIR / "slurm_pretrain.sbatch", ROOT / "tools" / "slurm_local.sh"]
     result = subprocess.run(["shellcheck", "-x", *map(str, ours)], cwd=ROOT, capture_output=True,
                             text=True, check=False)
@@ -535,7 +538,7 @@ def validated(demo_data) -> dict[str, dict]:
     """``"<model>/<variant>/<world size>"`` -> the validated arguments (or the error). The CPU
     recipes read the demo tokenizer, which the parse checks look for on disk: the session's."""
     cases = []
-    for model, recipe in RECIPES.items():
+    for model, recipe in {**RECIPES, **{name: recipe for name, (_, recipe) in LONG_CONTEXT.items()}}.items():
         local = {"TOKENIZER_MODEL": str(demo_data.tokenizer_model)} if model in CPU_RECIPES else {}
         for variant in VARIANTS:
             words = dry_run(recipe, VARIANT=variant, **local)
@@ -570,6 +573,24 @@ def test_flags_parse_and_validate(validated: dict[str, dict], case: str) -> None
         assert args["use_layer_wise_distributed_optimizer"] and args["muon_tp_mode"] == "duplicated"
     else:
         assert not args["canzona"] and args["optimizer"] == "adam" and args["use_distributed_optimizer"]
+
+
+@pytest.mark.parametrize("case", _cases(LONG_CONTEXT))
+def test_long_context_recipe_cuts_each_sequence_over_cp_ranks(validated: dict[str, dict], case: str) -> None:
+    """Qwen3-8B at 32K tokens: CP 4 x TP 2 per 8-GPU node, DP over the nodes, the 8B architecture."""
+    from megatron.canzona.planning.qwen3 import get_qwen3_config
+
+    args = validated[case]
+    assert "error" not in args, f"{case}: {args.get('error')}"
+    name, variant, world_size = case.split("/")
+    tp, cp, pp = (args["tensor_model_parallel_size"], args["context_parallel_size"],
+                  args["pipeline_model_parallel_size"])
+    assert (tp, cp, pp, args["seq_length"], args["max_position_embeddings"]) == (2, 4, 1, 32768, 32768)
+    assert args["data_parallel_size"] * tp * cp * pp == int(world_size) and args["global_batch_size"] == 32
+    catalog = get_qwen3_config(LONG_CONTEXT[name][0])
+    assert (args["num_layers"], args["hidden_size"], args["num_query_groups"]) == \
+        (catalog.num_layers, catalog.hidden_size, catalog.num_query_groups)
+    assert args["canzona"] == (variant in ("canzona", "sync"))
 
 
 @pytest.mark.parametrize("model", list(RECIPES))
@@ -681,7 +702,8 @@ _REPORTED = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "group_query_attention", "qk_layernorm", "swiglu", "normalization", "layernorm_epsilon", "position_embedding_type",
     "rotary_base", "add_bias_linear", "untie_embeddings_and_output_weights", "seq_length",
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "sequence_parallel",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "max_position_embeddings",
+    "data_parallel_size", "sequence_parallel",
     "optimizer", "canzona", "canzona_tp_mode", "use_distributed_optimizer", "use_layer_wise_distributed_optimizer",
     "muon_tp_mode", "muon_momentum", "muon_scale_mode", "muon_extra_scale_factor",
     "lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "global_batch_size", "micro_batch_size", "clip_grad",

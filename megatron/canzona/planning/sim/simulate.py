@@ -80,9 +80,15 @@ class Workload:
     (:func:`stage_flops_per_token`)."""
     expert_activity: float = 1.0
     """Fraction of a GPU's local expert parameters an average token uses: top-k · EP / experts."""
+    context_parallel: int = 1
+    """CP ranks each sequence is cut over (``--context-parallel-size``): the DP group
+    :func:`simulate` is given is DP × CP (Megatron's DDP reduces over it), a GPU holds
+    ``seq_length / context_parallel`` tokens of each sequence, and its queries still attend
+    over the whole sequence (the keys and values are gathered; that traffic overlaps the
+    attention and is not modelled)."""
 
     def __post_init__(self) -> None:
-        for name in ("global_batch", "micro_batch", "seq_length"):
+        for name in ("global_batch", "micro_batch", "seq_length", "context_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Workload.{name} must be a positive integer, got {value!r}")
@@ -90,6 +96,10 @@ class Workload:
             raise ValueError(f"Workload.expert_activity must lie in (0, 1], got {self.expert_activity}")
 
     def microbatches(self, dp_size: int) -> int:
+        """Micro-batches per iteration on a GPU whose DP × CP group has ``dp_size`` ranks."""
+        if dp_size % self.context_parallel:
+            raise ValueError(f"the DP x CP group of {dp_size} ranks is not a multiple of CP {self.context_parallel}")
+        dp_size //= self.context_parallel
         per_step = dp_size * self.micro_batch
         if self.global_batch % per_step:
             fix = -(-self.global_batch // per_step) * per_step
@@ -487,7 +497,7 @@ def _phases(ctx: _Context, work: Work, cluster: ClusterSpec, workload: Workload 
         per_token = workload.flops_per_token
         if per_token is None:
             per_token = stage_flops_per_token(ctx.specs, workload.seq_length, workload.expert_activity)
-        tokens = workload.micro_batch * workload.seq_length
+        tokens = workload.micro_batch * workload.seq_length / workload.context_parallel
         micro = per_token * tokens / (cluster.gpu.bf16_tflops * 1e12 * cluster.mfu) * slowdown
         fwd_bwd = count * micro
         details.update(microbatches=count, flops_per_token=per_token, micro_batch_seconds=micro, mfu=cluster.mfu)
