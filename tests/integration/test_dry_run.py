@@ -39,6 +39,8 @@ CASES = {
     # The cases: 144 matrices for 256 GPUs, and Qwen3-32B's recipe on 256 GPUs.
     "qwen3-8b tp2 dp128": ("--model", "qwen3-8b", "--tp", "2", "--dp", "128"),
     "qwen3-32b tp8 dp32": ("--model", "qwen3-32b", "--tp", "8", "--dp", "32", "--rank", "13"),
+    # The 32K-token recipe on 64 GPUs: the plan and the optimizer over DP 8 x CP 4.
+    "qwen3-8b tp2 dp8 cp4": ("--model", "qwen3-8b", "--tp", "2", "--dp", "8", "--cp", "4", "--rank", "13"),
     # SOAP's statistics and eigenbases; the last pipeline stage (output layer) at PP 2.
     "qwen3-8b tp2 dp8 pp2 soap": ("--model", "qwen3-8b", "--tp", "2", "--dp", "8", "--pp", "2", "--rank", "31",
                                   "--optimizer", "soap", "--grad-reduce-in-fp32"),

@@ -523,3 +523,22 @@ def test_whole_layout_buckets_pay_for_their_unequal_shards():
     sizes = [(b - a) * 4 for a, b in zip(bucket.shard_bounds, bucket.shard_bounds[1:])]
     k = sum(s > 0 for s in sizes)
     assert r.grad_reduce_seconds == pytest.approx((3 + k - 1) * 10e-6 + sum(sizes) / 100e9, rel=1e-12)
+
+
+def test_context_parallel_projects_over_dp_x_cp(capsys):
+    """Qwen3-8B at 32K tokens, TP 2 x CP 4 on 64 GPUs (the long-context recipe): DP 8, the
+    optimizer and the bucket collectives over DP x CP = 32 ranks, 4 micro-batches of 8192
+    tokens per GPU; Canzona's projected step at or below every peer's, which plan over DP x CP
+    too (Megatron's layer-wise Muon shards over dp_cp)."""
+    code, out, _ = run_cli(["--model", "qwen3-8b", "--gpus", "64", "--tp", "2", "--cp", "4", "--seq-length", "32768",
+                            "--global-batch", "32", "--json", "--strategies", "canzona", "megatron_layerwise",
+                            "layer_sharded", "megatron_main", "adamw"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    config, results = report["config"], report["strategies"]
+    assert (config["dp"], config["cp"], config["dp_cp"]) == (8, 4, 32)
+    assert results["canzona"]["details"]["microbatches"] == 4
+    peers = [results[n]["optimizer_step_seconds"] for n in ("megatron_layerwise", "layer_sharded", "megatron_main")]
+    assert results["canzona"]["optimizer_step_seconds"] <= min(peers)
+    code, _, err = run_cli(["--model", "qwen3-8b", "--gpus", "64", "--tp", "2", "--cp", "3"], capsys)
+    assert code != 0 and "multiple of TP 2 x CP 3 x PP 1" in err
