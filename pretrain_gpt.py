@@ -32,13 +32,15 @@ from canzona_patches.integration.arguments import (
     CanzonaArgumentError,
     add_canzona_args,
     finalize_canzona_args,
+    reports_errors,
     validate_canzona_args,
 )
 from canzona_patches.emulation.cpu import enable_cpu_training_mode
+from canzona_patches.integration.megatron_checks import one_line as megatron_check_failed
 from canzona_patches.registry import ARGUMENTS as ARGUMENT_PATCHES
 from canzona_patches.registry import install as install_patches
 from canzona_patches.registry import install_group as install_patch_group
-from canzona_patches.integration.training import LOSS_KEY
+from canzona_patches.integration.training import LOSS_KEY, iterations_this_job, nothing_trained
 from megatron.canzona.data import GPTDataConfig, build_gpt_datasets, check_gpt_data, describe_datasets
 from megatron.canzona.runtime.lifetime import end_with_parent, launched_by_torchrun
 from megatron.canzona.runtime.save_lock import SaveDirectoryLocked, take_save_lock
@@ -344,7 +346,10 @@ def parse_and_validate() -> argparse.Namespace:
     if not on_cpu:
         check_transformer_engine(args.transformer_impl, _transformer_engine_importable())
         notes = adapt_args_to_missing_kernels(args) + place_ranks_on_gpus(args, torch.cuda.device_count())
-    validate_args(args)
+    try:
+        validate_args(args)
+    except AssertionError as error:  # Megatron's bare asserts: one line naming the flags and the fix
+        raise megatron_check_failed(error, args) from None
     finalize_canzona_args(args)
     set_global_variables(args)
     if notes:
@@ -362,7 +367,8 @@ def main() -> int:
         check_launched_as_a_rank()
         lock_save_directory(args)
     except (CanzonaArgumentError, SaveDirectoryLocked) as error:
-        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        if reports_errors():  # once per job: every rank fails alike at start-up
+            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     install_patches(args)  # every Megatron patch whose condition holds (python -m canzona_patches.registry)
     try:
@@ -373,13 +379,19 @@ def main() -> int:
             forward_step,
             model_provider=model_provider,
         )
-    except CanzonaArgumentError as error:  # found once the model exists (e.g. bucket too small)
-        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+    except CanzonaArgumentError as error:  # found once the model exists (e.g. bucket too small), or the data
+        if reports_errors():  # every rank checks the same plan and the same files
+            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     except SystemExit as stop:  # Megatron's clean stops (--exit-interval, --exit-duration-in-mins)
         if stop.code not in (None, 0):
             raise
     _tear_down_process_groups()
+    problem = nothing_trained(get_args(), *iterations_this_job())
+    if problem is not None:  # a run that trained nothing unasked is a failure, not a success
+        if reports_errors():
+            print(f"pretrain_gpt.py: error: {problem}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -38,6 +38,8 @@ from typing import Any
 CHECKSUM_DIR = "checksums"
 """Subdirectory of a checkpoint holding one ``<file>.sha256`` per file."""
 SUFFIX = ".sha256"
+MANIFEST = "SHA256SUMS"
+"""Every checksum of the checkpoint once more, in one file the first rank writes at commit."""
 FAILED_SUFFIX = ".failed"
 """Marker of a data file whose write failed (``<file>.failed``: errno and path)."""
 
@@ -181,12 +183,54 @@ def take_write_failure(staging: Path) -> tuple[str, OSError] | None:
 
 def record_small_files(checkpoint: Path) -> None:
     """At commit, on the first rank: checksums of the files written without the hashing stream
-    (the index, ``common.pt``, ``metadata.json``: kilobytes), if the data files have theirs."""
+    (the index, ``common.pt``, ``metadata.json``: kilobytes), if the data files have theirs;
+    then every checksum once more in one list (:data:`MANIFEST`), so that a load can tell an
+    edited checksum file from a changed data file."""
     if not (checkpoint / CHECKSUM_DIR).is_dir():
         return
     for file in sorted(checkpoint.iterdir()):
         if file.is_file() and not sidecar(file).exists():
             record(file, file_digest(file))
+    lines = [listing.read_text() for listing in sorted((checkpoint / CHECKSUM_DIR).glob(f"*{SUFFIX}"))]
+    with open(checkpoint / CHECKSUM_DIR / MANIFEST, "w") as out:
+        out.write("".join(lines))
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _manifest(checkpoint: Path) -> dict[str, str]:
+    """File name -> the digest :data:`MANIFEST` recorded at commit (empty without one)."""
+    try:
+        text = (checkpoint / CHECKSUM_DIR / MANIFEST).read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        parts = line.split(maxsplit=1)
+        if len(parts) == 2:
+            out[parts[1].strip()] = parts[0]
+    return out
+
+
+def _which_disagrees(file: Path, listing: Path, actual: str, expected: str | None, saved: str | None) -> str:
+    """The mismatch of ``file`` (digest ``actual``) against its checksum file ``listing``
+    (``expected``; ``None``: unreadable), told apart with the commit's list (``saved``)."""
+    restore = ("restore the file, or resume from an earlier checkpoint (--ckpt-step, or point "
+               "latest_checkpointed_iteration.txt at it)")
+    if saved is not None and actual == saved:
+        return (f"{listing} was changed after the save: {file} still has the SHA-256 the save recorded "
+                f"({saved[:16]}..., {MANIFEST}); restore the checksum file (the data is intact)")
+    if saved is not None and expected == saved:
+        return (f"{file} is corrupt: its SHA-256 is {actual[:16]}..., the save recorded {saved[:16]}... "
+                f"({listing}, and {MANIFEST} agrees); {restore}")
+    if saved is not None:
+        return (f"{file} and {listing} both changed after the save: the file's SHA-256 is {actual[:16]}..., the "
+                f"checksum file says {(expected or 'nothing readable')[:16]}..., the save recorded {saved[:16]}... "
+                f"({MANIFEST}); {restore}")
+    if expected is None:
+        return f"{listing} is unreadable: the checkpoint's checksums are damaged"
+    return (f"{file} is corrupt: its SHA-256 is {actual[:16]}..., the save recorded {expected[:16]}... "
+            f"({listing}; this checkpoint has no {MANIFEST} to tell which of the two changed); {restore}")
 
 
 # --------------------------------------------------------------------------- at load
@@ -196,19 +240,24 @@ def first_mismatch(checkpoint: Path, rank: int, world_size: int) -> str | None:
     """Re-hash this rank's share (checksum lists ``rank, rank + world_size, ...``); the first
     mismatch as one line, or None."""
     lists = sorted((checkpoint / CHECKSUM_DIR).glob(f"*{SUFFIX}"))
+    saved = None
     for listing in lists[rank::world_size]:
+        if saved is None:
+            saved = _manifest(checkpoint)
+        name = listing.name.removesuffix(SUFFIX)
         try:
-            expected, name = listing.read_text().split(maxsplit=1)
+            expected, named = listing.read_text().split(maxsplit=1)
+            name = named.strip()
         except (OSError, ValueError):
-            return f"{listing} is unreadable: the checkpoint's checksums are damaged"
-        file = checkpoint / name.strip()
+            expected = None
+        file = checkpoint / name
         if not file.is_file():
             return f"{file} is missing (its checksum is recorded in {listing})"
+        if expected is None and name not in saved:
+            return f"{listing} is unreadable: the checkpoint's checksums are damaged"
         actual = file_digest(file)
         if actual != expected:
-            return (f"{file} is corrupt: its SHA-256 is {actual[:16]}..., the save recorded {expected[:16]}... "
-                    f"({listing}); restore the file, or resume from an earlier checkpoint "
-                    "(--ckpt-step, or point latest_checkpointed_iteration.txt at it)")
+            return _which_disagrees(file, listing, actual, expected, saved.get(name))
     return None
 
 

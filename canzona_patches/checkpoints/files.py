@@ -387,10 +387,7 @@ def one_line_errors(path: Path) -> Iterator[None]:
         shape = _SHAPE_MISMATCH.search(text)
         schedule = _SCHEDULE_MISMATCH.search(text)
         if schedule:
-            message = (f"{path}: this run's {schedule['name']} is {schedule['ours']}, the checkpoint's "
-                       f"{schedule['saved']} (another --train-iters, --lr-decay-iters or --lr-warmup-iters?): pass "
-                       "--use-checkpoint-opt_param-scheduler to keep the saved schedule, or "
-                       "--override-opt_param-scheduler to take this run's")
+            message = schedule_mismatch(path, schedule["name"], schedule["ours"], schedule["saved"])
         elif shape:
             message = (f"{_file_of(path, shape['key'])}: {shape['key']} has shape {_shape(shape['saved'])} in the "
                        f"checkpoint, this run expects {_shape(shape['wanted'])}; the model or optimizer configuration "
@@ -409,6 +406,45 @@ _SCHEDULE_MISMATCH = re.compile(
     r"OptimizerParamScheduler: class input value (?P<ours>\S+) and checkpoint\s*value (?P<saved>\S+) for "
     r"(?P<name>.+?) do not match")
 """Megatron's assert when a resumed run's learning-rate schedule differs from the saved one."""
+
+
+_SCHEDULE_IN_SAMPLES = {"warmup iterations": "learning-rate warm-up", "total number of iterations": "learning-rate decay",
+                        "total number of weight decay iterations": "weight-decay schedule"}
+"""Megatron's names of the schedule lengths it counts in samples (whatever the name says)."""
+
+
+def schedule_mismatch(path: Path, name: str, ours: str, saved: str, args: Any = None) -> str:
+    """One line for a resumed run whose schedule differs from the checkpoint's: the lengths
+    Megatron counts in samples said in samples, and in iterations where the run counts
+    iterations; the two flags that settle it, unless this run would end before the checkpoint's
+    iteration (then no schedule helps: --train-iters must go up)."""
+    if args is None:
+        try:
+            from megatron.training.global_vars import get_args
+
+            args = get_args()
+        except (ImportError, AssertionError):
+            args = None
+    iters, batch = getattr(args, "train_iters", None), getattr(args, "global_batch_size", None)
+    loaded = re.search(r"iter_(\d+)", str(path))
+    if iters and loaded and int(loaded.group(1)) >= iters:
+        return (f"{path}: the checkpoint is at iteration {int(loaded.group(1))} and this run's --train-iters {iters} "
+                f"ends there or before: nothing would train; raise --train-iters above {int(loaded.group(1))}")
+    what = _SCHEDULE_IN_SAMPLES.get(name)
+    if what is None:
+        ours_text, saved_text, what = ours, saved, name
+    else:
+        def length(value: str) -> str:
+            samples = float(value)
+            text = f"{samples:.0f} samples"
+            if iters and batch:
+                text += f" ({samples / batch:g} iterations of {batch})"
+            return text
+
+        ours_text, saved_text = length(ours), length(saved)
+    return (f"{path}: this run's {what} is {ours_text}, the checkpoint's {saved_text} (another --train-iters, "
+            "--lr-decay-iters or --lr-warmup-iters?): pass --use-checkpoint-opt_param-scheduler to keep the saved "
+            "schedule, or --override-opt_param-scheduler to take this run's")
 
 
 def _corrupt_files(path: Path) -> list[Path]:

@@ -190,7 +190,9 @@ def _check_common(saved: dict, current: dict) -> None:
         raise CanzonaCheckpointError(f"optimizer state format {saved.get('format')}, this Canzona reads {STATE_FORMAT}")
     if saved["optimizer"] != current["optimizer"]:
         raise CanzonaCheckpointError(
-            f"the checkpoint holds {saved['optimizer']} state, this run uses --optimizer {current['optimizer']}"
+            f"the checkpoint holds {saved['optimizer']} state, this run uses --optimizer {current['optimizer']}: "
+            f"resume with --optimizer {saved['optimizer']}, or pass --no-load-optim to load the weights and start "
+            f"{current['optimizer']}'s state afresh"
         )
     if saved["pieces"] != current["pieces"]:
         raise CanzonaCheckpointError(
@@ -376,6 +378,14 @@ def checked_load_checkpoint(load_checkpoint: Callable[..., Any], run: Any = None
     return load_checkpoint_checked
 
 
+def is_hugging_face_model(directory: Path) -> bool:
+    """A Hugging Face model directory: its ``config.json`` beside safetensors or PyTorch weights."""
+    if not (directory / "config.json").is_file():
+        return False
+    return any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin")) \
+        or (directory / "model.safetensors.index.json").is_file()
+
+
 def _check_nothing_to_resume(load_dir: str, save_dir: str | None) -> None:
     """``--load`` names no checkpoint. The same directory as ``--save`` is the requeue pattern:
     start afresh, and say so; any other directory is a mistake (a typo would otherwise train
@@ -386,6 +396,11 @@ def _check_nothing_to_resume(load_dir: str, save_dir: str | None) -> None:
             print(f"[canzona] --load {load_dir} holds no checkpoint yet: training starts from iteration 0 "
                   "(it is also --save: a requeued job resumes from what this one saves)", flush=True)
         return
+    if is_hugging_face_model(Path(load_dir)):
+        raise CanzonaCheckpointError(
+            f"--load {load_dir} is a Hugging Face model directory (config.json and weights), not a Megatron checkpoint: "
+            f"convert it once with python tools/convert_hf.py import --hf {load_dir} --save <dir>, then --load <dir> "
+            "(with --finetune to start a new run from its weights)")
     what = "does not exist" if not Path(load_dir).exists() else "holds no checkpoint (no latest_checkpointed_iteration.txt)"
     raise CanzonaCheckpointError(
         f"--load {load_dir} {what}: fix the path, or drop --load to train from scratch "

@@ -67,8 +67,15 @@ def add_canzona_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def reports_errors() -> bool:
+    """Whether this process prints a start-up error: rank 0 of a torchrun job, or a process
+    not started by torchrun. Every rank parses the same flags and fails alike, so the job
+    says it once; the other ranks exit quietly with the same code."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _one_line_error(parser: argparse.ArgumentParser, message: str) -> None:
-    parser.exit(2, f"{parser.prog}: error: {message}\n")
+    parser.exit(2, f"{parser.prog}: error: {message}\n" if reports_errors() else None)
 
 
 def _extend_optimizer_choices(parser: argparse.ArgumentParser, extra: tuple[str, ...]) -> None:
@@ -320,6 +327,14 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
         if os.path.isfile(parent):
             raise CanzonaArgumentError(
                 f"--canzona-metrics-file {metrics}: {parent} is a file, not a directory; pick another path")
+        try:  # opened now: an unwritable path fails here, not after the first iteration
+            os.makedirs(os.path.dirname(os.path.abspath(metrics)), exist_ok=True)
+            with open(metrics, "a"):
+                pass
+        except OSError as error:
+            raise CanzonaArgumentError(
+                f"--canzona-metrics-file {metrics} cannot be written ({error.strerror or error}): pick a writable "
+                "path") from None
 
 
 def _check_context_parallel(args: argparse.Namespace) -> None:

@@ -335,6 +335,41 @@ def timing_optimizer_step(setup_model_and_optimizer: Callable[..., Any], run: An
     return setup_with_timed_step
 
 
+_ITERATIONS: collections.Counter[str] = collections.Counter()
+"""This process's iterations of the job so far: ``trained`` and ``skipped`` (an fp16 overflow)."""
+
+
+def iterations_this_job() -> tuple[int, int]:
+    """``(trained, skipped)`` iterations this process has run (``training_log`` sees each)."""
+    return _ITERATIONS["trained"], _ITERATIONS["skipped"]
+
+
+def all_skipped_warning(skipped: int, loss_scale: float, initial_loss_scale: float | None) -> str:
+    """The log line of a run whose every iteration so far was skipped for overflow."""
+    fix = "pass a lower --initial-loss-scale"
+    if initial_loss_scale:
+        fix += f" (this run's: {initial_loss_scale:g}), e.g. {2.0 ** 16:g}"
+    return (f"[canzona] warning: all {skipped} iteration(s) so far were skipped: the fp16 loss scale (now "
+            f"{loss_scale:g}) overflowed each time and nothing has trained; {fix}")
+
+
+def nothing_trained(args: Any, trained: int, skipped: int) -> str | None:
+    """Why a finished run trained nothing, when that was not asked for (``--skip-train``, or
+    ``--train-iters`` equal to the iteration it loaded); ``None`` otherwise."""
+    if trained or getattr(args, "skip_train", False) or not getattr(args, "train_iters", None):
+        return None
+    if skipped:
+        return (f"all {skipped} iterations were skipped: the fp16 loss scale overflowed each time and nothing "
+                f"trained; pass a lower --initial-loss-scale (this run's: {args.initial_loss_scale:g})")
+    loaded = getattr(args, "iteration", 0) or 0
+    if loaded == args.train_iters:
+        return None
+    if loaded > args.train_iters:
+        return (f"nothing trained: the checkpoint is at iteration {loaded}, past this run's --train-iters "
+                f"{args.train_iters}; raise --train-iters above {loaded}")
+    return f"nothing trained: the run ended at iteration {loaded} of --train-iters {args.train_iters}"
+
+
 def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Callable[..., Any]:
     """``training_log`` followed, at log iterations, by :func:`format_metrics`'s line.
 
@@ -352,6 +387,7 @@ def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Call
                                   *rest: Any, is_first_iteration: bool = False, **kwargs: Any):
         args = _training.get_args()
         metrics.record(loss_dict, skipped_iter, get_current_global_batch_size())
+        _ITERATIONS["skipped" if skipped_iter else "trained"] += 1
         on_interval = iteration % args.log_interval == 0
         is_first_iteration = is_first_iteration and not on_interval
         logging_now = on_interval or is_first_iteration
@@ -365,6 +401,9 @@ def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Call
                                     learning_rate=learning_rate, grad_norm=grad_norm,
                                     reset=not is_first_iteration)
             _training.print_rank_last(format_metrics(report))
+            if not _ITERATIONS["trained"]:
+                _training.print_rank_last(all_skipped_warning(_ITERATIONS["skipped"], float(loss_scale),
+                                                              getattr(args, "initial_loss_scale", None)))
             write_scalars(report, plan_scalars(_handoff(run).summary), iteration)
         return result
 

@@ -6,6 +6,9 @@ environment variables, a fresh port) with its stdout and stderr in files of its 
 
     python tests/e2e/forked_pretrain.py '{"name": ["--flag", ...], ...}'
 
+A case may also be ``{"flags": [...], "env": {"WORLD_SIZE": "4"}}``: its rank sees that environment
+(the world size of a job the case stands for, without starting its other ranks).
+
 prints ``{"name": {"returncode": int, "stdout": str, "stderr": str, "output": str}, ...}``
 (``output``: stdout, then stderr) as JSON on stdout's last line.
 """
@@ -29,12 +32,13 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _run_case(pretrain_gpt, flags: list[str], stdout_path: str, stderr_path: str) -> int:
+def _run_case(pretrain_gpt, flags: list[str], stdout_path: str, stderr_path: str, env: dict | None = None) -> int:
     """In the child: stdout and stderr to files, one rank's environment, run main(), its exit code."""
     for stream, path in ((1, stdout_path), (2, stderr_path)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), stream)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(env or {})
     sys.argv = ["pretrain_gpt.py", *flags]
     try:
         code = pretrain_gpt.main()
@@ -61,7 +65,8 @@ def main() -> None:
             sys.stdout.flush()
             pid = os.fork()
             if pid == 0:
-                os._exit(_run_case(pretrain_gpt, flags, paths["stdout"], paths["stderr"]))
+                case = flags if isinstance(flags, dict) else {"flags": flags}
+                os._exit(_run_case(pretrain_gpt, case["flags"], paths["stdout"], paths["stderr"], case.get("env")))
             _, status = os.waitpid(pid, 0)
             result = {stream: Path(path).read_text() if os.path.exists(path) else "" for stream, path in paths.items()}
             results[name] = {"returncode": os.waitstatus_to_exitcode(status), **result,

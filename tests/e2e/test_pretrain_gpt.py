@@ -254,6 +254,41 @@ BAD_INPUTS = {
 }
 
 
+MEGATRON_BASE = [*QWEN3_TINY, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10",
+                 "--lr", "1e-3", "--eval-interval", "5", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                 "--vocab-size", "64"]
+"""A command line every check passes (the data never read: each case stops at the flags)."""
+MEGATRON_CHECKS = {
+    # name: (flags over MEGATRON_BASE, the job's world size, what the line must say)
+    "world_size": (["--tensor-model-parallel-size", "2"], 3,
+                   "the number of processes (3) must be a multiple of TP x PP x CP = 2"),
+    "world_size_with_cp": (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"], 6,
+                           "must be a multiple of TP x PP x CP = 4"),
+    "layers_by_pipeline": (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2,
+                           "--decoder-first-pipeline-num-layers"),
+    "positions_below_sequence": (["--max-position-embeddings", "32"], 1,
+                                 "raise --max-position-embeddings (now 32) to at least --seq-length 64"),
+    "micro_batch_zero": (["--micro-batch-size", "0"], 1, "--micro-batch-size must be 1 or more"),
+}
+"""Megatron's own ``validate_args`` asserts a command line can reach (a table of flags: each
+case trips one), which pretrain_gpt.py answers in one line naming the flags and the fix."""
+
+
+def test_megatrons_own_checks_fail_in_one_line() -> None:
+    cases = {name: {"flags": [*MEGATRON_BASE, *flags], "env": {"WORLD_SIZE": str(world)}}
+             for name, (flags, world, _) in MEGATRON_CHECKS.items()}
+    forked = run_with_deadline([sys.executable, "tests/e2e/forked_pretrain.py", json.dumps(cases)],
+                               timeout_s=RUN_TIMEOUT_S)
+    assert forked.returncode == 0, forked.stdout[-4000:]
+    results = json.loads(forked.stdout.strip().splitlines()[-1])
+    for name, (_, _, expected) in MEGATRON_CHECKS.items():
+        result = results[name]
+        assert result["returncode"] == 2, f"{name}: exit {result['returncode']}\n{result['stderr'][-3000:]}"
+        errors = [line for line in result["stderr"].splitlines() if "error:" in line]
+        assert len(errors) == 1 and "Traceback" not in result["stderr"], f"{name}: {result['stderr'][-3000:]}"
+        assert errors[0].startswith("pretrain_gpt.py: error: ") and expected in errors[0], f"{name}: {errors[0]}"
+
+
 def check_one_line_error(name: str, returncode: int, stderr: str) -> None:
     expected = BAD_INPUTS[name][1]
     assert returncode == 2, f"{name}: exit {returncode}\n{stderr[-2000:]}"
@@ -284,6 +319,33 @@ def test_bad_flags_fail_with_one_line_naming_the_fix() -> None:
     assert set(results) == set(BAD_INPUTS)
     for name, result in results.items():
         check_one_line_error(name, result["returncode"], result["stderr"])
+
+
+@pytest.mark.parametrize("name", ["adam", "unknown_layout"])
+def test_a_start_up_error_is_printed_once_per_job(name: str) -> None:
+    """Every rank parses the same flags and fails alike: rank 0 says it (Canzona's check, and
+    argparse's own), the others exit quietly with the same code, and the line comes before
+    torchrun's failure report."""
+    result = run_with_deadline(torchrun(3, "pretrain_gpt.py", *BAD_INPUTS[name][0]), timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode != 0
+    lines = result.stdout.splitlines()
+    errors = [i for i, line in enumerate(lines) if "pretrain_gpt.py: error:" in line]
+    assert len(errors) == 1 and BAD_INPUTS[name][1] in lines[errors[0]], result.stdout[-4000:]
+    report = [i for i, line in enumerate(lines) if "ChildFailedError" in line or "Root Cause" in line]
+    assert not report or errors[0] < report[0], result.stdout[-4000:]
+
+
+def test_an_fp16_run_that_skips_every_iteration_says_so(demo_data: DemoData, tmp_path: Path) -> None:
+    """--fp16 from Megatron's initial loss scale 2^32 overflows every iteration of a short run:
+    each log line is followed by a warning naming --initial-loss-scale, and the run, having
+    trained nothing, ends with one error line and a non-zero exit instead of exit 0."""
+    args = pretrain_args(demo_data, tmp_path, "--optimizer", "adam", "--fp16", "--train-iters", "8",
+                         "--lr-warmup-iters", "2")
+    result = run_with_deadline(torchrun(1, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode != 0, result.stdout[-4000:]
+    assert "[canzona] warning: all 5 iteration(s) so far were skipped" in result.stdout, result.stdout[-4000:]
+    errors = [line for line in result.stdout.splitlines() if "pretrain_gpt.py: error:" in line]
+    assert len(errors) == 1 and "all 8 iterations were skipped" in errors[0] and "--initial-loss-scale" in errors[0]
 
 
 def test_a_split_without_documents_fails_instead_of_hanging(demo_data: DemoData, tmp_path: Path) -> None:

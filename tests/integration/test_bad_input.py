@@ -112,3 +112,64 @@ def test_a_resumed_schedule_that_differs_names_megatrons_two_flags(tmp_path: Pat
     assert "\n" not in message and message.startswith(f"{tmp_path}: this run's ")
     assert "200" in message and "100" in message
     assert "--use-checkpoint-opt_param-scheduler" in message and "--override-opt_param-scheduler" in message
+
+
+def test_a_schedule_mismatch_says_samples_as_samples_and_iterations_as_iterations(tmp_path: Path) -> None:
+    """Megatron counts the schedule's lengths in samples under names that say iterations: the
+    line says samples, and iterations of the global batch where the run counts iterations; a
+    run that would end before the checkpoint's iteration is told to raise --train-iters, since
+    --override-opt_param-scheduler would then train nothing."""
+    from canzona_patches.checkpoints.files import schedule_mismatch
+
+    args = argparse.Namespace(train_iters=6, global_batch_size=8)
+    message = schedule_mismatch(tmp_path / "iter_0000004", "total number of iterations", "48", "128", args)
+    assert "learning-rate decay is 48 samples (6 iterations of 8), the checkpoint's 128 samples (16 iterations of 8)" \
+        in message and "--override-opt_param-scheduler" in message
+    message = schedule_mismatch(tmp_path / "iter_0000016", "total number of iterations", "48", "128", args)
+    assert message.endswith("the checkpoint is at iteration 16 and this run's --train-iters 6 ends there or before: "
+                            "nothing would train; raise --train-iters above 16")
+    assert "samples" in schedule_mismatch(tmp_path, "warmup iterations", "16", "24", None)
+
+
+def test_a_run_that_trained_nothing_unasked_says_why() -> None:
+    from canzona_patches.integration.training import all_skipped_warning, nothing_trained
+
+    def run(**kw):
+        return argparse.Namespace(**{"train_iters": 20, "iteration": 0, "skip_train": False,
+                                     "initial_loss_scale": 2.0 ** 32, **kw})
+
+    assert nothing_trained(run(), trained=3, skipped=2) is None
+    assert "all 20 iterations were skipped" in nothing_trained(run(), trained=0, skipped=20)
+    assert "--initial-loss-scale (this run's: 4.29497e+09)" in nothing_trained(run(), trained=0, skipped=20)
+    assert nothing_trained(run(iteration=20), trained=0, skipped=0) is None  # asked: train-iters = loaded
+    assert nothing_trained(run(skip_train=True), trained=0, skipped=0) is None
+    assert "raise --train-iters above 48" in nothing_trained(run(iteration=48), trained=0, skipped=0)
+    line = all_skipped_warning(5, 2.0 ** 27, 2.0 ** 32)
+    assert line.startswith("[canzona] warning: all 5 iteration(s) so far were skipped") and "--initial-loss-scale" in line
+
+
+def test_an_unwritable_metrics_file_fails_at_start_up(tmp_path: Path) -> None:
+    """Opened while the flags are checked, so it fails before the first iteration, in one line
+    (it used to be a PermissionError after iteration 1). /proc refuses new files even to root."""
+    with pytest.raises(CanzonaArgumentError, match=r"--canzona-metrics-file /proc/canzona/m.jsonl cannot be written"):
+        check_common_args(parse("--canzona-metrics-file", "/proc/canzona/m.jsonl"), {})
+    readonly = tmp_path / "metrics.jsonl"
+    check_common_args(parse("--canzona-metrics-file", str(readonly)), {})
+    assert readonly.is_file()  # created where it can be
+
+
+def test_a_hugging_face_directory_given_to_load_points_to_the_converter(tmp_path: Path) -> None:
+    from canzona_patches.checkpoints.state import _check_nothing_to_resume
+
+    hf = tmp_path / "Qwen3-8B"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(CanzonaCheckpointError) as raised:
+        _check_nothing_to_resume(str(hf), None)
+    message = str(raised.value)
+    assert message.startswith(f"--load {hf} is a Hugging Face model directory") and "\n" not in message
+    assert f"python tools/convert_hf.py import --hf {hf} --save <dir>" in message
+    (hf / "model-00001-of-00002.safetensors").unlink()  # config.json alone: just no checkpoint
+    with pytest.raises(CanzonaCheckpointError, match="holds no checkpoint"):
+        _check_nothing_to_resume(str(hf), None)

@@ -263,3 +263,29 @@ def test_a_truncated_bin_is_named_before_training(eod_dataset, tmp_path):
     with pytest.raises(ValueError, match=rf"{prefix}.bin holds {len(data) - 100} bytes, its index {prefix}.idx "
                                          rf"points to {len(data)}: the file is truncated"):
         check_gpt_data(GPTDataConfig(seq_length=16, blend=([prefix], None), split="100,0,0"))
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("cut_idx", r"\.idx holds \d+ bytes, its header announces \d+ sequences and \d+ documents \(\d+ bytes\): the file "
+                r"is truncated or damaged; rebuild the pair with tools/preprocess_data.py"),
+    ("foreign_idx", r"\.idx is not a Megatron dataset index"),
+    ("longer_bin", r"\.bin holds \d+ bytes, its index .*\.idx ends its last document at byte \d+: the two files are "
+                   r"not one pair"),
+])
+def test_a_damaged_or_mismatched_pair_is_named_before_training(eod_dataset, tmp_path, damage, message):
+    """A cut .idx made Megatron's reader fail with numpy's "buffer is smaller than requested size"
+    (no file named) and then an AttributeError from its __del__; the data check reads the header
+    first. A .bin longer than its index says belongs to another dataset."""
+    prefix = str(tmp_path / "damaged_text_document")
+    index, data = Path(eod_dataset + ".idx").read_bytes(), Path(eod_dataset + ".bin").read_bytes()
+    if damage == "cut_idx":
+        index = index[: len(index) - 40]
+    elif damage == "foreign_idx":
+        index = b"PK\x03\x04" + index[4:]
+    else:
+        data = data + bytes(64)
+    Path(prefix + ".idx").write_bytes(index)
+    Path(prefix + ".bin").write_bytes(data)
+    with pytest.raises(ValueError, match=message) as raised:
+        check_gpt_data(GPTDataConfig(seq_length=16, blend=([prefix], None), split="100,0,0"))
+    assert "\n" not in str(raised.value)

@@ -288,13 +288,14 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(results):
     ("missing_file", r"__1_0\.distcp is missing"),
     ("truncated", r"__0_0\.distcp is truncated: \d+ bytes, the index needs \d+"),
     ("garbled", r"iter_0000003/__0_0\.distcp is corrupt: its SHA-256 is [0-9a-f]{16}\.\.\., the save recorded "
-                r"[0-9a-f]{16}\.\.\. \(.*checksums/__0_0\.distcp\.sha256\); restore the file"),
+                r"[0-9a-f]{16}\.\.\. \(.*checksums/__0_0\.distcp\.sha256, and SHA256SUMS agrees\); restore the file"),
     ("flipped", r"iter_0000003/__1_0\.distcp is corrupt: its SHA-256 is"),
     ("garbled_unlisted", r"iter_0000003/__0_0\.distcp is corrupt: its SHA-256 differs from .*integrity\.json"),
     ("bad_tracker", r"latest_checkpointed_iteration\.txt holds .* not an iteration number"),
     ("missing_dir", r"iter_0000003 does not exist"),
     ("model_shape", r"has shape \(.*\) in the checkpoint, this run expects \(.*\)"),
-    ("other_optimizer", r"holds muon state, this run uses --optimizer soap"),
+    ("other_optimizer", r"holds muon state, this run uses --optimizer soap: resume with --optimizer muon, or pass "
+                        r"--no-load-optim"),
     ("other_split", r"split as gate_up, qkv, this run as qkv"),
 ])
 def test_a_bad_checkpoint_gives_one_line_naming_the_file(results, case, expected):

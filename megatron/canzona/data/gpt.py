@@ -8,6 +8,7 @@ turns the inputs that would crash or hang it into one-line errors naming the fix
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,11 +209,41 @@ def _check_files(prefix: str) -> None:
     _check_bin_size(prefix)
 
 
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+"""The first bytes of a Megatron indexed dataset's ``.idx``."""
+INDEX_HEADER = struct.Struct("<QBQQ")
+"""After the magic: version, token dtype code, sequence count, document count."""
+TOKEN_BYTES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
+"""Megatron's dtype codes (``indexed_dataset.DType``) -> bytes per token."""
+REBUILD = "rebuild the pair with tools/preprocess_data.py (or copy both files again)"
+
+
+def _check_index(prefix: str) -> None:
+    """The ``.idx`` is whole: its header, and the arrays its counts announce (lengths, pointers,
+    document indices). Megatron's reader would fail on a cut or foreign file with numpy's "buffer
+    is smaller than requested size", naming no file, and a second error from its ``__del__``."""
+    path = Path(prefix + ".idx")
+    size = path.stat().st_size
+    with open(path, "rb") as stream:
+        head = stream.read(len(INDEX_MAGIC) + INDEX_HEADER.size)
+    if len(head) < len(INDEX_MAGIC) + INDEX_HEADER.size or not head.startswith(INDEX_MAGIC):
+        raise ValueError(f"{path} is not a Megatron dataset index (its first bytes are not {INDEX_MAGIC!r}): "
+                         f"{REBUILD}")
+    _, code, sequences, documents = INDEX_HEADER.unpack(head[len(INDEX_MAGIC):])
+    if code not in TOKEN_BYTES:
+        raise ValueError(f"{path} names token type code {code}, which no Megatron dataset uses: {REBUILD}")
+    needed = len(head) + 4 * sequences + 8 * sequences + 8 * documents
+    if size < needed:
+        raise ValueError(f"{path} holds {size} bytes, its header announces {sequences} sequences and {documents} "
+                         f"documents ({needed} bytes): the file is truncated or damaged; {REBUILD}")
+
+
 def _check_bin_size(prefix: str) -> None:
     """The ``.bin`` holds every token its ``.idx`` points at: a truncated file (a copy cut short)
     would otherwise pass and fail at iteration 1 with numpy's "offset must be non-negative"."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    _check_index(prefix)
     size = Path(prefix + ".bin").stat().st_size
     if size == 0:
         return  # an empty dataset: the split checks name it
@@ -224,6 +255,10 @@ def _check_bin_size(prefix: str) -> None:
         raise ValueError(
             f"{prefix}.bin holds {size} bytes, its index {prefix}.idx points to {needed}: the file is truncated; "
             "copy it again or rewrite it with tools/preprocess_data.py")
+    if size > needed:
+        raise ValueError(
+            f"{prefix}.bin holds {size} bytes, its index {prefix}.idx ends its last document at byte {needed}: the "
+            f"two files are not one pair (another dataset's .bin or .idx?); {REBUILD}")
 
 
 def _documents_if_empty(prefix: str, bound: tuple[float, float]) -> int | None:

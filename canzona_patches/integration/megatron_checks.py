@@ -1,0 +1,128 @@
+"""Megatron-Core's own argument checks, answered in one line.
+
+Megatron's ``validate_args`` checks the flags with bare ``assert`` statements: a failed one
+prints a traceback on every rank, sometimes with no message at all. :func:`one_line` turns
+the ``AssertionError`` into a :class:`~canzona_patches.integration.arguments.CanzonaArgumentError`
+naming what failed and the flags involved, read from the failing statement itself (its
+source, found through the traceback, and the values of the flags and locals it names), with
+the fix for the checks a user commonly trips. Nothing of Megatron's checks is repeated here:
+they run, and this only words their failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import linecache
+import re
+import traceback
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from canzona_patches.integration.arguments import CanzonaArgumentError
+
+
+@dataclass(frozen=True)
+class FailedCheck:
+    """The ``assert`` that failed: where, its condition and message as written, what it names."""
+
+    file: str
+    line: int
+    condition: str
+    message: str
+    flags: tuple[str, ...]
+    """``args`` attributes the condition reads, in order."""
+    local_values: dict[str, Any]
+    """Other names of the condition and their values where it failed."""
+
+
+def _statement(file: str, line: int) -> ast.Assert | None:
+    """The ``assert`` statement of ``file`` spanning ``line``."""
+    tree = _parsed(file)
+    if tree is None:
+        return None
+    found = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assert) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            found = node
+    return found
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(file: str) -> ast.Module | None:
+    source = "".join(linecache.getlines(file))
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        return None
+
+
+def failed_check(error: AssertionError) -> FailedCheck | None:
+    """The innermost ``assert`` of ``error``'s traceback, read from its source (None when the
+    source cannot be found)."""
+    frames: list[tuple[str, int, dict]] = []
+    tb: TracebackType | None = error.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_locals))
+        tb = tb.tb_next
+    for file, line, local in reversed(frames):
+        node = _statement(file, line)
+        if node is None:
+            continue
+        source = "".join(linecache.getlines(file))
+        condition = ast.get_source_segment(source, node.test) or ""
+        flags: list[str] = []
+        names: dict[str, Any] = {}
+        for sub in sorted(ast.walk(node.test), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))):
+            if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "args":
+                if sub.attr not in flags:
+                    flags.append(sub.attr)
+            elif isinstance(sub, ast.Name) and sub.id not in ("args",) and sub.id in local:
+                value = local[sub.id]
+                if isinstance(value, (int, float, str, bool, type(None))):
+                    names[sub.id] = value
+        return FailedCheck(file=file, line=line, condition=" ".join(condition.replace("\\\n", " ").split()),
+                           message=str(error),
+                           flags=tuple(flags), local_values=names)
+    return None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _fix(check: FailedCheck, args: argparse.Namespace) -> str:
+    """What to change, for the checks users trip; else: the flags named, so that it holds."""
+    condition = check.condition
+    if "world_size %" in condition:
+        size = check.local_values.get("total_model_size")
+        if size:
+            return (f"the number of processes ({args.world_size}) must be a multiple of TP x PP x CP = {size}: start "
+                    f"{size}, {2 * size}, {4 * size}, ... ranks (torchrun --nproc-per-node x --nnodes), or change "
+                    "--tensor-model-parallel-size, --pipeline-model-parallel-size or --context-parallel-size")
+    if "num_layers %" in condition and "pipeline" in condition:
+        return (f"--num-layers {args.num_layers} does not split evenly over --pipeline-model-parallel-size "
+                f"{args.pipeline_model_parallel_size}: pick a pipeline size that divides it, or give the uneven "
+                "stages with --decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers")
+    if "max_position_embeddings" in condition:
+        return (f"raise --max-position-embeddings (now {args.max_position_embeddings}) to at least --seq-length "
+                f"{args.seq_length}, or lower --seq-length")
+    positive = re.fullmatch(r"args\.(\w+) > 0", condition)
+    if positive:
+        return f"{_flag(positive.group(1))} must be 1 or more"
+    named = [f"{_flag(f)} ({getattr(args, f, None)})" for f in check.flags if not f.startswith("_")]
+    return f"change {', '.join(named)} so that it holds" if named else "change the flags it reads so that it holds"
+
+
+def one_line(error: AssertionError, args: argparse.Namespace) -> CanzonaArgumentError:
+    """``error`` from Megatron's checks as one line: what failed (Megatron's message, else its
+    condition), where, and the fix."""
+    check = failed_check(error)
+    if check is None:
+        text = " ".join(str(error).split()) or traceback.format_exception_only(error)[-1].strip()
+        return CanzonaArgumentError(f"Megatron's flag check failed: {text}")
+    what = " ".join(check.message.split()) or f"`{check.condition}` does not hold"
+    where = f"{re.sub(r'^.*/site-packages/', '', check.file)}:{check.line}"
+    return CanzonaArgumentError(f"Megatron's flag check failed: {what} ({where}); {_fix(check, args)}")
