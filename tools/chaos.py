@@ -1,9 +1,17 @@
 #!/usr/bin/env python
 """Chaos soak: kill ranks and the launcher at random moments, resume each time, and prove the
-end state is bitwise the uninterrupted run's.
+end state is bitwise the uninterrupted run's; or (``--bad-input``) feed it careless inputs.
 
     python tools/chaos.py                                  # 60 faults of six kinds over 4 scenarios, 300 iterations each
     python tools/chaos.py --faults 2 --kinds rank-in-step,launcher-in-save --scenarios muon-async --train-iters 9   # short
+    python tools/chaos.py --bad-input                      # 15 careless inputs, a table of what each got (~2 min)
+
+``--bad-input`` runs the tiny recipe (2 CPU ranks) once per input of :data:`BAD_INPUTS` (flags
+Megatron or Canzona refuse, damaged data, resumes that cannot work, an unwritable file) and
+classifies what the user got: *one line* (a non-zero exit with one error line, torchrun's own
+failure report aside), *traceback* (a rank's), *silent* (exit 0, or no error line), *hang* (no
+exit within ``--launch-timeout``), *loss* (the checkpoint resumed from changed); and how many
+times the line was printed. It exits 0 only if every input got one line, printed once.
 
 Each scenario (``muon``, ``muon-async``, ``shampoo``, ``shampoo-async``: the optimizer, with or
 without ``--async-save``) trains the tiny Qwen3 recipe (``examples/qwen3/pretrain_qwen3_tiny.sh``,
@@ -82,7 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--exit-timeout", type=float, default=30.0, help="seconds the ranks get to end after a fault")
     parser.add_argument("--dir", help="where runs go (default: a temporary directory, removed)")
     parser.add_argument("--json", metavar="FILE", help="also write the JSON result here")
+    parser.add_argument("--bad-input", action="store_true",
+                        help="instead of faults, run a table of careless inputs (flags, data, resumes) and count "
+                        "their outcomes: one line, traceback, silent, hang, loss")
+    parser.add_argument("--bad-cases", help="with --bad-input: comma-separated names of its table (default: all)")
     args = parser.parse_args(argv)
+    if args.bad_cases and any(c.strip() not in {b.name for b in BAD_INPUTS} for c in args.bad_cases.split(",")):
+        parser.error(f"--bad-cases {args.bad_cases!r}: choose from {', '.join(b.name for b in BAD_INPUTS)}")
     args.scenario_names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in args.scenario_names if s not in SCENARIOS]
     if unknown or not args.scenario_names:
@@ -400,6 +414,8 @@ def plan_faults(total: int, scenarios: list[str], kinds_used: list[str], rng: ra
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_megatron_notices()  # the checksum check and the comparison import Megatron-Core
+    if args.bad_input:
+        return bad_input(args)
     rng = random.Random(args.seed)
     root = Path(args.dir or tempfile.mkdtemp(prefix="chaos_"))
     dealt = plan_faults(args.faults, args.scenario_names, args.kind_names, rng)
@@ -462,6 +478,175 @@ def print_table(results: dict[str, Tally], wall: float) -> None:
     print("faults < planned: the run reached --train-iters first. rng≠: saved RNG states that differ (not "
           "model or optimizer state; see compare())")
     print(f"wall time {wall / 60:.1f} min")
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """One careless input to the tiny recipe (2 CPU ranks unless ``env`` says otherwise)."""
+
+    name: str
+    kind: str
+    """What is wrong: ``flags``, ``data``, ``resume`` or ``files``."""
+    flags: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    prepare: str | None = None
+    """What :func:`_prepare` sets up first: ``cut-idx``, ``long-bin``, ``hf-dir``, ``sidecar`` or ``checkpoint``."""
+
+
+BAD_INPUTS = (
+    BadInput("ranks-not-a-multiple-of-tp", "flags", env=(("NPROC_PER_NODE", "3"), ("TP", "2"))),
+    BadInput("layers-not-split-by-pp", "flags", ("--pipeline-model-parallel-size", "2", "--num-layers", "3")),
+    BadInput("positions-below-sequence", "flags", ("--max-position-embeddings", "16")),
+    BadInput("micro-batch-0", "flags", ("--micro-batch-size", "0")),
+    BadInput("cp-sequence-not-divisible", "flags", ("--context-parallel-size", "2", "--seq-length", "66",
+                                                    "--max-position-embeddings", "66")),
+    BadInput("fp16-scale-overflows", "flags", ("--fp16",), env=(("TRAIN_ITERS", "6"), ("WARMUP_ITERS", "1"))),
+    BadInput("metrics-file-unwritable", "files", ("--canzona-metrics-file", "/proc/canzona/metrics.jsonl")),
+    BadInput("index-cut-short", "data", prepare="cut-idx"),
+    BadInput("bin-of-another-dataset", "data", prepare="long-bin"),
+    BadInput("load-a-typo", "resume", ("--load", "/nonexistent/checkpoints")),
+    BadInput("load-a-hugging-face-dir", "resume", prepare="hf-dir"),
+    BadInput("resume-with-another-optimizer", "resume", env=(("OPTIMIZER", "soap"),), prepare="checkpoint"),
+    BadInput("resume-past-train-iters", "resume", env=(("TRAIN_ITERS", "1"), ("WARMUP_ITERS", "0")),
+             prepare="checkpoint"),
+    BadInput("resume-past-train-iters-overriding", "resume", ("--override-opt_param-scheduler",),
+             env=(("TRAIN_ITERS", "1"), ("WARMUP_ITERS", "0")), prepare="checkpoint"),
+    BadInput("edited-checksum-file", "resume", prepare="sidecar"),
+)
+"""The table ``--bad-input`` runs: careless inputs of each kind a user makes."""
+OUTCOMES = ("one line", "traceback", "silent", "hang", "loss")
+ERROR_LINE = re.compile(r"^\S+: error: ")
+
+
+def _prepare(case: BadInput, work: Path, seed: Path) -> dict[str, str]:
+    """Set up what ``case`` damages; the environment it runs with."""
+    demo = ROOT / "data" / "demo" / "demo_text_document"
+    if case.prepare in ("cut-idx", "long-bin"):
+        copy = work / "data" / "copy_text_document"
+        copy.parent.mkdir(parents=True)
+        index, data = Path(f"{demo}.idx").read_bytes(), Path(f"{demo}.bin").read_bytes()
+        Path(f"{copy}.idx").write_bytes(index[: len(index) - 40] if case.prepare == "cut-idx" else index)
+        Path(f"{copy}.bin").write_bytes(data + bytes(128) if case.prepare == "long-bin" else data)
+        return {"DATA_PATH": str(copy)}
+    if case.prepare == "hf-dir":
+        hf = work / "Qwen3-0.6B"
+        hf.mkdir(parents=True)
+        (hf / "config.json").write_text("{}")
+        (hf / "model.safetensors").write_bytes(b"")
+        return {"EXTRA_LOAD": str(hf)}
+    if case.prepare in ("checkpoint", "sidecar"):
+        ckpt = work / "ckpt"
+        shutil.copytree(seed, ckpt)
+        if case.prepare == "sidecar":
+            listing = next((ckpt / f"iter_{_tracked_iteration(ckpt):07d}" / "checksums").glob("__0_*.sha256"))
+            listing.write_text("0" * 64 + "  " + listing.read_text().split()[1] + "\n")
+        return {"CKPT_DIR": str(ckpt)}
+    return {}
+
+
+def _seed_checkpoint(root: Path, timeout: float) -> Path:
+    """A short Muon run (2 iterations, saved at 2) the resume cases start from."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NPROC_PER_NODE": "2", "TP": "1",
+           "TRAIN_ITERS": "2", "SAVE_INTERVAL": "2", "WARMUP_ITERS": "1", "EVAL_ITERS": "0", "EVAL_INTERVAL": "100",
+           "LOG_DIR": str(root / "seed"), "CKPT_DIR": str(root / "seed" / "ckpt"), "MASTER_PORT": str(_free_port())}
+    done = subprocess.run(["bash", str(RECIPE)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"the seed run failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return root / "seed" / "ckpt"
+
+
+def _rank_traceback(output: str) -> bool:
+    """Whether a rank printed a traceback: one with a frame outside torchrun's own code (its
+    failure report, which stays, has its own traceback of ``torch/distributed`` and ``runpy``)."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() == "Traceback (most recent call last):":
+            frames = [f for f in lines[i + 1:i + 200] if f.lstrip().startswith('File "')]
+            if any("torch/distributed/" not in f and "<frozen " not in f for f in frames[:50]):
+                return True
+    return False
+
+
+def run_bad_input(case: BadInput, root: Path, seed: Path | None, timeout: float) -> dict:
+    """One case: its outcome (:data:`OUTCOMES`), how many times its error line was printed,
+    the line, and the checkpoint it resumed from still whole (no loss)."""
+    work = root / case.name
+    work.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NPROC_PER_NODE": "2", "TP": "1",
+           "TRAIN_ITERS": "4", "WARMUP_ITERS": "1", "EVAL_ITERS": "0", "EVAL_INTERVAL": "100", "LOG_INTERVAL": "2",
+           "LOG_DIR": str(work), "CKPT_DIR": "none", "MASTER_PORT": str(_free_port()), **dict(case.env)}
+    extra = list(case.flags)
+    prepared = _prepare(case, work, seed) if case.prepare else {}
+    if "EXTRA_LOAD" in prepared:
+        extra += ["--load", prepared.pop("EXTRA_LOAD")]
+    env.update(prepared)
+    tracked = (Path(env["CKPT_DIR"]) / TRACKER).read_text() if case.prepare in ("checkpoint", "sidecar") else None
+    process = subprocess.Popen(["bash", str(RECIPE), *extra], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        code: int | None = process.returncode
+    except subprocess.TimeoutExpired:
+        end_session(process)
+        output, code = (process.stdout.read() if process.stdout else ""), None
+    (work / "output.log").write_text(output)
+    errors = [line for line in output.splitlines() if ERROR_LINE.match(line)]
+    lost = False
+    if tracked is not None:
+        ckpt = Path(env["CKPT_DIR"])
+        lost = (ckpt / TRACKER).read_text() != tracked or (
+            case.prepare == "checkpoint" and _checkpoint_problem(ckpt / f"iter_{int(tracked):07d}") is not None)
+    if code is None:
+        outcome = "hang"
+    elif lost:
+        outcome = "loss"
+    elif _rank_traceback(output):
+        outcome = "traceback"
+    elif code == 0 or not errors:
+        outcome = "silent"
+    else:
+        outcome = "one line"
+    return {"name": case.name, "kind": case.kind, "outcome": outcome, "exit": code, "printed": len(errors),
+            "line": errors[0] if errors else None}
+
+
+def bad_input(args: argparse.Namespace) -> int:
+    """``--bad-input``: every case of :data:`BAD_INPUTS` (or ``--bad-cases``), a table of outcomes."""
+    names = [c.strip() for c in args.bad_cases.split(",")] if args.bad_cases else [c.name for c in BAD_INPUTS]
+    cases = [c for c in BAD_INPUTS if c.name in names]
+    root = Path(args.dir or tempfile.mkdtemp(prefix="chaos_bad_input_"))
+    started = time.perf_counter()
+    rows = []
+    demo = ROOT / "data" / "demo"
+    if not (demo / "demo_text_document.idx").is_file():  # what the recipe trains on (it would make it too)
+        subprocess.run([sys.executable, str(ROOT / "tools" / "prepare_demo_data.py"), "--output-dir", str(demo)],
+                       cwd=ROOT, check=True, capture_output=True)
+    try:
+        seed = _seed_checkpoint(root, args.launch_timeout) if any(c.prepare in ("checkpoint", "sidecar")
+                                                                  for c in cases) else None
+        for case in cases:
+            row = run_bad_input(case, root, seed, args.launch_timeout)
+            rows.append(row)
+            print(f"[chaos] {case.name}: {row['outcome']}, printed {row['printed']}x", flush=True)
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"| input | kind | outcome | exit | printed | the line |\n|---|---|---|---|---|---|")
+    for row in rows:
+        line = (row["line"] or "").replace("|", "\\|")
+        print(f"| {row['name']} | {row['kind']} | {row['outcome']} | {row['exit']} | {row['printed']} | {line} |")
+    counts = {outcome: sum(row["outcome"] == outcome for row in rows) for outcome in OUTCOMES}
+    repeated = sum(row["printed"] > 1 for row in rows)
+    print(f"{len(rows)} inputs: " + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES)
+          + f"; {repeated} printed more than once; {(time.perf_counter() - started) / 60:.1f} min")
+    report = {"git_revision": git_revision(), "machine": machine(), "counts": counts, "repeated": repeated,
+              "cases": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if counts["one line"] == len(rows) and not repeated else 1
 
 
 if __name__ == "__main__":

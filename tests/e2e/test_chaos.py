@@ -33,3 +33,22 @@ def test_a_short_chaos_soak_loses_nothing(demo_data: DemoData, tmp_path: Path) -
     assert tally["resumes"] == 2 and tally["failures"] == [] and tally["lost"] == [], tally
     assert tally["mismatches"] == [] and tally["compared"] > 50, tally
     assert "total" in out and "mismatch" in out  # the table
+
+
+def test_bad_inputs_get_one_line_each(tmp_path: Path) -> None:
+    """--bad-input on three of its inputs (a Megatron check, a cut dataset index, an edited
+    checksum file on resume): each ends in one line, printed once, and the checkpoint is whole."""
+    report_file = tmp_path / "bad.json"
+    result = run_with_deadline(
+        [sys.executable, str(ROOT / "tools" / "chaos.py"), "--bad-input", "--bad-cases",
+         "micro-batch-0,index-cut-short,edited-checksum-file", "--dir", str(tmp_path / "runs"), "--json",
+         str(report_file)], timeout_s=CHAOS_TIMEOUT_S)
+    out = result.stdout + (result.stderr or "")
+    assert result.returncode == 0, out[-6000:]
+    report = json.loads(report_file.read_text())
+    assert report["counts"] == {"one line": 3, "traceback": 0, "silent": 0, "hang": 0, "loss": 0}, report
+    assert report["repeated"] == 0 and [row["printed"] for row in report["cases"]] == [1, 1, 1]
+    lines = {row["name"]: row["line"] for row in report["cases"]}
+    assert "--micro-batch-size must be 1 or more" in lines["micro-batch-0"]
+    assert "rebuild the pair with tools/preprocess_data.py" in lines["index-cut-short"]
+    assert "was changed after the save" in lines["edited-checksum-file"] and "(the data is intact)" in out
