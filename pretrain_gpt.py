@@ -37,6 +37,7 @@ from canzona_patches.integration.arguments import (
 )
 from canzona_patches.emulation.cpu import enable_cpu_training_mode
 from canzona_patches.integration.megatron_checks import one_line as megatron_check_failed
+from canzona_patches.integration.megatron_checks import raised_in_set_up
 from canzona_patches.registry import ARGUMENTS as ARGUMENT_PATCHES
 from canzona_patches.registry import install as install_patches
 from canzona_patches.registry import install_group as install_patch_group
@@ -382,6 +383,12 @@ def main() -> int:
     except CanzonaArgumentError as error:  # found once the model exists (e.g. bucket too small), or the data
         if reports_errors():  # every rank checks the same plan and the same files
             print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    except (AssertionError, RuntimeError) as error:  # sizes Megatron's parallel-state set-up cannot lay out
+        if not raised_in_set_up(error):
+            raise
+        if reports_errors():
+            print(f"pretrain_gpt.py: error: {megatron_check_failed(error, args)}", file=sys.stderr, flush=True)
         return 2
     except SystemExit as stop:  # Megatron's clean stops (--exit-interval, --exit-duration-in-mins)
         if stop.code not in (None, 0):

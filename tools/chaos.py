@@ -4,7 +4,7 @@ end state is bitwise the uninterrupted run's; or (``--bad-input``) feed it carel
 
     python tools/chaos.py                                  # 60 faults of six kinds over 4 scenarios, 300 iterations each
     python tools/chaos.py --faults 2 --kinds rank-in-step,launcher-in-save --scenarios muon-async --train-iters 9   # short
-    python tools/chaos.py --bad-input                      # 15 careless inputs, a table of what each got (~2 min)
+    python tools/chaos.py --bad-input                      # 16 careless inputs, a table of what each got (~2 min)
 
 ``--bad-input`` runs the tiny recipe (2 CPU ranks) once per input of :data:`BAD_INPUTS` (flags
 Megatron or Canzona refuse, damaged data, resumes that cannot work, an unwritable file) and
@@ -501,6 +501,7 @@ BAD_INPUTS = (
     BadInput("layers-not-split-by-pp", "flags", ("--pipeline-model-parallel-size", "2", "--num-layers", "3")),
     BadInput("positions-below-sequence", "flags", ("--max-position-embeddings", "16")),
     BadInput("micro-batch-0", "flags", ("--micro-batch-size", "0")),
+    BadInput("experts-not-laid-out", "flags", ("--num-experts", "6", "--expert-model-parallel-size", "3")),
     BadInput("cp-sequence-not-divisible", "flags", ("--context-parallel-size", "2", "--seq-length", "66",
                                                     "--max-position-embeddings", "66")),
     BadInput("fp16-scale-overflows", "flags", ("--fp16",), env=(("TRAIN_ITERS", "6"), ("WARMUP_ITERS", "1"))),

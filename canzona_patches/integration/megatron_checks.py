@@ -59,7 +59,7 @@ def _parsed(file: str) -> ast.Module | None:
         return None
 
 
-def failed_check(error: AssertionError) -> FailedCheck | None:
+def failed_check(error: BaseException) -> FailedCheck | None:
     """The innermost ``assert`` of ``error``'s traceback, read from its source (None when the
     source cannot be found)."""
     frames: list[tuple[str, int, dict]] = []
@@ -116,12 +116,37 @@ def _fix(check: FailedCheck, args: argparse.Namespace) -> str:
     return f"change {', '.join(named)} so that it holds" if named else "change the flags it reads so that it holds"
 
 
-def one_line(error: AssertionError, args: argparse.Namespace) -> CanzonaArgumentError:
+SET_UP = ("megatron/core/parallel_state.py",)
+"""Where Megatron lays out its process groups: sizes that cannot be laid out fail there, after
+``validate_args`` has passed them, with a ``RuntimeError`` or an ``assert`` on every rank."""
+
+
+def raised_in_set_up(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside Megatron's parallel-state set-up (:data:`SET_UP`)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.endswith(SET_UP)
+
+
+def _set_up_fix(text: str, args: argparse.Namespace) -> str:
+    sizes = re.search(r"world_size \((\d+)\) is not divisible by expert_tensor_model_pipeline_parallel size \((\d+)\)",
+                      text)
+    if sizes:
+        return (f"the number of processes ({sizes[1]}) must be a multiple of expert TP x EP x PP = {sizes[2]}: change "
+                f"--expert-model-parallel-size ({getattr(args, 'expert_model_parallel_size', None)}) or "
+                f"--expert-tensor-parallel-size ({getattr(args, 'expert_tensor_parallel_size', None)}), or start a "
+                "multiple of it")
+    return "change the parallel sizes it names"
+
+
+def one_line(error: BaseException, args: argparse.Namespace) -> CanzonaArgumentError:
     """``error`` from Megatron's checks as one line: what failed (Megatron's message, else its
-    condition), where, and the fix."""
-    check = failed_check(error)
+    condition), where, and the fix. An error of the parallel-state set-up that is not an
+    ``assert`` is worded from its message."""
+    check = failed_check(error) if isinstance(error, AssertionError) else None
     if check is None:
         text = " ".join(str(error).split()) or traceback.format_exception_only(error)[-1].strip()
+        if raised_in_set_up(error):
+            return CanzonaArgumentError(f"Megatron's parallel layout failed: {text}; {_set_up_fix(text, args)}")
         return CanzonaArgumentError(f"Megatron's flag check failed: {text}")
     what = " ".join(check.message.split()) or f"`{check.condition}` does not hold"
     where = f"{re.sub(r'^.*/site-packages/', '', check.file)}:{check.line}"

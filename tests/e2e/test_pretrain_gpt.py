@@ -289,6 +289,18 @@ def test_megatrons_own_checks_fail_in_one_line() -> None:
         assert errors[0].startswith("pretrain_gpt.py: error: ") and expected in errors[0], f"{name}: {errors[0]}"
 
 
+def test_a_layout_megatrons_parallel_state_refuses_is_one_line() -> None:
+    """Sizes validate_args passes but the parallel-state set-up cannot lay out (3 expert-parallel
+    ranks among 2 processes) fail there with a RuntimeError on every rank: one line instead."""
+    flags = [*MEGATRON_BASE, "--num-experts", "6", "--expert-model-parallel-size", "3"]
+    result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *flags), timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode != 0
+    errors = [line for line in result.stdout.splitlines() if "pretrain_gpt.py: error:" in line]
+    assert len(errors) == 1, result.stdout[-4000:]
+    assert "must be a multiple of expert TP x EP x PP = 3: change --expert-model-parallel-size (3)" in errors[0]
+    assert "[rank0]: Traceback" not in result.stdout and "[rank1]: Traceback" not in result.stdout
+
+
 def check_one_line_error(name: str, returncode: int, stderr: str) -> None:
     expected = BAD_INPUTS[name][1]
     assert returncode == 2, f"{name}: exit {returncode}\n{stderr[-2000:]}"
