@@ -44,3 +44,41 @@ def test_an_assert_without_source_still_gives_one_line() -> None:
         exec_globals["f"]()
     message = str(one_line(raised.value, argparse.Namespace()))
     assert message == "Megatron's flag check failed: some message"
+
+
+class _AnyArgs(argparse.Namespace):
+    """Flags as a failed check sees them (any value will do for the wording)."""
+
+    def __getattr__(self, name: str):
+        return 8
+
+
+def test_every_assert_of_validate_args_is_worded_in_one_line() -> None:
+    """Generated from Megatron's source: each ``assert`` statement of ``validate_args`` fails in
+    turn (an AssertionError raised at its very line, in its file, as if it had failed there), and
+    each is worded in one line that says where it is and names the flags its condition reads."""
+    import ast
+    import re
+
+    import megatron.training.arguments as megatron_arguments
+
+    path = megatron_arguments.__file__
+    tree = ast.parse(open(path).read())
+    validate = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "validate_args")
+    asserts = [n for n in ast.walk(validate) if isinstance(n, ast.Assert)]
+    assert len(asserts) > 50, len(asserts)
+    for node in asserts:
+        scope: dict = {}
+        exec(compile("\n" * (node.lineno - 2) + "def failed():\n    raise AssertionError()\n", path, "exec"), scope)
+        with pytest.raises(AssertionError) as raised:
+            scope["failed"]()
+        message = str(one_line(raised.value, _AnyArgs()))
+        assert "\n" not in message and message.startswith("Megatron's flag check failed: "), message
+        assert f"arguments.py:{node.lineno})" in message, (node.lineno, message)
+        read = dict.fromkeys(sub.attr for sub in ast.walk(node.test) if isinstance(sub, ast.Attribute)
+                             and isinstance(sub.value, ast.Name) and sub.value.id == "args")
+        special = re.search(r"(must be a multiple of|does not split evenly|raise --max-position-embeddings|"
+                            r"must be 1 or more)", message)
+        if read and not special:
+            for flag in read:
+                assert "--" + flag.replace("_", "-") in message, (node.lineno, flag, message)
