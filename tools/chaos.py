@@ -522,8 +522,8 @@ OUTCOMES = ("one line", "traceback", "silent", "hang", "loss")
 ERROR_LINE = re.compile(r"^\S+: error: ")
 
 
-def _prepare(case: BadInput, work: Path, seed: Path) -> dict[str, str]:
-    """Set up what ``case`` damages; the environment it runs with."""
+def _prepare(case: BadInput, work: Path, seed: Path | None) -> tuple[dict[str, str], list[str]]:
+    """Set up what ``case`` damages; the environment and the extra flags it runs with."""
     demo = ROOT / "data" / "demo" / "demo_text_document"
     if case.prepare in ("cut-idx", "long-bin"):
         copy = work / "data" / "copy_text_document"
@@ -531,21 +531,21 @@ def _prepare(case: BadInput, work: Path, seed: Path) -> dict[str, str]:
         index, data = Path(f"{demo}.idx").read_bytes(), Path(f"{demo}.bin").read_bytes()
         Path(f"{copy}.idx").write_bytes(index[: len(index) - 40] if case.prepare == "cut-idx" else index)
         Path(f"{copy}.bin").write_bytes(data + bytes(128) if case.prepare == "long-bin" else data)
-        return {"DATA_PATH": str(copy)}
+        return {"DATA_PATH": str(copy)}, []
     if case.prepare == "hf-dir":
         hf = work / "Qwen3-0.6B"
         hf.mkdir(parents=True)
         (hf / "config.json").write_text("{}")
         (hf / "model.safetensors").write_bytes(b"")
-        return {"EXTRA_LOAD": str(hf)}
+        return {}, ["--load", str(hf)]
     if case.prepare in ("checkpoint", "sidecar"):
         ckpt = work / "ckpt"
         shutil.copytree(seed, ckpt)
         if case.prepare == "sidecar":
             listing = next((ckpt / f"iter_{_tracked_iteration(ckpt):07d}" / "checksums").glob("__0_*.sha256"))
             listing.write_text("0" * 64 + "  " + listing.read_text().split()[1] + "\n")
-        return {"CKPT_DIR": str(ckpt)}
-    return {}
+        return {"CKPT_DIR": str(ckpt)}, []
+    return {}, []
 
 
 def _seed_checkpoint(root: Path, timeout: float) -> Path:
@@ -579,11 +579,9 @@ def run_bad_input(case: BadInput, root: Path, seed: Path | None, timeout: float)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NPROC_PER_NODE": "2", "TP": "1",
            "TRAIN_ITERS": "4", "WARMUP_ITERS": "1", "EVAL_ITERS": "0", "EVAL_INTERVAL": "100", "LOG_INTERVAL": "2",
            "LOG_DIR": str(work), "CKPT_DIR": "none", "MASTER_PORT": str(_free_port()), **dict(case.env)}
-    extra = list(case.flags)
-    prepared = _prepare(case, work, seed) if case.prepare else {}
-    if "EXTRA_LOAD" in prepared:
-        extra += ["--load", prepared.pop("EXTRA_LOAD")]
+    prepared, flags = _prepare(case, work, seed)
     env.update(prepared)
+    extra = [*case.flags, *flags]
     tracked = (Path(env["CKPT_DIR"]) / TRACKER).read_text() if case.prepare in ("checkpoint", "sidecar") else None
     process = subprocess.Popen(["bash", str(RECIPE), *extra], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, start_new_session=True)

@@ -239,11 +239,9 @@ def _which_disagrees(file: Path, listing: Path, actual: str, expected: str | Non
 def first_mismatch(checkpoint: Path, rank: int, world_size: int) -> str | None:
     """Re-hash this rank's share (checksum lists ``rank, rank + world_size, ...``); the first
     mismatch as one line, or None."""
-    lists = sorted((checkpoint / CHECKSUM_DIR).glob(f"*{SUFFIX}"))
-    saved = None
-    for listing in lists[rank::world_size]:
-        if saved is None:
-            saved = _manifest(checkpoint)
+    mine = sorted((checkpoint / CHECKSUM_DIR).glob(f"*{SUFFIX}"))[rank::world_size]
+    saved = _manifest(checkpoint) if mine else {}
+    for listing in mine:
         name = listing.name.removesuffix(SUFFIX)
         try:
             expected, named = listing.read_text().split(maxsplit=1)

@@ -23,6 +23,7 @@ emulation for CPU tests and CPU runs, not a fast kernel.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -116,12 +117,12 @@ class ContextParallelAttention(MegatronModule):
             value = value.repeat_interleave(self.heads // self.groups, dim=2)
         key_positions = torch.cat([zigzag_positions(r, cp_size, local) for r in range(cp_size)])
         dropout = self.dropout if self.training and self.dropout.p > 0 else None
-        if dropout is not None and not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                return causal_attention(query, key, value, zigzag_positions(cp_rank, cp_size, local), key_positions,
-                                        self.softmax_scale, dropout)
-        return causal_attention(query, key, value, zigzag_positions(cp_rank, cp_size, local), key_positions,
-                                self.softmax_scale, dropout)
+        # As Megatron's local attention: the dropout draws from the tracked RNG unless sequence-parallel.
+        tracked = dropout is not None and not self.config.sequence_parallel
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if tracked else contextlib.nullcontext()
+        with rng:
+            return causal_attention(query, key, value, zigzag_positions(cp_rank, cp_size, local), key_positions,
+                                    self.softmax_scale, dropout)
 
 
 def local_core_attention(original: Any, run: Any) -> Any:
