@@ -2,9 +2,9 @@
 (4 gloo ranks, the CPU context-parallel attention of canzona_patches/emulation) against one
 process at the same global batch, for Muon, Shampoo and SOAP, in the whole and the lean layout.
 
-Every optimizer runs in both configurations and every layout in both; the six 4-rank runs
-split the (optimizer, layout) pairs between the two configurations so that each optimizer
-meets each layout once (one launch each; three one-process references). What is compared:
+Every optimizer runs in every layout in both configurations: twelve 4-rank runs, three
+one-process references, and for Shampoo and SOAP one run without CP per world size (the
+yardstick both layouts there are held to). What is compared:
 the loss of every iteration and every parameter after the last one (read whole from each
 run's torch_dist checkpoint, however it was sharded). Every run initializes on the CPU
 (``--use-cpu-initialization``): Megatron then draws each weight whole from one seed and cuts
@@ -45,7 +45,8 @@ without CP: Shampoo's inverse roots and SOAP's eigenbases amplify any reordered 
 (measured after 6 steps, largest relative loss difference from one process, without CP /
 with: Shampoo at DP 4 5.8e-5 / 1.7e-4 at CP 2 x DP 2, SOAP 2.5e-3 / 1.8e-3; SOAP's matrices
 0.21 / 0.35 apart). Each of their CP runs
-is held against the same layout at the same world size without CP (DP 4, TP 2 x DP 2): its
+is held against a run at the same world size without CP (DP 4, TP 2 x DP 2; its layout in
+YARDSTICK_LAYOUT, one run bounding both layouts, as the amplification is the optimizer's): its
 difference from one process may be at most REORDER_FACTOR times that run's, or the bound.
 The first iteration, before any step, is held to FIRST_LOSS_RTOL for every optimizer."""
 REORDER_FACTOR = 4.0
@@ -56,14 +57,11 @@ MATRICES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "lin
 """Checkpoint keys of the matrix optimizer's parameters (the rest is AdamW's)."""
 CP_DP = ["--context-parallel-size", "2"]
 CP_TP = ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]
-RUNS = {
-    "cp2_dp2_muon_whole": ("muon", "whole", CP_DP),
-    "cp2_dp2_shampoo_lean": ("shampoo", "lean", CP_DP),
-    "cp2_dp2_soap_whole": ("soap", "whole", CP_DP),
-    "cp2_tp2_muon_lean": ("muon", "lean", CP_TP),
-    "cp2_tp2_shampoo_whole": ("shampoo", "whole", CP_TP),
-    "cp2_tp2_soap_lean": ("soap", "lean", CP_TP),
-}
+RUNS = {f"cp2_{config}_{optimizer}_{layout}": (optimizer, layout, extra)
+        for config, extra in (("dp2", CP_DP), ("tp2", CP_TP))
+        for optimizer in ("muon", "shampoo", "soap") for layout in ("whole", "lean")}
+YARDSTICK_LAYOUT = {("shampoo", 1): "lean", ("soap", 1): "whole", ("shampoo", 2): "whole", ("soap", 2): "lean"}
+"""(optimizer, TP size) -> the layout of its run without CP (the measurements quoted above)."""
 
 
 def _convert_hf():
@@ -139,8 +137,28 @@ def references(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) ->
     return out
 
 
+@pytest.fixture(scope="module")
+def yardsticks(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory):
+    """``yardstick(optimizer, tp, ref_losses, ref_params)``: the losses and per-tensor differences from one process of
+    its run without CP at 4 ranks, made once for both layouts."""
+    made: dict[tuple[str, int], tuple[list[float], dict[str, tuple[float, float]]]] = {}
+
+    def yardstick(optimizer: str, tp: int, ref_losses: list[float], ref_params: dict[str, torch.Tensor]):
+        if (optimizer, tp) not in made:
+            layout = YARDSTICK_LAYOUT[(optimizer, tp)]
+            where = tmp_path_factory.mktemp(f"no_cp_{optimizer}_tp{tp}")
+            losses, _ = run(demo_data, where, 4, optimizer, "--canzona-layout", layout,
+                            *(["--tensor-model-parallel-size", "2"] if tp == 2 else []))
+            made[(optimizer, tp)] = losses, differences(parameters(where / "ckpt"), ref_params)
+            report(f"{optimizer} TP {tp} {layout} yardstick (no CP)", losses, ref_losses, made[(optimizer, tp)][1])
+        return made[(optimizer, tp)]
+
+    return yardstick
+
+
 @pytest.mark.parametrize("name", list(RUNS))
-def test_context_parallel_matches_one_process(name: str, demo_data: DemoData, tmp_path: Path, references) -> None:
+def test_context_parallel_matches_one_process(name: str, demo_data: DemoData, tmp_path: Path, references,
+                                              yardsticks) -> None:
     optimizer, layout, extra = RUNS[name]
     losses, stdout = run(demo_data, tmp_path, 4, optimizer, "--canzona-layout", layout, *extra)
     assert len(losses) == ITERS, losses
@@ -155,11 +173,8 @@ def test_context_parallel_matches_one_process(name: str, demo_data: DemoData, tm
     loss_bound = LOSS_RTOL[optimizer] * ref.abs().max().item()
     bound = {key: (MATRIX_ATOL[optimizer] if key.endswith(MATRICES) else ELEMENTWISE_ATOL[optimizer],
                    MEAN_ATOL[optimizer]) for key in params}
-    if optimizer in YARDSTICK:  # the same layout and world size without CP
-        yard_losses, _ = run(demo_data, tmp_path / "no_cp", 4, optimizer, "--canzona-layout", layout,
-                             *(["--tensor-model-parallel-size", "2"] if tp == 2 else []))
-        yard = differences(parameters(tmp_path / "no_cp" / "ckpt"), ref_params)
-        report(f"{name} yardstick (no CP)", yard_losses, ref_losses, yard)
+    if optimizer in YARDSTICK:  # the same world size without CP
+        yard_losses, yard = yardsticks(optimizer, tp, ref_losses, ref_params)
         yard_diff = (torch.tensor(yard_losses, dtype=torch.float64) - ref).abs().max().item()
         loss_bound = max(loss_bound, REORDER_FACTOR * yard_diff)
         bound = {key: (max(top, REORDER_FACTOR * yard[key][0]), max(mean, REORDER_FACTOR * yard[key][1]))
