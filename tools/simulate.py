@@ -144,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--early-compute-budget", type=float, default=EARLY_COMPUTE_BYTES / 2**30, metavar="GIB",
                    help="with --early-compute: the most GiB each rank keeps for it (--canzona-early-compute-budget; "
                         "the groups that fit go early, the others in the step; 'inf': every group)")
+    p.add_argument("--matrices-reduce-first", choices=("auto", "on", "off"), default="auto",
+                   help="with --early-compute: reduce the dense buckets without matrices (output layer, norms) "
+                        "after the last matrix bucket, so the matrices' early compute runs beside them "
+                        "(--canzona-matrices-reduce-first); auto: where the iteration is projected shorter")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--cases", action="store_true",
                    help="every model of docs/projection.md's table at 64, 128 and 256 GPUs (recipe sizes)")
@@ -200,7 +204,8 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             "bucket_size": args.bucket_size or default_bucket_size(dp * sizes["cp"]),
             "early_compute": getattr(args, "early_compute", False), "clip_rate": getattr(args, "clip_rate", 0.0),
             "early_efficiency": getattr(args, "early_efficiency", EARLY_COMPUTE_EFFICIENCY),
-            "early_compute_bytes": early_compute_bytes(getattr(args, "early_compute_budget", EARLY_COMPUTE_BYTES / 2**30))}
+            "early_compute_bytes": early_compute_bytes(getattr(args, "early_compute_budget", EARLY_COMPUTE_BYTES / 2**30)),
+            "matrices_first": getattr(args, "matrices_reduce_first", "auto")}
 
 
 def early_compute_bytes(gib: float) -> int | None:
@@ -243,9 +248,10 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
     fused = fused_gate_up(specs)
     layerwise = layerwise_plans(fused, run) if set(strategies) & set(NEEDS_LAYERWISE_PLAN) else (None, None)
     out = {}
+    first = run.get("matrices_first", "auto")
     for name in strategies:
         plan, expert_plan = layerwise if name in NEEDS_LAYERWISE_PLAN else (None, None)
-        out[name] = simulate(
+        results = [simulate(
             specs if name.startswith("canzona") else fused, strategy=name, cluster=cluster, dp_size=run["dp_cp"], tp_size=run["tp"], ep_size=run["ep"],
             expert_tp_size=run["etp"], pp_size=run["pp"], optimizer=run["optimizer"],
             calibration=calibrations[strategy_ns_method(name, run["ns_method"])] if calibrations else None,
@@ -253,8 +259,10 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
             alpha=run["alpha"], bucket_size=run["bucket_size"], ns_method=run["ns_method"],
             early_compute=run.get("early_compute", False), clip_rate=run.get("clip_rate", 0.0),
             early_efficiency=run.get("early_efficiency", EARLY_COMPUTE_EFFICIENCY),
-            early_compute_bytes=run.get("early_compute_bytes", EARLY_COMPUTE_BYTES),
-        )
+            early_compute_bytes=run.get("early_compute_bytes", EARLY_COMPUTE_BYTES), matrices_first=matrices_first,
+        ) for matrices_first in ((False, True) if first == "auto" and run.get("early_compute") and
+                                 name.startswith("canzona") else (first == "on",))]
+        out[name] = min(results, key=lambda r: r.iteration_seconds)  # auto: the shorter, backward order on a tie
     return out
 
 

@@ -95,6 +95,9 @@ class TinyRun:
     """Canzona's DP layout of the matrix buffers: ``whole``, ``lean`` or ``auto`` (--canzona-layout)."""
     num_layers: int = NUM_LAYERS
     """Transformer layers (benchmarks grow the model; tests keep the default)."""
+    untie_embeddings: bool = False
+    """An output layer of its own (``--untie-embeddings-and-output-weights``, as Qwen3 8B and
+    up): its gradient, the first of backward, goes in a bucket of its own."""
     hidden: int = HIDDEN
     """Hidden size; heads keep NUM_HEADS, so the head dim grows with it."""
     ffn_hidden: int = FFN_HIDDEN
@@ -135,6 +138,10 @@ class TinyRun:
     (``--canzona-early-compute``: on gloo the host runs them there, inside backward with
     :attr:`early_gather_at_dispatch`); the step commits them or, the clip acting, computes them
     again. Off: in the step."""
+    matrices_first: bool | None = None
+    """With early compute: the dense buckets without a matrix reduce after the last one with a
+    matrix (``--canzona-matrices-reduce-first``); ``None``: the default (off without a batch
+    to project)."""
     early_compute_bytes: int | None = None
     """Their memory budget per rank (``--canzona-early-compute-budget``; default 1 GiB)."""
     return_state: bool = False
@@ -185,6 +192,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "early_gathers": _early_count(optimizer, "issued"),
             "early_gathers_at_dispatch": _early_count(optimizer, "issued_at_dispatch"),
             "early_computed": _early_count(optimizer, "computed"),
+            "reduces_held": _reduces_held(optimizer),
             "early_steps": _early_steps(optimizer),
         }
     finally:
@@ -228,7 +236,7 @@ def build(run: TinyRun):
     torch.manual_seed(run.seed)  # master weights are drawn from the CPU generator
     model_parallel_cuda_manual_seed(run.seed)
     config = _transformer_config(run)
-    model = _gpt_model(config)
+    model = _gpt_model(config, untie_embeddings=run.untie_embeddings)
     if run.num_experts:
         _init_by_global_name(model, run.seed)
     ddp_config = DistributedDataParallelConfig(
@@ -386,6 +394,7 @@ def canzona_config(run: TinyRun):
         optimizer=name, matrix=matrix[name], alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
         tp_mode=run.tp_mode, layout=run.canzona_layout, early_gather=run.early_gather,
         early_compute=run.early_gather and run.early_compute,  # forced (gloo); off otherwise
+        matrices_first=run.matrices_first,
         **({} if run.early_compute_bytes is None else {"early_compute_bytes": run.early_compute_bytes}),
     )
 
@@ -423,6 +432,15 @@ def _early_count(optimizer, field: str) -> int | None:
     parts = [getattr(getattr(part, "canzona", None), "early_gathers", None)
              for part in getattr(optimizer, "chained_optimizers", [optimizer])]
     counts = [getattr(early, field) for early in parts if early is not None]
+    return sum(counts) if counts else None
+
+
+def _reduces_held(optimizer) -> int | None:
+    """Reduce-scatters held back behind the matrices' (``--canzona-matrices-reduce-first``);
+    ``None`` where the order is Megatron's."""
+    orders = [getattr(getattr(getattr(part, "canzona", None), "early_gathers", None), "order", None)
+              for part in getattr(optimizer, "chained_optimizers", [optimizer])]
+    counts = [order.held_count for order in orders if order is not None]
     return sum(counts) if counts else None
 
 
@@ -504,7 +522,7 @@ def _moe_config(run: TinyRun) -> dict[str, Any]:
     )
 
 
-def _gpt_model(config):
+def _gpt_model(config, untie_embeddings: bool = False):
     import logging
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -519,6 +537,7 @@ def _gpt_model(config):
         vocab_size=VOCAB,
         max_sequence_length=SEQ_LEN,
         position_embedding_type="rope",
+        share_embeddings_and_output_weights=not untie_embeddings,
     )
 
 

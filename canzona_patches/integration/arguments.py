@@ -133,6 +133,12 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
            "them again) or a gradient is inf/NaN (skipped): bitwise the same. Default: on CUDA with the early "
            "gathers; given, also on gloo (the host then computes them in backward).",
            off="Compute every matrix update in the optimizer step.")
+    switch("matrices-reduce-first", None,
+           on="With early compute: reduce the gradients of the output layer and the norms after the last bucket "
+           "holding a matrix, so the matrices reach their hosts earlier in the reduce-scatters' tail and their "
+           "updates are computed beside the rest of it; bitwise the same. Default: where the iteration is "
+           "projected shorter on --canzona-cluster.",
+           off="Reduce every bucket as soon as backward has produced its gradients (Megatron's order).")
     group.add_argument("--canzona-early-compute-budget", type=float, default=defaults.early_compute_bytes / 2**30,
                        metavar="GIB",
                        help="Most GiB early compute keeps per rank (the matrices' updates until the step, and for "
@@ -388,6 +394,15 @@ def _check_parallelism(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(
             "--canzona-early-compute computes each micro-group where its early gather lands: drop "
             "--canzona-no-early-gather, or --canzona-early-compute")
+    if args.canzona_matrices_reduce_first and (args.canzona_early_compute is False or not args.canzona_early_gather):
+        raise CanzonaArgumentError(
+            "--canzona-matrices-reduce-first reorders the reduce-scatters for early compute: drop "
+            f"--canzona-no-{'early-compute' if args.canzona_early_gather else 'early-gather'}, "
+            "or --canzona-matrices-reduce-first")
+    if args.canzona_matrices_reduce_first and not args.overlap_grad_reduce:
+        raise CanzonaArgumentError(
+            "--canzona-matrices-reduce-first reorders the reduce-scatters that overlap backward: add "
+            "--overlap-grad-reduce, or drop --canzona-matrices-reduce-first")
     if getattr(args, "ddp_reduce_scatter_with_fp32_accumulation", False) and args.canzona_layout != "lean":
         raise CanzonaArgumentError(
             "--ddp-reduce-scatter-with-fp32-accumulation replaces the reduce-scatter that runs the whole layout's "
@@ -535,6 +550,7 @@ def canzona_config_from_args(args: argparse.Namespace):
     adamw = AdamWConfig(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
     return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, adamw=adamw, early_compute=args.canzona_early_compute,
                          early_compute_bytes=int(args.canzona_early_compute_budget * 2**30),
+                         matrices_first=args.canzona_matrices_reduce_first,
                          **{field: getattr(args, f"canzona_{field}") for field in CANZONA_FLAG_FIELDS})
 
 

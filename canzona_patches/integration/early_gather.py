@@ -4,7 +4,9 @@ Hooks (megatron-core 0.19.2):
 * ``_ParamAndGradBucketGroup.start_grad_sync`` (a registry row): once a bucket group has
   dispatched its reduce-scatter asynchronously (``--overlap-grad-reduce``, in the backward
   hook of its last gradient), its listeners are told, with the handle in
-  ``grad_reduce_handle``.
+  ``grad_reduce_handle``. With ``--canzona-matrices-reduce-first`` a dense bucket group
+  without a matrix may be held there instead, and dispatched after the last one with a matrix
+  (:class:`MatricesFirst`; ``_ParamAndGradBucketGroup.is_first_batch`` read).
 * ``_ParamAndGradBucketGroup.finish_grad_sync`` (a registry row): once a bucket group's
   reduce-scatter has completed, its listeners are told. Megatron calls it in the loop that
   ends backward (``finalize_model_grads``); only with ``--ddp-reduce-scatter-with-fp32-
@@ -78,11 +80,16 @@ def announcing_dispatched_grads(original: Callable, run: Any) -> Callable:
 
     @functools.wraps(original)
     def start_grad_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        order = _ORDER.get(self)
+        if order is not None and order.hold(self, args, kwargs):
+            return None
         before = self.grad_reduce_handle
         result = original(self, *args, **kwargs)
         if before is None and self.grad_reduce_handle is not None:
             for listener in _LISTENERS.get(self, ()):
                 listener.on_dispatched(self)
+            if order is not None:
+                order.dispatched(self)
         return result
 
     return start_grad_sync
@@ -94,13 +101,86 @@ def announcing_reduced_grads(original: Callable, run: Any) -> Callable:
     @functools.wraps(original)
     def finish_grad_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
         already = bool(self.ddp_config.overlap_grad_reduce and getattr(self, "grad_reduce_finished", False))
-        result = original(self, *args, **kwargs)
+        order = _ORDER.get(self)
+        with order.finishing() if order is not None else contextlib.nullcontext():
+            result = original(self, *args, **kwargs)
         if not already:
             for listener in _LISTENERS.get(self, ()):
                 listener.on_reduced(self)
         return result
 
     return finish_grad_sync
+
+
+_ORDER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Dense bucket group -> its :class:`MatricesFirst`, where ``--canzona-matrices-reduce-first`` is on."""
+
+
+class MatricesFirst:
+    """``--canzona-matrices-reduce-first``: the reduce-scatters of the dense bucket groups that
+    hold no matrix (the output layer's, the norms') and become ready in backward before the
+    last bucket group holding a matrix has dispatched are held back, and dispatched right after
+    it, in the order they became ready. The matrices' gradients then reach their hosts earlier
+    in the reduce-scatters' exposed tail, and their early compute runs beside what is left of
+    it (the held reduce-scatters, the embedding's); the tail itself keeps its length where the
+    reduce-scatters queue behind each other, as at scale.
+
+    Every rank of the data-parallel group holds and releases the same bucket groups at the
+    same point of backward (their gradients become ready in one order everywhere), so the
+    collectives keep one order across the group. Each bucket group is reduced exactly as
+    before: bitwise the same gradients. Costs: no bytes, no host synchronisation; a held
+    group's gradients stay in its buffer until released. Only in backward of an iteration
+    after the first (Megatron dispatches the first one's in its finish loop) and never inside
+    that loop, where a held group is released before it is waited for."""
+
+    def __init__(self, matrix_groups: Sequence[Any], other_groups: Sequence[Any]) -> None:
+        self.matrix = frozenset(id(group) for group in matrix_groups)
+        self.others = frozenset(id(group) for group in other_groups)
+        self.pending = set(self.matrix)
+        """Bucket groups with a matrix not dispatched yet this iteration."""
+        self.held: list[tuple[Any, tuple, dict]] = []
+        self.armed = True
+        self.held_count = 0
+        """Reduce-scatters held back so far (for tests and logs)."""
+
+    def hold(self, bucket_group: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether ``bucket_group``'s dispatch now is held back (and kept for :meth:`release`)."""
+        if not (self.armed and self.pending and id(bucket_group) in self.others):
+            return False
+        if bucket_group.is_first_batch or not bucket_group.ddp_config.overlap_grad_reduce:
+            return False
+        self.held.append((bucket_group, args, kwargs))
+        self.held_count += 1
+        return True
+
+    def dispatched(self, bucket_group: Any) -> None:
+        """A bucket group dispatched its reduce-scatter; after the last with a matrix, the held ones go."""
+        if id(bucket_group) in self.pending:
+            self.pending.discard(id(bucket_group))
+            if not self.pending:
+                self.release()
+
+    def release(self) -> None:
+        """Dispatch every held bucket group, in the order they were held."""
+        held, self.held = self.held, []
+        armed, self.armed = self.armed, False
+        try:
+            for bucket_group, args, kwargs in held:
+                bucket_group.start_grad_sync(*args, **kwargs)
+        finally:
+            self.armed = armed
+
+    @contextlib.contextmanager
+    def finishing(self):
+        """Megatron's loop that ends backward: whatever is held goes first, nothing is held
+        within it, and the next iteration starts with every matrix bucket group pending."""
+        self.release()
+        self.armed = False
+        try:
+            yield
+        finally:
+            self.pending = set(self.matrix)
+            self.armed = True
 
 
 class EarlyGathers:
@@ -132,6 +212,8 @@ class EarlyGathers:
         """Of those, issued from a reduce-scatter's dispatch, during backward."""
         self.computed = 0
         """Micro-groups computed before their step so far."""
+        self.order: MatricesFirst | None = None
+        """The dense bucket groups' reduce order (``--canzona-matrices-reduce-first``), if held."""
 
     def on_dispatched(self, bucket_group: Any) -> None:
         """A bucket group dispatched its reduce-scatter: with :attr:`at_dispatch`, wait for it
@@ -223,10 +305,13 @@ class EarlyCompute:
     (:func:`~megatron.canzona.planning.memory.early_compute_groups`); the others in the step."""
 
 
-def attach(engine: Any, binding: Any, model_chunks: Sequence[Any], compute: EarlyCompute | None = None) -> EarlyGathers | None:
+def attach(engine: Any, binding: Any, model_chunks: Sequence[Any], compute: EarlyCompute | None = None,
+           matrices_first: bool = False) -> EarlyGathers | None:
     """Early gathers for one Canzona DistributedOptimizer (its host-group ``engine``, in async
     mode, and its ``binding``): its listener on every bucket group holding one of its matrices.
-    ``None`` when nothing moves and nothing is to be computed early (``compute``)."""
+    ``None`` when nothing moves and nothing is to be computed early (``compute``).
+    ``matrices_first``: with early compute, the dense bucket groups without a matrix reduce
+    after the last one with a matrix (:class:`MatricesFirst`; the dense optimizer's only)."""
     if engine.mode != "async" or not engine.exchanges:
         return None
     if compute is not None and not compute.forced and not any(p.is_cuda for p in binding.params.values()):
@@ -261,4 +346,23 @@ def attach(engine: Any, binding: Any, model_chunks: Sequence[Any], compute: Earl
             listeners = _LISTENERS.setdefault(group, [])
             if early not in listeners:
                 listeners.append(early)
+    if matrices_first and early.compute_early:
+        early.order = order_matrices_first(model_chunks, set().union(*needs))
     return early
+
+
+def order_matrices_first(model_chunks: Sequence[Any], matrix_groups: set[Any]) -> MatricesFirst | None:
+    """A :class:`MatricesFirst` over the dense bucket groups of ``model_chunks`` (those reduced
+    over the data-parallel group; ``None`` if ``matrix_groups`` are not among them, as the
+    experts' are not, or no other dense bucket group is there to hold)."""
+    dense = [group for chunk in model_chunks for group in chunk.bucket_groups]
+    ids = {id(group) for group in dense}
+    if not matrix_groups or any(id(group) not in ids for group in matrix_groups):
+        return None
+    others = [group for group in dense if group not in matrix_groups]
+    if not others:
+        return None
+    order = MatricesFirst(list(matrix_groups), others)
+    for group in dense:
+        _ORDER[group] = order
+    return order

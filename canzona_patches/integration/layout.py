@@ -27,7 +27,13 @@ from megatron.canzona.planning import LAYOUTS, CanzonaPlan, DPPlan, ParamSpec, W
 from megatron.canzona.planning.geometry import default_bucket_size
 from megatron.canzona.planning.plan import BufferPlan
 from megatron.canzona.planning.sim import Workload, load_cluster
-from megatron.canzona.planning.sim.choose import faster_layout, layout_line, project_layouts
+from megatron.canzona.planning.sim.choose import (
+    faster_layout,
+    layout_line,
+    project_layouts,
+    project_reduce_orders,
+    reduce_order_line,
+)
 
 require_pinned_megatron()
 
@@ -227,15 +233,47 @@ def build_canzona_plan(
     }
     if len(plans) == 1:
         return next(iter(plans.values())), specs, None
-    cluster = load_cluster(cfg.cluster or DEFAULT_CLUSTERS[torch.cuda.is_available()])
-    if cfg.cluster is None:  # the preset's node size is a guess; the launcher's is the run's
-        node = local_world_size() or (None if torch.cuda.is_available() else dp_size * tp_size)
-        if node is not None:
-            cluster = dataclasses.replace(cluster, gpus_per_node=node)
+    cluster = projection_cluster(cfg, dp_size * tp_size)
     results = project_layouts(specs, plans, cluster=cluster, optimizer=cfg.optimizer, wire=wire, workload=workload,
                               ns_method=cost_model.ns_method)
     choice = faster_layout(results)
     return plans[choice], specs, layout_line(choice, results, cluster, iteration=workload is not None)
+
+
+def projection_cluster(cfg: Any, world: int) -> Any:
+    """The cluster the run's choices are projected on: ``cfg.cluster``, else the default preset
+    (h100-ib400 on CUDA, the gloo probe on CPU) with the launcher's node size (on CPU, ``world``:
+    one machine)."""
+    cluster = load_cluster(cfg.cluster or DEFAULT_CLUSTERS[torch.cuda.is_available()])
+    if cfg.cluster is None:  # the preset's node size is a guess; the launcher's is the run's
+        node = local_world_size() or (None if torch.cuda.is_available() else world)
+        if node is not None:
+            cluster = dataclasses.replace(cluster, gpus_per_node=node)
+    return cluster
+
+
+def early_compute_on(cfg: Any) -> bool:
+    """Whether the run computes micro-groups early: with the early gathers (async), when asked
+    or, by default, on CUDA."""
+    return bool(cfg.early_gather and cfg.tp_mode == "async"
+                and (cfg.early_compute or (cfg.early_compute is None and torch.cuda.is_available())))
+
+
+def choose_matrices_first(plan: CanzonaPlan, specs: Sequence[ParamSpec], cfg: Any, *, wire: WireConfig,
+                          workload: Workload | None) -> tuple[bool, str | None]:
+    """``--canzona-matrices-reduce-first`` as the run takes it, and, where its default was
+    projected, the log line of the choice: off without early compute, and by default off
+    without the run's batch (nothing to project the tail of)."""
+    if not early_compute_on(cfg):
+        return False, None
+    if cfg.matrices_first is not None:
+        return cfg.matrices_first, None
+    if workload is None:
+        return False, None
+    cluster = projection_cluster(cfg, plan.dp_size * plan.tp_size)
+    results = project_reduce_orders(specs, plan, cluster=cluster, optimizer=cfg.optimizer, wire=wire,
+                                    workload=workload, ns_method=cfg.cost_model().ns_method)
+    return reduce_order_line(results, cluster)
 
 
 def full_param_layouts(plan: CanzonaPlan, model_chunks: Sequence[torch.nn.Module], ddp_config: Any) -> list[FullParamLayout]:

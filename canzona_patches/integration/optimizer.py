@@ -91,7 +91,9 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         compute = None if setup.config.early_compute is False else EarlyCompute(
             compute=inner.stage_compute, discard=inner.discard_staged, scale=self._early_scale,
             forced=bool(setup.config.early_compute), groups=early_groups(inner, setup.config.early_compute_bytes))
-        early = attach_early_gathers(engine, binding, model_chunks, compute) if setup.config.early_gather else None
+        early = (attach_early_gathers(engine, binding, model_chunks, compute,
+                                      matrices_first=setup.matrices_first and not ranks.expert)
+                 if setup.config.early_gather else None)
         self.canzona = CanzonaPart(binding=binding, engine=engine, tp_group=ranks.tp, early_gathers=early)
         self.early_steps: collections.Counter[str] = collections.Counter()
         """Steps whose matrices were computed before them, by outcome: ``committed`` (used),

@@ -25,6 +25,7 @@ from canzona_patches.integration.early_gather import EarlyGathers
 from canzona_patches.integration.layout import (
     BUFFER_ROUTING_ATTR,
     build_canzona_plan,
+    choose_matrices_first,
     full_param_layouts,
     node_note,
     stacked_expert_blocks,
@@ -70,6 +71,9 @@ class CanzonaSetup:
     host_ranks: dict[Coord, int] | None = None
     """(DP rank, TP rank) -> rank in the tensor-and-data-parallel group; ``None``: the ranks
     tell each other when the optimizer is built (one collective)."""
+    matrices_first: bool = False
+    """The dense buckets without a matrix reduce after the last one with a matrix
+    (``--canzona-matrices-reduce-first``, or its projected default; only with early compute)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,12 +111,15 @@ def make_setup(
     first, stage = _stage_first_rank()
     first = first and log
     summary = None
+    named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
+    matrices_first, order = choose_matrices_first(plan, specs, config, wire=wire_config(named, ddp_config),
+                                                  workload=workload)
     if first or summarize_here:
-        named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
         summary = summarize_canzona(plan, specs, config.cost_model(), wire_config(named, ddp_config))
     if first:
-        if choice is not None:
-            print(choice if stage is None else choice.replace("[canzona]", f"[canzona] stage {stage}:"), flush=True)
+        for line in (choice, order):
+            if line is not None:
+                print(line if stage is None else line.replace("[canzona]", f"[canzona] stage {stage}:"), flush=True)
         _log_plan(plan, summary, stage)
         note = node_note(tp_size, ep_size, plan.experts.tp_size if plan.experts is not None else 1)
         if note is not None:
@@ -121,7 +128,7 @@ def make_setup(
                  if getattr(p, BUFFER_ROUTING_ATTR, False)]
     return CanzonaSetup(
         config=config, plan=plan, layouts=tuple(full_param_layouts(plan, model_chunks, ddp_config)),
-        specs=tuple(specs), summary=summary, host_ranks=host_ranks,
+        specs=tuple(specs), summary=summary, host_ranks=host_ranks, matrices_first=matrices_first,
         fused_layouts={(c, name): fused_layout(name, chunk, config) for c, name, chunk in matrices},
         tp_strides={(c, name): tp_stride(name, chunk.config.gated_linear_unit) for c, name, chunk in matrices},
     )

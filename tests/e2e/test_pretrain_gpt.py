@@ -251,6 +251,12 @@ BAD_INPUTS = {
                                             "drop --canzona-no-early-gather, or --canzona-early-compute"),
     "negative_early_compute_budget": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer",
                                        "--canzona-early-compute-budget", "-1"], "must be 0 or more GiB"),
+    "matrices_first_without_early_compute": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer",
+                                              "--canzona-matrices-reduce-first", "--canzona-no-early-compute"],
+                                             "drop --canzona-no-early-compute, or --canzona-matrices-reduce-first"),
+    "matrices_first_without_overlap": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer",
+                                        "--canzona-matrices-reduce-first"],
+                                       "add --overlap-grad-reduce, or drop --canzona-matrices-reduce-first"),
 }
 
 

@@ -17,7 +17,8 @@ The early compute runs as CUDA runs it, from the reduce-scatters' dispatch insid
 (on gloo each waits for its reduce-scatter there, so the host computes inside backward), and
 once (Muon, TP 2 x DP 2) when the buckets finish reducing, gloo's default moment; and once
 (Muon, TP 2 x DP 2) with a memory budget that holds one of the three micro-groups: the first
-to become ready is computed early, the others in the step.
+to become ready is computed early, the others in the step; and once (Muon, TP 2 x DP 2) with the
+dense buckets without a matrix reduced after the matrices' (``--canzona-matrices-reduce-first``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,12 @@ def results() -> dict[tuple[str, str, str], list[dict]]:
         if case == "tp2_dp2":
             runs.append(replace(_run("muon", tp_size, world_size), early_compute=True))
             runs.append(replace(runs[0], early_compute_bytes=BUDGET))
-            names += [("muon", case, "finish"), ("muon", case, "budget")]
+            # an output layer of its own (4096 elements a TP rank), in a bucket of its own: ready first in
+            # backward, held behind the matrices'
+            untied = dict(untie_embeddings=True, bucket_size=4_000)
+            runs += [replace(runs[0], matrices_first=True, **untied), replace(runs[1], **untied)]
+            names += [("muon", case, "finish"), ("muon", case, "budget"), ("muon", case, "first"),
+                      ("muon", case, "first_step")]
         per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=world_size, timeout_s=LAUNCH_TIMEOUT_S), runs)
         for i, name in enumerate(names):
             out[name] = [rank[i] for rank in per_rank]
@@ -88,13 +94,18 @@ CASES = [(o, case) for _, case in SHAPES.values() for o in OPTIMIZERS]
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize(("optimizer", "case"), CASES)
 def test_early_compute_is_bitwise_the_steps_own(results, optimizer: str, case: str) -> None:
-    variants = ["early", "finish", "budget"] if (optimizer, case, "finish") in results else ["early"]
+    variants = ["early", "finish", "budget", "first"] if (optimizer, case, "finish") in results else ["early"]
     for variant in variants:
-        for rank, (early, step) in enumerate(zip(results[(optimizer, case, variant)], results[(optimizer, case, "step")])):
+        baseline = results[(optimizer, case, "first_step" if variant == "first" else "step")]
+        for rank, (early, step) in enumerate(zip(results[(optimizer, case, variant)], baseline)):
             where = f"{optimizer} {case} {variant} rank {rank}"
             assert early["early_computed"] > 0 and not step["early_computed"], where
             if variant == "budget":  # one micro-group a step of the three, the others computed in the step
                 assert early["early_computed"] == STEPS < results[(optimizer, case, "early")][rank]["early_computed"]
+            # the output layer's and the norms' reduce-scatters held behind the matrices' in every
+            # iteration after the first (the first dispatches all in Megatron's loop after backward)
+            assert (early["reduces_held"] or 0) >= (STEPS - 1 if variant == "first" else 0) and \
+                (early["reduces_held"] is None) == (variant != "first"), (where, early["reduces_held"])
             assert early["early_steps"] == [OUTCOMES] and step["early_steps"] == [{}], (where, early["early_steps"])
             assert early["skipped_steps"] == step["skipped_steps"] == [NAN_STEP], where
             norms = step["grad_norms"]

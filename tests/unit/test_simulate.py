@@ -204,6 +204,40 @@ def test_early_compute_runs_once_gathered_and_commits_at_the_step():
         simulate(specs, early_compute=True, clip_rate=1.5, **kwargs)
 
 
+def test_matrices_reduced_first_hold_back_only_dense_buckets_without_a_matrix():
+    """``--canzona-matrices-reduce-first``: a dense bucket without a matrix that is ready before
+    the last dense matrix bucket (the output layer's) is reduced right after it, in its order;
+    one ready after it (the embedding's) and the expert buffers' (their own group) stay."""
+    from megatron.canzona.planning.sim.iteration import BucketSync, reduced_at
+    from megatron.canzona.planning.sim.simulate import matrices_reduced_first
+
+    reduce = [BucketSync(1.0, 0.1, "out"), BucketSync(1.0, 0.5, "m0", key=(0, 0)), BucketSync(1.0, 0.2, "norms"),
+              BucketSync(1.0, 0.9, "m1", key=(0, 1)), BucketSync(1.0, 1.0, "emb"), BucketSync(1.0, 0.05, "expert")]
+    moved = matrices_reduced_first(reduce, dense=5)
+    order = [b.label for b in sorted(moved, key=lambda b: b.ready)]
+    assert order == ["expert", "m0", "m1", "out", "norms", "emb"]
+    assert reduced_at(moved, 1.0)[(0, 1)] < reduced_at(reduce, 1.0)[(0, 1)]  # the last matrices land earlier
+    assert matrices_reduced_first(reduce[:1]) == reduce[:1]  # no matrix bucket: nothing to hold for
+
+
+def test_matrices_reduced_first_shorten_the_qwen3_14b_step_at_256_gpus():
+    """Qwen3-14B, TP 4 x DP 64 on h100-ib400, early compute: with the output layer's reduce-scatter
+    after the matrices', the last matrices' Newton-Schulz runs beside it and the embedding's
+    instead of after the tail (docs/projection.md); without early compute it changes nothing."""
+    from megatron.canzona.planning import qwen3_specs
+
+    specs = qwen3_specs("qwen3-14b", tp_size=4, split_qkv=True)
+    work = Workload(global_batch=128, micro_batch=1, seq_length=4096)
+    kwargs = dict(strategy="canzona", cluster=load_cluster("h100-ib400"), dp_size=64, tp_size=4, workload=work,
+                  wire=WireConfig(grad_bytes=4))
+    backward, first = (simulate(specs, early_compute=True, matrices_first=m, **kwargs) for m in (False, True))
+    assert first.optimizer_step_seconds < 0.5 * backward.optimizer_step_seconds
+    assert first.iteration_seconds < backward.iteration_seconds
+    assert first.details["matrices_first"] and not backward.details["matrices_first"]
+    plain = simulate(specs, matrices_first=True, **kwargs)
+    assert plain.iteration_seconds == simulate(specs, **kwargs).iteration_seconds
+
+
 def test_early_compute_keeps_to_each_ranks_memory_budget():
     """Each rank computes early only the micro-groups that fit ``early_compute_bytes`` (what the
     runtime picks: in the order their last bucket reduces), the others in the step: no budget

@@ -49,6 +49,11 @@ class CanzonaConfig:
     landed, leaving the state as it was; the step commits them if the clip did not act, else
     computes them again (exact either way). ``None``: on CUDA (a side stream), not on gloo,
     where the host would run them inside backward; ``True``: there too."""
+    matrices_first: bool | None = None
+    """With early compute: reduce the dense buckets without a matrix (the output layer's, the
+    norms') after the last one with a matrix, so the matrices' early compute runs beside them.
+    Bitwise the same. ``None``: where the iteration is projected shorter on ``cluster`` (the
+    run's batch known), else off."""
     early_compute_bytes: int = EARLY_COMPUTE_BYTES
     """Most bytes early compute keeps per rank and optimizer (directions, and Shampoo's and
     SOAP's staging state): the micro-groups that become ready first and fit are computed early,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -359,6 +360,7 @@ def simulate(
     early_efficiency: float = EARLY_COMPUTE_EFFICIENCY,
     clip_rate: float = 0.0,
     early_compute_bytes: int | None = EARLY_COMPUTE_BYTES,
+    matrices_first: bool = False,
 ) -> StrategyResult:
     """One iteration of the pipeline stage whose parameters are ``specs`` (package docstring).
 
@@ -370,7 +372,12 @@ def simulate(
     and at full rate in the reduce-scatter's exposed tail, speculating that the clip does not
     bind; a fraction ``clip_rate`` of steps finds it binding and recomputes in the step, as
     without early compute, and the step is the mean of the two. Each rank computes early only
-    the groups that fit ``early_compute_bytes`` (the runtime's budget; ``None``: all)."""
+    the groups that fit ``early_compute_bytes`` (the runtime's budget; ``None``: all).
+
+    ``matrices_first`` (``--canzona-matrices-reduce-first``, with early compute): the dense
+    buckets without a matrix that become ready before the last dense matrix bucket (the output
+    layer's, the norms') are reduced right after it, so the matrices land that much earlier in
+    the reduce-scatter's tail and their early compute runs beside what remains of it."""
     grid = _check(strategy, dp_size, tp_size, ep_size, expert_tp_size, pp_size)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
@@ -382,7 +389,8 @@ def simulate(
                    expert_plan, wire, overlap, alpha)
     work = BUILDERS[strategy](ctx)
     slowdown = cluster.contention(grid.size * pp_size)
-    phases = _phases(ctx, work, cluster, workload, pp_size, slowdown)
+    phases = _phases(ctx, work, cluster, workload, pp_size, slowdown,
+                     matrices_first=matrices_first and early_compute and work.early_gather)
     reduced = None
     if work.early_gather:  # when each dense matrix bucket's reduce-scatter ends, from the step's start
         reduced = {key: at - phases.rs_exposed for key, at in phases.reduced_at.items()}
@@ -398,7 +406,7 @@ def simulate(
     result = _assemble(strategy, ctx, work, phases, slowdown, step_end, run)
     if early is not None:
         result.details.update(early_compute=True, early_efficiency=early_efficiency, clip_rate=clip_rate,
-                              early_compute_bytes=early_compute_bytes)
+                              early_compute_bytes=early_compute_bytes, matrices_first=matrices_first)
     return result
 
 
@@ -457,6 +465,21 @@ def _bucket_syncs(ctx: _Context, work: Work, topology: Topology, workload: Workl
     return reduce, gather
 
 
+def matrices_reduced_first(reduce: list[BucketSync], dense: int | None = None) -> list[BucketSync]:
+    """The reductions with the dense buckets that hold no matrix and become ready before the
+    last dense matrix bucket held back until just after it (their order kept): the runtime's
+    ``--canzona-matrices-reduce-first``. ``dense``: how many of ``reduce`` are the dense
+    buffers' (listed first, on the DP group; the expert buffers' go on their own group);
+    ``None``: all."""
+    dense = len(reduce) if dense is None else dense
+    last = max((b.ready for b in reduce[:dense] if b.key is not None), default=None)
+    if last is None:
+        return list(reduce)
+    after = math.nextafter(last, math.inf)
+    return [dataclasses.replace(b, ready=after) if i < dense and b.key is None and b.ready < last else b
+            for i, b in enumerate(reduce)]
+
+
 def _bucket_seconds(topology: Topology, bucket: Bucket, bytes_per_element: int, group: Sequence[int]) -> float:
     """One bucket's reduce-scatter (or all-gather): a ring over equal shards, a group of ring
     reduces (broadcasts) over shards of different sizes, as torch runs it on NCCL."""
@@ -488,8 +511,10 @@ class _Phases:
 
 
 def _phases(ctx: _Context, work: Work, cluster: ClusterSpec, workload: Workload | None, pp_size: int,
-            slowdown: float) -> _Phases:
+            slowdown: float, matrices_first: bool = False) -> _Phases:
     reduce, gather = _bucket_syncs(ctx, work, Topology(cluster), workload)
+    if matrices_first:
+        reduce = matrices_reduced_first(reduce, sum(len(b.buckets) for _, b in work.reduced[0].buffers))
     micro = fwd_bwd = 0.0
     details: dict = {}
     if workload is not None:
