@@ -71,10 +71,10 @@ VARIANTS = ("canzona", "sync", "megatron")
 EARLY = "canzona_early"
 """bench_step ``--iteration``'s ``canzona`` with early compute forced on gloo, validated with
 ``--iteration``. There each early gather is issued from the reduce-scatter's dispatch as on
-NCCL, and the host computes a landed micro-group inside backward at full speed, lengthening
-the measured forward-backward rather than beside it: it is predicted as the simulator's
-early compute (``early_compute=True``) on the probe's cluster with NCCL's dispatch, side
-compute at efficiency 1 and no memory bound."""
+NCCL, but the host waits for it there and computes a landed micro-group inside backward,
+lengthening the measured forward-backward rather than beside it: it is predicted as the
+simulator's early compute in that mode (``early_inline=True``: no reduce-scatter tail, every
+group computed before the step, no memory bound)."""
 
 
 def variants_for(iteration: bool) -> tuple[str, ...]:
@@ -171,11 +171,9 @@ def predict_case(specs: list[ParamSpec], dp_size: int, tp_size: int, cluster: Cl
         kw = dict(strategy=strategy, dp_size=dp_size, tp_size=tp_size, optimizer="muon", wire=WIRE, alpha=alpha,
                   plan=plans[0] if strategy == "megatron_layerwise" else None, bucket_size=bucket_size,
                   workload=iteration_workload(dp_size, forward_backward[variant], cluster) if iteration else None)
-        on = cluster
         if variant == EARLY:
-            kw.update(early_compute=True, early_efficiency=1.0, early_compute_bytes=None)
-            on = dataclasses.replace(cluster, backend="nccl")
-        r = simulate(specs, cluster=on, calibration=calibration, **kw)
+            kw.update(early_compute=True, early_compute_bytes=None, early_inline=True)
+        r = simulate(specs, cluster=cluster, calibration=calibration, **kw)
         row: dict[str, Any] = {
             "strategy": strategy, "seconds": timed_seconds(r, variant, iteration),
             "step_compute_seconds": r.step_compute_seconds,

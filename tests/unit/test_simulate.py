@@ -238,6 +238,24 @@ def test_matrices_reduced_first_shorten_the_qwen3_14b_step_at_256_gpus():
     assert plain.iteration_seconds == simulate(specs, **kwargs).iteration_seconds
 
 
+def test_early_compute_inline_on_gloo_leaves_the_step_only_its_commit():
+    """gloo with the gathers forced to the reduce-scatters' dispatch (bench_step's canzona_early):
+    the host waits there and computes each landed group inside backward, so nothing of the
+    reduce-scatters is exposed and every group is computed before the step; the step keeps the
+    scatters and applies, less than the step that computes them."""
+    specs = [matrix(tp_size=2, name=f"w{i}", order=i) for i in range(8)]
+    work = Workload(global_batch=2, micro_batch=1, seq_length=4096, flops_per_token=1e10)
+    kwargs = dict(strategy="canzona", dp_size=2, tp_size=2, workload=work, wire=WIRE, bucket_size=NUMEL // 2,
+                  cluster=cluster(backend="gloo"), early_compute=True, early_efficiency=1.0)
+    queued, inline = simulate(specs, **kwargs), simulate(specs, early_inline=True, **kwargs)
+    assert inline.grad_reduce_exposed_seconds == 0.0 < queued.grad_reduce_exposed_seconds
+    origin = inline.iteration_seconds - inline.optimizer_step_seconds
+    computes = [seg for seg in inline.timeline if seg.kind == "compute"]
+    assert computes and all(seg.end < origin for seg in computes)
+    assert inline.optimizer_step_seconds < simulate(specs, **{**kwargs, "early_compute": False}).optimizer_step_seconds
+    assert inline.details["early_inline"] and not queued.details["early_inline"]
+
+
 def test_early_compute_keeps_to_each_ranks_memory_budget():
     """Each rank computes early only the micro-groups that fit ``early_compute_bytes`` (what the
     runtime picks: in the order their last bucket reduces), the others in the step: no budget

@@ -55,6 +55,9 @@ EARLY_COMPUTE_EFFICIENCY = 0.03
 bf16 products on an H100 (``tools/bench_overlap.py``, docs/gpu_check.md, 2026-11-27): two
 compute-bound streams share the SMs. Early compute pays in the reduce-scatter's tail, where the
 compute units are idle."""
+INLINE_SECONDS = 1e6
+"""``early_inline``: how long before the step its reduce-scatters and early compute are placed
+(inside a backward that holds them all, whatever they take)."""
 NEEDS_LAYERWISE_PLAN = ("megatron_layerwise", "layer_sharded")
 CANZONA_STRATEGIES = ("canzona", "canzona_lean", "canzona_tp_sync")
 
@@ -361,6 +364,7 @@ def simulate(
     clip_rate: float = 0.0,
     early_compute_bytes: int | None = EARLY_COMPUTE_BYTES,
     matrices_first: bool = False,
+    early_inline: bool = False,
 ) -> StrategyResult:
     """One iteration of the pipeline stage whose parameters are ``specs`` (package docstring).
 
@@ -377,7 +381,14 @@ def simulate(
     ``matrices_first`` (``--canzona-matrices-reduce-first``, with early compute): the dense
     buckets without a matrix that become ready before the last dense matrix bucket (the output
     layer's, the norms') are reduced right after it, so the matrices land that much earlier in
-    the reduce-scatter's tail and their early compute runs beside what remains of it."""
+    the reduce-scatter's tail and their early compute runs beside what remains of it.
+
+    ``early_inline`` (with ``early_compute``; gloo with the gathers forced to the reduce-scatters'
+    dispatch, as the tests and ``tools/bench_step.py --iteration``'s ``canzona_early`` run them):
+    the host waits for each reduce-scatter where it dispatches it and computes each landed group
+    there, so both lie inside the forward-backward (which ``workload`` then gives as measured, with
+    them): no reduce-scatter tail is exposed, and the step starts with every group within the
+    budget computed, leaving it their commit, scatter and apply."""
     grid = _check(strategy, dp_size, tp_size, ep_size, expert_tp_size, pp_size)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
@@ -400,13 +411,18 @@ def simulate(
         raise ValueError(f"clip_rate {clip_rate} and early_efficiency {early_efficiency} must lie in [0, 1]")
     budget = None if early_compute_bytes is None else early_compute_bytes // STATE_BYTES
     early = EarlyCompute(-phases.rs_exposed, early_efficiency, budget) if early_compute and reduced is not None else None
+    if early_inline and early is not None:  # all of it inside the (measured) backward, well before its end
+        phases = dataclasses.replace(phases, rs_exposed=0.0)
+        reduced = {key: -INLINE_SECONDS for key in reduced}
+        early = EarlyCompute(-INLINE_SECONDS, 1.0, budget)
     step_end, run = _run_step(work, grid, cluster, wire, slowdown, reduced, early)
     if early is not None and clip_rate > 0.0:  # a binding clip recomputes in the step: today's step
         step_end = (1.0 - clip_rate) * step_end + clip_rate * _run_step(work, grid, cluster, wire, slowdown, reduced)[0]
     result = _assemble(strategy, ctx, work, phases, slowdown, step_end, run)
     if early is not None:
         result.details.update(early_compute=True, early_efficiency=early_efficiency, clip_rate=clip_rate,
-                              early_compute_bytes=early_compute_bytes, matrices_first=matrices_first)
+                              early_compute_bytes=early_compute_bytes, matrices_first=matrices_first,
+                              early_inline=early_inline)
     return result
 
 
