@@ -35,7 +35,7 @@ from canzona_patches.integration.layout import (
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, QKVLayout
 from megatron.canzona.optim.split import FusedLayout
-from megatron.canzona.planning import CanzonaPlan, summarize_canzona
+from megatron.canzona.planning import LAYOUTS, CanzonaPlan, summarize_canzona
 from megatron.canzona.planning.schedule import Coord
 from megatron.canzona.planning.sim import Workload
 from megatron.canzona.runtime.config import CanzonaConfig
@@ -114,6 +114,9 @@ def make_setup(
     named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
     matrices_first, order = choose_matrices_first(plan, specs, config, wire=wire_config(named, ddp_config),
                                                   workload=workload)
+    if choice is not None or order is not None:
+        check_same_choices({"--canzona-layout auto": LAYOUTS.index(plan.layout),
+                            "--canzona-matrices-reduce-first": int(matrices_first)})
     if first or summarize_here:
         summary = summarize_canzona(plan, specs, config.cost_model(), wire_config(named, ddp_config))
     if first:
@@ -132,6 +135,32 @@ def make_setup(
         fused_layouts={(c, name): fused_layout(name, chunk, config) for c, name, chunk in matrices},
         tp_strides={(c, name): tp_stride(name, chunk.config.gated_linear_unit) for c, name, chunk in matrices},
     )
+
+
+def check_same_choices(choices: dict[str, int], group: Any = None) -> None:
+    """What each rank projected for itself (``choices``: a flag -> the value it took) is the same
+    on every rank of the stage's tensor-and-data-parallel group (``group``: that one by default;
+    no check outside a distributed job): ranks that chose differently would lay out or order
+    their collectives differently, and hang or mix buckets. The projections read only what
+    every rank shares, unless the launcher gives nodes different sizes (``LOCAL_WORLD_SIZE``);
+    then this says so in one line. Costs two small all-reduces, once, at start-up."""
+    if not torch.distributed.is_initialized():
+        return
+    if group is None:
+        if not parallel_state.model_parallel_is_initialized():
+            return
+        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    nccl = torch.distributed.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    low = torch.tensor(list(choices.values()), dtype=torch.int64, device=device)
+    high = low.clone()
+    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=group)
+    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=group)
+    differ = [flag for flag, a, b in zip(choices, low.tolist(), high.tolist()) if a != b]
+    if differ:
+        raise RuntimeError(
+            f"the ranks projected different choices for {', '.join(differ)} (nodes of different sizes?): "
+            "give the choice explicitly, or --canzona-cluster with the node size of every node")
 
 
 def fused_layout(name: str, module: torch.nn.Module, cfg: CanzonaConfig) -> FusedLayout | None:

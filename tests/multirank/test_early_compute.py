@@ -121,3 +121,32 @@ def test_early_compute_is_bitwise_the_steps_own(results, optimizer: str, case: s
 def _same(a: list[float], b: list[float]) -> bool:
     """Equal lists of floats, NaN equal to NaN."""
     return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))
+
+
+def _check_choices() -> tuple[str | None, str | None]:
+    """check_same_choices over the world: the same values on both ranks, then a reduce order of
+    the rank's own; the error's text of each, if any."""
+    import torch.distributed as dist
+
+    from canzona_patches.integration.setup import check_same_choices
+
+    out = []
+    for first in (1, dist.get_rank()):
+        try:
+            check_same_choices({"--canzona-layout auto": 0, "--canzona-matrices-reduce-first": first},
+                               group=dist.group.WORLD)
+            out.append(None)
+        except RuntimeError as error:
+            out.append(str(error))
+    return out[0], out[1]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S)
+def test_ranks_that_projected_different_choices_stop_in_one_line() -> None:
+    """Each rank projects the layout and the reduce order for itself; should two disagree (nodes
+    of different sizes), every rank stops with a line naming the flag rather than ordering its
+    collectives differently."""
+    results = launch(_check_choices, LaunchConfig(world_size=2, timeout_s=LAUNCH_TIMEOUT_S))
+    for same, differ in results:
+        assert same is None and differ is not None, results
+        assert "--canzona-matrices-reduce-first" in differ and "layout" not in differ, differ
