@@ -95,9 +95,6 @@ class TinyRun:
     """Canzona's DP layout of the matrix buffers: ``whole``, ``lean`` or ``auto`` (--canzona-layout)."""
     num_layers: int = NUM_LAYERS
     """Transformer layers (benchmarks grow the model; tests keep the default)."""
-    untie_embeddings: bool = False
-    """An output layer of its own (``--untie-embeddings-and-output-weights``, as Qwen3 8B and
-    up): its gradient, the first of backward, goes in a bucket of its own."""
     hidden: int = HIDDEN
     """Hidden size; heads keep NUM_HEADS, so the head dim grows with it."""
     ffn_hidden: int = FFN_HIDDEN
@@ -236,7 +233,7 @@ def build(run: TinyRun):
     torch.manual_seed(run.seed)  # master weights are drawn from the CPU generator
     model_parallel_cuda_manual_seed(run.seed)
     config = _transformer_config(run)
-    model = _gpt_model(config, untie_embeddings=run.untie_embeddings)
+    model = _gpt_model(config)
     if run.num_experts:
         _init_by_global_name(model, run.seed)
     ddp_config = DistributedDataParallelConfig(
@@ -522,7 +519,7 @@ def _moe_config(run: TinyRun) -> dict[str, Any]:
     )
 
 
-def _gpt_model(config, untie_embeddings: bool = False):
+def _gpt_model(config):
     import logging
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -537,7 +534,6 @@ def _gpt_model(config, untie_embeddings: bool = False):
         vocab_size=VOCAB,
         max_sequence_length=SEQ_LEN,
         position_embedding_type="rope",
-        share_embeddings_and_output_weights=not untie_embeddings,
     )
 
 
