@@ -272,7 +272,8 @@ def choose_matrices_first(plan: CanzonaPlan, specs: Sequence[ParamSpec], cfg: An
         return False, None
     cluster = projection_cluster(cfg, plan.dp_size * plan.tp_size)
     results = project_reduce_orders(specs, plan, cluster=cluster, optimizer=cfg.optimizer, wire=wire,
-                                    workload=workload, ns_method=cfg.cost_model().ns_method)
+                                    workload=workload, ns_method=cfg.cost_model().ns_method,
+                                    early_compute_bytes=cfg.early_compute_bytes)
     return reduce_order_line(results, cluster)
 
 

@@ -82,6 +82,7 @@ def _train(data: DemoData, out: Path, *args: str, nproc: int = 2, **kwargs: Any)
     result = run_with_deadline(torchrun(nproc, "pretrain_gpt.py", *resume_args(data, out, *args, **kwargs)),
                                timeout_s=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-6000:]
+    (out / "stdout.txt").write_text(result.stdout)
     return metrics_of(out)
 
 
@@ -91,6 +92,7 @@ def _save_then_resume(data: DemoData, root: Path, straight: tuple[str, ...], res
     ckpt = root / "ckpt"
     out = {"reference": _train(data, root / "straight", *straight, "--save", str(ckpt),
                                "--save-interval", str(SAVE_INTERVAL), **kwargs)}
+    out["stdout"] = (root / "straight" / "stdout.txt").read_text()
     (ckpt / TRACKER).write_text(str(SAVE_INTERVAL))
     for name, args in resumes.items():
         out[name] = _train(data, root / name, *args, "--load", str(ckpt), **kwargs)
@@ -288,6 +290,10 @@ def test_a_checkpoint_saved_right_after_a_recomputed_early_step_resumes_exactly(
     assert [outcomes[i] for i in (1, 2, 3, SAVE_INTERVAL)] == [committed] * 3 + [recomputed], outcomes
     assert {i: m["early_compute"] for i, m in pp_runs["pp2"].items()} == {i: outcomes[i] for i in pp_runs["pp2"]}
     assert pp_runs["dp2"][ITERS]["early_compute"] is None  # gloo's default: computed in the step
+    # early compute on, the reduce order was projected for each stage (the choice is the projection's)
+    for stage in (0, 1):
+        assert re.search(rf"\[canzona\] stage {stage}: matrices reduce first: (on|off) \(projected on ",
+                         pp_runs["stdout"]), pp_runs["stdout"][-4000:]
 
 
 def test_resume_at_dp2_from_a_pp2_checkpoint(pp_runs):

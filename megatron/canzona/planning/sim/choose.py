@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..comm import WireConfig
+from ..memory import EARLY_COMPUTE_BYTES
 from ..plan import CanzonaPlan
 from ..specs import ParamSpec
 from .cluster import ClusterSpec
@@ -33,15 +34,17 @@ def project_layouts(
 def project_reduce_orders(
     specs: Sequence[ParamSpec], plan: CanzonaPlan, *, cluster: ClusterSpec, optimizer: str,
     wire: WireConfig | None = None, workload: Workload | None = None, ns_method: str = "standard",
+    early_compute_bytes: int | None = EARLY_COMPUTE_BYTES,
 ) -> dict[bool, StrategyResult]:
-    """The projected iteration of ``plan`` with early compute, its dense buckets without a
-    matrix reduced in backward order (``False``) and after the matrices (``True``)."""
+    """The projected iteration of ``plan`` with early compute (within ``early_compute_bytes`` per
+    rank), its dense buckets without a matrix reduced in backward order (``False``) and after the
+    matrices (``True``)."""
     return {
         first: simulate(
             specs, strategy="canzona", cluster=cluster, dp_size=plan.dp_size, tp_size=plan.tp_size,
             ep_size=plan.ep_size, expert_tp_size=plan.experts.tp_size if plan.experts is not None else 1,
             optimizer=optimizer, workload=workload, plan=plan, wire=wire, ns_method=ns_method,
-            early_compute=True, matrices_first=first,
+            early_compute=True, early_compute_bytes=early_compute_bytes, matrices_first=first,
         )
         for first in (False, True)
     }
