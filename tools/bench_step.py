@@ -172,10 +172,18 @@ where its gather lands, issued from the reduce-scatters' dispatch as on CUDA (on
 waits for each reduce-scatter there and computes inside backward)."""
 
 
+MATRICES_FIRST = "canzona_first"
+"""With ``--iteration``: :data:`EARLY_COMPUTE` with ``--canzona-matrices-reduce-first`` on: the
+dense buckets without a matrix held in backward and reduced after the last one with a matrix
+(what the hold costs on every iteration's path, per bucket: its forward-backward and exposed
+time against :data:`EARLY_COMPUTE`'s)."""
+
+
 def variants(args: argparse.Namespace) -> dict[str, tuple[str, str, str]]:
     if not args.iteration:
         return DP_VARIANTS if args.tp == 1 else TP_VARIANTS
-    extra = {EARLY_COMPUTE: ("muon", "async", "whole"), ADAMW: ("adam", "async", "whole")}
+    extra = {EARLY_COMPUTE: ("muon", "async", "whole"), MATRICES_FIRST: ("muon", "async", "whole"),
+             ADAMW: ("adam", "async", "whole")}
     if args.tp == 1:
         return {**DP_VARIANTS, **extra}
     return {**TP_VARIANTS, LATE_GATHER: TP_VARIANTS["canzona"], **extra}
@@ -192,8 +200,9 @@ def runs_for(args: argparse.Namespace) -> list[TinyRun]:
             overlap_param_gather=args.iteration and optimizer != "sync_muon",
             lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
             ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha,
-            early_gather=name != LATE_GATHER, early_compute=name == EARLY_COMPUTE,
-            early_gather_at_dispatch=name == EARLY_COMPUTE,
+            early_gather=name != LATE_GATHER, early_compute=name in (EARLY_COMPUTE, MATRICES_FIRST),
+            early_gather_at_dispatch=name in (EARLY_COMPUTE, MATRICES_FIRST),
+            matrices_first=True if name == MATRICES_FIRST else None,
             **(dict(num_experts=args.num_experts, ep_size=args.ep, moe_ffn_hidden=args.moe_ffn_hidden,
                     moe_topk=args.moe_topk) if args.moe else {}),
         )
@@ -278,8 +287,8 @@ def matrices_per_rank(last: dict[str, list[dict]], args: argparse.Namespace) -> 
             else [len(r["updated"]) for r in last["sync"]])
     return {
         "model": {"dense": dense, "experts": experts, "routers": routers},
-        **{name: [len(r["updated"]) for r in last[name]] for name in ("canzona", "canzona_lean", LATE_GATHER, EARLY_COMPUTE)
-           if name in last},
+        **{name: [len(r["updated"]) for r in last[name]]
+           for name in ("canzona", "canzona_lean", LATE_GATHER, EARLY_COMPUTE, MATRICES_FIRST) if name in last},
         "sync": sync,
         "megatron_mean": (dense + routers) / args.dp + experts / args.ep / expert_dp,
     }
@@ -399,11 +408,12 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
             name: {part: 1e3 * statistics.median(times) for part, times in iteration_parts(last[name], args.warmup).items()}
             for name in last}
         report["early_compute"] = early_compute_summary(report["iteration_parts_ms"], last)
+        report["reduces_held_per_rank"] = [r["reduces_held"] for r in last[MATRICES_FIRST]]
     report["split_matrices"] = sum(p.host is None for part in plans for p in part.dp.matrix.placements)
     if args.moe:  # tiny_gpt reports the bytes of one Canzona optimizer, not of a dense + expert chain
         report["host_group_bytes_per_rank_step"] = None
         return report
-    host_names = [n for n in ("canzona", "canzona_lean", LATE_GATHER, EARLY_COMPUTE, "sync")
+    host_names = [n for n in ("canzona", "canzona_lean", LATE_GATHER, EARLY_COMPUTE, MATRICES_FIRST, "sync")
                   if n in last and (args.tp > 1 or n != "sync")]
     report["host_group_bytes_per_rank_step"] = {
         name: sum(r["tp_stats"]["bytes_sent"] for r in last[name]) / world for name in host_names
@@ -443,6 +453,8 @@ def print_iteration_table(report: dict, names: list[str]) -> None:
     print(f"early compute: exposed optimizer time {exposed['early']:.2f} ms against {exposed['in_step']:.2f} ms computing "
           f"in the step ({100 * early['fall']:.1f}% less); {100 * early['share_of_groups_computed_in_backward']:.0f}% of "
           f"the {early['micro_groups']} micro-groups computed in backward")
+    print(f"{MATRICES_FIRST}: reduce-scatters held behind the matrices' per rank over the run: "
+          f"{', '.join(str(n) for n in report['reduces_held_per_rank'])}")
 
 
 def print_table(report: dict, names: list[str]) -> None:

@@ -159,6 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "pick values in [0, 1]")
     if args.clip_rate and not args.early_compute:
         p.error("--clip-rate prices the recomputes of --early-compute: add --early-compute")
+    if args.matrices_reduce_first == "on" and not args.early_compute:
+        p.error("--matrices-reduce-first on reorders the reduce-scatters for --early-compute: add --early-compute")
     if not args.early_compute_budget >= 0.0:
         p.error(f"--early-compute-budget {args.early_compute_budget} must be 0 or more GiB ('inf': no bound)")
     return args

@@ -145,9 +145,8 @@ class MatricesFirst:
 
     def hold(self, bucket_group: Any, args: tuple, kwargs: dict) -> bool:
         """Whether ``bucket_group``'s dispatch now is held back (and kept for :meth:`release`)."""
-        if not (self.armed and self.pending and id(bucket_group) in self.others):
-            return False
-        if bucket_group.is_first_batch or not bucket_group.ddp_config.overlap_grad_reduce:
+        # Without --overlap-grad-reduce only the finish loop dispatches, where nothing is armed.
+        if not (self.armed and self.pending and id(bucket_group) in self.others) or bucket_group.is_first_batch:
             return False
         self.held.append((bucket_group, args, kwargs))
         self.held_count += 1

@@ -260,11 +260,12 @@ def early_compute_on(cfg: Any) -> bool:
 
 
 def choose_matrices_first(plan: CanzonaPlan, specs: Sequence[ParamSpec], cfg: Any, *, wire: WireConfig,
-                          workload: Workload | None) -> tuple[bool, str | None]:
+                          workload: Workload | None, overlap: bool = True) -> tuple[bool, str | None]:
     """``--canzona-matrices-reduce-first`` as the run takes it, and, where its default was
-    projected, the log line of the choice: off without early compute, and by default off
-    without the run's batch (nothing to project the tail of)."""
-    if not early_compute_on(cfg):
+    projected, the log line of the choice: off without early compute or without reduce-scatters
+    overlapping backward (``overlap``: ``--overlap-grad-reduce``; nothing to reorder), and by
+    default off without the run's batch (nothing to project the tail of)."""
+    if not (early_compute_on(cfg) and overlap):
         return False, None
     if cfg.matrices_first is not None:
         return cfg.matrices_first, None

@@ -112,13 +112,14 @@ def make_setup(
     first = first and log
     summary = None
     named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
-    matrices_first, order = choose_matrices_first(plan, specs, config, wire=wire_config(named, ddp_config),
-                                                  workload=workload)
+    wire = wire_config(named, ddp_config)
+    matrices_first, order = choose_matrices_first(plan, specs, config, wire=wire, workload=workload,
+                                                  overlap=ddp_config.overlap_grad_reduce)
     if choice is not None or order is not None:
         check_same_choices({"--canzona-layout auto": LAYOUTS.index(plan.layout),
                             "--canzona-matrices-reduce-first": int(matrices_first)})
     if first or summarize_here:
-        summary = summarize_canzona(plan, specs, config.cost_model(), wire_config(named, ddp_config))
+        summary = summarize_canzona(plan, specs, config.cost_model(), wire)
     if first:
         for line in (choice, order):
             if line is not None:

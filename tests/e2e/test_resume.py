@@ -155,7 +155,7 @@ def pp_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> di
     # Early compute forced on gloo, clipping at 0.7: iterations 1-3 (norms ~0.67) commit what was
     # computed in backward, iteration 4 (0.75) computes again, and is the one saved.
     clip = ("--clip-grad", "0.7")
-    pp2 = ("--pipeline-model-parallel-size", "2", "--canzona-early-compute", *clip)
+    pp2 = ("--pipeline-model-parallel-size", "2", "--canzona-early-compute", "--overlap-grad-reduce", *clip)
     return _save_then_resume(demo_data, tmp_path_factory.mktemp("pp"), pp2, {"pp2": pp2, "dp2": clip})
 
 
@@ -290,7 +290,8 @@ def test_a_checkpoint_saved_right_after_a_recomputed_early_step_resumes_exactly(
     assert [outcomes[i] for i in (1, 2, 3, SAVE_INTERVAL)] == [committed] * 3 + [recomputed], outcomes
     assert {i: m["early_compute"] for i, m in pp_runs["pp2"].items()} == {i: outcomes[i] for i in pp_runs["pp2"]}
     assert pp_runs["dp2"][ITERS]["early_compute"] is None  # gloo's default: computed in the step
-    # early compute on, the reduce order was projected for each stage (the choice is the projection's)
+    # early compute on and reduce-scatters overlapping backward: the reduce order was projected for
+    # each stage (the choice is the projection's)
     for stage in (0, 1):
         assert re.search(rf"\[canzona\] stage {stage}: matrices reduce first: (on|off) \(projected on ",
                          pp_runs["stdout"]), pp_runs["stdout"][-4000:]

@@ -65,11 +65,13 @@ def test_iteration_at_tp2_times_the_gathers_issued_in_the_step_too(bench):
     args = bench.parse_args(["--iteration", "--tp", "2", "--dp", "1"])
     runs = bench.runs_for(args)
     assert list(bench.variants(args)) == ["canzona", "canzona_lean", "sync", "megatron", bench.LATE_GATHER,
-                                          bench.EARLY_COMPUTE, bench.ADAMW]
-    assert [r.early_gather for r in runs[:7]] == [True, True, True, True, False, True, True]
-    # the early compute is forced on gloo, from the reduce-scatters' dispatch, as on CUDA
-    assert [(r.early_compute, r.early_gather_at_dispatch) for r in runs[:7]] == [(False, False)] * 5 + [(True, True)] + [
+                                          bench.EARLY_COMPUTE, bench.MATRICES_FIRST, bench.ADAMW]
+    assert [r.early_gather for r in runs[:8]] == [True, True, True, True, False, True, True, True]
+    # the early compute is forced on gloo, from the reduce-scatters' dispatch, as on CUDA; the
+    # reduce order held behind the matrices in one of the two
+    assert [(r.early_compute, r.early_gather_at_dispatch) for r in runs[:8]] == [(False, False)] * 5 + [(True, True)] * 2 + [
         (False, False)]
+    assert [r.matrices_first for r in runs[:8]] == [None] * 6 + [True, None]
     assert bench.LATE_GATHER not in bench.variants(bench.parse_args(["--tp", "2", "--dp", "1"]))
     assert bench.EARLY_COMPUTE not in bench.variants(bench.parse_args(["--tp", "2", "--dp", "1"]))
 

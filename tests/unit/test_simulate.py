@@ -533,6 +533,11 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     assert code == 2 and "pass a multiple of 2" in err and err.count("\n") == 1
     code, _, err = run_cli(["--model", "qwen3-tiny", "--gpus", "4", "--cluster", "h900"], capsys)
     assert code == 2 and "h100-ib400" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit) as stopped:  # argparse's own error
+        run_cli(["--model", "qwen3-tiny", "--gpus", "4", "--matrices-reduce-first", "on"], capsys)
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after argparse's usage
+    assert stopped.value.code == 2 and ": error: --matrices-reduce-first on" in last and "add --early-compute" in last
 
 
 def test_layering_allows_the_simulator():
