@@ -203,7 +203,8 @@ def build_canzona_plan(
 
     ``auto`` plans every layout and keeps the one whose iteration (``workload``: the run's
     batch; without it the step and its exposed bucket collectives) is projected shorter on
-    ``cfg.cluster`` (:data:`DEFAULT_CLUSTERS`)."""
+    ``cfg.cluster`` (:data:`DEFAULT_CLUSTERS`), with early compute where the run computes early
+    and the reduce order it will take."""
     if not ddp_config.use_distributed_optimizer:
         raise ValueError("--canzona needs the distributed optimizer: pass --use-distributed-optimizer")
     specs: list[ParamSpec] = []
@@ -234,8 +235,11 @@ def build_canzona_plan(
     if len(plans) == 1:
         return next(iter(plans.values())), specs, None
     cluster = projection_cluster(cfg, dp_size * tp_size)
+    early = early_compute_on(cfg)  # projected as the run will take it (choose_matrices_first)
+    first = cfg.matrices_first if early and ddp_config.overlap_grad_reduce and workload is not None else False
     results = project_layouts(specs, plans, cluster=cluster, optimizer=cfg.optimizer, wire=wire, workload=workload,
-                              ns_method=cost_model.ns_method)
+                              ns_method=cost_model.ns_method, early_compute=early,
+                              early_compute_bytes=cfg.early_compute_bytes, matrices_first=first)
     choice = faster_layout(results)
     return plans[choice], specs, layout_line(choice, results, cluster, iteration=workload is not None)
 

@@ -150,6 +150,26 @@ def test_projection_of_both_layouts_at_scale() -> None:
     assert isinstance(cluster, ClusterSpec)
 
 
+def test_layouts_are_projected_as_the_run_takes_them_with_early_compute() -> None:
+    """``--canzona-layout auto`` on a run that computes early (CUDA's default) projects each layout
+    with early compute and, the reduce order left to its default, the shorter of both orders:
+    Qwen3-14B on 256 H100s, where the whole layout's step is its early-computed one."""
+    from megatron.canzona.planning.sim import Workload, load_cluster, simulate
+
+    specs = qwen3_specs("qwen3-14b", tp_size=4)
+    plans = {layout: make_plan(specs, dp_size=64, tp_size=4, cost_model=COST, layout=layout) for layout in LAYOUTS}
+    kwargs = dict(cluster=load_cluster("h100-ib400"), optimizer="muon", wire=WireConfig(grad_bytes=4),
+                  workload=Workload(global_batch=128, micro_batch=1, seq_length=4096))
+    plain = project_layouts(specs, plans, **kwargs)
+    early = project_layouts(specs, plans, early_compute=True, matrices_first=None, **kwargs)
+    whole = plans["whole"]
+    orders = [simulate(specs, strategy="canzona", dp_size=64, tp_size=4, plan=whole, early_compute=True,
+                       matrices_first=first, **kwargs).iteration_seconds for first in (False, True)]
+    assert early["whole"].iteration_seconds == min(orders) < orders[0]  # the reduce order auto takes
+    assert early["whole"].optimizer_step_seconds < plain["whole"].optimizer_step_seconds
+    assert early["whole"].details["early_compute"] and "early_compute" not in plain["whole"].details
+
+
 def test_megatron_main_model_keeps_matrices_whole_in_equal_shards() -> None:
     """The peer's layout as modelled: equal shards, whole matrices, the padding floor closing a
     bucket only once it holds 0.9 x DP x its largest matrix, and a bucket past its floor

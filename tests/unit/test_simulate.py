@@ -280,6 +280,34 @@ def test_early_compute_keeps_to_each_ranks_memory_budget():
     assert unbounded.details["early_compute_bytes"] is None and some.details["early_compute_bytes"] == two
 
 
+def test_experts_are_computed_early_too_in_the_time_the_dense_work_leaves():
+    """The runtime attaches early compute to the expert optimizer as to the dense one: the
+    experts' micro-groups go once their buckets reduce (at expert TP 1 nothing moves), in the
+    compute time each rank's dense early compute and dense step leave free, never beside them."""
+    import dataclasses
+
+    dense = [matrix(name=f"w{i}", order=i) for i in range(4)]
+    experts = [dataclasses.replace(matrix(name=f"e{i}", order=4 + i), is_expert=True) for i in range(8)]
+    work = Workload(global_batch=4, micro_batch=1, seq_length=4096, flops_per_token=1e10)
+    kwargs = dict(strategy="canzona", dp_size=4, tp_size=1, workload=work, wire=WIRE, bucket_size=NUMEL // 2,
+                  cluster=cluster(), early_efficiency=1.0)
+
+    def early(result) -> list:  # compute spans before the step's start
+        origin = result.iteration_seconds - result.optimizer_step_seconds
+        return [s for s in result.timeline if s.kind == "compute" and s.start < origin]
+
+    today = simulate(dense + experts, ep_size=2, **kwargs)
+    both = simulate(dense + experts, ep_size=2, early_compute=True, **kwargs)
+    alone = simulate(dense, early_compute=True, **kwargs)
+    assert both.optimizer_step_seconds < today.optimizer_step_seconds
+    assert len(early(both)) > len(early(alone))  # the experts' groups went early as well
+    assert simulate(dense + experts, ep_size=2, early_compute=True, clip_rate=1.0,
+                    **kwargs).optimizer_step_seconds == pytest.approx(today.optimizer_step_seconds, rel=1e-12)
+    for rank in range(4):
+        spans = sorted((s.start, s.end) for s in both.timeline if s.rank == rank and s.kind == "compute")
+        assert all(end <= start + 1e-15 for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
 def test_cluster_backend_is_nccl_or_gloo(tmp_path):
     assert load_cluster(write(tmp_path, "c.toml", toml_of(TOY))).backend == "nccl"
     assert ClusterSpec.from_dict({**TOY, "backend": "gloo"}).to_dict()["backend"] == "gloo"

@@ -18,16 +18,22 @@ from .simulate import Workload, simulate
 def project_layouts(
     specs: Sequence[ParamSpec], plans: Mapping[str, CanzonaPlan], *, cluster: ClusterSpec, optimizer: str,
     wire: WireConfig | None = None, workload: Workload | None = None, ns_method: str = "standard",
+    early_compute: bool = False, early_compute_bytes: int | None = EARLY_COMPUTE_BYTES,
+    matrices_first: bool | None = False,
 ) -> dict[str, StrategyResult]:
     """The projected iteration of each layout's plan of one pipeline stage (``specs``), Muon's
-    Newton-Schulz by ``ns_method``."""
+    Newton-Schulz by ``ns_method``, as the run will take it: with ``early_compute`` (within
+    ``early_compute_bytes`` per rank) and the reduce order ``matrices_first`` (``None``: the
+    shorter of both, as its default projects it)."""
     out = {}
+    orders = (False, True) if early_compute and matrices_first is None else (bool(matrices_first),)
     for name, plan in plans.items():
-        out[name] = simulate(
+        out[name] = min((simulate(
             specs, strategy="canzona", cluster=cluster, dp_size=plan.dp_size, tp_size=plan.tp_size,
             ep_size=plan.ep_size, expert_tp_size=plan.experts.tp_size if plan.experts is not None else 1,
             optimizer=optimizer, workload=workload, plan=plan, wire=wire, ns_method=ns_method,
-        )
+            early_compute=early_compute, early_compute_bytes=early_compute_bytes, matrices_first=first,
+        ) for first in orders), key=lambda r: r.iteration_seconds)  # backward order on a tie
     return out
 
 

@@ -58,6 +58,8 @@ compute units are idle."""
 INLINE_SECONDS = 1e6
 """``early_inline``: how long before the step its reduce-scatters and early compute are placed
 (inside a backward that holds them all, whatever they take)."""
+EXPERTS = "experts"
+"""First element of an expert matrix bucket's key in the reductions (:func:`_bucket_syncs`)."""
 NEEDS_LAYERWISE_PLAN = ("megatron_layerwise", "layer_sharded")
 CANZONA_STRATEGIES = ("canzona", "canzona_lean", "canzona_tp_sync")
 
@@ -172,7 +174,8 @@ def _canzona(ctx: _Context, synchronous: bool = False, layout: str = "whole") ->
     mode = "blocking" if synchronous or not ctx.overlap else "pipelined"
     work = Work(mode=mode, dense=plan_tasks(plan, ctx.dense, ctx.seconds, g.rank, synchronous=synchronous,
                                             cost_model=ctx.cost_model))
-    # As the runtime; modelled for the dense tasks (at expert TP 1 the whole layout moves no expert matrix).
+    # As the runtime: every micro-group's gather (none at expert TP 1 in the whole layout) goes
+    # as its buckets reduce, the dense ones' and the experts'.
     work.early_gather = mode == "pipelined"
     work.adamw = adamw_elements(_elementwise(plan.layouts), g.rank, g.tp_size)
     work.reduced.append(Buffers(_reduced(plan.layouts), g.dp_group()))
@@ -427,18 +430,32 @@ def simulate(
 
 
 def _run_step(work: Work, grid: Grid, cluster: ClusterSpec, wire: WireConfig, slowdown: float,
-              reduced_at: dict[tuple[int, int], float] | None = None,
+              reduced_at: dict[tuple, float] | None = None,
               early: EarlyCompute | None = None) -> tuple[float, StepRun]:
-    """Dense matrices, dense AdamW, then (a chained optimizer) the expert matrices per EP group."""
+    """Dense matrices, dense AdamW, then (a chained optimizer) the expert matrices per EP group.
+    ``reduced_at``: when each matrix bucket's reduction ends (:func:`_bucket_syncs`' keys). With
+    ``early``, the experts' micro-groups are computed early too, each rank's in the time its
+    dense early compute and its dense step leave free (the runtime's two optimizers each have
+    their own compute stream on the same GPU)."""
     run = StepRun(range(grid.size), {}, cluster, wire, slowdown=slowdown)
+    dense_at = expert_at = None
+    if reduced_at is not None:
+        dense_at = {key: at for key, at in reduced_at.items() if key[0] != EXPERTS}
+        expert_at = {key[1:]: at for key, at in reduced_at.items() if key[0] == EXPERTS}
+    calendar: dict[int, list[tuple[float, float]]] = {}  # each rank's early compute, dense and experts
     if work.mode == "pipelined":
-        run_host_groups(run, work.dense, pipelined=True, reduced_at=reduced_at, early_compute=early)
+        run_host_groups(run, work.dense, pipelined=True, reduced_at=dense_at, early_compute=early, calendar=calendar)
     else:
         _run_tasks(run, work.mode, work.dense)
     run_adamw(run, work.adamw)
+    for r, at in run.clock.items():  # the dense step's own work, before the experts' in the step
+        calendar.setdefault(r, []).append((0.0, at))
     for members, tasks in work.experts:
         sub = StepRun(members, run.clock, cluster, wire, slowdown=slowdown)
-        _run_tasks(sub, work.mode, tasks)
+        if work.mode == "pipelined":
+            run_host_groups(sub, tasks, pipelined=True, reduced_at=expert_at, early_compute=early, calendar=calendar)
+        else:
+            _run_tasks(sub, work.mode, tasks)
         run.clock.update(sub.clock)
         for r in members:
             run.busy[r] += sub.busy[r]
@@ -457,7 +474,8 @@ def _run_tasks(run: StepRun, mode: str, tasks: Sequence[SimTask]) -> None:
 def _bucket_syncs(ctx: _Context, work: Work, topology: Topology, workload: Workload | None) \
         -> tuple[list[BucketSync], list[BucketSync]]:
     """Gradient reductions and parameter all-gathers of every bucket, with their readiness; a
-    dense matrix bucket's reduction is keyed ``(chunk, bucket)``."""
+    dense matrix bucket's reduction is keyed ``(chunk, bucket)``, an expert one's
+    ``(EXPERTS, chunk, bucket)``."""
     activity = workload.expert_activity if workload else 1.0
     weights = [(s.order, s.chunk, matmul_weight(s, activity), s.name) for s in ctx.specs]
     total = sum(w for _, _, w, _ in weights) or 1.0
@@ -466,15 +484,16 @@ def _bucket_syncs(ctx: _Context, work: Work, topology: Topology, workload: Workl
         done += w
         ready[(chunk, name)] = done / total
     reduce, gather = [], []
-    dense_matrices = {s.name for s in ctx.dense if s.family == "matrix"}
+    names = [{s.name for s in specs if s.family == "matrix"} for specs in (ctx.dense, ctx.experts)]
     for i, buffers in enumerate(work.reduced):
         for chunk, buffer in buffers.buffers:
-            matrices = i == 0 and any(p.name in dense_matrices for p in buffer.placements)
+            matrices = i < 2 and any(p.name in names[i] for p in buffer.placements)
             for k, bucket in enumerate(buffer.buckets):
                 frac = max((ready.get((chunk, p.name), 1.0) for p in buffer.placements if p.bucket == k), default=1.0)
                 rs = _bucket_seconds(topology, bucket, ctx.wire.grad_bytes, buffers.group)
+                key = (chunk, k) if i == 0 else (EXPERTS, chunk, k)
                 reduce.append(BucketSync(2 * rs if work.all_reduce else rs, frac, str(k),
-                                         key=(chunk, k) if matrices else None))
+                                         key=key if matrices else None))
                 if not work.all_reduce:
                     gather.append(BucketSync(_bucket_seconds(topology, bucket, ctx.wire.param_bytes, buffers.group),
                                              frac, str(k)))

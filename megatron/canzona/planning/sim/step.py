@@ -194,12 +194,14 @@ class EarlyCompute:
 
 def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool,
                     reduced_at: Mapping[tuple[int, int], float] | None = None,
-                    early_compute: EarlyCompute | None = None) -> None:
+                    early_compute: EarlyCompute | None = None,
+                    calendar: dict[int, list[tuple[float, float]]] | None = None) -> None:
     """Micro-groups of host (or synchronous) tasks; see the module docstring. With
     ``reduced_at`` (``(chunk, bucket)`` -> when its reduce-scatter ends, from the step's
     start: negative in backward), each group's gather is issued before the step, once the
     buckets of its tasks are reduced (``canzona_patches.integration.early_gather``); with
-    ``early_compute`` too, each group is computed once gathered (:func:`_run_early`)."""
+    ``early_compute`` too, each group is computed once gathered (:func:`_run_early`), in the
+    time each rank's ``calendar`` (its busy spans, which this extends) leaves free."""
     groups = _by_group(tasks)
     if not groups:
         return
@@ -211,7 +213,8 @@ def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool,
         return
     early = _early_gathers(run, groups, reduced_at) if reduced_at is not None else None
     if early is not None and early_compute is not None:
-        _run_early(run, groups, early, _group_ready(groups, reduced_at), compute, apply, early_compute)
+        _run_early(run, groups, early, _group_ready(groups, reduced_at), compute, apply, early_compute,
+                   {} if calendar is None else calendar)
         return
 
     def gather(k: int) -> float | None:
@@ -239,11 +242,12 @@ def _group_ready(groups: Sequence[Sequence[SimTask]], reduced_at: Mapping[tuple[
 
 def _run_early(run: StepRun, groups: Sequence[Sequence[SimTask]], landed: Sequence[float | None],
                ready: Sequence[float], compute: Sequence[Mapping[int, float]], apply: Sequence[Mapping[int, float]],
-               early: EarlyCompute) -> None:
+               early: EarlyCompute, calendar: dict[int, list[tuple[float, float]]]) -> None:
     """Each host computes its groups in order, each once its gather has landed (or its buckets
-    are reduced, where nothing moves); the updates are scattered and applied from the step's
-    start, when the norm says the clip does not bind, one group's scatter in flight while the
-    previous group is applied. Work before the step's start is not the step's."""
+    are reduced, where nothing moves) and in the first span its ``calendar`` leaves free; the
+    updates are scattered and applied from the step's start, when the norm says the clip does
+    not bind, one group's scatter in flight while the previous group is applied. Work before
+    the step's start is not the step's."""
     done: list[dict[int, float]] = []
     free = {r: float("-inf") for r in run.members}
     allowed = _early_groups(groups, early.budget_elements)
@@ -254,7 +258,11 @@ def _run_early(run: StepRun, groups: Sequence[Sequence[SimTask]], landed: Sequen
             seconds = compute[k].get(r, 0.0) * run.slowdown
             # a group beyond the rank's budget is computed in the step, from its start
             begin = max(start if allowed is None or k in allowed.get(r, ()) else max(start, 0.0), free[r])
-            ends[r] = free[r] = early.finish(begin, seconds) if seconds > 0 else max(free[r], start)
+            if seconds > 0:
+                begin, ends[r] = _place(calendar.setdefault(r, []), begin, seconds, early)
+                free[r] = ends[r]
+            else:
+                ends[r] = free[r] = max(free[r], start)
             if seconds > 0:
                 run.segments.append(Segment(r, "compute", "compute", begin, ends[r], str(k)))
                 run.busy[r] += max(0.0, ends[r] - max(begin, 0.0))
@@ -271,6 +279,22 @@ def _run_early(run: StepRun, groups: Sequence[Sequence[SimTask]], landed: Sequen
         if k:
             _apply_group(run, k - 1, scatters[k - 1], apply[k - 1])
     _apply_group(run, len(groups) - 1, scatters[-1], apply[-1])
+
+
+def _place(busy: list[tuple[float, float]], earliest: float, seconds: float, early: EarlyCompute) \
+        -> tuple[float, float]:
+    """Where work of ``seconds`` (alone) first fits at or after ``earliest`` between the
+    non-overlapping ``busy`` spans (at :meth:`EarlyCompute.finish`'s rates); it is added to them."""
+    begin = earliest
+    for start, end in sorted(busy):
+        if end <= begin:
+            continue
+        if early.finish(begin, seconds) <= start:
+            break
+        begin = end
+    span = (begin, early.finish(begin, seconds))
+    busy.append(span)
+    return span
 
 
 def _early_groups(groups: Sequence[Sequence[SimTask]], budget: int | None) -> dict[int, frozenset[int]] | None:
