@@ -18,7 +18,9 @@ The early compute runs as CUDA runs it, from the reduce-scatters' dispatch insid
 once (Muon, TP 2 x DP 2) when the buckets finish reducing, gloo's default moment; and once
 (Muon, TP 2 x DP 2) with a memory budget that holds one of the three micro-groups: the first
 to become ready is computed early, the others in the step; and once (Muon, TP 2 x DP 2) with the
-dense buckets without a matrix reduced after the matrices' (``--canzona-matrices-reduce-first``).
+dense buckets without a matrix reduced after the matrices' (``--canzona-matrices-reduce-first``);
+and once (Muon, TP 2 x DP 2) with Newton-Schulz in bf16, where the directions of whole matrices
+that move are kept in bf16 until the step scatters them.
 """
 
 from __future__ import annotations
@@ -79,8 +81,10 @@ def results() -> dict[tuple[str, str, str], list[dict]]:
             # buckets small enough that the output layer (4096 elements a TP rank; the tiny GPT does not
             # tie it to the embedding) is one alone, ready first in backward: held behind the matrices'
             runs += [replace(runs[0], matrices_first=True, bucket_size=4_000), replace(runs[1], bucket_size=4_000)]
+            # Newton-Schulz in bf16: the directions of whole matrices that move are kept in bf16 to the step
+            runs += [replace(runs[0], muon_ns_dtype="bfloat16"), replace(runs[1], muon_ns_dtype="bfloat16")]
             names += [("muon", case, "finish"), ("muon", case, "budget"), ("muon", case, "first"),
-                      ("muon", case, "first_step")]
+                      ("muon", case, "first_step"), ("muon", case, "bf16"), ("muon", case, "bf16_step")]
         per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=world_size, timeout_s=LAUNCH_TIMEOUT_S), runs)
         for i, name in enumerate(names):
             out[name] = [rank[i] for rank in per_rank]
@@ -93,9 +97,11 @@ CASES = [(o, case) for _, case in SHAPES.values() for o in OPTIMIZERS]
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize(("optimizer", "case"), CASES)
 def test_early_compute_is_bitwise_the_steps_own(results, optimizer: str, case: str) -> None:
-    variants = ["early", "finish", "budget", "first"] if (optimizer, case, "finish") in results else ["early"]
+    variants = ["early"]
+    if (optimizer, case, "finish") in results:
+        variants += ["finish", "budget", "first", "bf16"]
     for variant in variants:
-        baseline = results[(optimizer, case, "first_step" if variant == "first" else "step")]
+        baseline = results[(optimizer, case, {"first": "first_step", "bf16": "bf16_step"}.get(variant, "step"))]
         for rank, (early, step) in enumerate(zip(results[(optimizer, case, variant)], baseline)):
             where = f"{optimizer} {case} {variant} rank {rank}"
             assert early["early_computed"] > 0 and not step["early_computed"], where

@@ -183,6 +183,7 @@ def engine_body(dp: int, tp: int, device: str = "cpu") -> dict[str, dict]:
     out["staged"] = _train(dp, tp, "async", torch.device(device), staged=True)
     out["early"] = _train(dp, tp, "async", torch.device(device), staged=True, early=True)
     out["narrow"] = _train(dp, tp, "async", torch.device(device), narrow=True)
+    out["early_narrow"] = _train(dp, tp, "async", torch.device(device), staged=True, early=True, narrow=True)
     return out
 
 
@@ -216,6 +217,7 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
             mine[(task.key, lo)] = (name, _megatron_shard(params[name], specs[name], coord[1], tp).reshape(-1)[lo:hi], hi)
     narrow_keys = frozenset(t.key for t in tasks if t.update_dtype is not None)
     host_math, stats, side_streams = _Muon(layouts, config, narrow_keys), [], set()
+    kept: dict[str, str] = {}  # task key -> dtype of the direction precompute keeps for the step
     for step in range(STEPS):
         pieces = {
             (key, lo): LocalPiece(
@@ -244,6 +246,7 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
                     side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                     engine.precompute(index, raw, host_math, scale=(UNSCALE,))
+            kept.update((key, str(d.dtype)) for e in engine._early.values() for key, d in e.directions.items())
             stats.append(engine.step(pieces, host_math, scale=(UNSCALE,), commit_early=True))
             assert stats[-1].early == len(engine.exchanges) and not engine.precomputed
         else:
@@ -265,6 +268,8 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
         "stages": sorted({(stage, group) for stage, group, _, _ in stats[-1].timeline}),
         "params": {f"{k[0]}:{k[1]}": flat.cpu() for k, (_, flat, _) in mine.items()},
         "side_streams": len(side_streams),
+        "kept": kept,
+        "narrow_keys": sorted(narrow_keys),
     }
 
 
@@ -306,6 +311,14 @@ def test_engine_equals_single_device_muon(dp: int, tp: int) -> None:
         narrow = per_rank[rank]["narrow"]  # bf16 Newton-Schulz, whole matrices scattered in bf16: bitwise
         assert narrow["mismatched"] == [], f"rank {rank} narrow"
         assert narrow["bytes_sent"] == [_expected_bytes(dp, tp, coord, "async", narrow=True)] * STEPS
+        # computed before the step in bf16 Newton-Schulz: a whole matrix's direction is kept in bf16
+        # until its scatter (half the bytes), bitwise the step's own
+        early_narrow = per_rank[rank]["early_narrow"]
+        assert early_narrow["mismatched"] == [] and early_narrow["bytes_sent"] == narrow["bytes_sent"], rank
+        hosted = {t.key for t in tasks if t.host == coord}
+        assert set(early_narrow["kept"]) == hosted, rank
+        assert {k: str(torch.bfloat16 if k in early_narrow["narrow_keys"] else torch.float32) for k in hosted} \
+            == early_narrow["kept"], rank
         for name in a["params"]:  # async and sync: bit-identical
             assert torch.equal(a["params"][name], s["params"][name]), f"rank {rank} {name}"
         assert a["side_streams"] == s["side_streams"] == 1, "one side stream per engine, made once"
@@ -315,6 +328,7 @@ def test_engine_equals_single_device_muon(dp: int, tp: int) -> None:
         assert computes == {t.group for t in tasks if t.host == coord}
         for stage in ("gather", "scatter", "apply"):
             assert {g for st, g in a["stages"] if st == stage} == {0, 1, 2}, stage
+    assert per_rank[0]["early_narrow"]["narrow_keys"], "some whole matrix moves, its direction in bf16"
     for step in range(STEPS):
         computed = [k for r in async_ranks for k in r["computed"][step]]
         assert sorted(computed) == sorted(t.key for t in tasks), "each task computed exactly once"
@@ -363,3 +377,4 @@ def test_engine_on_cuda_side_stream(backend: str) -> None:
         # all-to-all): another kernel's bf16 roundings carry through the iteration (the bound of
         # test_canzona_whole.py's bf16 runs); a lost, doubled or unscaled update moves by ~lr
         assert result["narrow"]["max_error"] <= 0.5 * LR, f"rank {rank} narrow"
+        assert result["early_narrow"]["max_error"] <= 0.5 * LR, f"rank {rank} early narrow"

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .comm import NARROW_DTYPE_BYTES
 from .cost import OPTIMIZERS
 from .grid import expert_coordinates
 from .plan import BufferPlan, CanzonaPlan
@@ -54,12 +55,22 @@ class StateLayout:
     """Shampoo: sides above it keep a diagonal (length-d) statistic; SOAP: no rotation."""
     grafting: bool = True
     """Shampoo: Adam grafting keeps a second moment."""
+    ns_dtype: str = "float32"
+    """Muon's Newton-Schulz dtype: a narrower one (bf16) gives a whole matrix that moves its
+    direction exactly in it, and early compute keeps it so (:meth:`direction_elements`)."""
 
     @property
     def staged(self) -> bool:
         """Whether early compute keeps a staging copy of the state (Muon advances its momentum
         at the commit instead, from the gradients gathered again)."""
         return self.optimizer != "muon"
+
+    def direction_elements(self, rows: int, cols: int, *, narrow: bool) -> int:
+        """fp32 elements of the direction early compute keeps of a ``rows x cols`` matrix;
+        ``narrow``: a whole matrix that moves (its update goes in the Newton-Schulz dtype,
+        :func:`~.comm.narrow_bytes`)."""
+        size = NARROW_DTYPE_BYTES.get(self.ns_dtype) if narrow and self.optimizer == "muon" else None
+        return rows * cols if size is None else -(-rows * cols * size // STATE_BYTES)
 
     def numel(self, rows: int, cols: int) -> dict[str, int]:
         """Elements per state kind of one ``rows x cols`` matrix."""
@@ -192,9 +203,11 @@ def _early_compute(plan: CanzonaPlan, by_name: dict, me: tuple[int, int], state:
         ready[task.group] = max(ready.get(task.group, 0), task.bucket)
         counts = mine.setdefault(task.group, [0, 0])
         if task.host == me:
-            for rows, cols in by_name[(task.chunk, task.name)].part_matrices(task.part):
+            matrices = by_name[(task.chunk, task.name)].part_matrices(task.part)
+            narrow = len(matrices) == 1 and not task.is_local()
+            for rows, cols in matrices:
                 counts[0] += sum(state.numel(rows, cols).values()) if state.staged else 0
-                counts[1] += rows * cols
+                counts[1] += state.direction_elements(rows, cols, narrow=narrow)
     chosen = early_compute_groups(((ready[g], g, sum(c)) for g, c in mine.items()), budget_bytes // STATE_BYTES)
     return sum(mine[g][0] for g in chosen), sum(mine[g][1] for g in chosen)
 

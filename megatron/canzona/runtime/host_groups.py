@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -289,6 +290,12 @@ def _bytes(buffer: torch.Tensor, size: int) -> torch.Tensor:
     return buffer.view(torch.uint8)[:size]
 
 
+def direction_elements(numel: int, dtype: torch.dtype | None) -> int:
+    """fp32 elements (4 bytes each) of a direction of ``numel`` elements kept in ``dtype``
+    (``None``: fp32)."""
+    return numel if dtype is None else -(-numel * dtype.itemsize // torch.float32.itemsize)
+
+
 def _typed(buffer: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """``numel`` elements of ``dtype`` at byte ``offset`` of a 1-D buffer (or its byte view)."""
     raw = buffer.view(torch.uint8)
@@ -459,11 +466,12 @@ class HostGroupEngine:
         return sum(sum(e.send_splits) + sum(e.recv_splits) for e in self.exchanges if e.moves)
 
     def early_directions(self, groups: Collection[int]) -> int:
-        """Elements of the full direction of every matrix this rank computes in micro-groups
-        ``groups``: alive at once, from their computation to the step, when :meth:`precompute`
-        computes them."""
-        return sum(rows * cols for e in self.exchanges if e.index in groups for batch in e.computed
-                   for rows, cols in (task.full_shape(self.tp_size) for task in batch))
+        """The full direction of every matrix this rank computes in micro-groups ``groups``,
+        in fp32 elements (a narrow one, kept in its update dtype, counts that many bytes):
+        alive at once, from their computation to the step, when :meth:`precompute` computes
+        them."""
+        return sum(direction_elements(math.prod(task.full_shape(self.tp_size)), task.update_dtype)
+                   for e in self.exchanges if e.index in groups for batch in e.computed for task in batch)
 
     def compute_batches(self) -> list[tuple[str, ...]]:
         """The task keys of each host-compute callback this rank makes per step, in order."""
@@ -521,7 +529,9 @@ class HostGroupEngine:
         (the loss scale's inverse: the first of the step's factors, known before it). ``compute``
         must leave the optimizer state as it was (a staged update). The step uses them when it
         is told its factors end there (:meth:`step`'s ``commit_early``: the clip did not bind),
-        else computes the group again from the same gather with the remaining factors.
+        else computes the group again from the same gather with the remaining factors. A narrow
+        task's direction (unscaled, exact in its update dtype: :func:`~.optimizer.narrow_updates`)
+        is kept in that dtype until the step scatters it, half the bytes of fp32 in bf16.
 
         On CUDA the caller runs this on a side stream: the gather's wait is a stream wait, and
         an event marks the end of the work for the step to wait on. No host synchronisation."""
@@ -557,7 +567,8 @@ class HostGroupEngine:
         directions: dict[str, torch.Tensor] = {}
         for batch in exchange.computed:
             out = _checked(compute([t.key for t in batch], [full[t.key] for t in batch]), [full[t.key] for t in batch])
-            directions.update((t.key, d.to(dtype)) for t, d in zip(batch, out))
+            # a narrow direction (unscaled, its values the Newton-Schulz dtype's) kept in that dtype
+            directions.update((t.key, d.to(t.update_dtype or dtype)) for t, d in zip(batch, out))
         done = None
         if device.type == "cuda":
             done = torch.cuda.Event()

@@ -42,7 +42,7 @@ from megatron.canzona.optim.config import resolve_dtype
 from megatron.canzona.optim.muon import muon_scale
 from megatron.canzona.optim.split import FusedLayout
 from megatron.canzona.planning.comm import NARROW_DTYPE_BYTES
-from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, MatrixTask, StepStats
+from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, MatrixTask, StepStats, direction_elements
 
 
 @dataclass(frozen=True)
@@ -154,13 +154,14 @@ class CanzonaOptimizer(MatrixOptimizer):
                     self.state[p].update(AdamWState.create(p.shape, device=p.device, grad_dtype=p.dtype).as_dict())
 
     def early_elements(self, key: str) -> int:
-        """Elements computing task ``key`` early keeps: its full direction, and a staging copy
-        of its state (as :meth:`init_state` makes it) unless the optimizer advances its state at
-        the commit (Muon)."""
+        """fp32 elements computing task ``key`` early keeps: its full direction (a narrow one in
+        its update dtype: :meth:`HostGroupEngine.precompute`), and a staging copy of its state
+        (as :meth:`init_state` makes it) unless the optimizer advances its state at the commit
+        (Muon)."""
         shapes = self._piece_shapes(key)
         state = 0 if self.direction_fn is not None else sum(
             t.numel() for shape in shapes for t in self.state_type.create(shape, self.config, device="meta").tensors().values())
-        return state + sum(shape.numel() for shape in shapes)
+        return state + direction_elements(sum(shape.numel() for shape in shapes), self._tasks[key].update_dtype)
 
     def _piece_shapes(self, key: str) -> list[torch.Size]:
         shape = self._tasks[key].full_shape(self._engine().tp_size)

@@ -105,8 +105,9 @@ def sim_tasks(schedule: Schedule, specs: Sequence[ParamSpec], seconds: Seconds, 
     for t in schedule.tasks:
         spec = by_key[(t.chunk, t.name)]
         matrices = spec.part_matrices(t.part)
-        early = 0 if state is None else sum(sum(state.numel(rows, cols).values()) * state.staged + rows * cols
-                                            for rows, cols in matrices)
+        early = 0 if state is None else sum(
+            sum(state.numel(rows, cols).values()) * state.staged
+            + state.direction_elements(rows, cols, narrow=t.key in narrow) for rows, cols in matrices)
         advanced = 0 if state is None or state.staged else sum(rows * cols for rows, cols in matrices)
         out.append(SimTask(t.name, tuple((rank(*coord), hi - lo) for coord, lo, hi in t.holders(schedule.tp_size)),
                            None if t.host is None else rank(*t.host),
@@ -125,7 +126,7 @@ def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, 
     state = None
     if cost_model is not None:
         state = StateLayout(optimizer=cost_model.kind if cost_model.kind in OPTIMIZERS else "muon",
-                            max_precond_dim=cost_model.max_precond_dim)
+                            max_precond_dim=cost_model.max_precond_dim, ns_dtype=cost_model.ns_dtype)
     return sim_tasks(schedule, specs, seconds, rank, narrow, state)
 
 
