@@ -532,7 +532,7 @@ class HostGroupEngine:
         is told its factors end there (:meth:`step`'s ``commit_early``: the clip did not bind),
         else computes the group again from the same gather with the remaining factors. A narrow
         task's direction (unscaled, exact in its update dtype: :func:`~.optimizer.narrow_updates`)
-        is kept in that dtype until the step scatters it, half the bytes of fp32 in bf16.
+        is kept in that dtype until the step scatters or applies it, half the bytes of fp32 in bf16.
 
         On CUDA the caller runs this on a side stream: the gather's wait is a stream wait, and
         an event marks the end of the work for the step to wait on. No host synchronisation."""
