@@ -108,16 +108,13 @@ def _task(key: str, *, local_shape: tuple, tp_dim: int | None, pieces: tuple, ho
 
 def _narrowed(tasks: list[MatrixTask], specs: dict, tp: int) -> list[MatrixTask]:
     """The runtime's marking (``narrow_updates``): every task whose host computes one whole
-    matrix (no split layout) gets its bf16 Newton-Schulz output unscaled, sent back in bf16 where
-    it moves, each holder (a local task's host) applying the scale."""
+    matrix (no split layout) and sends it gets its bf16 Newton-Schulz output back in bf16."""
     layouts = {t.key: _layout(specs[t.key.split("@")[0]], tp) for t in tasks}
     marked = list(narrow_updates(tasks, math="muon", config=CONFIG_BF16, layouts=layouts, tp_size=tp, mode="async"))
     for task in marked:  # the scale is the whole matrix's, as single-device Muon computes it
         if task.update_dtype is not None:
             assert task.update_scale == muon_scale(*task.full_shape(tp), CONFIG_BF16.scale_mode)
     assert any(t.update_dtype is not None for t in marked) and any(t.update_dtype is None for t in marked)
-    assert any(t.update_dtype is not None and t.task.is_local() for t in marked)  # scaled by its host alone
-    assert any(t.update_dtype is not None and not t.task.is_local() for t in marked)  # scattered in bf16
     return marked
 
 

@@ -267,7 +267,7 @@ def test_early_compute_keeps_to_each_ranks_memory_budget():
     today = simulate(specs, **kwargs)
     unbounded = simulate(specs, early_compute=True, early_compute_bytes=None, **kwargs)
     none = simulate(specs, early_compute=True, early_compute_bytes=0, **kwargs)
-    two = 2 * NUMEL * 2  # bytes: two matrices' directions, kept in bf16 (Muon's Newton-Schulz dtype here)
+    two = 2 * NUMEL * 2 * 4  # bytes: two matrices' momentum and direction in fp32
     some = simulate(specs, early_compute=True, early_compute_bytes=two, **kwargs)
     assert none.optimizer_step_seconds == pytest.approx(today.optimizer_step_seconds, rel=1e-12)
     assert unbounded.optimizer_step_seconds < some.optimizer_step_seconds < today.optimizer_step_seconds

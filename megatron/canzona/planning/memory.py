@@ -56,8 +56,8 @@ class StateLayout:
     grafting: bool = True
     """Shampoo: Adam grafting keeps a second moment."""
     ns_dtype: str = "float32"
-    """Muon's Newton-Schulz dtype: a narrower one (bf16) gives a whole matrix its direction
-    exactly in it, and early compute keeps it so (:meth:`direction_elements`)."""
+    """Muon's Newton-Schulz dtype: a narrower one (bf16) gives a whole matrix that moves its
+    direction exactly in it, and early compute keeps it so (:meth:`direction_elements`)."""
 
     @property
     def staged(self) -> bool:
@@ -67,9 +67,8 @@ class StateLayout:
 
     def direction_elements(self, rows: int, cols: int, *, narrow: bool) -> int:
         """fp32 elements of the direction early compute keeps of a ``rows x cols`` matrix;
-        ``narrow``: a whole matrix, one to its task (not a split QKV's part: a scale per matrix),
-        whose Muon direction is exact in the Newton-Schulz dtype before its scale
-        (:func:`~.comm.narrow_bytes`)."""
+        ``narrow``: a whole matrix that moves (its update goes in the Newton-Schulz dtype,
+        :func:`~.comm.narrow_bytes`)."""
         size = NARROW_DTYPE_BYTES.get(self.ns_dtype) if narrow and self.optimizer == "muon" else None
         return rows * cols if size is None else -(-rows * cols * size // STATE_BYTES)
 
@@ -205,7 +204,7 @@ def _early_compute(plan: CanzonaPlan, by_name: dict, me: tuple[int, int], state:
         counts = mine.setdefault(task.group, [0, 0])
         if task.host == me:
             matrices = by_name[(task.chunk, task.name)].part_matrices(task.part)
-            narrow = len(matrices) == 1
+            narrow = len(matrices) == 1 and not task.is_local()
             for rows, cols in matrices:
                 counts[0] += sum(state.numel(rows, cols).values()) if state.staged else 0
                 counts[1] += state.direction_elements(rows, cols, narrow=narrow)

@@ -74,8 +74,7 @@ class MatrixTask:
     update_dtype: torch.dtype | None = None
     """A narrower dtype in which the host's direction of this task is exact, unscaled (Muon's
     Newton-Schulz output of one whole matrix, iterated in bf16): the scatter carries it in this
-    dtype (a task that moves), early compute keeps it so until the step, and every holder (a
-    local task's host) multiplies its slice by :attr:`update_scale` before applying it, the
+    dtype, and every rank multiplies its slice by :attr:`update_scale` before applying it, the
     product the host's math would have made. ``None``: the direction is final and moves in the
     update dtype (fp32)."""
     update_scale: float = 1.0
@@ -96,8 +95,8 @@ class MatrixTask:
             raise ValueError(f"{key}: pieces cover {self.task.numel} of {self.numel} elements")
         if self.task.host is None:
             raise ValueError(f"{key}: the engine needs a host per task (its mode decides who computes)")
-        if self.update_dtype is not None and self.update_dtype.itemsize >= 4:
-            raise ValueError(f"{key}: a narrow update dtype must be under 4 bytes, got {self.update_dtype}")
+        if self.update_dtype is not None and (self.update_dtype.itemsize >= 4 or self.task.is_local()):
+            raise ValueError(f"{key}: a narrow update dtype must be under 4 bytes and for a task that moves")
 
     @property
     def key(self) -> str:

@@ -265,16 +265,14 @@ def narrow_updates(tasks: Sequence[MatrixTask], *, math: str, config: Any, layou
     """``tasks`` with a narrow update dtype on each whose host's direction is exact in it before
     its scale: Muon iterating in a narrow dtype (the planner's
     :data:`~megatron.canzona.planning.comm.NARROW_DTYPE_BYTES`, which prices the same scatter), a
-    whole matrix (no split layout), the host-group mode (``async``). Its scale is the matrix's
-    :func:`muon_scale`, which each holder applies to its slice (a local task's host to the whole
-    matrix): the product the host's math would have made. A task that moves scatters its
-    direction in that dtype; early compute keeps any such direction in it until the step."""
+    whole matrix (no split layout) that moves, the host-group mode (``async``). Its scale is the
+    matrix's :func:`muon_scale`."""
     if math != "muon" or mode != "async" or config.ns_dtype not in NARROW_DTYPE_BYTES:
         return tuple(tasks)
     dtype = resolve_dtype(config.ns_dtype)
     out = []
     for task in tasks:
-        if layouts.get(task.key) is None:
+        if layouts.get(task.key) is None and not task.is_local():
             rows, cols = task.full_shape(tp_size)
             task = dataclasses.replace(task, update_dtype=dtype, update_scale=muon_scale(
                 rows, cols, config.scale_mode, config.extra_scale_factor))

@@ -107,7 +107,7 @@ def sim_tasks(schedule: Schedule, specs: Sequence[ParamSpec], seconds: Seconds, 
         matrices = spec.part_matrices(t.part)
         early = 0 if state is None else sum(
             sum(state.numel(rows, cols).values()) * state.staged
-            + state.direction_elements(rows, cols, narrow=len(matrices) == 1) for rows, cols in matrices)
+            + state.direction_elements(rows, cols, narrow=t.key in narrow) for rows, cols in matrices)
         advanced = 0 if state is None or state.staged else sum(rows * cols for rows, cols in matrices)
         out.append(SimTask(t.name, tuple((rank(*coord), hi - lo) for coord, lo, hi in t.holders(schedule.tp_size)),
                            None if t.host is None else rank(*t.host),
