@@ -235,11 +235,10 @@ def build_canzona_plan(
     if len(plans) == 1:
         return next(iter(plans.values())), specs, None
     cluster = projection_cluster(cfg, dp_size * tp_size)
-    early = early_compute_on(cfg)  # projected as the run will take it (choose_matrices_first)
-    first = cfg.matrices_first if early and ddp_config.overlap_grad_reduce and workload is not None else False
     results = project_layouts(specs, plans, cluster=cluster, optimizer=cfg.optimizer, wire=wire, workload=workload,
-                              ns_method=cost_model.ns_method, early_compute=early,
-                              early_compute_bytes=cfg.early_compute_bytes, matrices_first=first)
+                              ns_method=cost_model.ns_method, early_compute=early_compute_on(cfg),
+                              early_compute_bytes=cfg.early_compute_bytes,
+                              matrices_first=matrices_first_setting(cfg, workload, ddp_config.overlap_grad_reduce))
     choice = faster_layout(results)
     return plans[choice], specs, layout_line(choice, results, cluster, iteration=workload is not None)
 
@@ -263,18 +262,25 @@ def early_compute_on(cfg: Any) -> bool:
                 and (cfg.early_compute or (cfg.early_compute is None and torch.cuda.is_available())))
 
 
+def matrices_first_setting(cfg: Any, workload: Workload | None, overlap: bool) -> bool | None:
+    """``--canzona-matrices-reduce-first`` as the run takes it, ``None`` where it is projected:
+    off without early compute or without reduce-scatters overlapping backward (``overlap``:
+    ``--overlap-grad-reduce``; nothing to reorder), as given, and by default off without the
+    run's batch (nothing to project the tail of)."""
+    if not (early_compute_on(cfg) and overlap):
+        return False
+    if cfg.matrices_first is not None:
+        return cfg.matrices_first
+    return None if workload is not None else False
+
+
 def choose_matrices_first(plan: CanzonaPlan, specs: Sequence[ParamSpec], cfg: Any, *, wire: WireConfig,
                           workload: Workload | None, overlap: bool = True) -> tuple[bool, str | None]:
-    """``--canzona-matrices-reduce-first`` as the run takes it, and, where its default was
-    projected, the log line of the choice: off without early compute or without reduce-scatters
-    overlapping backward (``overlap``: ``--overlap-grad-reduce``; nothing to reorder), and by
-    default off without the run's batch (nothing to project the tail of)."""
-    if not (early_compute_on(cfg) and overlap):
-        return False, None
-    if cfg.matrices_first is not None:
-        return cfg.matrices_first, None
-    if workload is None:
-        return False, None
+    """``--canzona-matrices-reduce-first`` as the run takes it (:func:`matrices_first_setting`),
+    and, where its default was projected, the log line of the choice."""
+    setting = matrices_first_setting(cfg, workload, overlap)
+    if setting is not None:
+        return setting, None
     cluster = projection_cluster(cfg, plan.dp_size * plan.tp_size)
     results = project_reduce_orders(specs, plan, cluster=cluster, optimizer=cfg.optimizer, wire=wire,
                                     workload=workload, ns_method=cfg.cost_model().ns_method,

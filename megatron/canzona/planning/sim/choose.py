@@ -15,6 +15,13 @@ from .result import StrategyResult
 from .simulate import Workload, simulate
 
 
+def project_plan(specs: Sequence[ParamSpec], plan: CanzonaPlan, **kwargs) -> StrategyResult:
+    """The projected iteration of ``plan`` of one pipeline stage (``specs``) at its own parallel
+    sizes: :func:`~.simulate.simulate` with ``kwargs`` (cluster, optimizer, wire, workload, ...)."""
+    return simulate(specs, strategy="canzona", dp_size=plan.dp_size, tp_size=plan.tp_size, ep_size=plan.ep_size,
+                    expert_tp_size=plan.experts.tp_size if plan.experts is not None else 1, plan=plan, **kwargs)
+
+
 def project_layouts(
     specs: Sequence[ParamSpec], plans: Mapping[str, CanzonaPlan], *, cluster: ClusterSpec, optimizer: str,
     wire: WireConfig | None = None, workload: Workload | None = None, ns_method: str = "standard",
@@ -23,17 +30,17 @@ def project_layouts(
 ) -> dict[str, StrategyResult]:
     """The projected iteration of each layout's plan of one pipeline stage (``specs``), Muon's
     Newton-Schulz by ``ns_method``, as the run will take it: with ``early_compute`` (within
-    ``early_compute_bytes`` per rank) and the reduce order ``matrices_first`` (``None``: the
-    shorter of both, as its default projects it)."""
+    ``early_compute_bytes`` per rank) and the reduce order ``matrices_first`` (``None``: the one
+    :func:`project_reduce_orders` projects faster, as its default picks it)."""
+    common = dict(cluster=cluster, optimizer=optimizer, wire=wire, workload=workload, ns_method=ns_method)
     out = {}
-    orders = (False, True) if early_compute and matrices_first is None else (bool(matrices_first),)
     for name, plan in plans.items():
-        out[name] = min((simulate(
-            specs, strategy="canzona", cluster=cluster, dp_size=plan.dp_size, tp_size=plan.tp_size,
-            ep_size=plan.ep_size, expert_tp_size=plan.experts.tp_size if plan.experts is not None else 1,
-            optimizer=optimizer, workload=workload, plan=plan, wire=wire, ns_method=ns_method,
-            early_compute=early_compute, early_compute_bytes=early_compute_bytes, matrices_first=first,
-        ) for first in orders), key=lambda r: r.iteration_seconds)  # backward order on a tie
+        if early_compute and matrices_first is None:
+            orders = project_reduce_orders(specs, plan, early_compute_bytes=early_compute_bytes, **common)
+            out[name] = orders[faster_order(orders)]
+        else:
+            out[name] = project_plan(specs, plan, early_compute=early_compute, early_compute_bytes=early_compute_bytes,
+                                     matrices_first=bool(matrices_first), **common)
     return out
 
 
@@ -45,21 +52,20 @@ def project_reduce_orders(
     """The projected iteration of ``plan`` with early compute (within ``early_compute_bytes`` per
     rank), its dense buckets without a matrix reduced in backward order (``False``) and after the
     matrices (``True``)."""
-    return {
-        first: simulate(
-            specs, strategy="canzona", cluster=cluster, dp_size=plan.dp_size, tp_size=plan.tp_size,
-            ep_size=plan.ep_size, expert_tp_size=plan.experts.tp_size if plan.experts is not None else 1,
-            optimizer=optimizer, workload=workload, plan=plan, wire=wire, ns_method=ns_method,
-            early_compute=True, early_compute_bytes=early_compute_bytes, matrices_first=first,
-        )
-        for first in (False, True)
-    }
+    return {first: project_plan(specs, plan, cluster=cluster, optimizer=optimizer, wire=wire, workload=workload,
+                                ns_method=ns_method, early_compute=True, early_compute_bytes=early_compute_bytes,
+                                matrices_first=first)
+            for first in (False, True)}
+
+
+def faster_order(results: Mapping[bool, StrategyResult]) -> bool:
+    """Whether the matrices go first: only where that iteration is projected strictly shorter."""
+    return results[True].iteration_seconds < results[False].iteration_seconds
 
 
 def reduce_order_line(results: Mapping[bool, StrategyResult], cluster: ClusterSpec) -> tuple[bool, str]:
-    """Whether the matrices go first (only where that iteration is projected strictly shorter),
-    and one log line saying so."""
-    first = results[True].iteration_seconds < results[False].iteration_seconds
+    """:func:`faster_order`, and one log line saying so."""
+    first = faster_order(results)
     line = (f"[canzona] matrices reduce first: {'on' if first else 'off'} (projected on {cluster.name}: iteration "
             f"{1e3 * results[True].iteration_seconds:.1f} ms with, {1e3 * results[False].iteration_seconds:.1f} ms "
             "without)")

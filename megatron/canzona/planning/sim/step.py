@@ -258,14 +258,13 @@ def _run_early(run: StepRun, groups: Sequence[Sequence[SimTask]], landed: Sequen
             seconds = compute[k].get(r, 0.0) * run.slowdown
             # a group beyond the rank's budget is computed in the step, from its start
             begin = max(start if allowed is None or k in allowed.get(r, ()) else max(start, 0.0), free[r])
-            if seconds > 0:
-                begin, ends[r] = _place(calendar.setdefault(r, []), begin, seconds, early)
-                free[r] = ends[r]
-            else:
+            if seconds <= 0:
                 ends[r] = free[r] = max(free[r], start)
-            if seconds > 0:
-                run.segments.append(Segment(r, "compute", "compute", begin, ends[r], str(k)))
-                run.busy[r] += max(0.0, ends[r] - max(begin, 0.0))
+                continue
+            begin, ends[r] = _place(calendar.setdefault(r, []), begin, seconds, early)
+            free[r] = ends[r]
+            run.segments.append(Segment(r, "compute", "compute", begin, ends[r], str(k)))
+            run.busy[r] += max(0.0, ends[r] - max(begin, 0.0))
         done.append(ends)
     run.clock = {r: max(0.0, free[r], run.clock[r]) for r in run.members}
     run.comm_free = max(run.comm_free, 0.0)
