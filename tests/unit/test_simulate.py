@@ -220,6 +220,42 @@ def test_matrices_reduced_first_hold_back_only_dense_buckets_without_a_matrix():
     assert matrices_reduced_first(reduce[:1]) == reduce[:1]  # no matrix bucket: nothing to hold for
 
 
+def test_early_gathers_share_the_inter_node_links_with_the_reductions_after_them():
+    """A gather issued when its last bucket reduces lengthens the next reduction by its
+    heaviest rank's inter-node seconds (summed per rank over gathers), less the idle time the
+    reductions leave before it; one released by the last reduction charges nothing (the step
+    holds it)."""
+    from megatron.canzona.planning.sim.iteration import BucketSync, Rider, overlap_backward, reduced_at
+
+    a, b, c = BucketSync(1.0, 0.1, "a", key="a"), BucketSync(1.0, 0.2, "b", key="b"), BucketSync(1.0, 0.5, "c", key="c")
+    riders = [Rider(frozenset({"a"}), {0: 0.3, 1: 0.1}), Rider(frozenset({"a"}), {0: 0.2}),
+              Rider(frozenset({"a", "c"}), {0: 9.0})]
+    plain = reduced_at([a, b, c], 10.0)
+    ends = reduced_at([a, b, c], 10.0, riders)
+    assert plain == {"a": -8.0, "b": -7.0, "c": -4.0}
+    assert ends == {"a": -8.0, "b": -6.5, "c": -4.0}  # b: rank 0's 0.5 s; the rider on c goes in the step
+    exposed, segments = overlap_backward([a, BucketSync(1.0, 0.22, "b", key="b")], 10.0, riders=riders)
+    assert exposed == 0.0 and [s.end for s in segments] == pytest.approx([2.0, 3.5])  # 0.2 s idle of 0.5: 0.3
+
+
+def test_lean_gathers_across_nodes_lengthen_the_reduce_scatter_tail():
+    """Qwen3-32B, TP 8 x DP 8 on h100-ib400: the lean layout's early gathers cross nodes (its DP
+    neighbours are a node apart) and lengthen the reduce-scatters' tail against the same plan
+    without early gathers (no overlap); the whole layout's stay in the node (TP): no change."""
+    from megatron.canzona.planning import qwen3_specs
+
+    specs = qwen3_specs("qwen3-32b", tp_size=8, split_qkv=True)
+    work = Workload(global_batch=128, micro_batch=1, seq_length=4096)
+    kwargs = dict(cluster=load_cluster("h100-ib400"), dp_size=8, tp_size=8, workload=work, wire=WireConfig(grad_bytes=4))
+    for strategy in ("canzona_lean", "canzona"):
+        early, late = (simulate(specs, strategy=strategy, overlap=o, **kwargs) for o in (True, False))
+        assert early.details["early_gather"] and not late.details["early_gather"]
+        if strategy == "canzona":
+            assert early.grad_reduce_exposed_seconds == late.grad_reduce_exposed_seconds
+        else:
+            assert early.grad_reduce_exposed_seconds > late.grad_reduce_exposed_seconds + 0.01
+
+
 def test_matrices_reduced_first_shorten_the_qwen3_14b_step_at_256_gpus():
     """Qwen3-14B, TP 4 x DP 64 on h100-ib400, early compute: with the output layer's reduce-scatter
     after the matrices', the last matrices' Newton-Schulz runs beside it and the embedding's

@@ -108,6 +108,12 @@ class Topology:
             got[dst] = got.get(dst, 0.0) + nbytes
         return out
 
+    def inter_node_seconds(self, flows: Flows) -> dict[int, float]:
+        """Per rank, the seconds ``flows`` hold its inter-node link (out or in, the larger)."""
+        bandwidth = self.cluster.link(True).bytes_per_s * self.cluster.collectives.alltoall_efficiency
+        ranks = set(flows.out_inter) | set(flows.in_inter)
+        return {r: max(flows.out_inter.get(r, 0.0), flows.in_inter.get(r, 0.0)) / bandwidth for r in ranks}
+
     def alltoall(self, flows: Flows) -> float:
         """Duration of one fused all-to-all moving ``flows`` (0 when nothing moves)."""
         if flows.empty:

@@ -18,7 +18,7 @@ from ..plan import Bucket, BufferPlan, CanzonaPlan, DPPlan
 from ..planner import make_plan
 from ..specs import ParamSpec
 from .cluster import ClusterSpec
-from .iteration import BACKWARD_SHARE, BucketSync, overlap_backward, overlap_forward, reduced_at
+from .iteration import BACKWARD_SHARE, BucketSync, Rider, overlap_backward, overlap_forward, reduced_at
 from .layouts import (
     Buffers,
     Grid,
@@ -39,6 +39,7 @@ from .step import (
     EarlyCompute,
     SimTask,
     StepRun,
+    gather_riders,
     run_adamw,
     run_host_groups,
     run_per_matrix,
@@ -565,9 +566,19 @@ def _phases(ctx: _Context, work: Work, cluster: ClusterSpec, workload: Workload 
     backward = BACKWARD_SHARE * micro
     ag_exposed, ag_segments = overlap_forward(gather, micro - backward, origin=bubble)
     rs_origin = bubble + ag_exposed + fwd_bwd - backward
-    rs_exposed, rs_segments = overlap_backward(reduce, backward, origin=rs_origin)
+    riders = _riders(work, Topology(cluster), ctx.wire) if work.early_gather and cluster.backend != "gloo" else []
+    rs_exposed, rs_segments = overlap_backward(reduce, backward, origin=rs_origin, riders=riders)
     return _Phases(reduce, gather, micro, fwd_bwd, bubble, ag_exposed, rs_exposed, ag_segments + rs_segments,
-                   reduced_at(reduce, backward), details)
+                   reduced_at(reduce, backward, riders), details)
+
+
+def _riders(work: Work, topology: Topology, wire: WireConfig) -> list[Rider]:
+    """The early gathers of every micro-group, dense and expert, as traffic on the inter-node
+    links the reduce-scatters still to come share (gloo issues them after backward instead)."""
+    riders = gather_riders(topology, wire, work.dense)
+    for _, tasks in work.experts:
+        riders += gather_riders(topology, wire, tasks, lambda reduced_by: (EXPERTS, *reduced_by))
+    return riders
 
 
 def _assemble(strategy: str, ctx: _Context, work: Work, phases: _Phases, slowdown: float, step_end: float,

@@ -26,12 +26,14 @@ writes all but the gradient, plus the bf16 copy (:data:`ADAMW_BYTES_PER_ELEMENT`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..comm import WireConfig
 from ..memory import early_compute_groups
 from .cluster import ClusterSpec
+from .iteration import Rider
 from .network import Flows, Topology
 from .result import Segment
 
@@ -134,13 +136,32 @@ def _by_group(tasks: Iterable[SimTask]) -> list[list[SimTask]]:
 
 
 def _gather(run: StepRun, tasks: Sequence[SimTask]) -> Flows:
+    return _gather_flows(run.topology, run.wire, tasks)
+
+
+def _gather_flows(topology: Topology, wire: WireConfig, tasks: Sequence[SimTask]) -> Flows:
     """Pieces to their host (fp32 main gradients), or to every other holder (synchronous)."""
-    size = run.wire.main_grad_bytes
+    size = wire.main_grad_bytes
     transfers = []
     for task in tasks:
         targets = [task.host] if task.host is not None else [r for r, _ in task.holders]
         transfers += [(r, t, n * size) for r, n in task.holders for t in targets if t != r]
-    return run.topology.flows(transfers)
+    return topology.flows(transfers)
+
+
+def gather_riders(topology: Topology, wire: WireConfig, tasks: Sequence[SimTask],
+                  key: Callable[[tuple[int, int]], Any] = lambda reduced_by: reduced_by) -> list[Rider]:
+    """Each micro-group's early gather as traffic on the inter-node links that the reductions
+    still to come share (:class:`~.iteration.Rider`), keyed by ``key(task.reduced_by)``; a
+    group that waits for the step, or moves nothing between nodes, rides nothing."""
+    riders = []
+    for group in _by_group(tasks):
+        if any(t.reduced_by is None for t in group):
+            continue
+        loads = topology.inter_node_seconds(_gather_flows(topology, wire, group))
+        if loads:
+            riders.append(Rider(frozenset(key(t.reduced_by) for t in group), loads))
+    return riders
 
 
 def _scatter(run: StepRun, tasks: Sequence[SimTask]) -> Flows:
