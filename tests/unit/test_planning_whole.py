@@ -199,6 +199,50 @@ def test_megatron_main_model_keeps_matrices_whole_in_equal_shards() -> None:
     assert record["padding_overhead"] < padding
 
 
+def test_experts_are_dealt_whole_into_equal_shards() -> None:
+    """Experts' fc1 is twice their fc2: 11 fc1 and 10 fc2 fill 8 equal shards with every matrix
+    whole (5 shards of two fc1, one of an fc1 and two fc2, two of four fc2); 9 and 9 cannot
+    (13.5 fc1-sizes over 8 shards), nor fewer matrices than shards, nor a size off the 64-element
+    alignment."""
+    from megatron.canzona.planning.whole import even_shards
+
+    fc1, fc2 = 2 * 768 * 2048, 768 * 2048
+    numels = [fc2, fc1] * 10 + [fc1]
+    shards = even_shards(numels, 8)
+    assert shards is not None and sorted(i for shard in shards for i in shard) == list(range(21))
+    assert {sum(numels[i] for i in shard) for shard in shards} == {2 * fc1}
+    assert even_shards([fc2, fc1] * 9, 8) is None
+    assert even_shards([fc1] * 7, 8) is None and even_shards([fc1 + 1] * 8, 8) is None
+    assert even_shards([fc1] * 8, 8) == [[i] for i in range(8)]
+
+
+@pytest.mark.parametrize("ep_dp", [(8, 8), (8, 16), (8, 32)])
+def test_expert_buckets_close_where_their_shards_can_be_equal(ep_dp: tuple[int, int]) -> None:
+    """Qwen3-30B-A3B, EP 8 at expert DP 8, 16, 32 (64 to 256 GPUs): Megatron's closing point
+    (e.g. 14 experts per 64M bucket on 64 GPUs) leaves unequal shards, so each expert bucket closes at the first
+    later matrix that lets them be equal, within 1.5x the bucket size: every expert bucket then
+    runs the stock equal-shard collectives, each matrix still whole in its owner's shard, and
+    the experts' compute stays within 10% of the bound. The dense buffers keep Megatron's
+    buckets (their few matrices per bucket cannot be equal over 64 shards)."""
+    from megatron.canzona.planning.geometry import BUCKET_GROWTH, default_bucket_size, stock_bucket_ranges
+
+    ep, expert_dp = ep_dp
+    specs = qwen3_specs("qwen3-30b-a3b", tp_size=1, ep_size=ep, split_qkv=True)
+    plan = make_plan(specs, dp_size=expert_dp * ep, cost_model=COST, ep_size=ep, layout="whole")
+    experts = plan.experts
+    _check_whole(experts, [s for s in specs if s.is_expert])
+    buckets = experts.layouts[0].matrix.buckets
+    assert all(bucket.uniform for bucket in buckets)
+    size = experts.layouts[0].bucket_size
+    assert size == default_bucket_size(expert_dp * ep)  # Megatron sizes every bucket by the DP group
+    assert all(b.numel_unpadded <= BUCKET_GROWTH * size for b in buckets[:-1])
+    loads = [sum(p.cost for p in experts.layouts[0].matrix.placements if p.host == d) for d in range(expert_dp)]
+    assert max(loads) <= 1.1 * sum(loads) / expert_dp
+    dense = sorted((s for s in specs if not s.is_expert and s.family == "matrix"), key=lambda s: s.order)
+    assert len(plan.layouts[0].matrix.buckets) == len(stock_bucket_ranges([s.numel for s in dense],
+                                                                          default_bucket_size(expert_dp * ep)))
+
+
 @pytest.mark.parametrize("bucket_size", [5_000, 20_000, 100_000])
 def test_whole_buckets_close_where_megatron_closes_them(bucket_size: int) -> None:
     """The whole layout pads nothing, so its matrix buckets are Megatron's own: a bucket closes

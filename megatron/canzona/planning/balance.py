@@ -2,8 +2,10 @@
 
 1. **Buckets** are Megatron's: contiguous in backprop order, near the bucket size
    (:func:`~megatron.canzona.planning.geometry.lean_bucket_ranges`), equal shards. The
-   whole layout cuts them exactly as Megatron does
-   (:func:`~megatron.canzona.planning.geometry.stock_bucket_ranges`).
+   whole layout cuts them as Megatron does
+   (:func:`~megatron.canzona.planning.geometry.stock_bucket_ranges`), a bucket closing later
+   where that lets its matrices lie whole in equal shards
+   (:func:`~megatron.canzona.planning.whole.whole_bucket_ranges`).
 2. **Layouts.** Each bucket is filled at a ladder of shard widths
    (:func:`~megatron.canzona.planning.lean.shard_ladder`): the tightest width splits the
    most matrices across shards; wider ones pad more and keep more matrices whole. A whole
@@ -39,14 +41,14 @@ from dataclasses import dataclass
 
 from .comm import WireConfig, collective_bytes, narrow_bytes
 from .cost import CostModel
-from .geometry import default_bucket_size, lean_bucket_ranges, stock_bucket_ranges
+from .geometry import default_bucket_size, lean_bucket_ranges
 from .hosts import HostItem, assign_hosts, default_budget, schedule_groups
 from .lean import balanced_homes, lean_buffer, shard_ladder
 from .partition import DEFAULT_ALPHA, check_inputs, check_tp_size, elementwise_buffer
 from .plan import BufferPlan, CanzonaPlan, DPPlan, Host
 from .schedule import within
 from .specs import ParamSpec, matrix_specs
-from .whole import whole_buffer, whole_owners
+from .whole import even_shards, whole_buffer, whole_bucket_ranges, whole_owners
 
 LAYOUTS: tuple[str, ...] = ("whole", "lean")
 """DP layouts of the matrix buffers: ``whole`` (:mod:`~megatron.canzona.planning.whole`:
@@ -152,8 +154,10 @@ def plan_canzona(
                       base=base)
     # The whole layout pads nothing, so it keeps Megatron's own bucket rule: its last bucket
     # closes where AdamW's would, and the reduce-scatters after backward are AdamW's.
-    bucket_ranges = stock_bucket_ranges if layout == "whole" else lean_bucket_ranges
-    ranges = [bucket_ranges([s.numel for s in chunk], bucket_size) for chunk in mats]
+    if layout == "whole":
+        ranges = [whole_bucket_ranges([s.numel for s in chunk], bucket_size, dp_size) for chunk in mats]
+    else:
+        ranges = [lean_bucket_ranges([s.numel for s in chunk], bucket_size) for chunk in mats]
     if layout == "whole":
         buffers = _whole_fill(stage, ranges)
         _, items, hosts, loads = stage.hosts(buffers)
@@ -175,10 +179,17 @@ def check_layout(layout: str) -> None:
 def _whole_fill(stage: _Stage, ranges: list[list[tuple[int, int]]]) -> list[BufferPlan]:
     """Every chunk's buffer in the whole layout, owners chosen over the whole stage."""
     flat = [s for chunk in stage.mats for s in chunk]
+    even, k = [], 0
+    for chunk, chunk_ranges in zip(stage.mats, ranges):
+        for a, b in chunk_ranges:
+            shards = even_shards([s.numel for s in chunk[a:b]], stage.dp_size)
+            if shards is not None:
+                even.append([[k + a + i for i in shard] for shard in shards])
+        k += len(chunk)
     owners = whole_owners(
         [c for chunk in stage.costs for c in chunk], [s.numel for s in flat], [s.tp_sharded for s in flat],
         dp_size=stage.dp_size, tp_size=stage.tp_size, alpha=stage.alpha, bound=stage.bound, base=stage.base,
-        parts=[p for chunk in stage.parts for p in chunk],
+        parts=[p for chunk in stage.parts for p in chunk], even=even,
     )
     buffers, k = [], 0
     for chunk, chunk_costs, chunk_ranges in zip(stage.mats, stage.costs, ranges):
