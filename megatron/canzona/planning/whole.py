@@ -118,38 +118,39 @@ def whole_owners(
     bound = bound or 1.0
     owners = [-1] * len(costs)
 
-    def take(i: int, d: int, row: list[float]) -> tuple[list[float], float]:
+    def take(i: int, row: list[float]) -> tuple[list[float], float]:
+        """A TP row's loads once matrix ``i`` is owned there, and the largest that took a part."""
         split = [costs[i]] if parts is None else list(parts[i])
         if tp_sharded[i]:
             return _take(row, split)
         return [x + costs[i] for x in row], max(row) + costs[i]
 
-    def own(i: int, d: int) -> None:
-        load[d * tp_size:(d + 1) * tp_size] = take(i, d, load[d * tp_size:(d + 1) * tp_size])[0]
-        held[d] += numels[i]
-        owners[i] = d
+    def row_with(shard: Sequence[int], d: int) -> list[float]:
+        row = load[d * tp_size:(d + 1) * tp_size]
+        for i in shard:
+            row = take(i, row)[0]
+        return row
+
+    def own(shard: Sequence[int], d: int) -> None:
+        load[d * tp_size:(d + 1) * tp_size] = row_with(shard, d)
+        for i in shard:
+            held[d] += numels[i]
+            owners[i] = d
 
     for shards in even:
         free = set(range(dp_size))
         for shard in sorted(shards, key=lambda shard: (-sum(costs[i] for i in shard), shard)):
-            def after(d: int) -> float:
-                row = load[d * tp_size:(d + 1) * tp_size]
-                for i in shard:
-                    row = take(i, d, row)[0]
-                return max(row)
-
-            d = min(free, key=lambda d: (after(d), d))
+            d = min(free, key=lambda d: (max(row_with(shard, d)), d))
             free.remove(d)
-            for i in shard:
-                own(i, d)
+            own(shard, d)
     for i in sorted((i for i in range(len(costs)) if owners[i] < 0), key=lambda i: (-costs[i], -numels[i], i)):
         best: tuple[float, float, int] | None = None
         for d in range(dp_size):
-            after = take(i, d, load[d * tp_size:(d + 1) * tp_size])[1]
+            after = take(i, load[d * tp_size:(d + 1) * tp_size])[1]
             key = (alpha * after / bound + (1 - alpha) * (held[d] + numels[i]) / mean, after, d)
             if best is None or key < best:
                 best = key
-        own(i, best[2])  # type: ignore[index]
+        own([i], best[2])  # type: ignore[index]
     return owners
 
 
