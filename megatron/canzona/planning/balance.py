@@ -152,16 +152,14 @@ def plan_canzona(
     mats = [matrix_specs([s for s in specs if s.chunk == c]) for c in chunks]
     stage = _Stage.of(mats, cost_model, dp_size=dp_size, tp_size=tp_size, alpha=alpha, wire=wire or WireConfig(),
                       base=base)
-    # The whole layout pads nothing, so it keeps Megatron's own bucket rule: its last bucket
-    # closes where AdamW's would, and the reduce-scatters after backward are AdamW's.
+    # The whole layout pads nothing, so it keeps Megatron's own bucket rule (a bucket closing
+    # later only where that makes its shards equal): its last bucket closes where AdamW's would.
     if layout == "whole":
-        ranges = [whole_bucket_ranges([s.numel for s in chunk], bucket_size, dp_size) for chunk in mats]
-    else:
-        ranges = [lean_bucket_ranges([s.numel for s in chunk], bucket_size) for chunk in mats]
-    if layout == "whole":
-        buffers = _whole_fill(stage, ranges)
+        buffers = _whole_fill(stage, [whole_bucket_ranges([s.numel for s in chunk], bucket_size, dp_size)
+                                      for chunk in mats])
         _, items, hosts, loads = stage.hosts(buffers)
     else:
+        ranges = [lean_bucket_ranges([s.numel for s in chunk], bucket_size) for chunk in mats]
         _, buffers, items, hosts, loads = _best_fill(stage, ranges)
     loads = [load - b for load, b in zip(loads, stage.base)]  # this plan's own work
     plan = _assemble(

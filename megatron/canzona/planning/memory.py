@@ -70,7 +70,7 @@ class StateLayout:
         ``narrow``: a whole matrix that moves (its update goes in the Newton-Schulz dtype,
         :func:`~.comm.narrow_bytes`)."""
         size = NARROW_DTYPE_BYTES.get(self.ns_dtype) if narrow and self.optimizer == "muon" else None
-        return rows * cols if size is None else -(-rows * cols * size // STATE_BYTES)
+        return rows * cols if size is None else fp32_elements(rows * cols, size)
 
     def numel(self, rows: int, cols: int) -> dict[str, int]:
         """Elements per state kind of one ``rows x cols`` matrix."""
@@ -131,6 +131,11 @@ class RankMemory:
     experts: RankMemory | None = None
     """The same for the rank's expert-parallel buffers and the expert optimizer (a second
     one, stepped after the dense one); ``None`` without expert parallelism."""
+
+
+def fp32_elements(numel: int, itemsize: int) -> int:
+    """fp32 elements (:data:`STATE_BYTES` each) that ``numel`` elements of ``itemsize`` bytes take."""
+    return -(-numel * itemsize // STATE_BYTES)
 
 
 def early_compute_groups(groups: Iterable[tuple[int, int, int]], budget_elements: int) -> frozenset[int]:

@@ -74,9 +74,8 @@ def whole_bucket_ranges(numels: list[int], bucket_size: int | None, dp_size: int
     except that a bucket whose matrices :func:`even_shards` cannot deal into equal shards
     closes at the first later parameter where it can, while it stays within
     ``BUCKET_GROWTH`` × ``bucket_size``; the last bucket holds what remains."""
-    stock = stock_bucket_ranges(numels, bucket_size)
-    if bucket_size is None or dp_size == 1 or len(stock) == 1:
-        return stock
+    if bucket_size is None or dp_size == 1:
+        return stock_bucket_ranges(numels, bucket_size)
     limit = BUCKET_GROWTH * bucket_size
     ranges, first = [], 0
     while first < len(numels):

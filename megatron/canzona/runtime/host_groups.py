@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.canzona.optim.common import apply_update, state_dtype_for
+from megatron.canzona.planning.memory import fp32_elements
 from megatron.canzona.planning.schedule import Coord, Task
 from megatron.canzona.runtime.state_io import Placement, _local_view, flat_range_boxes, to_global_boxes
 
@@ -293,7 +294,7 @@ def _bytes(buffer: torch.Tensor, size: int) -> torch.Tensor:
 def direction_elements(numel: int, dtype: torch.dtype | None) -> int:
     """fp32 elements (4 bytes each) of a direction of ``numel`` elements kept in ``dtype``
     (``None``: fp32)."""
-    return numel if dtype is None else -(-numel * dtype.itemsize // torch.float32.itemsize)
+    return numel if dtype is None else fp32_elements(numel, dtype.itemsize)
 
 
 def _typed(buffer: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
