@@ -121,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="time the exposed optimizer time of whole iterations instead: from the end of "
                         "backward to the next forward's first transformer layer, with --overlap-grad-reduce and "
                         "(distributed optimizers) --overlap-param-gather")
+    parser.add_argument("--clip-grad", type=float, default=0.0,
+                        help="Megatron's global-norm clip (0: none); e.g. 1e-3 acts in every step, 1e9 in none")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a hung launch fails")
     parser.add_argument("--json", metavar="FILE", help="also write the JSON result here")
     args = parser.parse_args(argv)
@@ -130,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--iteration times the dense model without --gantt; drop --moe/--gantt")
     if args.gantt and (args.tp == 1 or args.moe):
         parser.error("--gantt draws the dense TP pipeline: add --tp 2, without --moe")
+    if not args.clip_grad >= 0.0:
+        parser.error(f"--clip-grad {args.clip_grad} must be 0 (no clip) or a positive norm")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error("--steps and --rounds must be at least 1 and --warmup at least 0")
     if args.hidden % 4:
@@ -167,9 +171,14 @@ ADAMW = "adamw"
 """With ``--iteration``: Megatron's distributed AdamW, the iteration Muon's should cost."""
 
 EARLY_COMPUTE = "canzona_early"
-"""With ``--iteration``: ``canzona`` with ``--canzona-early-compute``, each micro-group computed
-where its gather lands, issued from the reduce-scatters' dispatch as on CUDA (on gloo the host
-waits for each reduce-scatter there and computes inside backward)."""
+"""With ``--iteration``: ``canzona`` with ``--canzona-early-compute on``, each micro-group's gather
+issued from the reduce-scatters' dispatch as on CUDA (on gloo the host waits for each
+reduce-scatter there), its compute once backward is over, before the step, in the iterations the
+speculation policy picks."""
+DEFAULT = "canzona_default"
+"""With ``--iteration``: ``canzona`` as ``pretrain_gpt.py --canzona`` runs it by default
+(``--canzona-early-compute auto``: decided per run; on gloo, computed in the step). ``canzona``
+itself is ``--canzona-no-early-compute``."""
 
 
 MATRICES_FIRST = "canzona_first"
@@ -182,8 +191,8 @@ time against :data:`EARLY_COMPUTE`'s)."""
 def variants(args: argparse.Namespace) -> dict[str, tuple[str, str, str]]:
     if not args.iteration:
         return DP_VARIANTS if args.tp == 1 else TP_VARIANTS
-    extra = {EARLY_COMPUTE: ("muon", "async", "whole"), MATRICES_FIRST: ("muon", "async", "whole"),
-             ADAMW: ("adam", "async", "whole")}
+    extra = {DEFAULT: ("muon", "async", "whole"), EARLY_COMPUTE: ("muon", "async", "whole"),
+             MATRICES_FIRST: ("muon", "async", "whole"), ADAMW: ("adam", "async", "whole")}
     if args.tp == 1:
         return {**DP_VARIANTS, **extra}
     return {**TP_VARIANTS, LATE_GATHER: TP_VARIANTS["canzona"], **extra}
@@ -200,8 +209,10 @@ def runs_for(args: argparse.Namespace) -> list[TinyRun]:
             overlap_param_gather=args.iteration and optimizer != "sync_muon",
             lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
             ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha,
-            early_gather=name != LATE_GATHER, early_compute=name in (EARLY_COMPUTE, MATRICES_FIRST),
-            early_gather_at_dispatch=name in (EARLY_COMPUTE, MATRICES_FIRST),
+            early_gather=name != LATE_GATHER,
+            early_compute="auto" if name == DEFAULT else name in (EARLY_COMPUTE, MATRICES_FIRST),
+            early_gather_at_dispatch=name in (EARLY_COMPUTE, MATRICES_FIRST), speculation="backoff",
+            clip_grad=args.clip_grad,
             matrices_first=True if name == MATRICES_FIRST else None,
             **(dict(num_experts=args.num_experts, ep_size=args.ep, moe_ffn_hidden=args.moe_ffn_hidden,
                     moe_topk=args.moe_topk) if args.moe else {}),
@@ -408,6 +419,9 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
             name: {part: 1e3 * statistics.median(times) for part, times in iteration_parts(last[name], args.warmup).items()}
             for name in last}
         report["early_compute"] = early_compute_summary(report["iteration_parts_ms"], last)
+        report["clip_grad"] = args.clip_grad
+        report["iteration_over_no_early_compute"] = {
+            name: iteration_ratio(last[name], last["canzona"], args.warmup) for name in (DEFAULT, EARLY_COMPUTE)}
         report["reduces_held_per_rank"] = [r["reduces_held"] for r in last[MATRICES_FIRST]]
     report["split_matrices"] = sum(p.host is None for part in plans for p in part.dp.matrix.placements)
     if args.moe:  # tiny_gpt reports the bytes of one Canzona optimizer, not of a dense + expert chain
@@ -423,18 +437,25 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
     return report
 
 
+def iteration_ratio(ours: list[dict], theirs: list[dict], warmup: int) -> float:
+    """Median over the timed iterations of the last round of ``ours``' whole iteration over
+    ``theirs``' (the slowest rank's each)."""
+    return statistics.median(iteration_parts(ours, warmup)["iteration"]) / \
+        statistics.median(iteration_parts(theirs, warmup)["iteration"])
+
+
 def early_compute_summary(parts: dict[str, dict[str, float]], last: dict[str, list[dict]]) -> dict:
-    """Early compute against computing in the step: the exposed optimizer time of each, and the
-    share of micro-groups computed before backward ended (every early one here: they are issued
-    from the reduce-scatters' dispatch, inside backward)."""
+    """Early compute against computing in the step: the exposed optimizer time of each, the
+    share of micro-groups computed before the step (after backward: the runtime computes
+    nothing beside it), and the steps by outcome of the speculation policy."""
     early, step = parts[EARLY_COMPUTE]["exposed_optimizer"], parts["canzona"]["exposed_optimizer"]
     runs = last[EARLY_COMPUTE]
     groups = len({index for r in runs for _, index, _, _ in r["tp_stats"]["timeline"]}) or 1
     steps = max(1, len(runs[0]["losses"]))
     share = min(1.0, max(r["early_computed"] or 0 for r in runs) / (groups * steps))
     return {"exposed_optimizer_ms": {"in_step": step, "early": early}, "fall": 1.0 - early / step,
-            "share_of_groups_computed_in_backward": share, "micro_groups": groups,
-            "steps_by_outcome": runs[0]["early_steps"][0]}
+            "share_of_groups_computed_before_the_step": share, "micro_groups": groups,
+            "steps_by_outcome": runs[0]["early_steps"][0], "default_steps_by_outcome": last[DEFAULT][0]["early_steps"][0]}
 
 
 def print_iteration_table(report: dict, names: list[str]) -> None:
@@ -451,8 +472,12 @@ def print_iteration_table(report: dict, names: list[str]) -> None:
     early = report["early_compute"]
     exposed = early["exposed_optimizer_ms"]
     print(f"early compute: exposed optimizer time {exposed['early']:.2f} ms against {exposed['in_step']:.2f} ms computing "
-          f"in the step ({100 * early['fall']:.1f}% less); {100 * early['share_of_groups_computed_in_backward']:.0f}% of "
-          f"the {early['micro_groups']} micro-groups computed in backward")
+          f"in the step ({100 * early['fall']:.1f}% less); {100 * early['share_of_groups_computed_before_the_step']:.0f}% "
+          f"of the {early['micro_groups']} micro-groups computed before the step; steps by outcome "
+          f"{early['steps_by_outcome']} (clip {report['clip_grad']:g})")
+    ratios = report["iteration_over_no_early_compute"]
+    print(f"iteration over canzona (--canzona-no-early-compute): {DEFAULT} (the default) {ratios[DEFAULT]:.3f}, "
+          f"{EARLY_COMPUTE} {ratios[EARLY_COMPUTE]:.3f}")
     print(f"{MATRICES_FIRST}: reduce-scatters held behind the matrices' per rank over the run: "
           f"{', '.join(str(n) for n in report['reduces_held_per_rank'])}")
 

@@ -57,9 +57,28 @@ CPU_DEMO = ROOT / "examples" / "qwen3" / "pretrain_qwen3_tiny_cpu.sh"
 RECIPE_8B = ROOT / "examples" / "qwen3" / "pretrain_qwen3_8b.sh"
 DEMO_DATA = ROOT / "data" / "demo"
 BENCH_MODELS = ("qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
-ONE_GPU_VARIANTS = ("adamw", "layerwise", "canzona", "canzona_auto")
-RECIPE_VARIANTS = {"canzona_auto": ("canzona", ["--muon-ns-method", "auto"])}
+IDLE_CLIP = ["--clip-grad", "1e9"]
+"""A clip that never acts (the recipe's 1.0 acts in every iteration of these short runs)."""
+RECIPE_VARIANTS = {
+    "canzona_auto": ("canzona", ["--muon-ns-method", "auto"]),
+    "canzona_no_early": ("canzona", ["--canzona-no-early-compute"]),
+    "canzona_early": ("canzona", ["--canzona-early-compute", "on"]),
+    "canzona_early_idle": ("canzona", ["--canzona-early-compute", "on", *IDLE_CLIP]),
+    "canzona_no_early_idle": ("canzona", ["--canzona-no-early-compute", *IDLE_CLIP]),
+}
 """A one-GPU variant that is a recipe ``VARIANT`` with more flags (else the variant is the recipe's)."""
+ONE_GPU_VARIANTS = ("adamw", "layerwise", "canzona", "canzona_auto", "canzona_no_early")
+"""Run in every round: Canzona's default (early compute ``auto``), with gram Newton-Schulz where
+it is faster, and with early compute off, against Megatron's layer-wise Muon and AdamW."""
+ONCE_VARIANTS = ("canzona_no_early_idle", "canzona_early_idle", "canzona_early")
+"""Run once, after the rounds: the clip-idle pair, what committed early compute costs or saves
+where it is forced (DP 1 has no reduce-scatter tail: ``auto`` leaves it off), and early compute
+forced with the recipe's clip, which acts in every iteration (what the speculation policy costs)."""
+ALL_VARIANTS = (*ONE_GPU_VARIANTS, *ONCE_VARIANTS)
+RATIOS = (("canzona", "layerwise"), ("canzona_auto", "layerwise"), ("canzona_no_early", "layerwise"),
+          ("canzona", "canzona_no_early"), ("canzona_early_idle", "canzona_no_early_idle"),
+          ("canzona_early", "canzona_no_early"), ("canzona_early", "canzona"))
+"""The ratios reported round by round (rounds both variants ran)."""
 ONE_GPU_LAYERS = 4
 """Layers of the cut Qwen3-8B: its matrices are the full model's, a ninth of them."""
 ONE_GPU_ROUNDS = 3
@@ -102,6 +121,11 @@ class Context:
     publish: bool
     variants: tuple[str, ...] = ONE_GPU_VARIANTS
     """The ``one_gpu`` step's recipe variants, in this order."""
+    once: tuple[str, ...] = ONCE_VARIANTS
+    """Variants the ``one_gpu`` step runs once, after its rounds."""
+    profile: bool = True
+    """Profile one iteration of each variant's first run (its later iterations are the noisier
+    for it on a host-bound GPU: the rounds after the first are the cleaner sample)."""
     rounds: int = ONE_GPU_ROUNDS
     timed: int = ONE_GPU_TIMED
     deadline: float = float("inf")
@@ -333,22 +357,24 @@ def step_one_gpu(ctx: Context, result: Result) -> None:
     """Every variant in turn, round after round: per run the timed iterations' step and
     iteration times; the first round also profiles one iteration of each."""
     if not ctx.cuda:  # the recipe's command only
-        for variant in ctx.variants:
+        for variant in (*ctx.variants, *ctx.once):
             env = one_gpu_env(ctx, variant, ctx.out / f"one_gpu_{variant}")
             ctx.run(f"one_gpu_{variant}", ["bash", str(RECIPE_8B), *one_gpu_flags(variant, profile=None)], result,
                     env={**env, "DRY_RUN": "1"})
         return
     if not (DEMO_DATA / "demo_text_document.idx").is_file():
         ctx.run("demo_data", [ctx.python, "tools/prepare_demo_data.py", "--output-dir", str(DEMO_DATA)], result)
-    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in ctx.variants}
+    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in (*ctx.variants, *ctx.once)}
     profiles: dict[str, Any] = {}
     run_s = 0.0
-    for round_index in range(ctx.rounds):
-        if round_index and ctx.left_s() < run_s * len(ctx.variants) + ctx.reserve_s:  # keep time for the later steps
+    schedule = [(k, ctx.variants) for k in range(ctx.rounds)] + [(0, ctx.once)] * bool(ctx.once)
+    for index, (round_index, variants) in enumerate(schedule):
+        if index and ctx.left_s() < run_s * len(variants) + ctx.reserve_s:  # keep time for the later steps
             break
-        for variant in ctx.variants:
+        for variant in variants:
             name = f"one_gpu_{variant}_r{round_index + 1}"
-            profile = ctx.out / f"profile_{variant}.json" if round_index == 0 else None
+            first = not any(runs[variant])
+            profile = ctx.out / f"profile_{variant}.json" if first and ctx.profile else None
             begin = time.monotonic()
             ctx.run(name, ["bash", str(RECIPE_8B), *one_gpu_flags(variant, profile=profile)], result,
                     env=one_gpu_env(ctx, variant, ctx.out / name))
@@ -366,6 +392,18 @@ def read_run(folder: Path) -> dict[str, Any]:
             "timers_ms": megatron_timers(folder.with_suffix(".log"), skip=ONE_GPU_WARMUP)}
 
 
+EARLY_OUTCOMES = ("committed", "recomputed", "skipped", "not speculated")
+
+
+def early_counts(metrics: Path) -> dict[str, int] | None:
+    """A run's early-compute outcomes over all its iterations (``None``: it computed nothing early)."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    early = [r["early_compute"] for r in records if r.get("early_compute")]
+    if not early:
+        return None
+    return {k: sum(e.get(k, 0) for e in early) for k in EARLY_OUTCOMES}
+
+
 def one_gpu_run(metrics: Path) -> dict[str, Any]:
     """One run's timed iterations (after :data:`ONE_GPU_WARMUP`): step and iteration time each
     (``--log-interval 1``: one metrics line per iteration), and the loss by iteration."""
@@ -374,7 +412,8 @@ def one_gpu_run(metrics: Path) -> dict[str, Any]:
     if not timed:
         raise RuntimeError(f"{metrics} holds no iteration after the {ONE_GPU_WARMUP} warm-up ones")
     return {"optimizer_step_ms": [r["optimizer_step_ms"] for r in timed],
-            "iteration_ms": [r["iteration_ms"] for r in timed], "loss": read_losses(metrics)}
+            "iteration_ms": [r["iteration_ms"] for r in timed], "loss": read_losses(metrics),
+            "early_compute": early_counts(metrics)}
 
 
 TIMER_LINE = re.compile(r"^\s+([\w-]+) \.*: \(?([\d.]+)(?:, ([\d.]+)\))?\s*$")
@@ -408,7 +447,9 @@ def one_gpu_result(runs: dict[str, list[dict[str, Any]]], profiles: dict[str, An
     for variant, rounds in runs.items():
         if not rounds:
             continue
-        row: dict[str, Any] = {"rounds": len(rounds), "loss": rounds[0]["loss"], "timers_ms": rounds[0]["timers_ms"]}
+        row: dict[str, Any] = {"rounds": len(rounds), "loss": rounds[0]["loss"], "timers_ms": rounds[0]["timers_ms"],
+                               "forward_backward_ms_rounds": [r["timers_ms"].get("forward-backward") for r in rounds],
+                               "early_compute_rounds": [r.get("early_compute") for r in rounds]}
         for key in ("optimizer_step_ms", "iteration_ms"):
             row[key] = statistics.median(t for r in rounds for t in r[key])
             row[f"{key}_rounds"] = [statistics.median(r[key]) for r in rounds]
@@ -419,16 +460,23 @@ def one_gpu_result(runs: dict[str, list[dict[str, Any]]], profiles: dict[str, An
                       "timed_per_round": next((len(r[0]["iteration_ms"]) for r in runs.values() if r), 0),
                       "variants": variants, "ratios": {}}
     parts = [f"{v}: step {r['optimizer_step_ms']:.1f} ms, iteration {r['iteration_ms']:.0f} ms" for v, r in variants.items()]
+    for ours, theirs in RATIOS:
+        if ours not in variants or theirs not in variants:
+            continue
+        keys = ["optimizer_step_ms", "iteration_ms"]
+        fb = [(a, b) for a, b in zip(variants[ours]["forward_backward_ms_rounds"], variants[theirs]["forward_backward_ms_rounds"])
+              if a is not None and b is not None]
+        ratios = {key: spread([a / b for a, b in zip(variants[ours][f"{key}_rounds"], variants[theirs][f"{key}_rounds"])])
+                  for key in keys}
+        if fb:
+            ratios["forward_backward_ms"] = spread([a / b for a, b in fb])
+        rounds = min(len(variants[ours]["iteration_ms_rounds"]), len(variants[theirs]["iteration_ms_rounds"]))
+        result.details["ratios"][f"{ours}/{theirs}"] = ratios
+        parts.append(f"{ours}/{theirs}: step {ratios['optimizer_step_ms']['median']:.3f}, iteration "
+                     f"{ratios['iteration_ms']['median']:.3f} ({ratios['iteration_ms']['min']:.3f}-"
+                     f"{ratios['iteration_ms']['max']:.3f} over {rounds} rounds)"
+                     + (f", forward-backward {ratios['forward_backward_ms']['median']:.3f}" if fb else ""))
     if "layerwise" in variants:
-        for ours in ("canzona", "canzona_auto"):
-            if ours not in variants:
-                continue
-            ratios = {key: spread([a / b for a, b in zip(variants[ours][f"{key}_rounds"], variants["layerwise"][f"{key}_rounds"])])
-                      for key in ("optimizer_step_ms", "iteration_ms")}
-            result.details["ratios"][f"{ours}/layerwise"] = ratios
-            parts.append(f"{ours}/layerwise: step {ratios['optimizer_step_ms']['median']:.3f}, iteration "
-                         f"{ratios['iteration_ms']['median']:.3f} ({ratios['iteration_ms']['min']:.3f}-"
-                         f"{ratios['iteration_ms']['max']:.3f} over {len(variants[ours]['iteration_ms_rounds'])} rounds)")
         if "canzona" in variants:
             ours, theirs = variants["canzona"]["loss"], variants["layerwise"]["loss"]
             worst = max(abs(ours[i] - theirs[i]) / abs(theirs[i]) for i in set(ours) & set(theirs))
@@ -542,6 +590,14 @@ def one_gpu_tables(one_gpu: dict[str, Any]) -> list[str]:
         lines.append(f"| {pair} | | {ratios['optimizer_step_ms']['median']:.3f} ({ratios['optimizer_step_ms']['min']:.3f}-"
                      f"{ratios['optimizer_step_ms']['max']:.3f}) | {ratios['iteration_ms']['median']:.3f} "
                      f"({ratios['iteration_ms']['min']:.3f}-{ratios['iteration_ms']['max']:.3f}) |")
+    if any(row.get("forward_backward_ms_rounds") for row in variants.values()):
+        lines += ["", "| variant | Megatron's forward-backward, ms (rounds) | early compute committed/recomputed/skipped/"
+                  "not speculated (rounds) |", "|---|---|---|"]
+        for name, row in variants.items():
+            fb = ", ".join("–" if x is None else f"{x:.1f}" for x in row.get("forward_backward_ms_rounds", []))
+            early = ", ".join("–" if e is None else "/".join(str(e[k]) for k in EARLY_OUTCOMES)
+                              for e in row.get("early_compute_rounds", []))
+            lines.append(f"| {name} | {fb} | {early} |")
     profiled = {name: row["profile"] for name, row in variants.items() if row.get("profile")}
     if profiled:
         owners = list(next(iter(profiled.values()))["owners"])
@@ -581,8 +637,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", nargs="+", choices=[s.name for s in STEPS], default=[s.name for s in STEPS])
     p.add_argument("--out", type=Path, default=ROOT / "build" / "gpu-check", help="logs, gpu_check.json and gpu_check.md")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each command may take")
-    p.add_argument("--variants", nargs="+", choices=ONE_GPU_VARIANTS, default=list(ONE_GPU_VARIANTS),
-                   help="the one_gpu step's recipe variants, run in this order")
+    p.add_argument("--variants", nargs="+", choices=ALL_VARIANTS, default=list(ONE_GPU_VARIANTS),
+                   help="the one_gpu step's recipe variants, run in this order in every round")
+    p.add_argument("--once", nargs="*", choices=ALL_VARIANTS, default=list(ONCE_VARIANTS),
+                   help="one_gpu: variants run once, after the rounds (default: the clip-idle pair, early compute "
+                   "forced on and off, and early compute forced with the recipe's clip)")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="one_gpu: profile no iteration (by default each variant's first run profiles its iteration "
+                   f"{PROFILED_ITERATION})")
     p.add_argument("--rounds", type=int, default=ONE_GPU_ROUNDS, help="one_gpu: paired rounds of the variants")
     p.add_argument("--timed", type=int, default=ONE_GPU_TIMED, help="one_gpu: timed iterations per run, after the warm-up")
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
@@ -606,10 +668,10 @@ def merge_rounds(dirs: list[Path]) -> dict[str, Any]:
     code that several short device calls ran one after another, reported as one paired set."""
     reports = [json.loads((d / "gpu_check.json").read_text()) for d in dirs]
     report = reports[0]
-    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in ONE_GPU_VARIANTS}
+    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in ALL_VARIANTS}
     profiles: dict[str, Any] = {}
     for folder in dirs:
-        for variant in ONE_GPU_VARIANTS:
+        for variant in ALL_VARIANTS:
             for metrics in sorted(folder.glob(f"one_gpu_{variant}_r*/metrics.jsonl"),
                                   key=lambda p: int(p.parent.name.rsplit("_r", 1)[1])):
                 runs[variant].append(read_run(metrics.parent))
@@ -638,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Context(out=args.out, python=args.python, cuda=cuda, timeout_s=args.timeout, publish=cuda,
-                  variants=tuple(args.variants), rounds=args.rounds, timed=args.timed,
+                  variants=tuple(args.variants), once=tuple(v for v in args.once if v not in args.variants),
+                  rounds=args.rounds, timed=args.timed, profile=args.profile,
                   deadline=time.monotonic() + (args.budget if args.budget is not None else float("inf")))
     report: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                               "command": shlex.join(["tools/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),

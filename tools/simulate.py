@@ -54,11 +54,11 @@ from megatron.canzona.planning.sim import (  # noqa: E402
 )
 from megatron.canzona.planning.sim.cluster import presets  # noqa: E402
 from megatron.canzona.planning.sim.simulate import (  # noqa: E402
-    EARLY_COMPUTE_EFFICIENCY,
     NEEDS_LAYERWISE_PLAN,
     seconds_per_update,
     strategy_ns_method,
 )
+from megatron.canzona.planning.speculation import expected_rates  # noqa: E402
 from megatron.canzona.planning.sim.step import ADAMW_BYTES_PER_ELEMENT, APPLY_BYTES_PER_ELEMENT  # noqa: E402
 from megatron.canzona.planning.specs import elementwise_specs, matrix_specs  # noqa: E402
 
@@ -133,14 +133,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="Canzona's micro-groups without pipelining (gather, compute, scatter in turn)")
     p.add_argument("--early-compute", action="store_true",
-                   help="Canzona computes each micro-group before the step once gathered (speculating that the "
-                        "clip does not bind): beside backward at --early-efficiency, at full rate in the "
-                        "reduce-scatter's exposed tail")
-    p.add_argument("--early-efficiency", type=float, default=EARLY_COMPUTE_EFFICIENCY,
-                   help=f"side-stream compute beside backward against alone (default {EARLY_COMPUTE_EFFICIENCY}: "
-                        "measured on an H100, tools/bench_overlap.py)")
+                   help="Canzona computes each micro-group before the step once gathered and backward is over, "
+                        "in the reduce-scatters' exposed tail (never beside backward's GEMMs), speculating that "
+                        "the clip does not act")
     p.add_argument("--clip-rate", type=float, default=0.0,
-                   help="with --early-compute: the fraction of steps whose clip binds and recomputes in the step")
+                   help="with --early-compute: the chance that the clip acts in an iteration; the step is priced "
+                        "as the runtime's speculation policy decides (committed early, or recomputed / not "
+                        "speculated: the step without early compute), its shares printed")
     p.add_argument("--early-compute-budget", type=float, default=EARLY_COMPUTE_BYTES / 2**30, metavar="GIB",
                    help="with --early-compute: the most GiB each rank keeps for it (--canzona-early-compute-budget; "
                         "the groups that fit go early, the others in the step; 'inf': every group)")
@@ -154,9 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="FILE.png", help="Gantt of one iteration, two strategies side by side")
     p.add_argument("--plot-strategies", nargs=2, default=("canzona", "megatron_layerwise"), choices=STRATEGIES)
     args = p.parse_args(argv)
-    if not 0.0 <= args.clip_rate <= 1.0 or not 0.0 <= args.early_efficiency <= 1.0:
-        p.error(f"--clip-rate {args.clip_rate} and --early-efficiency {args.early_efficiency} are fractions: "
-                "pick values in [0, 1]")
+    if not 0.0 <= args.clip_rate <= 1.0:
+        p.error(f"--clip-rate {args.clip_rate} is a probability: pick a value in [0, 1]")
     if args.clip_rate and not args.early_compute:
         p.error("--clip-rate prices the recomputes of --early-compute: add --early-compute")
     if args.matrices_reduce_first == "on" and not args.early_compute:
@@ -205,7 +203,6 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             "grad_reduce_in_fp32": not args.grad_reduce_in_bf16, "overlap": args.overlap,
             "bucket_size": args.bucket_size or default_bucket_size(dp * sizes["cp"]),
             "early_compute": getattr(args, "early_compute", False), "clip_rate": getattr(args, "clip_rate", 0.0),
-            "early_efficiency": getattr(args, "early_efficiency", EARLY_COMPUTE_EFFICIENCY),
             "early_compute_bytes": early_compute_bytes(getattr(args, "early_compute_budget", EARLY_COMPUTE_BYTES / 2**30)),
             "matrices_first": getattr(args, "matrices_reduce_first", "auto")}
 
@@ -260,7 +257,6 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
             workload=workload, plan=plan, expert_plan=expert_plan, wire=wire, overlap=run["overlap"],
             alpha=run["alpha"], bucket_size=run["bucket_size"], ns_method=run["ns_method"],
             early_compute=run.get("early_compute", False), clip_rate=run.get("clip_rate", 0.0),
-            early_efficiency=run.get("early_efficiency", EARLY_COMPUTE_EFFICIENCY),
             early_compute_bytes=run.get("early_compute_bytes", EARLY_COMPUTE_BYTES), matrices_first=matrices_first,
         ) for matrices_first in ((False, True) if first == "auto" and run.get("early_compute") and
                                  name.startswith("canzona") else (first == "on",))]
@@ -316,6 +312,8 @@ def project(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Strateg
                          f"FLOP formula at {cluster.gpu.matmul_efficiency:.0%} of the {cluster.gpu.optimizer_dtype} peak",
                          "machine": f"{platform.node()} python {platform.python_version()}"},
               "cluster": cluster.to_dict(), "strategies": {}, "physical_limit_seconds": limit}
+    if "speculation" in results["canzona"].details:  # the policy's shares the early compute step is priced with
+        report["config"]["speculation"] = results["canzona"].details["speculation"]
     canzona = results["canzona"]
     for name, r in results.items():
         report["strategies"][name] = {
@@ -336,6 +334,8 @@ def print_report(report: dict[str, Any]) -> None:
           f"seq {c['seq_length']} | {c['optimizer']}: {c['cost']} | MFU {report['cluster']['training']['mfu']:.2f}")
     if c["note"]:
         print(f" [simulate] note: {c['note']}")
+    if c.get("early_compute"):
+        print(f" [simulate] {speculation_line(c['clip_rate'])}")
     print(f" [simulate] physical limit of the step (work spread perfectly, no communication): "
           f"{ms(report['physical_limit_seconds']).strip()} ms")
     for name, s in report["strategies"].items():
@@ -343,6 +343,15 @@ def print_report(report: dict[str, Any]) -> None:
               f"{ms(s['optimizer_step_seconds'])} | exposed comm (ms): {ms(s['exposed_comm_seconds'])} | "
               f"step / canzona: {s['step_ratio_to_canzona']:6.2f} | iteration / canzona: "
               f"{s['iteration_ratio_to_canzona']:5.2f} | step / limit: {s['step_over_limit']:5.2f} |")
+
+
+def speculation_line(clip_rate: float) -> str:
+    """How the runtime's speculation policy splits iterations at ``clip_rate`` (what the early
+    compute step is priced with)."""
+    r = expected_rates(clip_rate)
+    return (f"early compute at clip rate {clip_rate:g} (the clip acts in that share of iterations): the "
+            f"policy commits {r.committed:.1%}, recomputes {r.recomputed:.1%} (the clip acted), does not "
+            f"speculate in {r.not_speculated:.1%}; the step is priced committed x early + the rest x without")
 
 
 def ms(seconds: float) -> str:
@@ -422,6 +431,8 @@ def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
               + " | iteration (ms): " + " / ".join(CASE_STRATEGIES) + " | layout auto | limit L (ms) | step / L "
               "| step / best peer | iteration / best peer | iteration / AdamW | step speed-up | iteration speed-up "
               "| canzona step, `--muon-ns-method auto` (ms) | its step speed-up |")
+    if args.early_compute:
+        print(speculation_line(args.clip_rate) + "\n")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     rows = []

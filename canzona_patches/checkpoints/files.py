@@ -53,7 +53,7 @@ import torch
 
 from canzona_patches import registry
 from canzona_patches.checkpoints.checksums import record_small_files, take_write_failure
-from canzona_patches.integration.arguments import CanzonaArgumentError
+from canzona_patches.errors import CanzonaArgumentError, CanzonaCheckpointError
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
@@ -71,10 +71,6 @@ NEARLY_FULL_BYTES = 64 << 20
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class CanzonaCheckpointError(CanzonaArgumentError):
-    """A checkpoint that cannot be loaded; the message is one line naming the file and why."""
 
 
 # --------------------------------------------------------------------------- CPU and writer

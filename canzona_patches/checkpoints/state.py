@@ -34,9 +34,7 @@ from typing import Any
 
 import torch
 
-from canzona_patches.integration.binding import shard_entries
-from canzona_patches.integration.layout import tp_stride
-from canzona_patches.integration.names import global_param_names
+from canzona_patches.params import global_param_names, shard_entries, tp_stride
 from canzona_patches.checkpoints.checksums import agreed_mismatch, record_checksums
 from canzona_patches.checkpoints.files import (
     TRACKER,
@@ -133,6 +131,7 @@ def load_optimizer_state_dict(optimizer: Any, state_dict: dict) -> None:
             group.update(common["param_groups"][group_signature(group)])
         if part.grad_scaler is not None and common.get("grad_scaler") is not None:
             part.grad_scaler.load_state_dict(common["grad_scaler"])
+        part.resume_speculation(common.get("speculation", {}))
 
 
 def canzona_parts(optimizer: Any) -> list[Any]:
@@ -166,6 +165,7 @@ def common_state(optimizer: Any) -> dict:
         "pieces": sorted({piece for part in parts for piece in pieces_signature(part.optimizer)}),
         "param_groups": groups,
         "grad_scaler": scaler.state_dict() if scaler is not None else None,
+        "speculation": parts[0].speculation.state(),
     }
 
 
@@ -179,9 +179,7 @@ def optimizer_name(inner: Any) -> str:
 
 def pieces_signature(inner: Any) -> list[str]:
     """Which fused matrices are optimized as separate pieces (the matrix state's structure)."""
-    kinds = {type(layout) for layout in inner._layouts.values() if layout is not None}
-    if getattr(inner, "_parts", None):  # gate and up hosted apart: the same pieces as one host splitting fc1
-        kinds.add(GateUpLayout)
+    kinds = inner.split_kinds()
     return sorted(name for name, cls in (("qkv", QKVLayout), ("gate_up", GateUpLayout)) if cls in kinds)
 
 

@@ -52,7 +52,7 @@ def run_resume_jobs(jobs: list[ResumeJob]) -> list[dict[str, Any]]:
 
 def run_resume_job(job: ResumeJob) -> dict[str, Any]:
     """Rank body for one job; see the module docstring."""
-    from canzona_patches.checkpoints.files import CanzonaCheckpointError
+    from canzona_patches.errors import CanzonaCheckpointError
     from canzona_patches.emulation.cpu import enable_cpu_mode
     from megatron.core import parallel_state
 

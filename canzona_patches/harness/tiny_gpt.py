@@ -121,6 +121,8 @@ class TinyRun:
     """Experts per token."""
     clip_grad: float = 0.0
     """Megatron's global-norm gradient clipping (0: none; the norm is then not computed)."""
+    grad_norm_skip_threshold: float = float("inf")
+    """Skip the step of an iteration whose global norm is above this (``--grad-norm-skip-threshold``)."""
     early_gather: bool = True
     """Canzona (async): issue host-group gathers as buckets reduce (``--canzona-no-early-gather``: False)."""
     muon_ns_dtype: str = "float32"
@@ -130,11 +132,14 @@ class TinyRun:
     early_gather_at_dispatch: bool = False
     """Issue them from the reduce-scatters' dispatch, in backward, as on CUDA (on gloo each
     waits for its reduce-scatter there: exact, slower)."""
-    early_compute: bool = False
-    """Compute each micro-group's updates where its early gather lands, staged, as on CUDA
-    (``--canzona-early-compute``: on gloo the host runs them there, inside backward with
-    :attr:`early_gather_at_dispatch`); the step commits them or, the clip acting, computes them
-    again. Off: in the step."""
+    early_compute: bool | str = False
+    """Compute each micro-group's updates before the step, staged (``True``: ``--canzona-early-compute
+    on``; or the setting by name, ``auto`` too). With :attr:`early_gather_at_dispatch` the gathers
+    go in backward and the compute once Megatron's loop that ends it starts, as on CUDA; the step
+    commits them or, the clip acting, computes them again. Off: in the step."""
+    speculation: str = "always"
+    """In which iterations early compute speculates (``always``, so a few steps reach every
+    outcome; ``backoff``: the run's default policy)."""
     matrices_first: bool | None = None
     """With early compute: the dense buckets without a matrix reduce after the last one with a
     matrix (``--canzona-matrices-reduce-first``); ``None``: the default (off without a batch
@@ -300,6 +305,7 @@ def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer,
         lr=run.lr,
         weight_decay=run.weight_decay,
         clip_grad=run.clip_grad,
+        grad_norm_skip_threshold=run.grad_norm_skip_threshold,
         bf16=False,
         params_dtype=torch.float32,
         # Megatron's own switch for Muon: the layer-wise optimizer replaces the distributed one.
@@ -390,7 +396,8 @@ def canzona_config(run: TinyRun):
     return CanzonaConfig(
         optimizer=name, matrix=matrix[name], alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
         tp_mode=run.tp_mode, layout=run.canzona_layout, early_gather=run.early_gather,
-        early_compute=run.early_gather and run.early_compute,  # forced (gloo); off otherwise
+        early_compute=(run.early_compute if isinstance(run.early_compute, str) else "on" if run.early_compute else "off")
+        if run.early_gather else "off", speculation=run.speculation,
         matrices_first=run.matrices_first,
         **({} if run.early_compute_bytes is None else {"early_compute_bytes": run.early_compute_bytes}),
     )
@@ -690,7 +697,7 @@ def _init_by_global_name(model: torch.nn.Module, seed: int) -> None:
 
     from megatron.core import parallel_state
 
-    from canzona_patches.integration.names import global_param_names
+    from canzona_patches.params import global_param_names
     from canzona_patches.integration.layout import is_expert_param
 
     names = global_param_names([model])
@@ -720,7 +727,7 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     union over EP ranks is the whole model)."""
     from megatron.core import parallel_state
 
-    from canzona_patches.integration.names import global_param_names
+    from canzona_patches.params import global_param_names
     from canzona_patches.integration.layout import is_expert_param
 
     names = global_param_names([model])

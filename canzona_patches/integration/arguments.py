@@ -32,6 +32,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+from canzona_patches.errors import CanzonaArgumentError
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
@@ -39,6 +40,7 @@ require_pinned_megatron()
 from megatron.canzona.data import check_blend_words  # noqa: E402
 from megatron.canzona.optim import MuonConfig, ShampooConfig, SOAPConfig  # noqa: E402
 from megatron.canzona.planning import OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
+from megatron.canzona.planning.speculation import EARLY_COMPUTE_SETTINGS  # noqa: E402
 from megatron.canzona.runtime.config import COSTS, LAYOUT_CHOICES, TP_MODES, CanzonaConfig  # noqa: E402
 from megatron.training.argument_utils import ArgumentGroupFactory  # noqa: E402
 
@@ -50,10 +52,6 @@ CANZONA_FLAG_FIELDS = ("alpha", "cost", "split_qkv", "split_gate_up", "tp_mode",
 """The fields of ``CanzonaConfig`` that a ``--canzona-<field>`` flag sets (``dest`` ``canzona_<field>``)."""
 
 
-class CanzonaArgumentError(ValueError):
-    """A bad combination of flags; the message is one line and names the fix."""
-
-
 def add_canzona_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``extra_args_provider``: add the ``canzona`` group and ``--optimizer shampoo``."""
     _extend_optimizer_choices(parser, CANZONA_ONLY_OPTIMIZERS)
@@ -62,6 +60,13 @@ def add_canzona_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.usage = "%(prog)s [Megatron-LM flags] [Canzona flags]"
     parser.error = functools.partial(_one_line_error, parser)
     _add_canzona_core_args(parser.add_argument_group(title="canzona"))
+    # A field of Megatron-Core's OptimizerConfig without a flag of its own in 0.19.2 (training
+    # copies every parsed flag named after a field into the config).
+    parser.add_argument("--grad-norm-skip-threshold", type=float, default=float("inf"), metavar="NORM",
+                        help="Skip the optimizer step of an iteration whose global gradient norm is above NORM "
+                        "(Megatron-Core's OptimizerConfig.grad_norm_skip_threshold; its chained optimizers honour "
+                        "it, and so does every Canzona optimizer, which then drops what it computed early). "
+                        "Default: never.")
     for flags in MATRIX_FLAGS.values():
         flags.build_group(parser, title=f"canzona {flags.prefix}")
     return parser
@@ -127,12 +132,18 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
            on="Issue the host-group gathers as each bucket's gradients finish reducing, so they overlap "
            "the rest of backward (default).",
            off="Issue the host-group gathers in the optimizer step.")
-    switch("early-compute", None,
-           on="Compute each micro-group's matrix updates as soon as its gather has landed, during backward and "
-           "the reduce-scatters, on a side stream; the step uses them unless the clip acts (then it computes "
-           "them again) or a gradient is inf/NaN (skipped): bitwise the same. Default: on CUDA with the early "
-           "gathers; given, also on gloo (the host then computes them in backward).",
-           off="Compute every matrix update in the optimizer step.")
+    group.add_argument("--canzona-early-compute", nargs="?", choices=EARLY_COMPUTE_SETTINGS, const="on",
+                       default=defaults.early_compute, metavar="{auto,on,off}",
+                       help="Compute each micro-group's matrix updates before the step, once its early gather has "
+                       "landed and backward is over (on CUDA on a side stream, in the reduce-scatters' tail), "
+                       "speculating that the clip does not act; the step uses them unless the clip acts (then it "
+                       "computes them again) or the step is skipped: bitwise the same. auto (default): where the "
+                       "run has a reduce-scatter tail to hide it in (CUDA, data-parallel size above 1, "
+                       "--overlap-grad-reduce), and only in iterations where the clip is likely idle (not after it "
+                       "acted; backing off after repeated misses). on (the flag alone): wherever the early gathers "
+                       "run, gloo and DP 1 included. off: never.")
+    group.add_argument("--canzona-no-early-compute", action="store_const", const="off", dest="canzona_early_compute",
+                       help="Compute every matrix update in the optimizer step (--canzona-early-compute off).")
     switch("matrices-reduce-first", None,
            on="With early compute: reduce the gradients of the output layer and the norms after the last bucket "
            "holding a matrix, so the matrices reach their hosts earlier in the reduce-scatters' tail and their "
@@ -390,11 +401,11 @@ def _check_parallelism(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(
             "--canzona shards one optimizer instance over the whole data-parallel group: drop "
             f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances}")
-    if args.canzona_early_compute and not args.canzona_early_gather:
+    if args.canzona_early_compute == "on" and not args.canzona_early_gather:
         raise CanzonaArgumentError(
             "--canzona-early-compute computes each micro-group where its early gather lands: drop "
             "--canzona-no-early-gather, or --canzona-early-compute")
-    if args.canzona_matrices_reduce_first and (args.canzona_early_compute is False or not args.canzona_early_gather):
+    if args.canzona_matrices_reduce_first and (args.canzona_early_compute == "off" or not args.canzona_early_gather):
         raise CanzonaArgumentError(
             "--canzona-matrices-reduce-first reorders the reduce-scatters for early compute: drop "
             f"--canzona-no-{'early-compute' if args.canzona_early_gather else 'early-gather'}, "
@@ -440,6 +451,14 @@ def _check_ranges(args: argparse.Namespace) -> None:
     if not 0.0 <= args.canzona_alpha <= 1.0:
         raise CanzonaArgumentError(
             f"--canzona-alpha {args.canzona_alpha} is outside [0, 1]: pass e.g. --canzona-alpha 0.5")
+    if not args.grad_norm_skip_threshold > 0.0:  # NaN too
+        raise CanzonaArgumentError(
+            f"--grad-norm-skip-threshold {args.grad_norm_skip_threshold} must be a positive norm: pass e.g. 100, "
+            "or drop it")
+    if args.grad_norm_skip_threshold != float("inf") and args.clip_grad <= 0.0:
+        raise CanzonaArgumentError(
+            f"--grad-norm-skip-threshold {args.grad_norm_skip_threshold} reads the norm the clip computes: pass "
+            "--clip-grad (e.g. 1.0), or drop --grad-norm-skip-threshold")
     if not args.canzona_early_compute_budget >= 0.0:  # NaN too
         raise CanzonaArgumentError(
             f"--canzona-early-compute-budget {args.canzona_early_compute_budget} must be 0 or more GiB: pass e.g. 1, "

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR
-from canzona_patches.integration.names import global_param_names
+from canzona_patches.params import global_param_names, shard_entries
 from megatron.canzona.optim.split import FusedLayout
 from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.planning.schedule import Coord, plan_schedule
@@ -47,7 +47,7 @@ class Binding:
     layouts: dict[str, FusedLayout | None]
     """Per task: how its host splits the full matrix into separately optimized pieces."""
     names: dict[str, str]
-    """Per task: the parameter's global name (:func:`canzona_patches.integration.names.global_param_names`:
+    """Per task: the parameter's global name (:func:`canzona_patches.params.global_param_names`:
     what tests and logs count, and what per-matrix schedules such as refresh offsets derive
     from, so they do not change with the PP or EP layout)."""
     params: dict[str, torch.nn.Parameter]
@@ -132,18 +132,6 @@ def _refs(keys: list[tuple[int | None, tuple[int, int] | None, str]], tp_rank: i
         if a < b:
             out.append(PieceRef(key=key, lo=a - lo, hi=b - lo, offset=a - start))
     return tuple(out)
-
-
-def shard_entries(optimizer: Any) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, dict, Any]]:
-    """``(model param, flat main param, inner group, range in the param)`` for this rank's shard."""
-    inner = optimizer.optimizer
-    for gbuf_range_maps in optimizer.gbuf_ranges:
-        for per_bucket in gbuf_range_maps.values():
-            for bucket in per_bucket:
-                for model_param, ranges in bucket["param_map"].items():
-                    group_index, order = optimizer.model_param_group_index_map[model_param]
-                    group = inner.param_groups[group_index]
-                    yield model_param, group["params"][order], group, ranges["param"]
 
 
 def group_coordinates(group: Any, coord: Coord) -> dict[Coord, int]:

@@ -72,6 +72,10 @@ _LISTENERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 dispatched asynchronously and ``on_reduced(bucket_group)`` once it has completed. A table of
 Canzona's own, by identity (nothing is set on Megatron's bucket groups); an entry goes with
 its bucket group."""
+_FINISHING: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Bucket group -> the objects told ``on_finishing()`` before Megatron's loop that ends backward
+first waits for it: every bucket group of the model chunks, so that the first call of an
+iteration, whichever group it is for, marks the end of backward's work on the host."""
 
 
 def announcing_dispatched_grads(original: Callable, run: Any) -> Callable:
@@ -101,6 +105,9 @@ def announcing_reduced_grads(original: Callable, run: Any) -> Callable:
     @functools.wraps(original)
     def finish_grad_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
         already = bool(self.ddp_config.overlap_grad_reduce and getattr(self, "grad_reduce_finished", False))
+        if not already:
+            for listener in _FINISHING.get(self, ()):
+                listener.on_finishing()
         order = _ORDER.get(self)
         with order.finishing() if order is not None else contextlib.nullcontext():
             result = original(self, *args, **kwargs)
@@ -199,9 +206,17 @@ class EarlyGathers:
         self.at_dispatch = stream is not None
         """Issue at the reduce-scatter's dispatch (CUDA), else when it finishes."""
         self.early = early
-        self.compute_early = early is not None and (stream is not None or early.forced)
-        """Compute each gathered group's directions at once, staged (CUDA, on a second side
-        stream; on gloo the host runs them there, inside backward, only when forced)."""
+        self.compute_early = early is not None
+        """Compute each gathered group's directions before the step, staged (CUDA: on a second
+        side stream, once backward's work is queued)."""
+        self.speculating = True
+        """Whether this iteration computes early (the optimizer's speculation policy decides it
+        after each step, for the next iteration)."""
+        self.backward_done = False
+        """Megatron's loop that ends backward has started this iteration (:meth:`on_finishing`)."""
+        self.deferred: list[tuple[int, Any]] = []
+        """Micro-groups gathered during backward, to be computed once it is over, each with the
+        event that marks its packing on the gather stream (CUDA) or ``None``."""
         self.compute_stream = torch.cuda.Stream(device=stream.device) if self.compute_early and stream else None
         self.seen: dict[int, bool] = {}
         """Bucket groups reduced (or dispatched) this iteration -> whether their finish was told."""
@@ -240,6 +255,19 @@ class EarlyGathers:
         self.seen[id(bucket_group)] = True
         self._issue_complete()
 
+    def on_finishing(self) -> None:
+        """Megatron's loop that ends backward is about to wait for the first bucket group of the
+        iteration: backward's kernels are all queued. The groups gathered during backward are
+        computed now, in the reduce-scatters' tail, not beside backward's GEMMs (on CUDA the
+        compute stream waits for the main stream here, so they also run after backward on the
+        device)."""
+        if self.backward_done:
+            return
+        self.backward_done = True
+        deferred, self.deferred = self.deferred, []
+        for k, packed in deferred:
+            self._precompute(k, packed)
+
     def _issue_complete(self) -> int:
         reduced = frozenset(self.seen)
         count = 0
@@ -247,20 +275,34 @@ class EarlyGathers:
             if k not in self.engine.staged and needs <= reduced:
                 self.engine.prestart(k, self.raw)
                 count += 1
-                if self.compute_early and self.engine.exchanges[k].index in self.early.groups:
-                    self._precompute(k)
+                if self.compute_early and self.speculating and self.engine.exchanges[k].index in self.early.groups:
+                    if self.at_dispatch and not self.backward_done:
+                        self.deferred.append((k, self._packed()))
+                    else:
+                        self._precompute(k)
         self.issued += count
         return count
 
-    def _precompute(self, k: int) -> None:
-        """Micro-group ``k``'s directions, staged; on CUDA on the compute stream, after the
-        packing on the gather stream (the gather's own wait is a stream wait there too)."""
+    def _packed(self) -> Any:
+        """An event after the packing just queued on the gather stream (CUDA), else ``None``."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def _precompute(self, k: int, packed: Any = None) -> None:
+        """Micro-group ``k``'s directions, staged; on CUDA on the compute stream, after what the
+        current stream has queued (the gather stream's packing, or at the end of backward the
+        main stream's work) and ``packed`` (the gather's own wait is a stream wait there too)."""
         assert self.early is not None
         scale = self.early.scale()
         if self.compute_stream is None:
             self.engine.precompute(k, self.raw, self.early.compute, scale)
         else:
             self.compute_stream.wait_stream(torch.cuda.current_stream(self.compute_stream.device))
+            if packed is not None:
+                self.compute_stream.wait_event(packed)
             with torch.cuda.stream(self.compute_stream):
                 self.engine.precompute(k, self.raw, self.early.compute, scale)
         self.computed += 1
@@ -280,11 +322,16 @@ class EarlyGathers:
         self.engine.drop_staged()
         if self.early is not None:
             self.early.discard()
-        self.seen.clear()
+        self._new_iteration()
 
     def stepped(self) -> None:
         """The step consumed the gathers; the next iteration starts afresh."""
+        self._new_iteration()
+
+    def _new_iteration(self) -> None:
         self.seen.clear()
+        self.deferred.clear()
+        self.backward_done = False
 
 
 @dataclass(frozen=True)
@@ -297,8 +344,6 @@ class EarlyCompute:
     """Drops the staged updates (a skipped step)."""
     scale: Callable[[], tuple[Any, ...]]
     """The factors known before the step (the loss scale's inverse, or none)."""
-    forced: bool = False
-    """Compute early on gloo too (``--canzona-early-compute``), where the host runs it."""
     groups: frozenset[int] = frozenset()
     """The micro-groups (by index) this rank computes early, within the memory budget
     (:func:`~megatron.canzona.planning.memory.early_compute_groups`); the others in the step."""
@@ -313,8 +358,6 @@ def attach(engine: Any, binding: Any, model_chunks: Sequence[Any], compute: Earl
     after the last one with a matrix (:class:`MatricesFirst`; the dense optimizer's only)."""
     if engine.mode != "async" or not engine.exchanges:
         return None
-    if compute is not None and not compute.forced and not any(p.is_cuda for p in binding.params.values()):
-        compute = None  # gloo: the host would compute inside backward, unless asked to
     if compute is None and not any(exchange.moves for exchange in engine.exchanges):
         return None
     from megatron.core.optimizer.optimizer import GRAD_NORM_GROUP_ATTR
@@ -345,6 +388,12 @@ def attach(engine: Any, binding: Any, model_chunks: Sequence[Any], compute: Earl
             listeners = _LISTENERS.setdefault(group, [])
             if early not in listeners:
                 listeners.append(early)
+    if early.compute_early:
+        for chunk in model_chunks:
+            for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+                listeners = _FINISHING.setdefault(group, [])
+                if early not in listeners:
+                    listeners.append(early)
     if matrices_first and early.compute_early:
         early.order = order_matrices_first(model_chunks, set().union(*needs))
     return early

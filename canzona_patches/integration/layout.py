@@ -26,6 +26,7 @@ from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.planning import LAYOUTS, CanzonaPlan, DPPlan, ParamSpec, WireConfig, make_plan
 from megatron.canzona.planning.geometry import default_bucket_size
 from megatron.canzona.planning.plan import BufferPlan
+from megatron.canzona.planning.speculation import EarlyComputeDecision, early_compute_decision
 from megatron.canzona.planning.sim import Workload, load_cluster
 from megatron.canzona.planning.sim.choose import (
     faster_layout,
@@ -79,14 +80,6 @@ def _fused_kind(name: str, gated_linear_unit: bool) -> str | None:
     if name.endswith(("experts.weight1", "experts.weight2")):
         return "experts"
     return None
-
-
-def tp_stride(name: str, gated_linear_unit: bool) -> int:
-    """Blocks per TP shard along its TP dim: 2 for a gated fc1 (weight or bias), whose shard
-    is ``[gate_r; up_r]`` of the global ``[gate; up]``; 1 for every other parameter. The one
-    source of it (binding and checkpoints): derived from the model, not read from Megatron's
-    ``partition_stride``, which the kitchen option sets to 1 for the same shard layout."""
-    return 2 if gated_linear_unit and name.endswith(("linear_fc1.weight", "linear_fc1.bias")) else 1
 
 
 def specs_from_model(
@@ -236,9 +229,10 @@ def build_canzona_plan(
         return next(iter(plans.values())), specs, None
     cluster = projection_cluster(cfg, dp_size * tp_size)
     results = project_layouts(specs, plans, cluster=cluster, optimizer=cfg.optimizer, wire=wire, workload=workload,
-                              ns_method=cost_model.ns_method, early_compute=early_compute_on(cfg),
+                              ns_method=cost_model.ns_method,
+                              early_compute=early_compute_on(cfg, dp_size, ddp_config.overlap_grad_reduce),
                               early_compute_bytes=cfg.early_compute_bytes,
-                              matrices_first=matrices_first_setting(cfg, workload, ddp_config.overlap_grad_reduce))
+                              matrices_first=matrices_first_setting(cfg, workload, ddp_config.overlap_grad_reduce, dp_size))
     choice = faster_layout(results)
     return plans[choice], specs, layout_line(choice, results, cluster, iteration=workload is not None)
 
@@ -255,19 +249,37 @@ def projection_cluster(cfg: Any, world: int) -> Any:
     return cluster
 
 
-def early_compute_on(cfg: Any) -> bool:
-    """Whether the run computes micro-groups early: with the early gathers (async), when asked
-    or, by default, on CUDA."""
-    return bool(cfg.early_gather and cfg.tp_mode == "async"
-                and (cfg.early_compute or (cfg.early_compute is None and torch.cuda.is_available())))
+def early_compute_choice(cfg: Any, dp_size: int, overlap: bool) -> EarlyComputeDecision:
+    """Whether an optimizer reduced over ``dp_size`` ranks (data parallel times context parallel,
+    or the expert-data-parallel group) computes micro-groups early, and why
+    (:func:`~megatron.canzona.planning.speculation.early_compute_decision`; ``overlap``:
+    ``--overlap-grad-reduce``)."""
+    return early_compute_decision(cfg.early_compute, dp_size=dp_size, overlap=overlap, early_gather=cfg.early_gather,
+                                  cuda=torch.cuda.is_available(), async_mode=cfg.tp_mode == "async")
 
 
-def matrices_first_setting(cfg: Any, workload: Workload | None, overlap: bool) -> bool | None:
+def early_compute_on(cfg: Any, dp_size: int, overlap: bool) -> bool:
+    """Whether the dense optimizer computes micro-groups early (:func:`early_compute_choice`)."""
+    return early_compute_choice(cfg, dp_size, overlap).on
+
+
+def early_compute_line(cfg: Any, dp_size: int, overlap: bool, expert_dp_size: int | None = None) -> str:
+    """The start-up line of the early-compute choice (the experts' too, where they differ)."""
+    dense = early_compute_choice(cfg, dp_size, overlap)
+    line = f"[canzona] early compute ({cfg.early_compute}): {dense.reason}"
+    if expert_dp_size is not None:
+        experts = early_compute_choice(cfg, expert_dp_size, overlap)
+        if experts.on != dense.on:
+            line += f"; experts (expert-data-parallel size {expert_dp_size}): {experts.reason}"
+    return line
+
+
+def matrices_first_setting(cfg: Any, workload: Workload | None, overlap: bool, dp_size: int) -> bool | None:
     """``--canzona-matrices-reduce-first`` as the run takes it, ``None`` where it is projected:
     off without early compute or without reduce-scatters overlapping backward (``overlap``:
     ``--overlap-grad-reduce``; nothing to reorder), as given, and by default off without the
     run's batch (nothing to project the tail of)."""
-    if not (early_compute_on(cfg) and overlap):
+    if not (early_compute_on(cfg, dp_size, overlap) and overlap):
         return False
     if cfg.matrices_first is not None:
         return cfg.matrices_first
@@ -278,7 +290,7 @@ def choose_matrices_first(plan: CanzonaPlan, specs: Sequence[ParamSpec], cfg: An
                           workload: Workload | None, overlap: bool = True) -> tuple[bool, str | None]:
     """``--canzona-matrices-reduce-first`` as the run takes it (:func:`matrices_first_setting`),
     and, where its default was projected, the log line of the choice."""
-    setting = matrices_first_setting(cfg, workload, overlap)
+    setting = matrices_first_setting(cfg, workload, overlap, plan.dp_size)
     if setting is not None:
         return setting, None
     cluster = projection_cluster(cfg, plan.dp_size * plan.tp_size)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from canzona_patches.integration.arguments import CanzonaArgumentError
+from canzona_patches.errors import CanzonaArgumentError
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ Hooks (megatron-core 0.19.2):
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import math
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from canzona_patches.checkpoints.state import common_state, load_optimizer_state_dict, optimizer_sharded_state_dict
-from canzona_patches.integration.arguments import CanzonaArgumentError
+from canzona_patches.errors import CanzonaArgumentError
 from canzona_patches.integration.binding import bind_plan, group_coordinates
 from canzona_patches.integration.early_gather import EarlyCompute
 from canzona_patches.integration.early_gather import attach as attach_early_gathers
@@ -40,7 +41,8 @@ from canzona_patches.integration.uneven import shard_bounds
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.planning.memory import STATE_BYTES, early_compute_groups
 from megatron.canzona.planning.schedule import Coord
-from megatron.canzona.runtime.host_groups import HostGroupEngine
+from megatron.canzona.planning.speculation import SpeculationPolicy
+from megatron.canzona.runtime.host_groups import HostGroupEngine, StepFactors
 from megatron.canzona.runtime.optimizer import CanzonaOptimizer, narrow_updates
 
 require_pinned_megatron()
@@ -88,31 +90,63 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         engine = HostGroupEngine(binding.tasks, group=ranks.host, rank_of=ranks.rank_of, coord=ranks.coord,
                                  tp_size=plan.tp_size, mode=setup.config.tp_mode)
         inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts)
-        compute = None if setup.config.early_compute is False else EarlyCompute(
+        compute = EarlyCompute(
             compute=inner.stage_compute, discard=inner.discard_staged, scale=self._early_scale,
-            forced=bool(setup.config.early_compute), groups=early_groups(inner, setup.config.early_compute_bytes))
+            groups=early_groups(inner, setup.config.early_compute_bytes)) if setup.early_compute[ranks.expert] else None
         early = (attach_early_gathers(engine, binding, model_chunks, compute,
                                       matrices_first=setup.matrices_first and not ranks.expert)
                  if setup.config.early_gather else None)
         self.canzona = CanzonaPart(binding=binding, engine=engine, tp_group=ranks.tp, early_gathers=early)
+        self.speculation = SpeculationPolicy(setup.config.speculation)
+        """When early compute speculates that the clip stays idle (decided after each step)."""
         self.early_steps: collections.Counter[str] = collections.Counter()
-        """Steps whose matrices were computed before them, by outcome: ``committed`` (used),
-        ``recomputed`` (the clip acted) and ``skipped`` (inf or NaN)."""
+        """Steps of a run computing early, by outcome: ``committed`` (computed before the step and
+        used), ``recomputed`` (the clip acted), ``skipped`` (the step was), ``not speculated``
+        (the policy computed this one in the step)."""
+        self._outcome = NO_CLIP
+        """What this step's gradient norm decided (:func:`norm_outcome`), made by the norm phase
+        of each step and read by the step."""
+
+    canzona: CanzonaPart
+    """This optimizer's part of the run's :class:`~canzona_patches.integration.setup.CanzonaSetup`."""
 
     def _early_scale(self) -> tuple[Any, ...]:
         """The factors of the gradients known before the step: the loss scale's inverse."""
         return () if self.grad_scaler is None else (self.grad_scaler.inv_scale,)
 
-    def _drop_early(self) -> None:
-        """The step is skipped: the gathers and updates staged for it go, state untouched."""
+    @property
+    def computes_early(self) -> bool:
+        """Whether this optimizer computes micro-groups before its steps (``--canzona-early-compute``)."""
         early = self.canzona.early_gathers
-        if early is not None:
-            if self.canzona.engine.precomputed:
-                self.early_steps["skipped"] += 1
-            early.drop()
+        return early is not None and early.compute_early
 
-    canzona: CanzonaPart
-    """This optimizer's part of the run's :class:`~canzona_patches.integration.setup.CanzonaSetup`."""
+    def conclude(self, *, acted: bool, skipped: bool = False) -> None:
+        """The iteration's step is decided: ``acted`` when the clip scaled the gradients or the
+        step is ``skipped`` (its staged gathers and early results then go, state untouched). The
+        outcome is counted, and the speculation policy decides the next iteration."""
+        early = self.canzona.early_gathers
+        precomputed = bool(self.canzona.engine.precomputed)
+        if skipped and early is not None:
+            early.drop()
+        if not self.computes_early:
+            return
+        stats = self.optimizer.last_stats
+        speculated = early.speculating
+        outcome = self.speculation.record(speculated=speculated, acted=acted)
+        if speculated and skipped:
+            outcome = "skipped" if precomputed else ""
+        elif speculated:
+            outcome = outcome if stats.early or stats.recomputed else ""
+        if outcome:
+            self.early_steps[outcome] += 1
+        early.speculating = self.speculation.speculate
+
+    def resume_speculation(self, state: dict[str, int]) -> None:
+        """The speculation policy as a checkpoint saved it: a resumed run decides as the
+        uninterrupted one would have."""
+        self.speculation.load(state)
+        if self.computes_early:
+            self.canzona.early_gathers.speculating = self.speculation.speculate
 
     @classmethod
     def _build_model_gbuf_range(cls, param_and_grad_buffer: Any, bucket_index: int) -> dict:
@@ -134,10 +168,6 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
                 if bucket_group.buckets:
                     chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
 
-    _clip_factor: float | None = None
-    _nonfinite_norm = False
-    """This step's global norm came out inf or NaN: the step is skipped (no state or parameter moves)."""
-
     def reads_nonfinite_from_norm(self, *, clipping: bool | None = None) -> bool:
         """Whether the global gradient norm Megatron computes to clip also serves as the inf/NaN
         check, so that no second pass over the gradients is made: no loss scaler checks, the norm
@@ -158,58 +188,61 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
     def prepare_grads(self) -> bool:
         self._settle_early()
         found_inf = super().prepare_grads()
-        self._clip_factor, self._nonfinite_norm = None, False
+        self._outcome = NO_CLIP
         if self.grad_scaler is None and not self.reads_nonfinite_from_norm():
             found_inf = self._nonfinite_grads()
             if found_inf:
                 logger.warning(NONFINITE_SKIP)
         if found_inf:
-            self._drop_early()  # the staged gradients go before any state is touched
+            self.conclude(acted=True, skipped=True)  # the staged gradients go before any state is touched
         return found_inf
 
     def clip_grad_norm(self, clip_grad: float) -> float:
-        """Megatron's norm and clip; the factor it applied (its own expression on the same
-        floats) is kept for the hosts, which apply it to gradients gathered before the step. A
-        norm that is inf or NaN skips the step (:meth:`reads_nonfinite_from_norm`)."""
+        """Megatron's norm and clip; what it decided (:func:`norm_outcome`: the factor it applied,
+        on the same floats, for the hosts, which apply it to gradients gathered before the step;
+        a skip for a norm that is inf or NaN, or over ``grad_norm_skip_threshold``) is this step's."""
         grad_norm = super().clip_grad_norm(clip_grad)
-        if self.reads_nonfinite_from_norm() and not math.isfinite(grad_norm):
-            self.skip_nonfinite()
-            return grad_norm
-        factor = clip_grad / (grad_norm + 1.0e-6)
-        self._clip_factor = factor if self.get_parameters() and factor < 1.0 else None
+        self.decide(norm_outcome(grad_norm, clip_grad=clip_grad, has_params=bool(self.get_parameters()),
+                                 checks_nonfinite=self.reads_nonfinite_from_norm(),
+                                 skip_threshold=self.config.grad_norm_skip_threshold))
         return grad_norm
 
-    def skip_nonfinite(self) -> None:
-        """A gradient holds inf or NaN: this step changes nothing (its clipped gradients are
-        zeroed with the next iteration's), and the gathers staged for it go."""
-        self._nonfinite_norm = True
-        self._drop_early()
+    def decide(self, outcome: NormOutcome) -> None:
+        """This step's norm outcome (a chained optimizer gives its parts the joint one); a
+        skipped step changes nothing, and its staged gathers and early results go now."""
+        self._outcome = outcome
+        if outcome.skip is not None:
+            if outcome.skip == "threshold":
+                logger.info(THRESHOLD_SKIP)
+            self.conclude(acted=True, skipped=True)
 
     def step(self) -> tuple[bool, float | None, int | None]:
         """Megatron's step; one whose norm was inf or NaN reports as a found-inf step does."""
         return _as_found_inf(self, super().step())
 
     def step_with_ready_grads(self) -> bool:
-        """The step, its hosts scaling what was gathered early as the holders' gradients were:
-        the loss scale's inverse, then the clip factor (Megatron's order)."""
-        if self._nonfinite_norm:
+        """The step with one frozen value of what it needs (:class:`StepFactors`): the hosts
+        scale what was gathered early as the holders' gradients were (the loss scale's inverse,
+        then the clip factor: Megatron's order), and use what was computed early only where no
+        clip acted. Then Megatron's own end of a step: main parameters to the model's, and the
+        parameter all-gather unless it overlaps the next forward."""
+        outcome = self._outcome
+        if outcome.skip is not None:
             return False
-        scale: list[Any] = []
-        if self.grad_scaler is not None:
-            scale.append(self.grad_scaler.inv_scale)
-        if self._clip_factor is not None:
-            scale.append(self._clip_factor)
-        self.optimizer.gather_scale = tuple(scale)
-        self.optimizer.commit_early = self._clip_factor is None  # what was computed early had every factor
-        try:
-            return super().step_with_ready_grads()
-        finally:
-            self.optimizer.gather_scale, self.optimizer.commit_early = (), False
-            if self.canzona.early_gathers is not None:
-                self.canzona.early_gathers.stepped()
-            stats = self.optimizer.last_stats
-            if stats.early or stats.recomputed:
-                self.early_steps["committed" if stats.early else "recomputed"] += 1
+        factors = step_factors(self.grad_scaler, outcome)
+        timers = self.config.timers
+        if not self.is_stub_optimizer:
+            with _timed(timers, "optimizer-inner-step", self.config):
+                self.optimizer.step(factors=factors)
+            with _timed(timers, "optimizer-copy-main-to-model-params", self.config):
+                self._copy_main_params_to_model_params()
+        if not self.ddp_config.overlap_param_gather and not getattr(self, "_defer_param_sync", False):
+            with _timed(timers, "params-all-gather", self.config):
+                self.start_param_sync_for_bucket_group_subset()
+        if self.canzona.early_gathers is not None:
+            self.canzona.early_gathers.stepped()
+        self.conclude(acted=outcome.clip_factor is not None)
+        return True
 
     # Checkpoints (canzona_patches/checkpoints/state.py): name-keyed global tensors, any DP/TP layout.
     def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
@@ -258,12 +291,64 @@ def early_groups(inner: CanzonaOptimizer, budget_bytes: int) -> frozenset[int]:
 
 
 NONFINITE_SKIP = "Canzona: skipping the optimizer step, a gradient holds inf or NaN"
+THRESHOLD_SKIP = "Canzona: skipping the optimizer step, the gradient norm is over grad_norm_skip_threshold"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormOutcome:
+    """What one step's global gradient norm decided for one optimizer."""
+
+    clip_factor: float | None = None
+    """The factor the clip applied to the gradients (under 1); ``None``: it did not act."""
+    skip: str | None = None
+    """Why the step is skipped: ``nonfinite`` (the norm is inf or NaN) or ``threshold`` (over
+    ``grad_norm_skip_threshold``); ``None``: it runs."""
+
+
+NO_CLIP = NormOutcome()
+
+
+def norm_outcome(grad_norm: float, *, clip_grad: float, has_params: bool, checks_nonfinite: bool,
+                 skip_threshold: float) -> NormOutcome:
+    """What ``grad_norm`` decides, as Megatron-Core 0.19.2 does on the same floats: a non-finite
+    norm skips where it is the inf/NaN check (``checks_nonfinite``); a norm over a finite
+    ``skip_threshold`` skips (its chained step's rule, here for every Canzona optimizer); else the
+    clip's factor ``clip_grad / (norm + 1e-6)`` acts where it is under 1 and there are
+    parameters."""
+    if checks_nonfinite and not math.isfinite(grad_norm):
+        return NormOutcome(skip="nonfinite")
+    if has_params and math.isfinite(skip_threshold) and grad_norm > skip_threshold:
+        return NormOutcome(skip="threshold")
+    factor = clip_grad / (grad_norm + 1.0e-6) if clip_grad > 0.0 else 1.0
+    return NormOutcome(clip_factor=factor) if has_params and factor < 1.0 else NO_CLIP
+
+
+def step_factors(grad_scaler: Any, outcome: NormOutcome) -> StepFactors:
+    """The step's :class:`StepFactors`: the loss scale's inverse, then the clip's factor
+    (Megatron's order), and whether what was computed early is the step's own (no clip acted)."""
+    scale = [] if grad_scaler is None else [grad_scaler.inv_scale]
+    if outcome.clip_factor is not None:
+        scale.append(outcome.clip_factor)
+    return StepFactors(scale=tuple(scale), commit_early=outcome.clip_factor is None)
+
+
+@contextlib.contextmanager
+def _timed(timers: Any, name: str, config: Any):
+    """Megatron's level-1 timer ``name`` around the body (nothing without timers)."""
+    if timers is None:
+        yield
+        return
+    timers(name, log_level=1).start(barrier=config.barrier_with_L1_time)
+    try:
+        yield
+    finally:
+        timers(name).stop()
 
 
 def _as_found_inf(optimizer: Any, result: tuple) -> tuple:
     """``optimizer.step()``'s result, or Megatron's found-inf one ``(False, None, None)`` when the
     step's norm came out inf or NaN (it was skipped)."""
-    if optimizer._nonfinite_norm:
+    if optimizer._outcome.skip == "nonfinite":
         logger.warning(NONFINITE_SKIP)
         return False, None, None
     return result
@@ -287,11 +372,11 @@ class CanzonaChainedOptimizer(ChainedOptimizer):
         check for the two (the flags max-reduced together: one host read per step)."""
         found_inf = False
         flags = []
-        self._nonfinite_norm = False
+        self._outcome = NO_CLIP
         for part in self.chained_optimizers:
             part._settle_early()
             found_inf |= DistributedOptimizer.prepare_grads(part)
-            part._clip_factor, part._nonfinite_norm = None, False
+            part._outcome = NO_CLIP
             if part.grad_scaler is None and not part.reads_nonfinite_from_norm(clipping=True):
                 flags.append(part._local_nonfinite_flag())
         if flags:
@@ -299,32 +384,32 @@ class CanzonaChainedOptimizer(ChainedOptimizer):
             if _any_rank(torch.stack(flags).amax().reshape(1), group):
                 logger.warning(NONFINITE_SKIP)
                 found_inf = True
-        for part in self.chained_optimizers:
-            if found_inf:
-                part._drop_early()  # the staged gradients go before any state is touched
+        if found_inf:
+            for part in self.chained_optimizers:
+                part.conclude(acted=True, skipped=True)  # the staged gradients go before any state is touched
         return found_inf
 
-    _nonfinite_norm = False
+    _outcome = NO_CLIP
 
     def get_grad_norm(self) -> float:
-        """The joint norm Megatron clips both optimizers by; each keeps the factor it applies
-        (Megatron's expression on the same floats) for its hosts, which apply it to the
-        gradients gathered before the step. A norm that is inf or NaN skips the step."""
+        """The joint norm Megatron clips both optimizers by, and what it decides for each
+        (:func:`norm_outcome`, Megatron's expressions on the same floats): the factor each
+        applies, for its hosts; a skip when the norm is inf or NaN, or over a part's
+        ``grad_norm_skip_threshold`` (Megatron's chained step then skips them all)."""
         grad_norm = super().get_grad_norm()
-        if not math.isfinite(grad_norm) and any(part.reads_nonfinite_from_norm(clipping=True)
-                                                for part in self.chained_optimizers):
-            self._nonfinite_norm = True
-            for part in self.chained_optimizers:
-                part.skip_nonfinite()
-            return grad_norm
-        for part in self.chained_optimizers:
-            clip = part.config.clip_grad
-            factor = clip / (grad_norm + 1.0e-6) if clip > 0.0 else 1.0
-            part._clip_factor = factor if part.get_parameters() and factor < 1.0 else None
+        parts = self.chained_optimizers
+        nonfinite = any(part.reads_nonfinite_from_norm(clipping=True) for part in parts)
+        outcomes = [norm_outcome(grad_norm, clip_grad=part.config.clip_grad, has_params=bool(part.get_parameters()),
+                                 checks_nonfinite=nonfinite, skip_threshold=part.config.grad_norm_skip_threshold)
+                    for part in parts]
+        skip = next((o.skip for o in outcomes if o.skip is not None), None)
+        self._outcome = NormOutcome(skip=skip) if skip is not None else NO_CLIP
+        for part, outcome in zip(parts, outcomes):
+            part.decide(self._outcome if skip is not None else outcome)
         return grad_norm
 
     def step_with_ready_grads(self) -> bool:
-        return False if self._nonfinite_norm else super().step_with_ready_grads()
+        return False if self._outcome.skip is not None else super().step_with_ready_grads()
 
     def step(self) -> tuple[bool, float | None, int | None]:
         """Megatron's chained step; one whose norm was inf or NaN reports as a found-inf step does."""

@@ -26,12 +26,14 @@ from canzona_patches.integration.layout import (
     BUFFER_ROUTING_ATTR,
     build_canzona_plan,
     choose_matrices_first,
+    early_compute_choice,
+    early_compute_line,
     full_param_layouts,
     node_note,
     stacked_expert_blocks,
-    tp_stride,
     wire_config,
 )
+from canzona_patches.params import tp_stride
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, QKVLayout
 from megatron.canzona.optim.split import FusedLayout
@@ -67,13 +69,16 @@ class CanzonaSetup:
     matrix into the matrices optimized apart (:func:`fused_layout`)."""
     tp_strides: dict[tuple[int, str], int]
     """Per matrix parameter (model chunk, name): blocks per TP shard along its TP dim
-    (:func:`~canzona_patches.integration.layout.tp_stride`)."""
+    (:func:`~canzona_patches.params.tp_stride`)."""
     host_ranks: dict[Coord, int] | None = None
     """(DP rank, TP rank) -> rank in the tensor-and-data-parallel group; ``None``: the ranks
     tell each other when the optimizer is built (one collective)."""
     matrices_first: bool = False
     """The dense buckets without a matrix reduce after the last one with a matrix
     (``--canzona-matrices-reduce-first``, or its projected default; only with early compute)."""
+    early_compute: tuple[bool, bool] = (False, False)
+    """Whether the dense and the expert optimizer compute micro-groups early
+    (``--canzona-early-compute``, decided for each one's data-parallel group at start-up)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,13 +120,18 @@ def make_setup(
     wire = wire_config(named, ddp_config)
     matrices_first, order = choose_matrices_first(plan, specs, config, wire=wire, workload=workload,
                                                   overlap=ddp_config.overlap_grad_reduce)
+    overlap = ddp_config.overlap_grad_reduce
+    expert_dp = plan.experts.dp_size if plan.experts is not None else None
+    early = early_compute_line(config, dp_size, overlap, expert_dp)
+    early_compute = (early_compute_choice(config, dp_size, overlap).on,
+                     expert_dp is not None and early_compute_choice(config, expert_dp, overlap).on)
     if choice is not None or order is not None:
         check_same_choices({"--canzona-layout auto": LAYOUTS.index(plan.layout),
                             "--canzona-matrices-reduce-first": int(matrices_first)})
     if first or summarize_here:
         summary = summarize_canzona(plan, specs, config.cost_model(), wire)
     if first:
-        for line in (choice, order):
+        for line in (choice, early, order):
             if line is not None:
                 print(line if stage is None else line.replace("[canzona]", f"[canzona] stage {stage}:"), flush=True)
         _log_plan(plan, summary, stage)
@@ -133,6 +143,7 @@ def make_setup(
     return CanzonaSetup(
         config=config, plan=plan, layouts=tuple(full_param_layouts(plan, model_chunks, ddp_config)),
         specs=tuple(specs), summary=summary, host_ranks=host_ranks, matrices_first=matrices_first,
+        early_compute=early_compute,
         fused_layouts={(c, name): fused_layout(name, chunk, config) for c, name, chunk in matrices},
         tp_strides={(c, name): tp_stride(name, chunk.config.gated_linear_unit) for c, name, chunk in matrices},
     )

@@ -154,6 +154,10 @@ def canzona_optimizer(get_megatron_optimizer: Callable[..., Any], run: Any) -> C
 # --- Logging ------------------------------------------------------------------------------
 
 
+EARLY_OUTCOMES = ("committed", "recomputed", "skipped", "not speculated")
+"""The outcomes of a step of a run computing early, as the log line lists them."""
+
+
 class IntervalMetrics:
     """What Megatron's ``training_log`` does not print, gathered over one log interval.
 
@@ -181,11 +185,10 @@ class IntervalMetrics:
     def _early_steps(self) -> dict[str, int] | None:
         """Steps computed early since the last report, by outcome; ``None`` without early compute.
         The parts of a chained optimizer decide together: each outcome's most over them."""
-        early = [p for p in self._parts if p.canzona.early_gathers is not None and p.canzona.early_gathers.compute_early]
+        early = [p for p in self._parts if p.computes_early]
         if not early:
             return None
-        return {k: max(p.early_steps[k] for p in early) - self._early_reported[k]
-                for k in ("committed", "recomputed", "skipped")}
+        return {k: max(p.early_steps[k] for p in early) - self._early_reported[k] for k in EARLY_OUTCOMES}
 
     def time_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap ``optimizer.step`` to accumulate its time without waiting for the device: on
@@ -308,7 +311,7 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         line += f" throughput (tokens/s): {metrics['tokens_per_s']:.1f} |"
     early = metrics["early_compute"]
     if early is not None:
-        line += " early compute committed/recomputed/skipped: {committed}/{recomputed}/{skipped} |".format(**early)
+        line += f" early compute {'/'.join(EARLY_OUTCOMES)}: {'/'.join(str(early.get(k, 0)) for k in EARLY_OUTCOMES)} |"
     if metrics["progress"] is not None:
         line += f" progress: {100.0 * metrics['progress']:.1f}% |"
     return line

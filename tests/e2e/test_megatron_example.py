@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from canzona_patches.integration.arguments import CanzonaArgumentError, rampup_as_step_schedule
+from canzona_patches.errors import CanzonaArgumentError
+from canzona_patches.integration.arguments import rampup_as_step_schedule
 
 from .support import ROOT, run_with_deadline
 from .test_pretrain_gpt import NUM_ITERS, check_tensorboard, read_metrics

@@ -283,11 +283,15 @@ def test_resume_at_pp2_from_a_pp2_checkpoint_is_exact(pp_runs):
 
 def test_a_checkpoint_saved_right_after_a_recomputed_early_step_resumes_exactly(pp_runs):
     """The PP 2 runs compute early (``--canzona-early-compute``): the saved iteration's updates
-    were computed in backward, dropped because the clip acted, and computed again; the resume
-    above repeats the run bit for bit, and commits and recomputes as it did."""
+    were computed before the step, dropped because the clip acted, and computed again; the resume
+    above repeats the run bit for bit, and commits, recomputes and waits as it did."""
     outcomes = {i: m["early_compute"] for i, m in pp_runs["reference"].items()}
-    committed, recomputed = {"committed": 1, "recomputed": 0, "skipped": 0}, {"committed": 0, "recomputed": 1, "skipped": 0}
+    none = {"committed": 0, "recomputed": 0, "skipped": 0, "not speculated": 0}
+    committed, recomputed = {**none, "committed": 1}, {**none, "recomputed": 1}
     assert [outcomes[i] for i in (1, 2, 3, SAVE_INTERVAL)] == [committed] * 3 + [recomputed], outcomes
+    # the speculation policy does not speculate in the iteration after the clip acted, in the resumed
+    # run too (the policy is saved with the optimizer state)
+    assert outcomes[SAVE_INTERVAL + 1] == {**none, "not speculated": 1}, outcomes
     assert {i: m["early_compute"] for i, m in pp_runs["pp2"].items()} == {i: outcomes[i] for i in pp_runs["pp2"]}
     assert pp_runs["dp2"][ITERS]["early_compute"] is None  # gloo's default: computed in the step
     # early compute on and reduce-scatters overlapping backward: the reduce order was projected for

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from canzona_patches.checkpoints.files import CanzonaCheckpointError, one_line_errors
+from canzona_patches.checkpoints.files import one_line_errors
+from canzona_patches.errors import CanzonaCheckpointError
 from canzona_patches.integration.arguments import (
     CanzonaArgumentError,
     add_canzona_args,

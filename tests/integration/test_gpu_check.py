@@ -49,12 +49,17 @@ def test_gpu_check_plumbing_on_cpu(tmp_path: Path) -> None:
         assert seconds == by_method[ns_method_for(m, n, 5, "auto", "float32")].seconds[(m, n)]
 
     one_gpu = steps["one_gpu"]
-    assert len(one_gpu["commands"]) == 4
-    for variant in ("adamw", "layerwise", "canzona", "canzona_auto"):
+    variants = ("adamw", "layerwise", "canzona", "canzona_auto", "canzona_no_early", "canzona_no_early_idle",
+                "canzona_early_idle", "canzona_early")
+    assert len(one_gpu["commands"]) == len(variants)
+    for variant in variants:
         printed = (tmp_path / f"one_gpu_{variant}.log").read_text()
         assert "pretrain_gpt.py" in printed and "--num-layers 4 --transformer-impl local --timing-log-level 1" in printed
         assert ("--canzona " in printed) == variant.startswith("canzona")
         assert printed.rstrip().endswith("--muon-ns-method auto") == (variant == "canzona_auto")
+        assert ("--canzona-no-early-compute" in printed) == ("no_early" in variant)
+        assert ("--canzona-early-compute on" in printed) == variant.startswith("canzona_early")
+        assert printed.rstrip().endswith("--clip-grad 1e9") == variant.endswith("_idle")
         assert "--bf16" in printed and "--nproc-per-node 1" in printed and "--log-interval 1 " in printed
 
     table = (tmp_path / "gpu_check.md").read_text()
@@ -97,3 +102,36 @@ def test_megatron_timer_reports_are_read_as_megatron_writes_them(tmp_path: Path)
     log.write_text("\n".join(log.read_text().splitlines()[:-2]) + "\n")
     assert gpu_check.megatron_timers(log, skip=1) == {"forward-backward": 311.25, "optimizer": 142.0}
     assert gpu_check.megatron_timers(log, skip=5) == {"forward-backward": 311.25, "optimizer": 142.0}  # the last
+
+
+def test_one_gpu_rounds_report_ratios_counters_and_forward_backward_per_round() -> None:
+    """The paired rounds' report: each ratio round by round over the rounds both variants ran,
+    Megatron's forward-backward timer per round and per pair, the early-compute outcomes summed
+    per run (``None`` where a run computed nothing early)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gpu_check  # tools/gpu_check.py
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+
+    def run(step: float, iteration: float, fb: float, early=None) -> dict:
+        return {"optimizer_step_ms": [step] * 3, "iteration_ms": [iteration] * 3, "loss": {1: 7.0, 2: 6.5},
+                "timers_ms": {"forward-backward": fb}, "early_compute": early}
+
+    counts = {"committed": 0, "recomputed": 2, "skipped": 0, "not speculated": 11}
+    runs = {"layerwise": [run(100, 400, 300), run(100, 420, 310)],
+            "canzona": [run(90, 380, 297), run(92, 399, 313)],
+            "canzona_no_early_idle": [run(80, 370, 290)],
+            "canzona_early_idle": [run(60, 380, 300, {**counts, "committed": 13, "not speculated": 0})]}
+    result = gpu_check.Result()
+    gpu_check.one_gpu_result(runs, {}, None, result)
+    ratios = result.details["ratios"]
+    assert ratios["canzona/layerwise"]["iteration_ms"] == {"median": (0.95 + 399 / 420) / 2, "min": 0.95, "max": 0.95}
+    assert ratios["canzona/layerwise"]["forward_backward_ms"]["median"] == (0.99 + 313 / 310) / 2
+    assert ratios["canzona_early_idle/canzona_no_early_idle"]["optimizer_step_ms"]["median"] == 0.75
+    assert "canzona_auto/layerwise" not in ratios  # not run
+    rows = result.details["variants"]
+    assert rows["canzona"]["forward_backward_ms_rounds"] == [297, 313]
+    assert rows["canzona_early_idle"]["early_compute_rounds"] == [{**counts, "committed": 13, "not speculated": 0}]
+    table = "\n".join(gpu_check.one_gpu_tables(result.details))
+    assert "| canzona_early_idle | 300.0 | 13/2/0/0 |" in table and "| canzona | 297.0, 313.0 | –, – |" in table

@@ -44,5 +44,6 @@ def test_the_line_counts_early_compute_outcomes_only_where_it_runs():
     report = metrics.report(iteration=5, interval_s=1.0, learning_rate=1e-3, grad_norm=None, reset=True)
     assert report["early_compute"] is None  # no optimizer computing early is watched
     assert "early compute" not in format_metrics(report)
-    line = format_metrics({**report, "early_compute": {"committed": 9, "recomputed": 1, "skipped": 0}})
-    assert " early compute committed/recomputed/skipped: 9/1/0 |" in line
+    line = format_metrics({**report, "early_compute": {"committed": 9, "recomputed": 1, "skipped": 0,
+                                                       "not speculated": 3}})
+    assert " early compute committed/recomputed/skipped/not speculated: 9/1/0/3 |" in line

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from canzona_patches.integration.arguments import CanzonaArgumentError, check_expert_sizes
+from canzona_patches.errors import CanzonaArgumentError
+from canzona_patches.integration.arguments import check_expert_sizes
 from canzona_patches.integration.optimizer import build_canzona_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

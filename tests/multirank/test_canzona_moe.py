@@ -89,6 +89,11 @@ def results(tmp_path_factory) -> dict[tuple[str, str], list[dict]]:
     computed = replace(early, clip_grad=3.0, big_grad_at_step=STEPS - 1)  # the clip acts at the last step only
     four += [("compute_early", "ep2_tp2", replace(computed, early_compute=True, early_gather_at_dispatch=True)),
              ("compute_in_step", "ep2_tp2", computed)]
+    # the step whose clip acts is over grad_norm_skip_threshold instead: Megatron's chained step skips it
+    threshold = replace(computed, grad_norm_skip_threshold=30.0)
+    four += [("threshold_early", "ep2_tp2", replace(threshold, early_compute=True, early_gather_at_dispatch=True)),
+             ("threshold_in_step", "ep2_tp2", threshold),
+             ("threshold_swapped", "ep2_tp2", replace(threshold, nan_grad_at_step=STEPS - 1, big_grad_at_step=1))]
     four += [("saved", "ep2_dp2", ResumeJob(run=saved, save_dir=str(root), save_after=(HALF,))),
              ("resumed", "ep4", ResumeJob(run=replace(saved, ep_size=4), load_dir=str(root)))]
     one = [(opt, "single", _run(opt)) for opt in OPTIMIZERS]
@@ -220,4 +225,25 @@ def test_early_compute_with_experts_is_bitwise_the_steps_own(results) -> None:
             assert torch.equal(early["params"][name], expected), name
         assert any(k.startswith("1/") for k in step["state"]), "the expert optimizer's state is compared too"
         for path, expected in step["state"].items():
+            assert torch.equal(early["state"][path], expected), path
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_chained_step_over_the_skip_threshold_changes_nothing_and_drops_what_was_computed_early(results) -> None:
+    """Megatron's chained step skips a step whose joint norm is over ``grad_norm_skip_threshold``
+    before either optimizer steps: both drop what they computed early (counted as skipped), and the
+    run is bitwise the one computing in the step, and the one skipping the same two steps for the
+    other reasons (inf/NaN at the last, the threshold at step 1)."""
+    from .test_early_compute import _bitwise, _same
+
+    for early, step, swapped in zip(*(results[(k, "ep2_tp2")] for k in ("threshold_early", "threshold_in_step",
+                                                                            "threshold_swapped"))):
+        assert early["skipped_steps"] == step["skipped_steps"] == swapped["skipped_steps"] == [1, STEPS - 1]
+        assert early["early_steps"] == 2 * [{"committed": 2, "skipped": 2}], early["early_steps"]
+        assert step["grad_norms"][STEPS - 1] > 30.0
+        _bitwise(early, step, "threshold")
+        assert _same(early["losses"], swapped["losses"])
+        for name, expected in swapped["params"].items():
+            assert torch.equal(early["params"][name], expected), name
+        for path, expected in swapped["state"].items():
             assert torch.equal(early["state"][path], expected), path

@@ -76,7 +76,7 @@ def _ask_every_rank(root: str) -> dict[str, dict]:
     import torch.distributed as dist
 
     from canzona_patches.checkpoints.state import save_distributed, verified_checkpoint
-    from canzona_patches.checkpoints.files import CanzonaCheckpointError
+    from canzona_patches.errors import CanzonaCheckpointError
     from canzona_patches.emulation.cpu import enable_cpu_mode
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 

@@ -21,6 +21,15 @@ to become ready is computed early, the others in the step; and once (Muon, TP 2 
 dense buckets without a matrix reduced after the matrices' (``--canzona-matrices-reduce-first``);
 and once (Muon, TP 2 x DP 2) with Newton-Schulz in bf16, where the directions of whole matrices
 that move are kept in bf16 until the step scatters them.
+
+At DP 2 a step over ``grad_norm_skip_threshold`` (Megatron-Core's chained optimizers' rule, here
+for every Canzona optimizer) is skipped and drops what was computed early, with early compute
+on, off and ``auto``, and changes nothing: a run skipping step 2 for inf/NaN and step 4 for the
+threshold ends bitwise where one skipping step 2 for the threshold and step 4 for inf/NaN does.
+
+The speculation policy (the default, ``backoff``) over 50 iterations at DP 2: with the clip acting
+in every iteration at most 15% of the steps recompute; with it never acting every step commits;
+bitwise the run computing in the step either way.
 """
 
 from __future__ import annotations
@@ -44,6 +53,12 @@ CLIP = 3.0
 gradients rank 0 makes 100 times larger."""
 NAN_STEP, BIG_STEP = 2, 4
 OUTCOMES = {"committed": 4, "recomputed": 1, "skipped": 1}
+THRESHOLD = 30.0
+"""Above every norm of the tiny model's steps (about 1.35 before the clip) but the one whose
+gradients rank 0 makes 100 times larger."""
+POLICY_STEPS = 50
+ACTING, IDLE = 1.0e-3, 1.0e9
+"""Clips that act in every iteration of the tiny model, and never."""
 OPTIMIZERS = ("muon", "shampoo", "soap")
 SHAPES = {2: (1, "dp2"), 4: (2, "tp2_dp2"), 6: (2, "dp3_tp2")}
 BUDGET = 40_000
@@ -85,6 +100,19 @@ def results() -> dict[tuple[str, str, str], list[dict]]:
             runs += [replace(runs[0], muon_ns_dtype="bfloat16"), replace(runs[1], muon_ns_dtype="bfloat16")]
             names += [("muon", case, "finish"), ("muon", case, "budget"), ("muon", case, "first"),
                       ("muon", case, "first_step"), ("muon", case, "bf16"), ("muon", case, "bf16_step")]
+        if case == "dp2":
+            threshold = replace(_run("muon", tp_size, world_size), grad_norm_skip_threshold=THRESHOLD)
+            swapped = replace(threshold, nan_grad_at_step=BIG_STEP, big_grad_at_step=NAN_STEP)
+            for mode in (True, False, "auto"):
+                runs += [replace(threshold, early_compute=mode, early_gather_at_dispatch=True)]
+                names += [("threshold", mode)]
+            runs.append(swapped)
+            names.append(("threshold", "swapped"))
+            for clip in (ACTING, IDLE):
+                policy = replace(_run("muon", tp_size, world_size), num_steps=POLICY_STEPS, clip_grad=clip,
+                                 nan_grad_at_step=None, big_grad_at_step=None, speculation="backoff")
+                runs += [replace(policy, early_compute=True, early_gather_at_dispatch=True), policy]
+                names += [("policy", clip, "early"), ("policy", clip, "step")]
         per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=world_size, timeout_s=LAUNCH_TIMEOUT_S), runs)
         for i, name in enumerate(names):
             out[name] = [rank[i] for rank in per_rank]
@@ -157,3 +185,51 @@ def test_ranks_that_projected_different_choices_stop_in_one_line() -> None:
     for same, differ in results:
         assert same is None and differ is not None, results
         assert "--canzona-matrices-reduce-first" in differ and "layout" not in differ, differ
+
+
+def _bitwise(a: dict, b: dict, where: str) -> None:
+    """Losses, norms, parameters and optimizer state the same bit for bit."""
+    assert _same(a["losses"], b["losses"]) and _same(a["grad_norms"], b["grad_norms"]), where
+    for name, expected in b["params"].items():
+        assert torch.equal(a["params"][name], expected), (where, name)
+    assert a["state"].keys() == b["state"].keys(), where
+    for path, expected in b["state"].items():
+        assert torch.equal(a["state"][path], expected), (where, path)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_step_over_the_skip_threshold_changes_nothing_and_drops_what_was_computed_early(results) -> None:
+    for rank, (on, off, auto, swapped) in enumerate(zip(*(results[("threshold", m)] for m in (True, False, "auto",
+                                                                                             "swapped")))):
+        where = f"rank {rank}"
+        assert on["skipped_steps"] == off["skipped_steps"] == [NAN_STEP, BIG_STEP], where
+        assert on["grad_norms"][BIG_STEP] > THRESHOLD > max(n for i, n in enumerate(on["grad_norms"]) if i != BIG_STEP
+                                                            and n == n)
+        assert on["early_steps"] == [{"committed": 4, "skipped": 2}], (where, on["early_steps"])
+        assert off["early_steps"] == auto["early_steps"] == [{}], where  # auto: gloo computes in the step
+        _bitwise(on, off, where)
+        _bitwise(auto, off, where)
+        # skipped for inf/NaN at 2 and the threshold at 4, or the other way round: the same run
+        assert swapped["skipped_steps"] == [NAN_STEP, BIG_STEP], where
+        assert _same(on["losses"], swapped["losses"]), where
+        for name, expected in swapped["params"].items():
+            assert torch.equal(on["params"][name], expected), (where, name)
+        for path, expected in swapped["state"].items():
+            assert torch.equal(on["state"][path], expected), (where, path)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("clip", [ACTING, IDLE], ids=["clip_acting", "clip_idle"])
+def test_the_speculation_policy_recomputes_little_and_commits_when_the_clip_is_idle(results, clip: float) -> None:
+    for rank, (early, step) in enumerate(zip(results[("policy", clip, "early")], results[("policy", clip, "step")])):
+        where = f"rank {rank}"
+        norms = step["grad_norms"]
+        assert all((n > clip) == (clip == ACTING) for n in norms), where
+        (outcomes,) = early["early_steps"]
+        assert sum(outcomes.values()) == POLICY_STEPS, (where, outcomes)
+        if clip == ACTING:  # tries at 1, 4, 9, 18 and 35: 10%
+            assert outcomes == {"recomputed": 5, "not speculated": POLICY_STEPS - 5}, (where, outcomes)
+            assert outcomes["recomputed"] <= 0.15 * POLICY_STEPS
+        else:
+            assert outcomes == {"committed": POLICY_STEPS}, (where, outcomes)
+        _bitwise(early, step, where)

@@ -33,7 +33,7 @@ from megatron.canzona.optim import (
 from megatron.canzona.optim.muon import muon_scale
 from megatron.canzona.runtime import LaunchConfig, launch
 from megatron.canzona.planning.schedule import Task
-from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, MatrixTask
+from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, MatrixTask, StepFactors
 from megatron.canzona.runtime.optimizer import narrow_updates, unscaled
 
 pytestmark = pytest.mark.multirank
@@ -247,10 +247,10 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                     engine.precompute(index, raw, host_math, scale=(UNSCALE,))
             kept.update((key, str(d.dtype)) for e in engine._early.values() for key, d in e.directions.items())
-            stats.append(engine.step(pieces, host_math, scale=(UNSCALE,), commit_early=True))
+            stats.append(engine.step(pieces, host_math, StepFactors(scale=(UNSCALE,), commit_early=True)))
             assert stats[-1].early == len(engine.exchanges) and not engine.precomputed
         else:
-            stats.append(engine.step(pieces, host_math, scale=(UNSCALE, CLIP)))
+            stats.append(engine.step(pieces, host_math, StepFactors(scale=(UNSCALE, CLIP))))
         assert not engine.staged
         side_streams.add(id(engine._side))
 

@@ -65,13 +65,17 @@ def test_iteration_at_tp2_times_the_gathers_issued_in_the_step_too(bench):
     args = bench.parse_args(["--iteration", "--tp", "2", "--dp", "1"])
     runs = bench.runs_for(args)
     assert list(bench.variants(args)) == ["canzona", "canzona_lean", "sync", "megatron", bench.LATE_GATHER,
-                                          bench.EARLY_COMPUTE, bench.MATRICES_FIRST, bench.ADAMW]
-    assert [r.early_gather for r in runs[:8]] == [True, True, True, True, False, True, True, True]
-    # the early compute is forced on gloo, from the reduce-scatters' dispatch, as on CUDA; the
-    # reduce order held behind the matrices in one of the two
-    assert [(r.early_compute, r.early_gather_at_dispatch) for r in runs[:8]] == [(False, False)] * 5 + [(True, True)] * 2 + [
-        (False, False)]
-    assert [r.matrices_first for r in runs[:8]] == [None] * 6 + [True, None]
+                                          bench.DEFAULT, bench.EARLY_COMPUTE, bench.MATRICES_FIRST, bench.ADAMW]
+    assert [r.early_gather for r in runs[:9]] == [True, True, True, True, False, True, True, True, True]
+    # the default decides per run (auto); the early compute is forced on gloo, its gathers from the
+    # reduce-scatters' dispatch, as on CUDA; the reduce order held behind the matrices in one of the two
+    assert [(r.early_compute, r.early_gather_at_dispatch) for r in runs[:9]] == [(False, False)] * 5 + [
+        ("auto", False)] + [(True, True)] * 2 + [(False, False)]
+    assert {r.speculation for r in runs} == {"backoff"} and {r.clip_grad for r in runs} == {0.0}
+    assert {r.clip_grad for r in bench.runs_for(bench.parse_args(["--iteration", "--clip-grad", "1e-3"]))} == {1e-3}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--iteration", "--clip-grad", "-1"])
+    assert [r.matrices_first for r in runs[:9]] == [None] * 7 + [True, None]
     assert bench.LATE_GATHER not in bench.variants(bench.parse_args(["--tp", "2", "--dp", "1"]))
     assert bench.EARLY_COMPUTE not in bench.variants(bench.parse_args(["--tp", "2", "--dp", "1"]))
 
@@ -81,7 +85,8 @@ def test_the_early_compute_summary_reads_its_runs(bench):
     runs = [{"tp_stats": {"timeline": timeline}, "losses": [1.0] * 4, "early_computed": 9,
              "early_steps": [{"committed": 3, "skipped": 1}]}] * 2
     parts = {"canzona": {"exposed_optimizer": 400.0}, bench.EARLY_COMPUTE: {"exposed_optimizer": 100.0}}
-    summary = bench.early_compute_summary(parts, {bench.EARLY_COMPUTE: runs})
+    default = [{"early_steps": [{}]}] * 2
+    summary = bench.early_compute_summary(parts, {bench.EARLY_COMPUTE: runs, bench.DEFAULT: default})
     assert summary["fall"] == pytest.approx(0.75)
-    assert summary["micro_groups"] == 3 and summary["share_of_groups_computed_in_backward"] == pytest.approx(0.75)
-    assert summary["steps_by_outcome"] == {"committed": 3, "skipped": 1}
+    assert summary["micro_groups"] == 3 and summary["share_of_groups_computed_before_the_step"] == pytest.approx(0.75)
+    assert summary["steps_by_outcome"] == {"committed": 3, "skipped": 1} and summary["default_steps_by_outcome"] == {}

@@ -47,3 +47,14 @@ def test_the_checker_catches_a_violation(tmp_path):
 
 def test_no_megatron_init_shadows_the_namespace_package():
     assert not (ROOT / "megatron" / "__init__.py").exists()
+
+
+def test_checkpoints_do_not_import_the_integration():
+    """``integration`` builds the optimizer and reads ``checkpoints``; ``checkpoints`` reads only
+    what both share (``canzona_patches.errors``, ``canzona_patches.params``): the two folders do
+    not import each other."""
+    files = sorted((ROOT / "canzona_patches" / "checkpoints").rglob("*.py"))
+    assert files
+    bad = {str(f.relative_to(ROOT)): sorted(m for m in imported_modules(f) if m.startswith("canzona_patches.integration"))
+           for f in files}
+    assert not {f: m for f, m in bad.items() if m}, bad

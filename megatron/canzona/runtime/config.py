@@ -8,6 +8,12 @@ from typing import Literal
 from megatron.canzona.optim import MATRIX_OPTIMIZERS, AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
 from megatron.canzona.planning import DEFAULT_ALPHA, LAYOUTS, OPTIMIZERS, CostModel
 from megatron.canzona.planning.memory import EARLY_COMPUTE_BYTES
+from megatron.canzona.planning.speculation import (
+    EARLY_COMPUTE_SETTINGS,
+    SPECULATION_RULES,
+    EarlyComputeSetting,
+    SpeculationRule,
+)
 from megatron.canzona.runtime.host_groups import MODES as TP_MODES
 MatrixConfig = MuonConfig | ShampooConfig | SOAPConfig
 COSTS = ("flops", "numel")
@@ -44,11 +50,17 @@ class CanzonaConfig:
     """``async``: issue each micro-group's gather to its hosts as soon as the buckets holding
     its matrices have reduced, before the step (the hosts apply the loss scale and the clip
     factor; bitwise the same). The dense and the expert optimizer alike."""
-    early_compute: bool | None = None
-    """With the early gathers: compute each micro-group's updates as soon as its gather has
-    landed, leaving the state as it was; the step commits them if the clip did not act, else
-    computes them again (exact either way). ``None``: on CUDA (a side stream), not on gloo,
-    where the host would run them inside backward; ``True``: there too."""
+    early_compute: EarlyComputeSetting = "auto"
+    """With the early gathers: compute each micro-group's updates before the step, once its
+    gather has landed and backward is over, leaving the state as it was; the step commits them
+    if the clip did not act, else computes them again (exact either way). ``auto``: where the run
+    has a reduce-scatter tail to hide them in (:func:`~megatron.canzona.planning.speculation.
+    early_compute_decision`); ``on``: wherever the early gathers run, gloo and DP 1 included;
+    ``off``: never."""
+    speculation: SpeculationRule = "backoff"
+    """In which iterations early compute speculates that the clip stays idle: ``backoff`` (not
+    after the clip acted, longer after each failure: :class:`~megatron.canzona.planning.
+    speculation.SpeculationPolicy`) or ``always``."""
     matrices_first: bool | None = None
     """With early compute: reduce the dense buckets without a matrix (the output layer's, the
     norms') after the last one with a matrix, so the matrices' early compute runs beside them.
@@ -80,6 +92,10 @@ class CanzonaConfig:
             raise ValueError(f"cost must be one of {', '.join(COSTS)}, got {self.cost!r}")
         if self.layout not in LAYOUT_CHOICES:
             raise ValueError(f"layout must be one of {', '.join(LAYOUT_CHOICES)}, got {self.layout!r}")
+        if self.early_compute not in EARLY_COMPUTE_SETTINGS:
+            raise ValueError(f"early_compute must be one of {', '.join(EARLY_COMPUTE_SETTINGS)}, got {self.early_compute!r}")
+        if self.speculation not in SPECULATION_RULES:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_RULES)}, got {self.speculation!r}")
         if self.tp_mode not in TP_MODES:
             raise ValueError(f"tp_mode must be 'async' or 'sync', got {self.tp_mode!r}")
 

@@ -19,7 +19,7 @@ micro-group in which nothing moves issues no collective. Only real elements go o
 (the all-to-alls have uneven splits, zero for peers with nothing to exchange), and each
 piece moves once each way.
 
-In ``async`` mode the groups are pipelined (:meth:`HostGroupEngine._run_async` is the one
+In ``async`` mode the groups are pipelined (:meth:`_StepRun.run_async` is the one
 place that orders the stages): group k+1's gather is in flight while group k computes, and
 group k's scatter while group k-1 is applied. On CUDA the host compute runs on a side
 stream ordered by events, so NCCL and compute overlap too. The result equals the
@@ -153,6 +153,18 @@ class LocalPiece:
     """Learning rate of the step."""
     weight_decay: float
     """Decoupled weight decay of the step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepFactors:
+    """What one step knows of the raw gradients gathered before it (:meth:`HostGroupEngine.prestart`)."""
+
+    scale: tuple[float | torch.Tensor, ...] = ()
+    """The factors, in order, that turned those raw gradients into the step's (the loss scale's
+    inverse, the clip's factor): each received raw piece is multiplied by them."""
+    commit_early: bool = False
+    """The groups computed before the step had every factor (no clip acted): their directions
+    are the step's own."""
 
 
 @dataclass
@@ -520,7 +532,7 @@ class HostGroupEngine:
         send = torch.empty(sum(exchange.send_splits), dtype=dtype, device=first.device)
         for seg in exchange.outgoing:
             send[seg.offset : seg.offset + seg.hi - seg.lo].copy_(raw[(seg.task.key, seg.lo)])
-        self._staged[index] = self._all_to_all(send, exchange.recv_splits, exchange.send_splits, stats=False)
+        self._staged[index] = self._all_to_all(None, send, exchange.recv_splits, exchange.send_splits)
 
     @torch.no_grad()
     def precompute(self, index: int, raw: Mapping[tuple[str, int], torch.Tensor], compute: HostCompute,
@@ -598,113 +610,36 @@ class HostGroupEngine:
     # One step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, pieces: Mapping[tuple[str, int], LocalPiece], compute: HostCompute,
-             scale: Sequence[float | torch.Tensor] = (), commit_early: bool = False,
+             factors: StepFactors | None = None,
              replay: Callable[[Sequence[str], Sequence[torch.Tensor]], None] | None = None) -> StepStats:
         """Update every task; ``pieces`` maps ``(task key, lo)`` to this rank's piece of it.
-        ``scale``: the factors, in order, that turned the raw gradients given to
-        :meth:`prestart` into ``pieces``' gradients (loss-scale unscaling, the clip factor);
-        each received raw piece is multiplied by them. ``commit_early``: the groups
-        :meth:`precompute` computed had every factor (no clip acted), so their directions are
-        this step's; else they are computed again here, with ``compute``. ``replay``: called per
+        ``factors`` (:class:`StepFactors`): what turned the raw gradients given to
+        :meth:`prestart` into ``pieces``' gradients, and whether the groups :meth:`precompute`
+        computed are this step's; else they are computed again here, with ``compute``. ``replay``: called per
         batch of a committed group with its full gradients, rebuilt from the same gather (an
-        optimizer that advances its state at the commit)."""
+        optimizer that advances its state at the commit). What the step needs lives in one
+        :class:`_StepRun` made here; the engine keeps only what outlives a step."""
         missing = [(key, lo) for key, held in self._mine.items() for lo, _ in held if (key, lo) not in pieces]
         if missing:
             raise ValueError(f"no local piece given for {missing[:3]}; every rank must step every piece it holds")
         if self._staged and self.mode != "async":
             raise ValueError("only the async mode gathers to hosts before the step")
-        self._pieces, self._compute, self._stats, self._scale = pieces, compute, StepStats(), tuple(scale)
-        if pieces:
-            grad = next(iter(pieces.values())).grad
-            self._grad_dtype, self._device = grad.dtype, grad.device
-        else:
-            self._grad_dtype, self._device = torch.float32, torch.device("cpu")
-        self._update_dtype = state_dtype_for(self._grad_dtype)
+        grad = next(iter(pieces.values())).grad if pieces else None
+        device = grad.device if grad is not None else torch.device("cpu")
         if self._side is None:
-            self._side = _SideStream(self._device)
-        self._commit_early, self._replay = commit_early, replay
+            self._side = _SideStream(device)
+        run = _StepRun(self, pieces=pieces, compute=compute, factors=factors or StepFactors(), replay=replay,
+                       device=device, update_dtype=state_dtype_for(grad.dtype if grad is not None else torch.float32))
         try:
             if self.exchanges:
-                (self._run_async if self.mode == "async" else self._run_sync)()
+                (run.run_async if self.mode == "async" else run.run_sync)()
         finally:
             self._staged.clear()
             self._early.clear()
-        self.last_stats, stats = self._stats, self._stats
-        del self._pieces, self._compute, self._scale, self._replay
-        return stats
+        self.last_stats = run.stats
+        return run.stats
 
-    def _run_async(self) -> None:
-        """The pipeline, in one place: gather k+1 | compute k | scatter k | apply k-1. A
-        gather :meth:`prestart` issued is already in flight."""
-        next_gather = self._gather_of(0)
-        pending: tuple[_Exchange, _InFlight | None, dict[str, torch.Tensor]] | None = None
-        for k, exchange in enumerate(self.exchanges):
-            gather = next_gather
-            if k + 1 < len(self.exchanges):
-                next_gather = self._gather_of(k + 1)  # in flight during compute k
-            early = self._early.get(k)
-            if early is not None:  # computed before the step on a side stream: the main one waits
-                if early.done is not None:
-                    torch.cuda.current_stream(self._device).wait_event(early.done)
-                    for tensor in early.directions.values():
-                        tensor.record_stream(torch.cuda.current_stream(self._device))
-            if k in self._staged and gather is not None:  # raw pieces: scale them as their holders did
-                self._wait(gather, "gather", exchange.index)
-                if gather.recv.is_cuda:  # allocated on the side stream that issued it, used here from now on
-                    current = torch.cuda.current_stream(gather.recv.device)
-                    gather.recv.record_stream(current)
-                    gather.send.record_stream(current)
-                if early is None or not self._commit_early:
-                    for factor in self._scale[gather.scaled:]:
-                        gather.recv.mul_(factor)
-            if early is not None and self._commit_early:
-                directions = early.directions
-                if self._replay is not None and exchange.computed:  # before the scatter reuses the gather
-                    full_grads = self._finish_gather(exchange, gather)
-                    for batch in exchange.computed:
-                        self._replay([t.key for t in batch], [full_grads[t.key] for t in batch])
-                self._stats.computed.extend(t.key for batch in exchange.computed for t in batch)
-                self._stats.early += 1
-            else:
-                self._stats.recomputed += early is not None
-                full_grads = self._finish_gather(exchange, gather)
-                directions = self._host_compute(exchange, full_grads)
-            scatter = self._start_scatter(exchange, directions, gather)  # in flight while group k-1 is applied
-            if pending is not None:
-                self._apply(*pending)
-            pending = (exchange, scatter, directions)
-        assert pending is not None
-        self._apply(*pending)
-
-    def _run_sync(self) -> None:
-        """Baseline: every holder gathers every piece of what it holds and computes it."""
-        for exchange in self.exchanges:
-            full_grads = self._finish_gather(exchange, self._start_gather(exchange))
-            directions = self._host_compute(exchange, full_grads)
-            self._apply(exchange, None, directions)
-
-    # Stages ------------------------------------------------------------------------------
-    def _gather_of(self, index: int) -> _InFlight | None:
-        """Micro-group ``index``'s gather: the one :meth:`prestart` issued, else issued now."""
-        if index in self._staged:
-            return self._staged[index]
-        return self._start_gather(self.exchanges[index])
-
-    def _start_gather(self, exchange: _Exchange) -> _InFlight | None:
-        """Pack my pieces by destination and issue the gather all-to-all."""
-        if not exchange.moves:
-            return None
-        send = torch.empty(sum(exchange.send_splits), dtype=self._update_dtype, device=self._device)
-        for seg in exchange.outgoing:
-            send[seg.offset : seg.offset + seg.hi - seg.lo].copy_(self._pieces[(seg.task.key, seg.lo)].grad)
-        return self._all_to_all(send, exchange.recv_splits, exchange.send_splits)
-
-    def _finish_gather(self, exchange: _Exchange, inflight: _InFlight | None) -> dict[str, torch.Tensor]:
-        """Wait for the gather; the full gradient of every matrix this rank computes."""
-        self._wait(inflight, "gather", exchange.index)
-        return self._full_grads(exchange, inflight, lambda key, lo: self._pieces[(key, lo)].grad,
-                                self._update_dtype, self._device)
-
+    # Helpers -----------------------------------------------------------------------------
     def _full_grads(self, exchange: _Exchange, inflight: _InFlight | None, own: Callable[[str, int], torch.Tensor],
                     dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """The full gradient of every matrix this rank computes, from the gather's ``recv`` and
@@ -727,20 +662,139 @@ class HostGroupEngine:
                     self._copies[(task.key, self.coord, lo)].into_full(own(task.key, lo), full[task.key])
         return full
 
+    def _scatter_layout(self, exchange: _Exchange, update_dtype: torch.dtype) -> _ScatterLayout:
+        """The byte layout of a narrow exchange's scatter at this step's update dtype (made once
+        per exchange and dtype). Segments keep the element layout's order, grouped by peer."""
+        itemsize = update_dtype.itemsize
+        key = (exchange.index, itemsize)
+        if key not in self._layouts:
+            def place(segments: list[_Segment], peer_of: Callable[[_Segment], Coord]) -> tuple[tuple[int, ...], list[int]]:
+                offsets, splits, offset = [], [0] * len(self.rank_of), 0
+                for seg in segments:
+                    size = (seg.hi - seg.lo) * (seg.task.update_dtype or update_dtype).itemsize
+                    size = -(-size // itemsize) * itemsize
+                    offsets.append(offset)
+                    splits[self.rank_of[peer_of(seg)]] += size
+                    offset += size
+                return tuple(offsets), splits
+            send, send_splits = place(exchange.incoming, lambda seg: seg.holder)  # back to each holder
+            recv, recv_splits = place(exchange.outgoing, lambda seg: seg.task.host)  # mine, from the host
+            self._layouts[key] = _ScatterLayout(send, recv, send_splits, recv_splits)
+        return self._layouts[key]
+
+    def _all_to_all(
+        self, stats: StepStats | None, send: torch.Tensor, recv_splits: list[int], send_splits: list[int],
+        recv: torch.Tensor | None = None,
+    ) -> _InFlight:
+        """Issue one all-to-all; its bytes count in ``stats`` (``None``: a gather issued before a
+        step, counted by the step that waits for it)."""
+        if recv is None:
+            recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
+        sent = (send.numel() - send_splits[self.rank_of[self.coord]]) * send.element_size()
+        if stats is not None:
+            stats.bytes_sent += sent
+        return _InFlight(work, send, recv, time.perf_counter(), sent=0 if stats is not None else sent)
+
+
+class _StepRun:
+    """One :meth:`HostGroupEngine.step`: its inputs and what it records, and its stages
+    (gather, compute, scatter, apply) in the order :meth:`run_async` gives them. Made per step,
+    so the engine keeps no per-call state."""
+
+    def __init__(self, engine: HostGroupEngine, *, pieces: Mapping[tuple[str, int], LocalPiece], compute: HostCompute,
+                 factors: StepFactors, replay: Callable[[Sequence[str], Sequence[torch.Tensor]], None] | None,
+                 device: torch.device, update_dtype: torch.dtype) -> None:
+        self.engine, self.pieces, self.compute, self.factors, self.replay = engine, pieces, compute, factors, replay
+        self.device, self.update_dtype = device, update_dtype
+        self.stats = StepStats()
+
+    def run_async(self) -> None:
+        """The pipeline, in one place: gather k+1 | compute k | scatter k | apply k-1. A
+        gather :meth:`prestart` issued is already in flight."""
+        next_gather = self._gather_of(0)
+        pending: tuple[_Exchange, _InFlight | None, dict[str, torch.Tensor]] | None = None
+        for k, exchange in enumerate(self.engine.exchanges):
+            gather = next_gather
+            if k + 1 < len(self.engine.exchanges):
+                next_gather = self._gather_of(k + 1)  # in flight during compute k
+            early = self.engine._early.get(k)
+            if early is not None:  # computed before the step on a side stream: the main one waits
+                if early.done is not None:
+                    torch.cuda.current_stream(self.device).wait_event(early.done)
+                    for tensor in early.directions.values():
+                        tensor.record_stream(torch.cuda.current_stream(self.device))
+            if k in self.engine._staged and gather is not None:  # raw pieces: scale them as their holders did
+                self._wait(gather, "gather", exchange.index)
+                if gather.recv.is_cuda:  # allocated on the side stream that issued it, used here from now on
+                    current = torch.cuda.current_stream(gather.recv.device)
+                    gather.recv.record_stream(current)
+                    gather.send.record_stream(current)
+                if early is None or not self.factors.commit_early:
+                    for factor in self.factors.scale[gather.scaled:]:
+                        gather.recv.mul_(factor)
+            if early is not None and self.factors.commit_early:
+                directions = early.directions
+                if self.replay is not None and exchange.computed:  # before the scatter reuses the gather
+                    full_grads = self._finish_gather(exchange, gather)
+                    for batch in exchange.computed:
+                        self.replay([t.key for t in batch], [full_grads[t.key] for t in batch])
+                self.stats.computed.extend(t.key for batch in exchange.computed for t in batch)
+                self.stats.early += 1
+            else:
+                self.stats.recomputed += early is not None
+                full_grads = self._finish_gather(exchange, gather)
+                directions = self._host_compute(exchange, full_grads)
+            scatter = self._start_scatter(exchange, directions, gather)  # in flight while group k-1 is applied
+            if pending is not None:
+                self._apply(*pending)
+            pending = (exchange, scatter, directions)
+        assert pending is not None
+        self._apply(*pending)
+
+    def run_sync(self) -> None:
+        """Baseline: every holder gathers every piece of what it holds and computes it."""
+        for exchange in self.engine.exchanges:
+            full_grads = self._finish_gather(exchange, self._start_gather(exchange))
+            directions = self._host_compute(exchange, full_grads)
+            self._apply(exchange, None, directions)
+
+    # Stages ------------------------------------------------------------------------------
+    def _gather_of(self, index: int) -> _InFlight | None:
+        """Micro-group ``index``'s gather: the one :meth:`prestart` issued, else issued now."""
+        if index in self.engine._staged:
+            return self.engine._staged[index]
+        return self._start_gather(self.engine.exchanges[index])
+
+    def _start_gather(self, exchange: _Exchange) -> _InFlight | None:
+        """Pack my pieces by destination and issue the gather all-to-all."""
+        if not exchange.moves:
+            return None
+        send = torch.empty(sum(exchange.send_splits), dtype=self.update_dtype, device=self.device)
+        for seg in exchange.outgoing:
+            send[seg.offset : seg.offset + seg.hi - seg.lo].copy_(self.pieces[(seg.task.key, seg.lo)].grad)
+        return self.engine._all_to_all(self.stats, send, exchange.recv_splits, exchange.send_splits)
+
+    def _finish_gather(self, exchange: _Exchange, inflight: _InFlight | None) -> dict[str, torch.Tensor]:
+        """Wait for the gather; the full gradient of every matrix this rank computes."""
+        self._wait(inflight, "gather", exchange.index)
+        return self.engine._full_grads(exchange, inflight, lambda key, lo: self.pieces[(key, lo)].grad,
+                                       self.update_dtype, self.device)
+
     def _host_compute(self, exchange: _Exchange, full_grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Directions of the matrices this rank computes, one callback per batch."""
         directions: dict[str, torch.Tensor] = {}
         start = time.perf_counter()
         for batch in exchange.computed:
             grads = [full_grads[t.key] for t in batch]
-            assert self._side is not None
-            with self._side.compute(grads):
-                out = [d.to(self._update_dtype) for d in _checked(self._compute([t.key for t in batch], grads), grads)]
-            self._side.hand_back(out)
+            assert self.engine._side is not None
+            with self.engine._side.compute(grads):
+                out = [d.to(self.update_dtype) for d in _checked(self.compute([t.key for t in batch], grads), grads)]
+            self.engine._side.hand_back(out)
             directions.update((t.key, d) for t, d in zip(batch, out))
-            self._stats.computed.extend(t.key for t in batch)
+            self.stats.computed.extend(t.key for t in batch)
         if exchange.computed:
-            self._stats.timeline.append(("compute", exchange.index, start, time.perf_counter()))
+            self.stats.timeline.append(("compute", exchange.index, start, time.perf_counter()))
         return directions
 
     def _start_scatter(
@@ -754,45 +808,25 @@ class HostGroupEngine:
         assert gather is not None
         send, recv = gather.recv, gather.send
         if exchange.narrow:
-            layout = self._scatter_layout(exchange)
+            layout = self.engine._scatter_layout(exchange, self.update_dtype)
             for seg, offset in zip(exchange.incoming, layout.send):
                 target = _typed(send, offset, seg.hi - seg.lo, seg.task.update_dtype or send.dtype)
-                self._copies[(seg.task.key, seg.holder, seg.lo)].from_full(directions[seg.task.key], target)
-            return self._all_to_all(_bytes(send, sum(layout.send_splits)), layout.recv_splits, layout.send_splits,
-                                    recv=_bytes(recv, sum(layout.recv_splits)))
+                self.engine._copies[(seg.task.key, seg.holder, seg.lo)].from_full(directions[seg.task.key], target)
+            return self.engine._all_to_all(self.stats, _bytes(send, sum(layout.send_splits)), layout.recv_splits,
+                                           layout.send_splits, recv=_bytes(recv, sum(layout.recv_splits)))
         for seg in exchange.incoming:
             target = send[seg.offset : seg.offset + seg.hi - seg.lo]
-            self._copies[(seg.task.key, seg.holder, seg.lo)].from_full(directions[seg.task.key], target)
-        return self._all_to_all(send, exchange.send_splits, exchange.recv_splits, recv=recv)
-
-    def _scatter_layout(self, exchange: _Exchange) -> _ScatterLayout:
-        """The byte layout of a narrow exchange's scatter at this step's update dtype (made once
-        per exchange and dtype). Segments keep the element layout's order, grouped by peer."""
-        itemsize = self._update_dtype.itemsize
-        key = (exchange.index, itemsize)
-        if key not in self._layouts:
-            def place(segments: list[_Segment], peer_of: Callable[[_Segment], Coord]) -> tuple[tuple[int, ...], list[int]]:
-                offsets, splits, offset = [], [0] * len(self.rank_of), 0
-                for seg in segments:
-                    size = (seg.hi - seg.lo) * (seg.task.update_dtype or self._update_dtype).itemsize
-                    size = -(-size // itemsize) * itemsize
-                    offsets.append(offset)
-                    splits[self.rank_of[peer_of(seg)]] += size
-                    offset += size
-                return tuple(offsets), splits
-            send, send_splits = place(exchange.incoming, lambda seg: seg.holder)  # back to each holder
-            recv, recv_splits = place(exchange.outgoing, lambda seg: seg.task.host)  # mine, from the host
-            self._layouts[key] = _ScatterLayout(send, recv, send_splits, recv_splits)
-        return self._layouts[key]
+            self.engine._copies[(seg.task.key, seg.holder, seg.lo)].from_full(directions[seg.task.key], target)
+        return self.engine._all_to_all(self.stats, send, exchange.send_splits, exchange.recv_splits, recv=recv)
 
     def _apply(self, exchange: _Exchange, scatter: _InFlight | None, directions: dict[str, torch.Tensor]) -> None:
         """Apply my slice of every direction: received ones, then those computed here."""
         self._wait(scatter, "scatter", exchange.index)
         start = time.perf_counter()
         if scatter is not None and exchange.narrow:
-            layout = self._scatter_layout(exchange)
+            layout = self.engine._scatter_layout(exchange, self.update_dtype)
             for seg, offset in zip(exchange.outgoing, layout.recv):
-                received = _typed(scatter.recv, offset, seg.hi - seg.lo, seg.task.update_dtype or self._update_dtype)
+                received = _typed(scatter.recv, offset, seg.hi - seg.lo, seg.task.update_dtype or self.update_dtype)
                 self._apply_piece(seg.task.key, seg.lo, received)
         elif scatter is not None:
             for seg in exchange.outgoing:
@@ -803,32 +837,19 @@ class HostGroupEngine:
             if task.is_local():
                 self._apply_piece(key, 0, direction.reshape(-1))
                 continue
-            for lo, hi in self.holds(task):
-                flat = torch.empty(hi - lo, dtype=self._update_dtype, device=self._device)
-                self._copies[(key, self.coord, lo)].from_full(direction, flat)
+            for lo, hi in self.engine.holds(task):
+                flat = torch.empty(hi - lo, dtype=self.update_dtype, device=self.device)
+                self.engine._copies[(key, self.engine.coord, lo)].from_full(direction, flat)
                 self._apply_piece(key, lo, flat)
-        self._stats.timeline.append(("apply", exchange.index, start, time.perf_counter()))
+        self.stats.timeline.append(("apply", exchange.index, start, time.perf_counter()))
 
-    # Helpers -----------------------------------------------------------------------------
     def _apply_piece(self, key: str, lo: int, update: torch.Tensor) -> None:
         """Apply a slice of ``key``'s direction (a narrow one: scaled first, in the update dtype)."""
-        piece = self._pieces[(key, lo)]
-        task = self._task_of[key]
+        piece = self.pieces[(key, lo)]
+        task = self.engine._task_of[key]
         if task.update_dtype is not None:
-            update = update.to(self._update_dtype) * task.update_scale
+            update = update.to(self.update_dtype) * task.update_scale
         apply_update(piece.param, update, lr=piece.lr, weight_decay=piece.weight_decay)
-
-    def _all_to_all(
-        self, send: torch.Tensor, recv_splits: list[int], send_splits: list[int], recv: torch.Tensor | None = None,
-        stats: bool = True,
-    ) -> _InFlight:
-        if recv is None:
-            recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
-        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
-        sent = (send.numel() - send_splits[self.rank_of[self.coord]]) * send.element_size()
-        if stats:
-            self._stats.bytes_sent += sent
-        return _InFlight(work, send, recv, time.perf_counter(), sent=0 if stats else sent)
 
     def _wait(self, inflight: _InFlight | None, stage: str, index: int) -> None:
         if inflight is None or inflight.waited:
@@ -836,5 +857,5 @@ class HostGroupEngine:
         if inflight.work is not None:
             inflight.work.wait()
         inflight.waited = True
-        self._stats.bytes_sent += inflight.sent  # a gather issued before the step counts in it
-        self._stats.timeline.append((stage, index, inflight.issued, time.perf_counter()))
+        self.stats.bytes_sent += inflight.sent  # a gather issued before the step counts in it
+        self.stats.timeline.append((stage, index, inflight.issued, time.perf_counter()))

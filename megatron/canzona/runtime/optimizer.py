@@ -22,7 +22,7 @@ would have made: bit for bit the same update.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +40,16 @@ from megatron.canzona.optim import (
 from megatron.canzona.optim.common import state_dtype_for
 from megatron.canzona.optim.config import resolve_dtype
 from megatron.canzona.optim.muon import muon_scale
-from megatron.canzona.optim.split import FusedLayout
+from megatron.canzona.optim.split import FusedLayout, GateUpLayout
 from megatron.canzona.planning.comm import NARROW_DTYPE_BYTES
-from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, MatrixTask, StepStats, direction_elements
+from megatron.canzona.runtime.host_groups import (
+    HostGroupEngine,
+    LocalPiece,
+    MatrixTask,
+    StepFactors,
+    StepStats,
+    direction_elements,
+)
 
 
 @dataclass(frozen=True)
@@ -81,12 +88,6 @@ class CanzonaOptimizer(MatrixOptimizer):
         self.engine: HostGroupEngine | None = None
         self.last_stats = StepStats()
         self.last_step_updates: list[str] = []
-        self.gather_scale: tuple[Any, ...] = ()
-        """Factors the hosts apply to gradients gathered before the step (loss-scale inverse,
-        clip factor), set by the DistributedOptimizer around each step."""
-        self.commit_early = False
-        """Whether the directions computed before this step (:meth:`stage_compute`) are its own:
-        the factors known then were all of them (no clip acted). Set around each step."""
         self._unscaled: MuonConfig | None = None
         """:func:`unscaled` of the config, made at the first step with a narrow task."""
 
@@ -167,6 +168,16 @@ class CanzonaOptimizer(MatrixOptimizer):
         shape = self._tasks[key].full_shape(self._engine().tp_size)
         return [p.shape for p in split_pieces(torch.empty(shape, device="meta"), self._layouts[key])]
 
+    def split_kinds(self) -> frozenset[type]:
+        """The kinds of fused layout (:class:`~megatron.canzona.optim.split.FusedLayout` subclasses)
+        this optimizer splits matrices by, counting a fused matrix hosted in parts as split
+        (its parts are the pieces one host splitting it would optimize): the matrix state's
+        structure, which a checkpoint must match."""
+        kinds = {type(layout) for layout in self._layouts.values() if layout is not None}
+        if self._parts:
+            kinds.add(GateUpLayout)
+        return frozenset(kinds)
+
     def report_name(self, key: str) -> str:
         """The parameter name of task ``key``, with ``#part<k>`` for a part hosted apart."""
         name = self._names.get(key, key)
@@ -187,11 +198,24 @@ class CanzonaOptimizer(MatrixOptimizer):
         return self.engine
 
     # Stepping ------------------------------------------------------------------------------
+    def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
+             factors: StepFactors = StepFactors()) -> float | None:
+        """One update of every parameter; ``factors``: what the step knows of the gradients
+        gathered before it (the DistributedOptimizer's, one frozen value per step)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._run_step(factors)
+        return loss
+
     def _update(self) -> None:
+        self._run_step(StepFactors())
+
+    def _run_step(self, factors: StepFactors) -> None:
         """Every matrix through the host groups, then AdamW where the elementwise ones are.
         Updates computed before the step become the state if the step used them, else go."""
-        self.last_stats = self._engine().step(self._local_pieces(), self._host_compute, scale=self.gather_scale,
-                                              commit_early=self.commit_early,
+        self.last_stats = self._engine().step(self._local_pieces(), self._host_compute, factors,
                                               replay=self._replay if self.direction_fn is not None else None)
         if self.last_stats.early:
             self.commit_staged()

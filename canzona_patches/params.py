@@ -1,14 +1,19 @@
-"""Parameter names independent of the parallel layout: the names a checkpoint keys state by
-and the optimizer derives per-matrix schedules from (Shampoo/SOAP refresh offsets).
+"""Parameters as both the optimizer and the checkpoints see them: names independent of the
+parallel layout (what a checkpoint keys state by, and what the optimizer derives per-matrix
+schedules from: Shampoo/SOAP refresh offsets), the TP shard layout of a fused weight, and the
+walk over a distributed optimizer's shard. ``integration`` and ``checkpoints`` both import it.
 
 Hooks (megatron-core 0.19.2): a transformer layer's ``layer_number`` (1-based, global over
 pipeline stages) and an MoE layer's ``local_expert_indices`` (the global index of each local
-expert of ``SequentialMLP``'s ``local_experts.J`` and transformer-engine's ``weightJ``).
+expert of ``SequentialMLP``'s ``local_experts.J`` and transformer-engine's ``weightJ``);
+``DistributedOptimizer.gbuf_ranges`` and ``model_param_group_index_map`` (this rank's shard).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -61,3 +66,23 @@ def _global_expert_name(name: str, experts: dict[str, tuple[int, ...]]) -> str:
     if match["module"] is not None:
         return f"{match['moe']}.experts.local_experts.{indices[int(match['module'])]}.{match['rest']}"
     return f"{match['moe']}.experts.{match['flat']}{indices[int(match['weight'])]}"
+
+
+def tp_stride(name: str, gated_linear_unit: bool) -> int:
+    """Blocks per TP shard along its TP dim: 2 for a gated fc1 (weight or bias), whose shard
+    is ``[gate_r; up_r]`` of the global ``[gate; up]``; 1 for every other parameter. The one
+    source of it (binding and checkpoints): derived from the model, not read from Megatron's
+    ``partition_stride``, which the kitchen option sets to 1 for the same shard layout."""
+    return 2 if gated_linear_unit and name.endswith(("linear_fc1.weight", "linear_fc1.bias")) else 1
+
+
+def shard_entries(optimizer: Any) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, dict, Any]]:
+    """``(model param, flat main param, inner group, range in the param)`` for this rank's shard."""
+    inner = optimizer.optimizer
+    for gbuf_range_maps in optimizer.gbuf_ranges:
+        for per_bucket in gbuf_range_maps.values():
+            for bucket in per_bucket:
+                for model_param, ranges in bucket["param_map"].items():
+                    group_index, order = optimizer.model_param_group_index_map[model_param]
+                    group = inner.param_groups[group_index]
+                    yield model_param, group["params"][order], group, ranges["param"]
