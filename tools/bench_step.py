@@ -299,7 +299,7 @@ def matrices_per_rank(last: dict[str, list[dict]], args: argparse.Namespace) -> 
     return {
         "model": {"dense": dense, "experts": experts, "routers": routers},
         **{name: [len(r["updated"]) for r in last[name]]
-           for name in ("canzona", "canzona_lean", LATE_GATHER, EARLY_COMPUTE, MATRICES_FIRST) if name in last},
+           for name in ("canzona", "canzona_lean", LATE_GATHER, DEFAULT, EARLY_COMPUTE, MATRICES_FIRST) if name in last},
         "sync": sync,
         "megatron_mean": (dense + routers) / args.dp + experts / args.ep / expert_dp,
     }
@@ -367,11 +367,16 @@ def main(argv: list[str] | None = None) -> int:
     names = list(variants(args))
     rounds: dict[str, list[list[float]]] = {name: [] for name in names}
     last: dict[str, list[dict]] = {}
+    every: dict[str, list[list[dict]]] = {name: [] for name in names}
     for i in range(len(runs)):
         name = names[i % len(names)]
         last[name] = [rank[i] for rank in per_rank]
+        every[name].append(last[name])
         rounds[name].append((exposed_times if args.iteration else step_times)(last[name], args.warmup))
     report = summarize(args, rounds, last)
+    if args.iteration:
+        report["iteration_over_no_early_compute"] = {
+            name: iteration_ratios(every[name], every["canzona"], args.warmup) for name in (DEFAULT, EARLY_COMPUTE)}
     report["wall_seconds"] = time.perf_counter() - start
     print_table(report, names)
     if args.iteration:
@@ -420,14 +425,12 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
             for name in last}
         report["early_compute"] = early_compute_summary(report["iteration_parts_ms"], last)
         report["clip_grad"] = args.clip_grad
-        report["iteration_over_no_early_compute"] = {
-            name: iteration_ratio(last[name], last["canzona"], args.warmup) for name in (DEFAULT, EARLY_COMPUTE)}
         report["reduces_held_per_rank"] = [r["reduces_held"] for r in last[MATRICES_FIRST]]
     report["split_matrices"] = sum(p.host is None for part in plans for p in part.dp.matrix.placements)
     if args.moe:  # tiny_gpt reports the bytes of one Canzona optimizer, not of a dense + expert chain
         report["host_group_bytes_per_rank_step"] = None
         return report
-    host_names = [n for n in ("canzona", "canzona_lean", LATE_GATHER, EARLY_COMPUTE, MATRICES_FIRST, "sync")
+    host_names = [n for n in ("canzona", "canzona_lean", LATE_GATHER, DEFAULT, EARLY_COMPUTE, MATRICES_FIRST, "sync")
                   if n in last and (args.tp > 1 or n != "sync")]
     report["host_group_bytes_per_rank_step"] = {
         name: sum(r["tp_stats"]["bytes_sent"] for r in last[name]) / world for name in host_names
@@ -437,11 +440,12 @@ def summarize(args: argparse.Namespace, rounds: dict[str, list[list[float]]], la
     return report
 
 
-def iteration_ratio(ours: list[dict], theirs: list[dict], warmup: int) -> float:
-    """Median over the timed iterations of the last round of ``ours``' whole iteration over
-    ``theirs``' (the slowest rank's each)."""
-    return statistics.median(iteration_parts(ours, warmup)["iteration"]) / \
-        statistics.median(iteration_parts(theirs, warmup)["iteration"])
+def iteration_ratios(ours: list[list[dict]], theirs: list[list[dict]], warmup: int) -> dict[str, float]:
+    """Round by round (the variants take turns), the median of ``ours``' whole iterations over the
+    median of ``theirs``' (the slowest rank's each): the median and spread of those ratios."""
+    ratios = [statistics.median(iteration_parts(a, warmup)["iteration"]) /
+              statistics.median(iteration_parts(b, warmup)["iteration"]) for a, b in zip(ours, theirs)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": ratios}
 
 
 def early_compute_summary(parts: dict[str, dict[str, float]], last: dict[str, list[dict]]) -> dict:
@@ -476,8 +480,8 @@ def print_iteration_table(report: dict, names: list[str]) -> None:
           f"of the {early['micro_groups']} micro-groups computed before the step; steps by outcome "
           f"{early['steps_by_outcome']} (clip {report['clip_grad']:g})")
     ratios = report["iteration_over_no_early_compute"]
-    print(f"iteration over canzona (--canzona-no-early-compute): {DEFAULT} (the default) {ratios[DEFAULT]:.3f}, "
-          f"{EARLY_COMPUTE} {ratios[EARLY_COMPUTE]:.3f}")
+    print("iteration over canzona (--canzona-no-early-compute), median of the rounds' (spread): " + ", ".join(
+        f"{name} {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})" for name, r in ratios.items()))
     print(f"{MATRICES_FIRST}: reduce-scatters held behind the matrices' per rank over the run: "
           f"{', '.join(str(n) for n in report['reduces_held_per_rank'])}")
 

@@ -124,8 +124,9 @@ class Context:
     once: tuple[str, ...] = ONCE_VARIANTS
     """Variants the ``one_gpu`` step runs once, after its rounds."""
     profile: bool = True
-    """Profile one iteration of each variant's first run (its later iterations are the noisier
-    for it on a host-bound GPU: the rounds after the first are the cleaner sample)."""
+    """After the timed runs, one short run of each variant that profiles its iteration
+    :data:`PROFILED_ITERATION` (apart: the iterations after a profiled one are the noisier for it on
+    a host-bound GPU, 2026-11-28)."""
     rounds: int = ONE_GPU_ROUNDS
     timed: int = ONE_GPU_TIMED
     deadline: float = float("inf")
@@ -332,10 +333,11 @@ def step_tp2dp2(ctx: Context, result: Result) -> None:
                       f"(allowed {LOSS_RTOL:.0e}); {crashes}")
 
 
-def one_gpu_env(ctx: Context, variant: str, log_dir: Path) -> dict[str, str]:
+def one_gpu_env(ctx: Context, variant: str, log_dir: Path, iterations: int | None = None) -> dict[str, str]:
+    """The recipe's settings for one run of ``variant`` (``iterations``: default the warm-up and the timed ones)."""
     return {"PYTHON": ctx.python, "VARIANT": RECIPE_VARIANTS.get(variant, (variant,))[0], "NPROC_PER_NODE": "1",
             "TP": "1", "PRECISION": "bf16", "SEQ_LENGTH": "2048", "GLOBAL_BATCH": "8", "MICRO_BATCH": "1",
-            "TRAIN_ITERS": str(ONE_GPU_WARMUP + ctx.timed), "WARMUP_ITERS": "2", "LOG_INTERVAL": "1",
+            "TRAIN_ITERS": str(iterations or ONE_GPU_WARMUP + ctx.timed), "WARMUP_ITERS": "2", "LOG_INTERVAL": "1",
             "EVAL_INTERVAL": "1000", "EVAL_ITERS": "1", "CKPT_DIR": "none",
             "TOKENIZER_TYPE": "SentencePieceTokenizer", "TOKENIZER_MODEL": str(DEMO_DATA / "tokenizer.model"),
             "DATA_PATH": str(DEMO_DATA / "demo_text_document"), "LOG_DIR": str(log_dir), "MASTER_PORT": "29563",
@@ -373,15 +375,20 @@ def step_one_gpu(ctx: Context, result: Result) -> None:
             break
         for variant in variants:
             name = f"one_gpu_{variant}_r{round_index + 1}"
-            first = not any(runs[variant])
-            profile = ctx.out / f"profile_{variant}.json" if first and ctx.profile else None
             begin = time.monotonic()
-            ctx.run(name, ["bash", str(RECIPE_8B), *one_gpu_flags(variant, profile=profile)], result,
+            ctx.run(name, ["bash", str(RECIPE_8B), *one_gpu_flags(variant, profile=None)], result,
                     env=one_gpu_env(ctx, variant, ctx.out / name))
             run_s = max(run_s, time.monotonic() - begin)
             runs[variant].append(read_run(ctx.out / name))
-            if profile is not None and profile.is_file():
-                profiles[variant] = json.loads(profile.read_text())
+    for variant in (v for v in runs if runs[v] and ctx.profile):
+        if ctx.left_s() < run_s + ctx.reserve_s:
+            break
+        profile = ctx.out / f"profile_{variant}.json"
+        name = f"one_gpu_{variant}_profile"
+        ctx.run(name, ["bash", str(RECIPE_8B), *one_gpu_flags(variant, profile=profile)], result,
+                env=one_gpu_env(ctx, variant, ctx.out / name, iterations=PROFILED_ITERATION + 1))
+        if profile.is_file():
+            profiles[variant] = json.loads(profile.read_text())
     one_gpu_result(runs, profiles, transformer_engine(), result)
 
 
@@ -505,7 +512,8 @@ def overlap_command(ctx: Context) -> list[str]:
 
 
 def step_overlap(ctx: Context, result: Result) -> None:
-    """Newton-Schulz on a side stream beside a GEMM load (the step's early compute beside backward)."""
+    """Newton-Schulz on a side stream beside a GEMM load: what early compute would cost beside backward
+    (why it runs only after backward)."""
     ctx.run("overlap", overlap_command(ctx), result)
     result.details = json.loads((ctx.out / "overlap.json").read_text())
     d = result.details
@@ -643,8 +651,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="one_gpu: variants run once, after the rounds (default: the clip-idle pair, early compute "
                    "forced on and off, and early compute forced with the recipe's clip)")
     p.add_argument("--no-profile", dest="profile", action="store_false",
-                   help="one_gpu: profile no iteration (by default each variant's first run profiles its iteration "
-                   f"{PROFILED_ITERATION})")
+                   help="one_gpu: profile no iteration (by default, after the timed runs, one short run of each "
+                   f"variant profiles its iteration {PROFILED_ITERATION})")
     p.add_argument("--rounds", type=int, default=ONE_GPU_ROUNDS, help="one_gpu: paired rounds of the variants")
     p.add_argument("--timed", type=int, default=ONE_GPU_TIMED, help="one_gpu: timed iterations per run, after the warm-up")
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",

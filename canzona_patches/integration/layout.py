@@ -266,11 +266,11 @@ def early_compute_on(cfg: Any, dp_size: int, overlap: bool) -> bool:
 def early_compute_line(cfg: Any, dp_size: int, overlap: bool, expert_dp_size: int | None = None) -> str:
     """The start-up line of the early-compute choice (the experts' too, where they differ)."""
     dense = early_compute_choice(cfg, dp_size, overlap)
-    line = f"[canzona] early compute ({cfg.early_compute}): {dense.reason}"
+    line = f"[canzona] early compute: {dense.line()}"
     if expert_dp_size is not None:
         experts = early_compute_choice(cfg, expert_dp_size, overlap)
         if experts.on != dense.on:
-            line += f"; experts (expert-data-parallel size {expert_dp_size}): {experts.reason}"
+            line += f"; experts: {experts.line()}"
     return line
 
 

@@ -12,10 +12,22 @@ Hooks (megatron-core 0.19.2):
 * ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer`` wraps the Canzona
   inner optimizer unchanged: fp32 main weights for bf16 parameters, gradient clipping by
   the global norm, and the stock parameter all-gather (overlapped when asked).
-  :class:`CanzonaDistributedOptimizer` changes two things: it all-gathers the matrix buffer
+  :class:`CanzonaDistributedOptimizer` changes three things: it all-gathers the matrix buffer
   too (``DistributedOptimizer.start_param_sync_for_bucket_group_subset`` skips buffers tagged
-  ``is_managed_by_layer_wise_optimizer``, the tag DDP's buffer grouping reads), and a step
-  whose gradients hold inf or NaN is skipped also when no loss scaler would catch it.
+  ``is_managed_by_layer_wise_optimizer``, the tag DDP's buffer grouping reads); a step whose
+  gradients hold inf or NaN is skipped also when no loss scaler would catch it, and one whose norm
+  is over ``grad_norm_skip_threshold`` too (0.19.2 honours it in ``ChainedOptimizer.step`` only);
+  and ``step_with_ready_grads`` is its own, so that the inner step receives one frozen
+  :class:`~megatron.canzona.runtime.host_groups.StepFactors` (Megatron's ``optimizer-inner-step``,
+  ``optimizer-copy-main-to-model-params`` and ``params-all-gather`` timers around the same calls:
+  ``_copy_main_params_to_model_params``, and the parameter all-gather unless it overlaps the next
+  forward or ``_defer_param_sync`` is set).
+
+The step's path, once per iteration: ``prepare_grads`` (inf/NaN) -> ``clip_grad_norm`` (or, chained,
+``get_grad_norm``) makes the step's :class:`NormOutcome` (:func:`norm_outcome`, one rule for the
+dense and the chained optimizers) -> ``step_with_ready_grads`` passes :func:`step_factors` of it to
+the inner step -> :meth:`CanzonaDistributedOptimizer.conclude` counts the early-compute outcome and
+asks the speculation policy about the next iteration (a skipped step concludes where it is decided).
 """
 
 from __future__ import annotations
@@ -235,7 +247,11 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
             with _timed(timers, "optimizer-inner-step", self.config):
                 self.optimizer.step(factors=factors)
             with _timed(timers, "optimizer-copy-main-to-model-params", self.config):
-                self._copy_main_params_to_model_params()
+                if self.config.reuse_grad_buf_for_mxfp8_param_ag:  # the param all-gather reads the grad buffer
+                    if not self.config.overlap_param_gather:
+                        self._copy_main_params_to_param_buffer()
+                else:
+                    self._copy_main_params_to_model_params()
         if not self.ddp_config.overlap_param_gather and not getattr(self, "_defer_param_sync", False):
             with _timed(timers, "params-all-gather", self.config):
                 self.start_param_sync_for_bucket_group_subset()

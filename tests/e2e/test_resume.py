@@ -299,6 +299,7 @@ def test_a_checkpoint_saved_right_after_a_recomputed_early_step_resumes_exactly(
     for stage in (0, 1):
         assert re.search(rf"\[canzona\] stage {stage}: matrices reduce first: (on|off) \(projected on ",
                          pp_runs["stdout"]), pp_runs["stdout"][-4000:]
+        assert f"[canzona] stage {stage}: early compute: on (--canzona-early-compute on)" in pp_runs["stdout"]
 
 
 def test_resume_at_dp2_from_a_pp2_checkpoint(pp_runs):

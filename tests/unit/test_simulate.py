@@ -171,37 +171,68 @@ def test_early_gathers_go_in_backward_on_nccl_and_once_it_ends_on_gloo():
 
 
 def test_early_compute_runs_once_gathered_and_commits_at_the_step():
-    """Speculative early compute (issue's model): each micro-group computed once its gather has
-    landed, beside backward at the measured efficiency, at full rate in the reduce-scatter's
-    tail; its scatter and apply wait for the step (the norm). It never lengthens the step, a
-    clip that always binds gives today's step back, and more efficiency beside backward helps."""
-    from megatron.canzona.planning.sim.step import EarlyCompute
+    """Speculative early compute: each micro-group computed once its gather has landed and
+    backward is over, in the reduce-scatters' tail; its scatter and apply wait for the step
+    (the norm). It never lengthens the step, and it shortens this one."""
+    specs = [matrix(tp_size=2, name=f"w{i}", order=i) for i in range(8)]
+    work = Workload(global_batch=2, micro_batch=1, seq_length=4096, flops_per_token=1e10)
+    kwargs = dict(strategy="canzona", dp_size=2, tp_size=2, workload=work, wire=WIRE, bucket_size=NUMEL // 2,
+                  cluster=cluster())
+    today = simulate(specs, **kwargs)
+    early = simulate(specs, early_compute=True, **kwargs)
+    assert early.details["early_compute"] and not today.details.get("early_compute")
+    assert early.optimizer_step_seconds < today.optimizer_step_seconds
+    origin = early.iteration_seconds - early.optimizer_step_seconds
+    assert min(s.start for s in early.timeline if s.kind == "scatter") >= origin - 1e-12  # commits at the step
+    assert min(s.start for s in early.timeline if s.kind == "compute") < origin  # computed before it
+    with pytest.raises(ValueError, match="clip_rate"):
+        simulate(specs, early_compute=True, clip_rate=1.5, **kwargs)
+
+
+def test_early_compute_waits_for_the_end_of_backward():
+    """The runtime computes nothing beside backward's GEMMs: a group whose buckets reduce (and
+    whose gather lands) mid-backward is computed only once backward is over, from its end."""
+    specs = [matrix(tp_size=2, name=f"w{i}", order=i) for i in range(8)]
+    work = Workload(global_batch=2, micro_batch=1, seq_length=4096, flops_per_token=1e10)
+    r = simulate(specs, strategy="canzona", dp_size=2, tp_size=2, workload=work, wire=WIRE, bucket_size=NUMEL // 2,
+                 cluster=cluster(), early_compute=True)
+    origin = r.iteration_seconds - r.optimizer_step_seconds
+    backward_end = origin - r.grad_reduce_exposed_seconds
+    gathers = [s for s in r.timeline if s.kind == "gather"]
+    assert gathers and min(s.end for s in gathers) < backward_end  # a group landed mid-backward
+    computes = [s for s in r.timeline if s.kind == "compute"]
+    assert computes and min(s.start for s in computes) >= backward_end - 1e-12
+    assert min(s.start for s in computes) < origin  # and still went before the step, in the tail
+    assert min(s.start for s in computes) == pytest.approx(backward_end, abs=1e-12)  # at once when backward ends
+
+
+def test_clip_rate_prices_the_speculation_policy():
+    """``clip_rate`` is the chance the clip acts in an iteration; the step is priced as the
+    runtime's policy decides: committed · early step + the rest · the step without early
+    compute. A clip that always acts commits nothing (today's step); one that never acts
+    commits every iteration (the early step); the shares go to the details."""
+    from megatron.canzona.planning.speculation import expected_rates
 
     specs = [matrix(tp_size=2, name=f"w{i}", order=i) for i in range(8)]
     work = Workload(global_batch=2, micro_batch=1, seq_length=4096, flops_per_token=1e10)
     kwargs = dict(strategy="canzona", dp_size=2, tp_size=2, workload=work, wire=WIRE, bucket_size=NUMEL // 2,
                   cluster=cluster())
     today = simulate(specs, **kwargs)
-    early = simulate(specs, early_compute=True, early_efficiency=0.0, **kwargs)
-    free = simulate(specs, early_compute=True, early_efficiency=1.0, **kwargs)
-    binds = simulate(specs, early_compute=True, early_efficiency=1.0, clip_rate=1.0, **kwargs)
-    half = simulate(specs, early_compute=True, early_efficiency=1.0, clip_rate=0.5, **kwargs)
-    assert early.details["early_compute"] and not today.details.get("early_compute")
-    assert free.optimizer_step_seconds <= early.optimizer_step_seconds <= today.optimizer_step_seconds
-    assert free.optimizer_step_seconds < today.optimizer_step_seconds
-    assert binds.optimizer_step_seconds == pytest.approx(today.optimizer_step_seconds, rel=1e-12)
+    never, half, always = (simulate(specs, early_compute=True, clip_rate=c, **kwargs) for c in (0.0, 0.5, 1.0))
+    assert never.optimizer_step_seconds < today.optimizer_step_seconds
+    assert never.details["speculation"] == {"committed": 1.0, "recomputed": 0.0, "not_speculated": 0.0}
+    assert always.details["speculation"]["committed"] == 0.0
+    assert always.optimizer_step_seconds == pytest.approx(today.optimizer_step_seconds, rel=1e-12)
+    rates = expected_rates(0.5)
+    assert half.details["speculation"] == pytest.approx(
+        {"committed": rates.committed, "recomputed": rates.recomputed, "not_speculated": rates.not_speculated})
+    assert sum(half.details["speculation"].values()) == pytest.approx(1.0)
+    assert half.details["clip_rate"] == 0.5
     assert half.optimizer_step_seconds == pytest.approx(
-        (free.optimizer_step_seconds + today.optimizer_step_seconds) / 2, rel=1e-12)
-    origin = free.iteration_seconds - free.optimizer_step_seconds
-    assert min(s.start for s in free.timeline if s.kind == "scatter") >= origin - 1e-12  # commits at the step
-    assert min(s.start for s in free.timeline if s.kind == "compute") < origin  # computed before it
-    # beside backward at 1/4 of the rate: 1 s of work from 2 s before backward's end ends 1 s early
-    tail = EarlyCompute(backward_end=-1.0, efficiency=0.25)
-    assert tail.finish(-3.0, 0.25) == pytest.approx(-2.0)
-    assert tail.finish(-3.0, 1.0) == pytest.approx(-0.5)
-    assert tail.finish(-0.5, 1.0) == pytest.approx(0.5)
-    with pytest.raises(ValueError, match="clip_rate"):
-        simulate(specs, early_compute=True, clip_rate=1.5, **kwargs)
+        rates.committed * never.optimizer_step_seconds + (1 - rates.committed) * today.optimizer_step_seconds,
+        rel=1e-12)
+    # backing off after failures, the policy commits fewer than the 1 - clip_rate an every-iteration speculation did
+    assert rates.committed < 0.5
 
 
 def test_matrices_reduced_first_hold_back_only_dense_buckets_without_a_matrix():
@@ -282,7 +313,7 @@ def test_early_compute_inline_on_gloo_leaves_the_step_only_its_commit():
     specs = [matrix(tp_size=2, name=f"w{i}", order=i) for i in range(8)]
     work = Workload(global_batch=2, micro_batch=1, seq_length=4096, flops_per_token=1e10)
     kwargs = dict(strategy="canzona", dp_size=2, tp_size=2, workload=work, wire=WIRE, bucket_size=NUMEL // 2,
-                  cluster=cluster(backend="gloo"), early_compute=True, early_efficiency=1.0)
+                  cluster=cluster(backend="gloo"), early_compute=True)
     queued, inline = simulate(specs, **kwargs), simulate(specs, early_inline=True, **kwargs)
     assert inline.grad_reduce_exposed_seconds == 0.0 < queued.grad_reduce_exposed_seconds
     origin = inline.iteration_seconds - inline.optimizer_step_seconds
@@ -295,11 +326,13 @@ def test_early_compute_inline_on_gloo_leaves_the_step_only_its_commit():
 def test_early_compute_keeps_to_each_ranks_memory_budget():
     """Each rank computes early only the micro-groups that fit ``early_compute_bytes`` (what the
     runtime picks: in the order their last bucket reduces), the others in the step: no budget
-    gives the step back as without early compute, a budget of two matrices lies in between."""
+    gives the step back as without early compute, a budget of two matrices lies in between. (A
+    slow link: the reduce-scatters' tail after backward, where early compute runs, must hold
+    more than two matrices' compute for the budget to show.)"""
     specs = [matrix(name=f"w{i}", order=i) for i in range(16)]
     work = Workload(global_batch=2, micro_batch=1, seq_length=4096, flops_per_token=1e10)
     kwargs = dict(strategy="canzona", dp_size=2, tp_size=1, workload=work, wire=WIRE, bucket_size=NUMEL // 2,
-                  cluster=cluster(), early_efficiency=1.0)
+                  cluster=cluster(intra_node={"bandwidth_gb_per_s": 1.0, "latency_us": 10.0}))
     today = simulate(specs, **kwargs)
     unbounded = simulate(specs, early_compute=True, early_compute_bytes=None, **kwargs)
     none = simulate(specs, early_compute=True, early_compute_bytes=0, **kwargs)
@@ -326,7 +359,7 @@ def test_experts_are_computed_early_too_in_the_time_the_dense_work_leaves():
     experts = [dataclasses.replace(matrix(name=f"e{i}", order=4 + i), is_expert=True) for i in range(8)]
     work = Workload(global_batch=4, micro_batch=1, seq_length=4096, flops_per_token=1e10)
     kwargs = dict(strategy="canzona", dp_size=4, tp_size=1, workload=work, wire=WIRE, bucket_size=NUMEL // 2,
-                  cluster=cluster(), early_efficiency=1.0)
+                  cluster=cluster())
 
     def early(result) -> list:  # compute spans before the step's start
         origin = result.iteration_seconds - result.optimizer_step_seconds
@@ -602,6 +635,24 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]  # after argparse's usage
     assert stopped.value.code == 2 and ": error: --matrices-reduce-first on" in last and "add --early-compute" in last
+
+
+def test_cli_prints_the_speculation_shares_with_the_clip_rate(capsys):
+    """``--early-compute --clip-rate``: the policy's shares the step is priced with, in the text
+    report and in the JSON's config; ``--early-efficiency`` is gone (nothing runs beside backward)."""
+    from megatron.canzona.planning.speculation import expected_rates
+
+    argv = ["--model", "qwen3-tiny", "--gpus", "4", "--strategies", "canzona", "--early-compute", "--clip-rate", "0.5"]
+    code, out, _ = run_cli(argv, capsys)
+    rates = expected_rates(0.5)
+    assert code == 0 and "early compute at clip rate 0.5" in out and f"commits {rates.committed:.1%}" in out
+    code, out, _ = run_cli([*argv, "--json"], capsys)
+    config = json.loads(out)["config"]
+    assert code == 0 and config["clip_rate"] == 0.5
+    assert config["speculation"] == pytest.approx(
+        {"committed": rates.committed, "recomputed": rates.recomputed, "not_speculated": rates.not_speculated})
+    with pytest.raises(SystemExit):
+        run_cli([*argv, "--early-efficiency", "1"], capsys)
 
 
 def test_layering_allows_the_simulator():

@@ -82,12 +82,13 @@ def test_expected_rates_price_the_policy() -> None:
     ("auto", 1, True, True, False, "data-parallel size 1"),
     ("auto", 4, False, True, False, "--overlap-grad-reduce"),
     ("auto", 4, True, False, False, "gloo"),
-    ("on", 1, False, False, True, "as asked"),
-    ("off", 8, True, True, False, "as asked"),
+    ("on", 1, False, False, True, "--canzona-early-compute on"),
+    ("off", 8, True, True, False, "--canzona-early-compute off"),
 ])
 def test_the_per_run_rule(setting: str, dp: int, overlap: bool, cuda: bool, on: bool, why: str) -> None:
     decision = early_compute_decision(setting, dp_size=dp, overlap=overlap, early_gather=True, cuda=cuda)
     assert decision.on == on and why in decision.reason
+    assert decision.line().startswith("on (" if on else "off (")
     assert not early_compute_decision(setting, dp_size=dp, overlap=overlap, early_gather=False, cuda=cuda).on
     assert not early_compute_decision(setting, dp_size=dp, overlap=overlap, early_gather=True, cuda=cuda,
                                       async_mode=False).on

@@ -44,6 +44,10 @@ class EarlyComputeDecision:
 
     on: bool
     reason: str
+    """The setting and why (the start-up line's words)."""
+
+    def line(self) -> str:
+        return f"{'on' if self.on else 'off'} ({self.reason})"
 
 
 def early_compute_decision(setting: str, *, dp_size: int, overlap: bool, early_gather: bool, cuda: bool,
@@ -53,23 +57,22 @@ def early_compute_decision(setting: str, *, dp_size: int, overlap: bool, early_g
     if setting not in EARLY_COMPUTE_SETTINGS:
         raise ValueError(f"early compute must be one of {', '.join(EARLY_COMPUTE_SETTINGS)}, got {setting!r}")
     if setting == "off":
-        return EarlyComputeDecision(on=False, reason="off, as asked")
+        return EarlyComputeDecision(on=False, reason="--canzona-early-compute off")
     if not (early_gather and async_mode):
-        return EarlyComputeDecision(on=False, reason="off: it computes where the early gathers land, and none are "
-                                    "issued (--canzona-no-early-gather or --canzona-tp-mode sync)")
+        return EarlyComputeDecision(on=False, reason="no early gathers to compute where they land "
+                                    "(--canzona-no-early-gather or --canzona-tp-mode sync)")
     if setting == "on":
-        return EarlyComputeDecision(on=True, reason="on, as asked")
+        return EarlyComputeDecision(on=True, reason="--canzona-early-compute on")
     if dp_size <= 1:
-        return EarlyComputeDecision(on=False, reason="off: data-parallel size 1, no reduce-scatter tail to hide it "
-                                    "in (it would run beside backward's GEMMs)")
+        return EarlyComputeDecision(on=False, reason="auto: data-parallel size 1, no reduce-scatter tail to hide it in")
     if not overlap:
-        return EarlyComputeDecision(on=False, reason="off: without --overlap-grad-reduce no reduce-scatter is "
+        return EarlyComputeDecision(on=False, reason="auto: without --overlap-grad-reduce no reduce-scatter is "
                                     "dispatched in backward to leave a tail for it")
     if not cuda:
-        return EarlyComputeDecision(on=False, reason="off: on gloo the host computes serially, nothing hides it "
+        return EarlyComputeDecision(on=False, reason="auto: on gloo the host computes serially, nothing hides it "
                                     "(--canzona-early-compute on forces it)")
-    return EarlyComputeDecision(on=True, reason=f"on: data-parallel size {dp_size}, computed in the reduce-scatters' "
-                                "tail after backward, when the clip is likely idle")
+    return EarlyComputeDecision(on=True, reason=f"auto: data-parallel size {dp_size}, computed in the reduce-scatters' "
+                                "tail after backward, in the iterations where the clip is likely idle")
 
 
 class SpeculationPolicy:

@@ -20,6 +20,10 @@ Interface (stable; new fields only get defaults, old names keep working)
         expert_plan=None,           # the layer-wise DPPlan of the expert buffers (MoE, those two strategies)
         wire=None,                  # WireConfig: bytes per element on the wire (recipes: fp32 gradients)
         overlap=True,               # False: Canzona's micro-groups run gather, compute, scatter serially
+        early_compute=False,        # Canzona computes each micro-group before the step once gathered, in the
+                                    # reduce-scatters' tail after backward (never beside its GEMMs)
+        clip_rate=0.0,              # with early_compute: the chance the clip acts in an iteration, priced as the
+                                    # runtime's speculation policy decides (details["speculation"])
     )                               # -> StrategyResult
     result.optimizer_step_seconds, result.iteration_seconds, result.exposed_comm_seconds, result.to_dict()
 
@@ -32,7 +36,7 @@ Strategies (:data:`STRATEGIES`):
 
 * ``canzona`` -- the Canzona plan (``plan``, else the whole layout: variable-size DP
   shards, every matrix whole on one DP rank, uneven bucket collectives); one host per
-  matrix; micro-groups pipelined as ``HostGroupEngine._run_async`` (gather k+1 | compute k |
+  matrix; micro-groups pipelined as ``_StepRun.run_async`` (gather k+1 | compute k |
   scatter k | apply k-1); the dense micro-groups' gathers issued before the step as their
   buckets reduce (``canzona_patches.integration.early_gather``: on ``nccl`` when each reduce-scatter
   completes, in backward; on ``gloo`` once backward ends), one at a time on their own

@@ -16,6 +16,7 @@ from ..megatron_main import plan_megatron_main
 from ..partition import DEFAULT_ALPHA, plan_zero1
 from ..plan import Bucket, BufferPlan, CanzonaPlan, DPPlan
 from ..planner import make_plan
+from ..speculation import expected_rates
 from ..specs import ParamSpec
 from .cluster import ClusterSpec
 from .iteration import BACKWARD_SHARE, BucketSync, Rider, overlap_backward, overlap_forward, reduced_at
@@ -51,11 +52,6 @@ STRATEGIES: tuple[str, ...] = (
 )
 """Strategies :func:`simulate` knows (package docstring). To add one, write a builder that
 returns a :class:`~.layouts.Work` and register it in :data:`BUILDERS`."""
-EARLY_COMPUTE_EFFICIENCY = 0.03
-"""Newton-Schulz on a side stream beside backward's GEMMs, against alone: 3% of it hid beside
-bf16 products on an H100 (``tools/bench_overlap.py``, docs/gpu_check.md, 2026-11-27): two
-compute-bound streams share the SMs. Early compute pays in the reduce-scatter's tail, where the
-compute units are idle."""
 INLINE_SECONDS = 1e6
 """``early_inline``: how long before the step its reduce-scatters and early compute are placed
 (inside a backward that holds them all, whatever they take)."""
@@ -63,13 +59,13 @@ EXPERTS = "experts"
 """First element of an expert matrix bucket's key in the reductions (:func:`_bucket_syncs`)."""
 NEEDS_LAYERWISE_PLAN = ("megatron_layerwise", "layer_sharded")
 CANZONA_STRATEGIES = ("canzona", "canzona_lean", "canzona_tp_sync")
+"""Canzona's own strategies: the ones that run its Newton-Schulz method."""
 
 
 def strategy_ns_method(strategy: str, ns_method: str) -> str:
     """The Newton-Schulz method ``strategy`` runs: Canzona's ``ns_method`` (``--muon-ns-method``),
     Megatron's standard one for every other strategy."""
     return ns_method if strategy in CANZONA_STRATEGIES else "standard"
-"""Canzona's own strategies: the ones that run its Newton-Schulz method."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -364,7 +360,6 @@ def simulate(
     bucket_size: int | None = None,
     ns_method: str = "standard",
     early_compute: bool = False,
-    early_efficiency: float = EARLY_COMPUTE_EFFICIENCY,
     clip_rate: float = 0.0,
     early_compute_bytes: int | None = EARLY_COMPUTE_BYTES,
     matrices_first: bool = False,
@@ -376,16 +371,19 @@ def simulate(
     the cluster's ``optimizer_dtype``; the other strategies run Megatron's, standard.
 
     ``early_compute``: a strategy with early gathers also computes each micro-group before the
-    step, once gathered (:class:`~.step.EarlyCompute`), beside backward at ``early_efficiency``
-    and at full rate in the reduce-scatter's exposed tail, speculating that the clip does not
-    bind; a fraction ``clip_rate`` of steps finds it binding and recomputes in the step, as
-    without early compute, and the step is the mean of the two. Each rank computes early only
-    the groups that fit ``early_compute_bytes`` (the runtime's budget; ``None``: all).
+    step once gathered and backward is over (:class:`~.step.EarlyCompute`: in the reduce-scatters'
+    exposed tail, never beside backward's GEMMs), speculating that the clip does not act. The
+    clip acts in an iteration with probability ``clip_rate``; the step is priced as the runtime's
+    policy decides (:func:`~..speculation.expected_rates`): ``committed · early step + (1 −
+    committed) · step without early compute``, which a recomputed or not speculated iteration runs
+    (what a recomputed one computed early ran in the tail, where the GPU was idle: it costs nothing
+    more here). The shares go to ``details["speculation"]``, the timeline is a committed one's.
+    Each rank computes early only the groups that fit ``early_compute_bytes`` (the runtime's budget; ``None``: all).
 
     ``matrices_first`` (``--canzona-matrices-reduce-first``, with early compute): the dense
     buckets without a matrix that become ready before the last dense matrix bucket (the output
     layer's, the norms') are reduced right after it, so the matrices land that much earlier in
-    the reduce-scatter's tail and their early compute runs beside what remains of it.
+    the reduce-scatters' tail and their early compute runs beside what remains of it.
 
     ``early_inline`` (with ``early_compute``; gloo with the gathers forced to the reduce-scatters'
     dispatch, as the tests and ``tools/bench_step.py --iteration``'s ``canzona_early`` run them):
@@ -411,20 +409,22 @@ def simulate(
         reduced = {key: at - phases.rs_exposed for key, at in phases.reduced_at.items()}
         if cluster.backend == "gloo":  # issued from Megatron's loop after backward
             reduced = {key: max(at, -phases.rs_exposed) for key, at in reduced.items()}
-    if not 0.0 <= clip_rate <= 1.0 or not 0.0 <= early_efficiency <= 1.0:
-        raise ValueError(f"clip_rate {clip_rate} and early_efficiency {early_efficiency} must lie in [0, 1]")
+    if not 0.0 <= clip_rate <= 1.0:
+        raise ValueError(f"clip_rate {clip_rate} must lie in [0, 1]: the chance that the clip acts in an iteration")
     budget = None if early_compute_bytes is None else early_compute_bytes // STATE_BYTES
-    early = EarlyCompute(-phases.rs_exposed, early_efficiency, budget) if early_compute and reduced is not None else None
-    if early_inline and early is not None:  # all of it inside the (measured) backward, well before its end
-        phases = dataclasses.replace(phases, rs_exposed=0.0)
-        reduced = {key: -INLINE_SECONDS for key in reduced}
-        early = EarlyCompute(-INLINE_SECONDS, 1.0, budget)
+    early = EarlyCompute(backward_end=-phases.rs_exposed, budget_elements=budget) \
+        if early_compute and reduced is not None else None
+    if early_inline and early is not None:  # all of it inside the (measured) backward, every bucket reduced then
+        phases, reduced = dataclasses.replace(phases, rs_exposed=0.0), {key: -INLINE_SECONDS for key in reduced}
+        early = EarlyCompute(backward_end=-INLINE_SECONDS, budget_elements=budget)
     step_end, run = _run_step(work, grid, cluster, wire, slowdown, reduced, early)
-    if early is not None and clip_rate > 0.0:  # a binding clip recomputes in the step: today's step
-        step_end = (1.0 - clip_rate) * step_end + clip_rate * _run_step(work, grid, cluster, wire, slowdown, reduced)[0]
+    rates = expected_rates(clip_rate) if early is not None else None
+    if rates is not None and rates.committed < 1.0:  # recomputed or not speculated: the step without early compute
+        full = _run_step(work, grid, cluster, wire, slowdown, reduced)[0]
+        step_end = rates.committed * step_end + (1.0 - rates.committed) * full
     result = _assemble(strategy, ctx, work, phases, slowdown, step_end, run)
-    if early is not None:
-        result.details.update(early_compute=True, early_efficiency=early_efficiency, clip_rate=clip_rate,
+    if rates is not None:
+        result.details.update(early_compute=True, clip_rate=clip_rate, speculation=dataclasses.asdict(rates),
                               early_compute_bytes=early_compute_bytes, matrices_first=matrices_first,
                               early_inline=early_inline)
     return result

@@ -5,7 +5,7 @@ have, who computes it (its host, or every holder), and how long the update takes
 ways to run the tasks of a step:
 
 * :func:`run_host_groups` with ``pipelined=True`` -- Canzona's asynchronous micro-groups,
-  in the order of ``HostGroupEngine._run_async``: group k+1's gather is issued before
+  in the order of ``_StepRun.run_async``: group k+1's gather is issued before
   group k computes and group k's scatter before group k−1 is applied. Collectives of the
   group run one at a time on the communication stream (G0, G1, S0, G2, S1, ...) and start
   when every rank has issued them; compute runs beside them.
@@ -15,6 +15,11 @@ ways to run the tasks of a step:
 * :func:`run_per_matrix` -- synchronous compute matrix by matrix: each rank all-gathers a
   matrix's pieces from its other holders (a blocking ring) and computes it (Megatron's
   ``muon_tp_mode duplicated``, stock ZeRO-1, Moonlight's synchronous compute).
+
+With ``reduced_at`` the pipelined groups' gathers go before the step as their buckets reduce;
+with an :class:`EarlyCompute` too, each group is computed before the step once gathered and
+backward is over (never beside backward's GEMMs: the runtime does not), and committed at the
+step (:func:`_run_early`).
 
 Elementwise costs are memory-bound: a matrix update's momentum reads the gradient and
 reads and writes the fp32 momentum (:data:`MOMENTUM_BYTES_PER_ELEMENT`, formula costs
@@ -40,10 +45,10 @@ from .result import Segment
 MOMENTUM_BYTES_PER_ELEMENT = 12
 """fp32 gradient read, fp32 momentum read and written."""
 APPLY_BYTES_PER_ELEMENT = 14
+"""fp32 parameter and update read, fp32 parameter and bf16 model copy written."""
 COMMIT_BYTES_PER_ELEMENT = 20
 """Bytes per element of committing a Muon update computed early: its full gradient rebuilt from
 the gather (read, write: 8) and the momentum advanced (read it and the gradient, write it: 12)."""
-"""fp32 parameter and update read, fp32 parameter and bf16 model copy written."""
 ADAMW_BYTES_PER_ELEMENT = 30
 """fp32 gradient, parameter and two moments read (16), parameter and moments written (12), bf16 copy (2)."""
 
@@ -186,31 +191,22 @@ def _apply(run: StepRun, tasks: Sequence[SimTask]) -> dict[int, float]:
     return {r: run.elementwise_seconds(n, APPLY_BYTES_PER_ELEMENT) for r, n in numel.items()}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EarlyCompute:
-    """Micro-groups computed before the step, as soon as their gradients are on their hosts
-    (speculating that the clip does not bind: the step commits what they computed)."""
+    """Micro-groups computed before the step, once their gradients are on their hosts and
+    backward is over (speculating that the clip does not act: the step commits what they
+    computed). The runtime computes nothing beside backward's GEMMs, which a second compute
+    stream slows more than it hides (``tools/bench_overlap.py``: 3% hidden on an H100): a group
+    gathered during backward waits for backward's kernels to be queued
+    (``EarlyGathers.on_finishing``), then runs in the reduce-scatters' exposed tail."""
 
     backward_end: float
-    """When backward ends, from the step's start (``<= 0``): the compute units are free after it,
-    through the reduce-scatter's exposed tail."""
-    efficiency: float
-    """Rate of a side stream's compute beside backward's, against its rate alone (measured:
-    ``tools/bench_overlap.py``)."""
+    """When backward ends, from the step's start (``<= 0``): no group is computed early before
+    it; the compute units are free after it, through the reduce-scatters' exposed tail."""
     budget_elements: int | None = None
     """What early compute may keep per rank (``--canzona-early-compute-budget``, in fp32
     elements): each rank computes early only the groups that fit, as the runtime picks them;
     ``None``: every group."""
-
-    def finish(self, start: float, seconds: float) -> float:
-        """When work of ``seconds`` (alone) started at ``start`` ends: at :attr:`efficiency`
-        until backward ends, at full rate after."""
-        if start >= self.backward_end:
-            return start + seconds
-        beside = self.efficiency * (self.backward_end - start)
-        if seconds <= beside:
-            return start + seconds / self.efficiency
-        return self.backward_end + seconds - beside
 
 
 def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool,
@@ -221,8 +217,9 @@ def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool,
     ``reduced_at`` (``(chunk, bucket)`` -> when its reduce-scatter ends, from the step's
     start: negative in backward), each group's gather is issued before the step, once the
     buckets of its tasks are reduced (``canzona_patches.integration.early_gather``); with
-    ``early_compute`` too, each group is computed once gathered (:func:`_run_early`), in the
-    time each rank's ``calendar`` (its busy spans, which this extends) leaves free."""
+    ``early_compute`` too, each group is computed once gathered and backward is over
+    (:func:`_run_early`), in the time each rank's ``calendar`` (its busy spans, which this
+    extends) leaves free."""
     groups = _by_group(tasks)
     if not groups:
         return
@@ -265,7 +262,8 @@ def _run_early(run: StepRun, groups: Sequence[Sequence[SimTask]], landed: Sequen
                ready: Sequence[float], compute: Sequence[Mapping[int, float]], apply: Sequence[Mapping[int, float]],
                early: EarlyCompute, calendar: dict[int, list[tuple[float, float]]]) -> None:
     """Each host computes its groups in order, each once its gather has landed (or its buckets
-    are reduced, where nothing moves) and in the first span its ``calendar`` leaves free; the
+    are reduced, where nothing moves) and backward has ended (:class:`EarlyCompute`: a group
+    landed during backward waits for its end), in the first span its ``calendar`` leaves free; the
     updates are scattered and applied from the step's start, when the norm says the clip does
     not bind, one group's scatter in flight while the previous group is applied. Work before
     the step's start is not the step's."""
@@ -273,7 +271,7 @@ def _run_early(run: StepRun, groups: Sequence[Sequence[SimTask]], landed: Sequen
     free = {r: float("-inf") for r in run.members}
     allowed = _early_groups(groups, early.budget_elements)
     for k, at in enumerate(landed):
-        start = ready[k] if at is None else at
+        start = max(ready[k] if at is None else at, early.backward_end)
         ends = {}
         for r in run.members:
             seconds = compute[k].get(r, 0.0) * run.slowdown
@@ -282,7 +280,7 @@ def _run_early(run: StepRun, groups: Sequence[Sequence[SimTask]], landed: Sequen
             if seconds <= 0:
                 ends[r] = free[r] = max(free[r], start)
                 continue
-            begin, ends[r] = _place(calendar.setdefault(r, []), begin, seconds, early)
+            begin, ends[r] = _place(calendar.setdefault(r, []), begin, seconds)
             free[r] = ends[r]
             run.segments.append(Segment(r, "compute", "compute", begin, ends[r], str(k)))
             run.busy[r] += max(0.0, ends[r] - max(begin, 0.0))
@@ -301,18 +299,17 @@ def _run_early(run: StepRun, groups: Sequence[Sequence[SimTask]], landed: Sequen
     _apply_group(run, len(groups) - 1, scatters[-1], apply[-1])
 
 
-def _place(busy: list[tuple[float, float]], earliest: float, seconds: float, early: EarlyCompute) \
-        -> tuple[float, float]:
-    """Where work of ``seconds`` (alone) first fits at or after ``earliest`` between the
-    non-overlapping ``busy`` spans (at :meth:`EarlyCompute.finish`'s rates); it is added to them."""
+def _place(busy: list[tuple[float, float]], earliest: float, seconds: float) -> tuple[float, float]:
+    """Where work of ``seconds`` first fits at or after ``earliest`` between the non-overlapping
+    ``busy`` spans; it is added to them."""
     begin = earliest
     for start, end in sorted(busy):
         if end <= begin:
             continue
-        if early.finish(begin, seconds) <= start:
+        if begin + seconds <= start:
             break
         begin = end
-    span = (begin, early.finish(begin, seconds))
+    span = (begin, begin + seconds)
     busy.append(span)
     return span
 
