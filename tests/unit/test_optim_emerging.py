@@ -124,3 +124,37 @@ def test_soap_optimizer(shape, use_eigh, correct_shampoo_beta_bias):
         their_opt.step()
         our_opt.step()
     assert displacement_error(ours.detach(), theirs.detach(), start) < SOAP_RTOL
+
+
+ADAPTIVE_SHAPES = [(352, 64), (64, 176), (64, 64), (32, 64)]
+"""Qwen3-tiny's fc1, fc2, Q and proj, and K: the aspect ratios of Qwen3's matrices, small."""
+
+
+@pytest.mark.parametrize("shape", ADAPTIVE_SHAPES)
+@pytest.mark.parametrize("method", ["adamuon", "normuon"])
+@pytest.mark.parametrize(("ns_dtype", "nesterov"), [("float32", False), ("float32", True), ("bfloat16", False)])
+def test_adaptive_muon_optimizer(shape, method, ns_dtype, nesterov):
+    """AdaMuon and NorMuon (``--optimizer adaptive_muon``): bitwise emerging-optimizers' AdaptiveMuon over 4
+    steps, parameters and both moments, with Megatron's defaults (spectral scale, its "quintic" schedule)."""
+    from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon as EOAdaptiveMuon
+
+    from megatron.canzona.optim import AdaptiveMuon, AdaptiveMuonConfig
+
+    gen = torch.Generator().manual_seed(2)
+    start = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) for _ in range(4)]
+    theirs, ours = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    their_opt = EOAdaptiveMuon([theirs], lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=nesterov,
+                               fp32_matmul_prec=MEGATRON_PRECISION[ns_dtype], moment2_method=method)
+    our_opt = AdaptiveMuon([ours], lr=0.02, weight_decay=0.1, config=AdaptiveMuonConfig(
+        nesterov=nesterov, coefficients=EMERGING_OPTIMIZERS_COEFFICIENTS["quintic"], ns_dtype=ns_dtype,
+        scale_mode="spectral", moment2_method=method))
+    for g in grads:
+        theirs.grad, ours.grad = g.clone(), g.clone()
+        with fp32_matmul_precision(MEGATRON_PRECISION[ns_dtype]):
+            their_opt.step()
+        our_opt.step()
+    assert torch.equal(ours.detach(), theirs.detach())
+    (state,) = our_opt.state[ours]["pieces"]
+    assert torch.equal(state["momentum"], their_opt.state[theirs]["momentum_buffer"])
+    assert torch.equal(state["moment2"], their_opt.state[theirs]["moment2_buffer"])

@@ -20,6 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.canzona.optim import (
     SOAP,
+    AdaptiveMuon,
+    AdaptiveMuonConfig,
     Muon,
     MuonConfig,
     Shampoo,
@@ -35,6 +37,8 @@ OPTIMIZERS = {
     "muon": (Muon, MuonConfig(ns_dtype="float32")),
     "shampoo": (Shampoo, ShampooConfig(eps=1e-4, precondition_frequency=2)),
     "soap": (SOAP, SOAPConfig(precondition_frequency=2, refresh="eigh")),
+    "adamuon": (AdaptiveMuon, AdaptiveMuonConfig(ns_dtype="float32")),
+    "normuon": (AdaptiveMuon, AdaptiveMuonConfig(ns_dtype="float32", moment2_method="normuon")),
 }
 WIDTH, LAYERS = 8, 6
 

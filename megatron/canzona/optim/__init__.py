@@ -6,6 +6,7 @@ the direction ``D`` of ``p <- p - lr*wd*p - lr*D`` (see :func:`apply_update`).
 """
 
 from megatron.canzona.optim.adamw import AdamWState, adamw_foreach, adamw_update
+from megatron.canzona.optim.adaptive_muon import AdaptiveMuonConfig, AdaptiveMuonState, adaptive_muon_update
 from megatron.canzona.optim.common import (
     OptimizerState,
     apply_update,
@@ -19,7 +20,7 @@ from megatron.canzona.optim.newton_schulz import (
     newton_schulz,
     singular_value_band,
 )
-from megatron.canzona.optim.optimizers import MATRIX_OPTIMIZERS, SOAP, MatrixOptimizer, Muon, Shampoo
+from megatron.canzona.optim.optimizers import MATRIX_OPTIMIZERS, SOAP, AdaptiveMuon, MatrixOptimizer, Muon, Shampoo
 from megatron.canzona.optim.shampoo import ShampooState, inverse_root, shampoo_update
 from megatron.canzona.optim.soap import SOAPState, soap_update
 from megatron.canzona.optim.split import (
@@ -37,6 +38,9 @@ __all__ = [
     "SOAP",
     "AdamWConfig",
     "AdamWState",
+    "AdaptiveMuon",
+    "AdaptiveMuonConfig",
+    "AdaptiveMuonState",
     "EMERGING_OPTIMIZERS_COEFFICIENTS",
     "ExpertStackLayout",
     "GateUpLayout",
@@ -57,6 +61,7 @@ __all__ = [
     "ShampooState",
     "adamw_foreach",
     "adamw_update",
+    "adaptive_muon_update",
     "apply_update",
     "build_param_groups",
     "classify_parameter",

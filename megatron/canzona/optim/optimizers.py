@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from megatron.canzona.optim.adamw import AdamWState, adamw_foreach
+from megatron.canzona.optim.adaptive_muon import AdaptiveMuonConfig, AdaptiveMuonState, adaptive_muon_update
 from megatron.canzona.optim.common import OptimizerState, Refresh, apply_update, refresh_due, refresh_offset
 from megatron.canzona.optim.config import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
 from megatron.canzona.optim.muon import MuonState, muon_advance, muon_direction, muon_update
@@ -506,6 +507,18 @@ class SOAP(MatrixOptimizer):
     update_fn = staticmethod(soap_update)
 
 
-MATRIX_OPTIMIZERS: dict[str, type[MatrixOptimizer]] = {"muon": Muon, "shampoo": Shampoo, "soap": SOAP}
+class AdaptiveMuon(MatrixOptimizer):
+    """AdaMuon or NorMuon for 2-D parameters (see
+    :func:`~megatron.canzona.optim.adaptive_muon.adaptive_muon_update`), AdamW for the rest. Its
+    second moment advances with the orthogonalised update, so a staged step keeps a staging copy
+    of the state, as Shampoo's and SOAP's do."""
+
+    config_type = AdaptiveMuonConfig
+    state_type = AdaptiveMuonState
+    update_fn = staticmethod(adaptive_muon_update)
+
+
+MATRIX_OPTIMIZERS: dict[str, type[MatrixOptimizer]] = {"muon": Muon, "shampoo": Shampoo, "soap": SOAP,
+                                                       "adaptive_muon": AdaptiveMuon}
 """The matrix optimizers by name. To add one, subclass :class:`MatrixOptimizer` with its
 config type, state type and update function, and register it here."""
