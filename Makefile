@@ -1,6 +1,6 @@
 # Canzona: `make` bootstraps the environment; `make test` runs the suite; `make demo` runs the main job
 # (Qwen3-tiny, Muon with --canzona at TP 2 x DP 2 on 4 gloo processes); `make compare` trains it with
-# AdamW, Muon, Shampoo and SOAP and plots the losses; `make plan` plans Qwen3-32B.
+# AdamW, Muon, NorMuon, Shampoo and SOAP and plots the losses; `make plan` plans Qwen3-32B.
 # First Python 3.12 interpreter that actually runs (pyenv shims may exist but refuse).
 PYTHON_BOOT ?= $(shell for p in python3.12 $$(ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12 2>/dev/null); do $$p -c "import sys; assert sys.version_info[:2]==(3,12)" 2>/dev/null && { echo $$p; break; }; done)
 VENV := .venv
@@ -28,7 +28,7 @@ demo: venv
 	TP=2 PYTHON=$(abspath $(PY)) examples/qwen3/pretrain_qwen3_tiny_cpu.sh
 
 # The demo's model and data trained with AdamW, then Muon (standard, gram Newton-Schulz, another seed),
-# Shampoo and SOAP under --canzona, same tokens and learning rate; plots the losses to build/compare/
+# NorMuon (--optimizer adaptive_muon), Shampoo and SOAP under --canzona, same tokens and learning rate; plots the losses to build/compare/
 # and prints a table (about 10 min on 2 cores).
 compare: venv
 	$(PY) tools/compare_optimizers.py

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train the demo's qwen3-tiny with AdamW, Muon, Shampoo and SOAP on the same tokens; compare.
+"""Train the demo's qwen3-tiny with AdamW, Muon, NorMuon, Shampoo and SOAP on the same tokens; compare.
 
     python tools/compare_optimizers.py                     # the four runs (`make compare`)
     python tools/compare_optimizers.py --iters 40 --runs adam muon --output /tmp/quick.png
@@ -88,6 +88,9 @@ RUNS: dict[str, RunSpec] = {
                                 "--muon-ns-method", "gram")),
     "muon_seed": RunSpec(label="Muon, seed 1235", optimizer="muon", canzona=True,
                          flags=("--muon-scale-mode", "spectral", "--muon-extra-scale-factor", "0.2", "--seed", "1235")),
+    "normuon": RunSpec(label="NorMuon", optimizer="adaptive_muon", canzona=True,
+                       flags=("--adaptive-muon-moment2-method", "normuon", "--muon-scale-mode", "spectral",
+                              "--muon-extra-scale-factor", "0.2")),
     "shampoo": RunSpec(label="Shampoo", optimizer="shampoo", canzona=True),
     "soap": RunSpec(label="SOAP", optimizer="soap", canzona=True),
 }

@@ -44,6 +44,7 @@ from megatron.canzona.planning.memory import (
 from megatron.canzona.planning.pipeline import FIRST_FLAG, LAST_FLAG, stage_layer_counts
 from megatron.canzona.planning.qwen3 import padded_vocab_size
 from megatron.canzona.planning.qwen3_moe import check_experts
+from megatron.canzona.optim.adaptive_muon import MOMENT2_METHODS, AdaptiveMuonConfig
 from megatron.canzona.runtime.config import LAYOUT_CHOICES, CanzonaConfig
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -66,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="layers of the last pipeline stage")
     p.add_argument("--rank", type=int, default=0, help="global rank to build (Megatron's default rank order)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer")
+    p.add_argument("--adaptive-muon-moment2-method", choices=MOMENT2_METHODS, default="adamuon",
+                   help="with --optimizer adaptive_muon: AdaMuon's elementwise second moment or NorMuon's per row "
+                   "or column (pretrain_gpt.py's flag)")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="planner balance knob")
     p.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket (default: Megatron's)")
     p.add_argument("--layout", "--canzona-layout", dest="layout", choices=LAYOUT_CHOICES, default=CanzonaConfig.layout,
@@ -183,8 +187,12 @@ def build_rank(args: argparse.Namespace):
     )
     stage = coordinates(args.rank, args.tp, args.dp)[2]
     # The setup is made from the live model's parameters, as pretrain_gpt.py makes it.
-    canzona = CanzonaConfig(optimizer=args.optimizer, alpha=args.alpha, layout=args.layout, cluster=args.cluster,
-                            early_compute=None if args.early_compute else False, early_compute_bytes=early_budget(args))
+    matrix = AdaptiveMuonConfig(moment2_method=args.adaptive_muon_moment2_method) \
+        if args.optimizer == "adaptive_muon" else None
+    canzona = CanzonaConfig(optimizer=args.optimizer, matrix=matrix, alpha=args.alpha, layout=args.layout,
+                            cluster=args.cluster,
+                            # the GPU run this rank models computes early (auto: DP above 1, overlapped reduces)
+                            early_compute="on" if args.early_compute else "off", early_compute_bytes=early_budget(args))
     setup = make_setup([model], ddp_config, canzona, dp_size=args.dp, tp_size=args.tp, ep_size=args.ep,
                        expert_tp_size=expert_tp_size(args), host_ranks=host_ranks(args, stage), log=False)
     ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=setup.layouts[0])
@@ -491,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     matrix = canzona.matrix
     state = StateLayout(optimizer=args.optimizer, max_precond_dim=getattr(matrix, "max_precond_dim", 10000),
                         grafting=getattr(matrix, "grafting", "adam") == "adam",
-                        ns_dtype=getattr(matrix, "ns_dtype", "float32"))
-    budget = canzona.early_compute_bytes if canzona.early_compute is not False else 0
+                        ns_dtype=getattr(matrix, "ns_dtype", "float32"),
+                        moment2_method=getattr(matrix, "moment2_method", "adamuon"))
+    budget = canzona.early_compute_bytes if canzona.early_compute != "off" else 0
     measured = measure(ddp_model, optimizer, early_compute=budget)
     predicted = predict(args, plan, state, specs)
     rows = [catalog_row(args, specs), *compare(predicted, measured)]

@@ -44,7 +44,7 @@ LAYOUTS = ("megatron", "canzona", "layer_wise")
 (canzona_patches.integration.setup.make_setup); ``layer_wise``:
 LayerWiseDistributedOptimizer._compute_per_buffer_param_layout, called standalone. The
 last two put every parameter wholly inside one DP rank's shard."""
-OPTIMIZERS = ("adam", "megatron_muon", "sync_muon", "muon", "shampoo", "soap")
+OPTIMIZERS = ("adam", "megatron_muon", "sync_muon", "muon", "shampoo", "soap", "adamuon", "normuon")
 """``adam``: Megatron's Adam DistributedOptimizer; ``megatron_muon``: Megatron's layer-wise
 Muon, wired as ``megatron.training`` wires it (its own layout; ``layout`` is ignored);
 ``sync_muon``: synchronous compute, gradients all-reduced and every rank running the whole
@@ -194,6 +194,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "early_gathers": _early_count(optimizer, "issued"),
             "early_gathers_at_dispatch": _early_count(optimizer, "issued_at_dispatch"),
             "early_computed": _early_count(optimizer, "computed"),
+            "early_computed_after_backward": _early_count(optimizer, "computed_after_backward"),
             "reduces_held": _reduces_held(optimizer),
             "early_steps": _early_steps(optimizer),
         }
@@ -377,7 +378,7 @@ MEGATRON_MUON = dict(
 
 def canzona_config(run: TinyRun):
     """The Canzona configuration a run uses; exact math (fp32/fp64 factorizations)."""
-    from megatron.canzona.optim import MuonConfig, ShampooConfig, SOAPConfig
+    from megatron.canzona.optim import AdaptiveMuonConfig, MuonConfig, ShampooConfig, SOAPConfig
     from megatron.canzona.runtime.config import CanzonaConfig
 
     matrix = {
@@ -391,10 +392,12 @@ def canzona_config(run: TinyRun):
         # device (tests/unit/test_optim_stacks_and_refresh.py).
         "soap": SOAPConfig(precondition_frequency=2, eigh_dtype="float64", max_precond_dim=64, eps=1e-4,
                            stagger_refresh=False),
+        **{method: AdaptiveMuonConfig(ns_dtype=run.muon_ns_dtype, ns_method=run.muon_ns_method, scale_mode="spectral",
+                                      coefficients="quintic", moment2_method=method) for method in ("adamuon", "normuon")},
     }
     name = run.optimizer if run.optimizer in matrix else "muon"  # sync_muon: Muon's math
     return CanzonaConfig(
-        optimizer=name, matrix=matrix[name], alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
+        optimizer="adaptive_muon" if name in ("adamuon", "normuon") else name, matrix=matrix[name], alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
         tp_mode=run.tp_mode, layout=run.canzona_layout, early_gather=run.early_gather,
         early_compute=(run.early_compute if isinstance(run.early_compute, str) else "on" if run.early_compute else "off")
         if run.early_gather else "off", speculation=run.speculation,

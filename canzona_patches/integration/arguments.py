@@ -38,8 +38,9 @@ from canzona_patches.version import require_pinned_megatron
 require_pinned_megatron()
 
 from megatron.canzona.data import check_blend_words  # noqa: E402
-from megatron.canzona.optim import MuonConfig, ShampooConfig, SOAPConfig  # noqa: E402
+from megatron.canzona.optim import AdaptiveMuonConfig, MuonConfig, ShampooConfig, SOAPConfig  # noqa: E402
 from megatron.canzona.planning import OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
+from megatron.canzona.planning.cost import NS_OPTIMIZERS  # noqa: E402
 from megatron.canzona.planning.speculation import EARLY_COMPUTE_SETTINGS  # noqa: E402
 from megatron.canzona.runtime.config import COSTS, LAYOUT_CHOICES, TP_MODES, CanzonaConfig  # noqa: E402
 from megatron.training.argument_utils import ArgumentGroupFactory  # noqa: E402
@@ -94,7 +95,7 @@ def _extend_optimizer_choices(parser: argparse.ArgumentParser, extra: tuple[str,
 
 def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--canzona", action="store_true",
-                       help="Partition the matrix optimizer (--optimizer muon|shampoo|soap) over "
+                       help="Partition the matrix optimizer (--optimizer muon|shampoo|soap|adaptive_muon) over "
                        "DP and TP ranks with Canzona (needs --use-distributed-optimizer).")
     defaults = CanzonaConfig  # one set of defaults: the config's
     group.add_argument("--canzona-alpha", type=float, default=defaults.alpha,
@@ -245,9 +246,18 @@ MATRIX_FLAGS = {
     "shampoo": ConfigFlags(ShampooConfig, "shampoo", exclude=("stagger_refresh",),
                            renames={"momentum": "beta1", "shampoo_beta": "beta2", "eps": "epsilon"}),
     "soap": ConfigFlags(SOAPConfig, "soap", exclude=("stagger_refresh",), renames={"betas": ("beta1", "beta2")}),
+    # Megatron-Core 0.19.2's OptimizerConfig fields adaptive_muon_{moment2_method,beta2,eps}, which it
+    # gives no flags; the rest of AdaMuon's and NorMuon's settings are Muon's.
+    "adaptive_muon": ConfigFlags(AdaptiveMuonConfig, "adaptive_muon", renames={"moment2_eps": "eps"},
+                                 exclude=tuple(f.name for f in dataclasses.fields(MuonConfig))),
 }
-"""The Shampoo and SOAP flags, and Muon's ``--muon-ns-method``, generated from their config
-dataclasses (Muon's other settings are Megatron's ``--muon-*`` flags)."""
+"""The Shampoo and SOAP flags, Muon's ``--muon-ns-method`` and the adaptive Muons' second moment,
+generated from their config dataclasses (Muon's other settings are Megatron's ``--muon-*`` flags)."""
+ADAPTIVE_MUON_DEFAULTS = {f"adaptive_muon_{name}": getattr(AdaptiveMuonConfig(), field)
+                          for field, name in (("moment2_method", "moment2_method"), ("beta2", "beta2"),
+                                              ("moment2_eps", "eps"))}
+"""``--adaptive-muon-*`` by ``dest``, with their defaults: given otherwise, they need
+``--optimizer adaptive_muon``."""
 
 
 def validate_canzona_args(args: argparse.Namespace) -> None:
@@ -260,10 +270,20 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(
             f"--optimizer {args.optimizer} is implemented by Canzona only: add --canzona "
             "(with --use-distributed-optimizer)")
-    if args.muon_ns_method != "standard" and not (args.canzona and args.optimizer == "muon"):
+    if args.muon_ns_method != "standard" and not (args.canzona and args.optimizer in NS_OPTIMIZERS):
         raise CanzonaArgumentError(
             f"--muon-ns-method {args.muon_ns_method} is Canzona's Muon: add --canzona with --optimizer muon, "
             "or drop --muon-ns-method")
+    given = [f"--{name.replace('_', '-')}" for name, default in ADAPTIVE_MUON_DEFAULTS.items()
+             if getattr(args, name) != default]
+    if given and args.optimizer != "adaptive_muon":
+        raise CanzonaArgumentError(
+            f"{given[0]} sets AdaMuon's and NorMuon's second moment: pass --optimizer adaptive_muon, or drop {given[0]}")
+    if args.optimizer == "adaptive_muon" and not args.canzona:
+        raise CanzonaArgumentError(
+            "--optimizer adaptive_muon without --canzona runs Megatron-Core 0.19.2's TensorParallelAdaptiveMuon, which "
+            "stops at its first step (it never sets the scale_mode its step reads): add --canzona "
+            "(with --use-distributed-optimizer)")
     if not args.canzona:
         return
     if args.optimizer not in OPTIMIZERS:
@@ -555,14 +575,15 @@ def canzona_config_from_args(args: argparse.Namespace):
     from megatron.canzona.runtime.config import CanzonaConfig
 
     ns_dtype = "float32" if args.muon_fp32_matmul_prec == "high" else "bfloat16"
+    # Megatron's coefficient names differ from ours ("quintic" is their tuned schedule);
+    # fp32 matmul precision "high" keeps Newton-Schulz in fp32, lower ones run it in bf16.
+    muon = dict(momentum=args.muon_momentum, nesterov=args.muon_nesterov,
+                coefficients=EMERGING_OPTIMIZERS_COEFFICIENTS.get(args.muon_coefficient_type, args.muon_coefficient_type),
+                ns_dtype=ns_dtype, num_ns_steps=args.muon_num_ns_steps, ns_measured=measured_ns_methods_of(args, ns_dtype),
+                scale_mode=args.muon_scale_mode, extra_scale_factor=args.muon_extra_scale_factor)
     matrix = {
-        # Megatron's coefficient names differ from ours ("quintic" is their tuned schedule);
-        # fp32 matmul precision "high" keeps Newton-Schulz in fp32, lower ones run it in bf16.
-        "muon": lambda: MATRIX_FLAGS["muon"].config(
-            args, momentum=args.muon_momentum, nesterov=args.muon_nesterov,
-            coefficients=EMERGING_OPTIMIZERS_COEFFICIENTS.get(args.muon_coefficient_type, args.muon_coefficient_type),
-            ns_dtype=ns_dtype, num_ns_steps=args.muon_num_ns_steps, ns_measured=measured_ns_methods_of(args, ns_dtype),
-            scale_mode=args.muon_scale_mode, extra_scale_factor=args.muon_extra_scale_factor),
+        "muon": lambda: MATRIX_FLAGS["muon"].config(args, **muon),
+        "adaptive_muon": lambda: MATRIX_FLAGS["adaptive_muon"].config(args, **muon, ns_method=args.muon_ns_method),
         "shampoo": lambda: MATRIX_FLAGS["shampoo"].config(args, stagger_refresh=args.canzona_stagger_refresh),
         "soap": lambda: MATRIX_FLAGS["soap"].config(args, stagger_refresh=args.canzona_stagger_refresh),
     }[args.optimizer]()

@@ -41,19 +41,22 @@ from the bucket's reduction to the step (at most every micro-group's at once, th
 this rank moves in the step; on CUDA this overlaps the end of backward's activations), and
 no host synchronisation.
 
-**Early compute** (:class:`EarlyCompute`, ``--canzona-early-compute``): where a micro-group's
-gather is issued, its host also computes the group's updates at once, on a second side stream
-made once (CUDA; on gloo the host itself, only when asked), leaving the optimizer state as it
-was (``CanzonaOptimizer.stage_compute``: Muon's new momentum made apart, Shampoo's and SOAP's
-staging copies of their state), speculating that the clip will not act. The step commits them
+**Early compute** (:class:`EarlyCompute`, ``--canzona-early-compute``, where the run decides it:
+``planning.speculation``): once a micro-group's gather is issued and backward's work is queued
+(:meth:`EarlyGathers.on_finishing`, the first ``finish_grad_sync`` of the iteration; a group
+gathered later, when it is issued), its host computes the group's updates on a second side
+stream made once (CUDA; on gloo the host itself), leaving the optimizer state as it was
+(``CanzonaOptimizer.stage_compute``: Muon's new momentum made apart, Shampoo's, SOAP's and the
+adaptive Muons' staging copies of their state), speculating that the clip will not act, in the
+iterations the speculation policy picks (:attr:`EarlyGathers.speculating`). The step commits them
 if no factor remains to apply (Muon's momentum advancing then, from the gradients gathered
 again), computes the group again if the clip acts, and a skipped step drops them
 (:meth:`EarlyGathers.drop`); bitwise the step's own computation either way. Only the
 micro-groups within the memory budget go early (:attr:`EarlyCompute.groups`). Costs: those
-matrices' directions (and Shampoo's and SOAP's staging copies, made once), alive from their
-computation to the step; Muon's momentum pass at the commit; with a loss scaler, the main stream
-waits for the compute stream before Megatron unscales the gradients in place
-(:meth:`EarlyGathers.settle`).
+matrices' directions (and the staging copies, made once), alive from their computation to the
+step; Muon's momentum pass at the commit; one event per group gathered in backward; with a loss
+scaler, the main stream waits for the compute stream before Megatron unscales the gradients in
+place (:meth:`EarlyGathers.settle`).
 """
 
 from __future__ import annotations
@@ -226,6 +229,8 @@ class EarlyGathers:
         """Of those, issued from a reduce-scatter's dispatch, during backward."""
         self.computed = 0
         """Micro-groups computed before their step so far."""
+        self.computed_after_backward = 0
+        """Of those, gathered during backward and computed once it was over (:meth:`on_finishing`)."""
         self.order: MatricesFirst | None = None
         """The dense bucket groups' reduce order (``--canzona-matrices-reduce-first``), if held."""
 
@@ -267,6 +272,7 @@ class EarlyGathers:
         deferred, self.deferred = self.deferred, []
         for k, packed in deferred:
             self._precompute(k, packed)
+        self.computed_after_backward += len(deferred)
 
     def _issue_complete(self) -> int:
         reduced = frozenset(self.seen)

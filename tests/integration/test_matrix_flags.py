@@ -108,3 +108,34 @@ def test_muon_ns_method_other_than_standard_needs_canzonas_muon(flags):
     args = parse(*flags, "--muon-ns-method", "gram", "--use-distributed-optimizer")
     with pytest.raises(CanzonaArgumentError, match="--muon-ns-method gram is Canzona's Muon"):
         validate_canzona_args(args)
+
+
+def test_adaptive_muon_takes_muons_flags_and_its_second_moments():
+    from megatron.canzona.optim import AdaptiveMuonConfig
+
+    config = canzona_config_from_args(parse(
+        "--optimizer", "adaptive_muon", "--canzona", "--adaptive-muon-moment2-method", "normuon",
+        "--adaptive-muon-beta2", "0.9", "--adaptive-muon-eps", "1e-6", "--muon-momentum", "0.9",
+        "--muon-ns-method", "gram"))
+    assert isinstance(config.matrix, AdaptiveMuonConfig) and config.optimizer == "adaptive_muon"
+    assert (config.matrix.moment2_method, config.matrix.beta2, config.matrix.moment2_eps) == ("normuon", 0.9, 1e-6)
+    assert (config.matrix.momentum, config.matrix.ns_method) == (0.9, "gram")
+    assert config.cost_model().kind == "adaptive_muon"
+    stock = canzona_config_from_args(parse("--optimizer", "adaptive_muon", "--canzona")).matrix
+    assert (stock.moment2_method, stock.beta2, stock.moment2_eps) == ("adamuon", 0.95, 1e-8)  # Megatron's defaults
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--optimizer", "muon", "--canzona", "--adaptive-muon-beta2", "0.9"],
+     "--adaptive-muon-beta2 sets AdaMuon's and NorMuon's second moment: pass --optimizer adaptive_muon"),
+    (["--optimizer", "adaptive_muon"], "stops at its first step"),
+])
+def test_adaptive_muon_flags_are_refused_where_they_do_nothing(flags, message):
+    with pytest.raises(CanzonaArgumentError, match=message):
+        validate_canzona_args(parse(*flags, "--use-distributed-optimizer"))
+
+
+def test_a_moment2_method_outside_the_choices_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        parse("--optimizer", "adaptive_muon", "--adaptive-muon-moment2-method", "namo")
+    assert "invalid choice: 'namo'" in capsys.readouterr().err

@@ -133,6 +133,10 @@ def test_early_compute_is_bitwise_the_steps_own(results, optimizer: str, case: s
         for rank, (early, step) in enumerate(zip(results[(optimizer, case, variant)], baseline)):
             where = f"{optimizer} {case} {variant} rank {rank}"
             assert early["early_computed"] > 0 and not step["early_computed"], where
+            # gathered in backward from the reduce-scatters' dispatch, computed once backward is over;
+            # at finish (gloo's default) every gather is issued after it
+            after = early["early_computed_after_backward"]
+            assert (after > 0) if variant != "finish" else (after == 0), (where, after)
             if variant == "budget":  # one micro-group a step of the three, the others computed in the step
                 assert early["early_computed"] == STEPS < results[(optimizer, case, "early")][rank]["early_computed"]
             # the output layer's and the norms' reduce-scatters held behind the matrices' in every

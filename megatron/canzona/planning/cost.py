@@ -36,9 +36,14 @@ QR_FLOPS_PER_CUBE = 10.0 / 3.0
 ADAMW_FLOPS_PER_ELEMENT = 12.0
 """Moments, bias correction, division, weight decay and update, per element."""
 
-OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap")
+OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap", "adaptive_muon")
 """The matrix optimizers, by name: the one list the runtime, the flags and the tools read
 (``megatron.canzona.optim.MATRIX_OPTIMIZERS`` maps each to its math)."""
+NS_OPTIMIZERS: tuple[str, ...] = ("muon", "adaptive_muon")
+"""The optimizers whose cost is Newton-Schulz (``--muon-ns-method`` and its calibration apply)."""
+MOMENT2_FLOPS_PER_ELEMENT = 8.0
+"""AdaMuon's and NorMuon's second moment: square, EMA, root (or mean and inverse root) and
+the normalisation, per element (NorMuon's norm matching included)."""
 COST_KINDS: tuple[str, ...] = (*OPTIMIZERS, "numel")
 
 
@@ -185,7 +190,7 @@ class CostModel:
     """Cost of one optimizer update per matrix, from formulas or a calibration."""
 
     kind: str = "muon"
-    """``muon``, ``shampoo``, ``soap`` (FLOP formulas) or ``numel`` (element count)."""
+    """``muon``, ``shampoo``, ``soap``, ``adaptive_muon`` (FLOP formulas) or ``numel`` (element count)."""
     ns_steps: int = 5
     """Newton-Schulz iterations per Muon update."""
     ns_method: str = "standard"
@@ -213,7 +218,7 @@ class CostModel:
                 f"model is {self.kind!r}; pass a calibration of the same optimizer"
             )
         measured = None if self.calibration is None else self.calibration.ns_method
-        if self.kind == "muon" and measured is not None and measured != self.ns_method:
+        if self.kind in NS_OPTIMIZERS and measured is not None and measured != self.ns_method:
             raise ValueError(
                 f"the calibration's Muon timings were measured with --muon-ns-method {measured}, this cost model "
                 f"uses {self.ns_method}: project with --muon-ns-method {measured}, or measure {self.ns_method} with "
@@ -228,8 +233,9 @@ class CostModel:
 
     def flops(self, m: int, n: int) -> float:
         """Formula cost of one m×n matrix update (elements for ``numel``)."""
-        if self.kind == "muon":
-            return muon_flops(m, n, self.ns_steps, self.ns_method, self.ns_dtype, self.ns_measured)
+        if self.kind in NS_OPTIMIZERS:
+            extra = MOMENT2_FLOPS_PER_ELEMENT * m * n if self.kind == "adaptive_muon" else 0.0
+            return muon_flops(m, n, self.ns_steps, self.ns_method, self.ns_dtype, self.ns_measured) + extra
         if self.kind == "shampoo":
             return shampoo_flops(m, n, precond_every=self.precond_every, max_precond_dim=self.max_precond_dim)
         if self.kind == "soap":

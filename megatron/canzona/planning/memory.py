@@ -33,7 +33,7 @@ FIELD_KINDS: dict[str, str] = {
     "left": "statistics", "right": "statistics",
     "left_root": "roots", "right_root": "roots",
     "basis_left": "eigenbases", "basis_right": "eigenbases",
-    "exp_avg": "moments", "exp_avg_sq": "moments",
+    "exp_avg": "moments", "exp_avg_sq": "moments", "moment2": "moments",
 }
 """State field name -> kind, for every matrix optimizer's state."""
 STATE_KINDS: tuple[str, ...] = ("momentum", "statistics", "roots", "eigenbases", "moments", "adam_moments")
@@ -50,7 +50,10 @@ class StateLayout:
     """Which state tensors a matrix optimizer keeps (``megatron.canzona.optim``'s configs)."""
 
     optimizer: str
-    """``muon``, ``shampoo`` or ``soap``."""
+    """``muon``, ``shampoo``, ``soap`` or ``adaptive_muon``."""
+    moment2_method: str = "adamuon"
+    """``adaptive_muon``: an elementwise second moment (``adamuon``) or one per row or column
+    of the longer side (``normuon``)."""
     max_precond_dim: int = 10000
     """Shampoo: sides above it keep a diagonal (length-d) statistic; SOAP: no rotation."""
     grafting: bool = True
@@ -75,8 +78,10 @@ class StateLayout:
     def numel(self, rows: int, cols: int) -> dict[str, int]:
         """Elements per state kind of one ``rows x cols`` matrix."""
         out = dict.fromkeys(STATE_KINDS, 0)
-        if self.optimizer == "muon":
+        if self.optimizer in ("muon", "adaptive_muon"):
             out["momentum"] = rows * cols
+            if self.optimizer == "adaptive_muon":
+                out["moments"] = rows * cols if self.moment2_method == "adamuon" else max(rows, cols)
         elif self.optimizer == "shampoo":
             for d in (rows, cols):
                 side = d if d > self.max_precond_dim else d * d

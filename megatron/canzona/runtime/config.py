@@ -26,7 +26,7 @@ LAYOUT_CHOICES = (*LAYOUTS, "auto")
 class CanzonaConfig:
     """What ``--canzona`` runs: the matrix optimizer and how work is split across ranks."""
 
-    optimizer: Literal["muon", "shampoo", "soap"] = "muon"
+    optimizer: Literal["muon", "shampoo", "soap", "adaptive_muon"] = "muon"
     """Matrix optimizer for 2-D weights; embeddings, output layer and vectors use AdamW."""
     matrix: MatrixConfig | None = None
     """Hyperparameters of the matrix optimizer (type must match ``optimizer``; default: that
