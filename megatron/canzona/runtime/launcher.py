@@ -28,6 +28,10 @@ import torch
 import torch.distributed as dist
 
 _POLL_S = 0.5
+_DEAD_PEER_S = 5.0
+"""How long a rank's broken-connection error waits for a dead peer's exit code to show, so the
+dead rank is the one reported (its death is the likely root cause). Waited only on that error path,
+and only until a dead peer shows: a failure with every peer alive costs the whole wait, once."""
 _STOP_GRACE_S = 5.0
 
 
@@ -208,8 +212,11 @@ def _raise_if_died_silently(
     (``os._exit``, a signal, a segfault) means the rank died without a word. Such a death is
     the likely root cause when a peer then reports a broken connection (``also_failed``).
     """
-    if also_failed is not None:
-        time.sleep(_POLL_S)  # let the dead peer's exit code become visible
+    if also_failed is not None:  # let a dead peer's exit code become visible (slower on a loaded machine)
+        deadline = time.monotonic() + _DEAD_PEER_S
+        while time.monotonic() < deadline and not any(
+                rank not in by_rank and process.exitcode not in (None, 0) for rank, process in enumerate(processes)):
+            time.sleep(_POLL_S / 5)
     for rank, process in enumerate(processes):
         if rank in by_rank or process.exitcode in (None, 0):
             continue
