@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from megatron.canzona.optim.common import Refresh, state_dtype_for
+from megatron.canzona.optim.common import Refresh
 from megatron.canzona.optim.config import MuonConfig, resolve_dtype
 from megatron.canzona.optim.muon import MuonState, muon_advance, muon_scale
 from megatron.canzona.optim.newton_schulz import newton_schulz
@@ -77,9 +77,9 @@ class AdaptiveMuonState(MuonState):
     ) -> AdaptiveMuonState:
         """Zero state for a matrix (or stack) of ``shape``."""
         config = config or AdaptiveMuonConfig()
-        dtype = state_dtype_for(grad_dtype)
-        return cls(momentum=torch.zeros(shape, device=device, dtype=dtype),
-                   moment2=torch.zeros(moment2_shape(shape, config.moment2_method), device=device, dtype=dtype))
+        momentum = MuonState.create(shape, device=device, grad_dtype=grad_dtype).momentum
+        assert momentum is not None
+        return cls(momentum=momentum, moment2=momentum.new_zeros(moment2_shape(shape, config.moment2_method)))
 
 
 def adaptive_muon_update(

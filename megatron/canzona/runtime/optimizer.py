@@ -209,9 +209,6 @@ class CanzonaOptimizer(MatrixOptimizer):
         self._run_step(factors)
         return loss
 
-    def _update(self) -> None:
-        self._run_step(StepFactors())
-
     def _run_step(self, factors: StepFactors) -> None:
         """Every matrix through the host groups, then AdamW where the elementwise ones are.
         Updates computed before the step become the state if the step used them, else go."""
