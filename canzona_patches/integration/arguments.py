@@ -37,7 +37,7 @@ from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
 
-from megatron.canzona.data import check_blend_words  # noqa: E402
+from megatron.canzona.data import check_blend_words, check_tokenizer_model  # noqa: E402
 from megatron.canzona.optim import AdaptiveMuonConfig, MuonConfig, ShampooConfig, SOAPConfig  # noqa: E402
 from megatron.canzona.planning import OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
 from megatron.canzona.planning.cost import NS_OPTIMIZERS  # noqa: E402
@@ -253,11 +253,60 @@ MATRIX_FLAGS = {
 }
 """The Shampoo and SOAP flags, Muon's ``--muon-ns-method`` and the adaptive Muons' second moment,
 generated from their config dataclasses (Muon's other settings are Megatron's ``--muon-*`` flags)."""
-ADAPTIVE_MUON_DEFAULTS = {f"adaptive_muon_{name}": getattr(AdaptiveMuonConfig(), field)
-                          for field, name in (("moment2_method", "moment2_method"), ("beta2", "beta2"),
-                                              ("moment2_eps", "eps"))}
-"""``--adaptive-muon-*`` by ``dest``, with their defaults: given otherwise, they need
-``--optimizer adaptive_muon``."""
+MATRIX_FLAG_OWNERS = {"shampoo": "is a Shampoo setting", "soap": "is a SOAP setting",
+                      "adaptive_muon": "sets AdaMuon's and NorMuon's second moment"}
+"""The optimizers whose generated flags (``--<optimizer>-*``) need ``--optimizer <optimizer>``, and
+what such a flag is, in the refusal's words. (SOAP's shampoo beta and preconditioner frequency
+reach Megatron's own SOAP too, which ``--optimizer soap`` runs without ``--canzona``.)"""
+EVERY_RUN_FLAGS = ("--canzona-metrics-file", "--canzona-profile-iteration", "--canzona-profile-file",
+                   "--canzona-checksums", "--canzona-no-checksums")
+"""Flags of the ``canzona`` group that act on every run, with ``--canzona`` or without (the metrics
+file, the profiled iteration, checkpoint checksums); every other flag of the group needs ``--canzona``."""
+
+
+@functools.cache
+def flag_groups() -> dict[str, tuple[argparse.Action, ...]]:
+    """The actions of each argument group :func:`add_canzona_args` adds (``canzona``, ``canzona
+    shampoo``, ...), by title, read from a parser it builds: a flag added to a group is checked
+    by :func:`given_flags` without a list to keep."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--optimizer", choices=["adam"])  # the Megatron flag add_canzona_args extends
+    add_canzona_args(parser)
+    return {group.title: tuple(group._group_actions) for group in parser._action_groups  # argparse keeps them so
+            if group.title and group.title.startswith("canzona")}
+
+
+def given_flags(args: argparse.Namespace, title: str) -> list[str]:
+    """The flags of group ``title`` whose values differ from their defaults in ``args``, as the
+    command line spells them (a switch by its name, a value after its flag)."""
+    actions = flag_groups()[title]
+    given = []
+    for dest in dict.fromkeys(action.dest for action in actions):
+        same = [a for a in actions if a.dest == dest]
+        value = getattr(args, dest, same[0].default)
+        if value is same[0].default or value == same[0].default:
+            continue
+        switch = next((a for a in same if a.nargs == 0 and a.const == value), None)
+        flag = switch.option_strings[0] if switch else next(a for a in same if a.nargs != 0).option_strings[0]
+        given.append(flag if switch else f"{flag} {value}")
+    return given
+
+
+def _check_flags_have_their_run(args: argparse.Namespace) -> None:
+    """Each optimizer's generated flags only with that optimizer, and Canzona's flags only with
+    ``--canzona`` (but :data:`EVERY_RUN_FLAGS`): anywhere else they would do nothing."""
+    for optimizer, what in MATRIX_FLAG_OWNERS.items():
+        given = given_flags(args, f"canzona {optimizer}")
+        if given and args.optimizer != optimizer:
+            flag = given[0].split()[0]
+            raise CanzonaArgumentError(f"{flag} {what}: pass --optimizer {optimizer}, or drop {flag}")
+    if args.canzona:
+        return
+    given = [flag for flag in given_flags(args, "canzona") if flag.split()[0] not in EVERY_RUN_FLAGS]
+    if given:
+        raise CanzonaArgumentError(
+            f"{given[0]} does nothing without --canzona (Megatron's optimizer runs and never reads it): add --canzona "
+            f"(with --use-distributed-optimizer), or drop {given[0].split()[0]}")
 
 
 def validate_canzona_args(args: argparse.Namespace) -> None:
@@ -265,6 +314,7 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
 
     Runs before Megatron's ``validate_args``, on the parsed flags as given.
     """
+    _check_flags_have_their_run(args)
     check_common_args(args)
     if args.optimizer in CANZONA_ONLY_OPTIMIZERS and not args.canzona:
         raise CanzonaArgumentError(
@@ -274,11 +324,6 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(
             f"--muon-ns-method {args.muon_ns_method} is Canzona's Muon: add --canzona with --optimizer muon, "
             "or drop --muon-ns-method")
-    given = [f"--{name.replace('_', '-')}" for name, default in ADAPTIVE_MUON_DEFAULTS.items()
-             if getattr(args, name) != default]
-    if given and args.optimizer != "adaptive_muon":
-        raise CanzonaArgumentError(
-            f"{given[0]} sets AdaMuon's and NorMuon's second moment: pass --optimizer adaptive_muon, or drop {given[0]}")
     if args.optimizer == "adaptive_muon" and not args.canzona:
         raise CanzonaArgumentError(
             "--optimizer adaptive_muon without --canzona runs Megatron-Core 0.19.2's TensorParallelAdaptiveMuon, which "
@@ -303,6 +348,7 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(
             "--canzona partitions the distributed optimizer: add --use-distributed-optimizer")
     _check_parallelism(args)
+    _check_optimizer_flags(args)
     _check_ranges(args)
     _check_cluster(args)
 
@@ -336,6 +382,7 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
                 f"{args.micro_batch_size} x data-parallel size {dp}: pick a global batch that is "
                 f"(e.g. {args.micro_batch_size * dp * max(1, args.global_batch_size // (args.micro_batch_size * dp))})")
     _check_context_parallel(args)
+    _check_cp_comm_type(args)
     if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
         raise CanzonaArgumentError(
             f"--ddp-bucket-size {args.ddp_bucket_size} must be a positive number of elements (or omit it for "
@@ -344,6 +391,11 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
     # (a Hugging Face tokenizer may be a hub name; the recipes check their local directory)
     if tokenizer and args.tokenizer_type != "HuggingFaceTokenizer" and not os.path.exists(tokenizer):
         raise CanzonaArgumentError(f"--tokenizer-model {tokenizer} does not exist: fix the path")
+    if tokenizer and os.path.exists(tokenizer):
+        try:  # loaded now, as the tokenizer type loads it: not after the model is built, on every rank
+            check_tokenizer_model(tokenizer, args.tokenizer_type)
+        except ValueError as error:
+            raise CanzonaArgumentError(str(error)) from None
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         try:
             check_blend_words(getattr(args, flag, None), "--" + flag.replace("_", "-"))
@@ -352,6 +404,19 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
     calibration = getattr(args, "canzona_calibration", None)
     if calibration not in (None, "none") and not os.path.isfile(calibration):
         raise CanzonaArgumentError(f"--canzona-calibration {calibration} does not exist: fix the path, or pass 'none'")
+    if calibration not in (None, "none"):
+        from megatron.canzona.planning.sim.cluster import read_ns_calibration
+
+        try:  # the fields --muon-ns-method auto reads, by the reader it uses
+            read_ns_calibration(calibration)
+        except ValueError as error:
+            raise CanzonaArgumentError(
+                f"--canzona-calibration {calibration}: {error}; write it with tools/bench_optim.py --muon-ns-method "
+                "standard gram --calibrate FILE, or pass 'none'") from None
+    if getattr(args, "canzona_profile_file", None) and getattr(args, "canzona_profile_iteration", None) is None:
+        raise CanzonaArgumentError(
+            "--canzona-profile-file writes the profile of --canzona-profile-iteration N: add it, or drop "
+            "--canzona-profile-file")
     profiled = getattr(args, "canzona_profile_iteration", None)
     if profiled is not None and not 1 <= profiled <= (args.train_iters or profiled):
         raise CanzonaArgumentError(
@@ -400,6 +465,26 @@ def _check_context_parallel(args: argparse.Namespace) -> None:
             f"{'it' if len(unsupported) == 1 else 'them'}")
 
 
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+"""The values of Megatron's ``--cp-comm-type``, which its parser leaves unchecked (``all_gather``,
+transformer-engine's spelling, is taken too)."""
+
+
+def _check_cp_comm_type(args: argparse.Namespace) -> None:
+    """``--cp-comm-type``: known types, one for every layer or one per layer."""
+    types = getattr(args, "cp_comm_type", None) or ["p2p"]
+    types = [types] if isinstance(types, str) else list(types)
+    unknown = [t for t in types if t not in (*CP_COMM_TYPES, "all_gather")]
+    if unknown:
+        raise CanzonaArgumentError(
+            f"--cp-comm-type {unknown[0]} is not a context-parallel communication type: pass {', '.join(CP_COMM_TYPES[:-1])} "
+            f"or {CP_COMM_TYPES[-1]} (one for every layer, or one per layer)")
+    if len(types) > 1 and args.num_layers is not None and len(types) != args.num_layers:
+        raise CanzonaArgumentError(
+            f"--cp-comm-type gives {len(types)} types for --num-layers {args.num_layers}: give one for every layer, or "
+            "one per layer")
+
+
 def _check_cluster(args: argparse.Namespace) -> None:
     """The cluster ``--canzona-layout auto`` projects on must load, before any rank builds."""
     if args.canzona_cluster is None:
@@ -415,21 +500,88 @@ def _check_cluster(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(f"--canzona-cluster: {exc}") from None
 
 
+def early_compute_off_by(args: argparse.Namespace) -> str | None:
+    """The flag that turns early compute off in this run, if one does: it computes where the early
+    gathers land, which ``--canzona-tp-mode sync`` (it gathers in the step) has none of."""
+    if not args.canzona_early_gather:
+        return "--canzona-no-early-gather"
+    if args.canzona_tp_mode != "async":
+        return f"--canzona-tp-mode {args.canzona_tp_mode}"
+    return "--canzona-no-early-compute" if args.canzona_early_compute == "off" else None
+
+
+def _check_early_compute(args: argparse.Namespace) -> None:
+    """A flag of early compute given where another one turns it off is refused, naming both."""
+    off = early_compute_off_by(args)
+    if off is None:
+        return
+    if args.canzona_early_compute == "on":
+        raise CanzonaArgumentError(
+            f"--canzona-early-compute computes each micro-group where its early gather lands: drop {off}, or "
+            "--canzona-early-compute")
+    if args.canzona_matrices_reduce_first:
+        raise CanzonaArgumentError(
+            f"--canzona-matrices-reduce-first reorders the reduce-scatters for early compute: drop {off}, or "
+            "--canzona-matrices-reduce-first")
+    if args.canzona_early_compute_budget != CanzonaConfig.early_compute_bytes / 2**30:
+        raise CanzonaArgumentError(
+            f"--canzona-early-compute-budget {args.canzona_early_compute_budget} bounds what early compute keeps, and "
+            f"{off} turns early compute off: drop one")
+
+
+MEGATRON_MUON_ONLY = (("muon_tp_mode", "blockwise", "--muon-tp-mode", "--canzona-tp-mode async|sync"),
+                      ("muon_split_qkv", True, "--muon-no-split-qkv", "--canzona-no-split-qkv"),
+                      ("muon_scalar_optimizer", "adam", "--muon-scalar-optimizer", "--adam-* (AdamW)"))
+"""Megatron's Muon flags that only its layer-wise Muon reads, as (``dest``, default, flag, what
+Canzona reads instead): given with ``--canzona`` they would do nothing."""
+
+
+def _check_optimizer_flags(args: argparse.Namespace) -> None:
+    """Megatron's Muon flags Canzona reads have a value it knows; those it does not read, and
+    Canzona's own flags of another optimizer's math, are refused."""
+    for dest, default, flag, instead in MEGATRON_MUON_ONLY:
+        if getattr(args, dest, default) != default:
+            raise CanzonaArgumentError(
+                f"{flag} sets Megatron's layer-wise Muon, which --canzona replaces: drop it (Canzona reads {instead})")
+    if args.optimizer in NS_OPTIMIZERS:
+        from megatron.canzona.optim.newton_schulz import EMERGING_OPTIMIZERS_COEFFICIENTS, NS_COEFFICIENTS
+
+        known = sorted({*EMERGING_OPTIMIZERS_COEFFICIENTS, *NS_COEFFICIENTS})
+        if args.muon_coefficient_type not in known:
+            raise CanzonaArgumentError(
+                f"--muon-coefficient-type {args.muon_coefficient_type} is not a Newton-Schulz coefficient set: pass "
+                f"one of {', '.join(known)}")
+    if not args.canzona_stagger_refresh and args.optimizer not in ("shampoo", "soap"):
+        raise CanzonaArgumentError(
+            f"--canzona-no-stagger-refresh times Shampoo's and SOAP's preconditioner refreshes; --optimizer "
+            f"{args.optimizer} has none: drop it")
+    calibration = args.canzona_calibration
+    if calibration is None:
+        return
+    if args.optimizer != "muon" or args.muon_ns_method != "auto":
+        raise CanzonaArgumentError(
+            f"--canzona-calibration {calibration} serves --optimizer muon --muon-ns-method auto (this run: --optimizer "
+            f"{args.optimizer} --muon-ns-method {args.muon_ns_method}): pass those, or drop --canzona-calibration")
+    if calibration == "none":
+        return
+    from megatron.canzona.planning.sim.cluster import read_ns_calibration
+
+    measured, _ = read_ns_calibration(calibration)  # check_common_args has read it whole
+    ns_dtype = "float32" if args.muon_fp32_matmul_prec == "high" else "bfloat16"
+    if measured != ns_dtype:
+        raise CanzonaArgumentError(
+            f"--canzona-calibration {calibration} timed Newton-Schulz in {measured}, this run iterates in {ns_dtype} "
+            f"(--muon-fp32-matmul-prec {args.muon_fp32_matmul_prec}): calibrate in {ns_dtype}, or pass --muon-fp32-"
+            f"matmul-prec {'high' if measured == 'float32' else 'medium'}")
+
+
 def _check_parallelism(args: argparse.Namespace) -> None:
     """Parallel layouts the Canzona plan does not cover yet."""
     if args.num_distributed_optimizer_instances > 1:
         raise CanzonaArgumentError(
             "--canzona shards one optimizer instance over the whole data-parallel group: drop "
             f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances}")
-    if args.canzona_early_compute == "on" and not args.canzona_early_gather:
-        raise CanzonaArgumentError(
-            "--canzona-early-compute computes each micro-group where its early gather lands: drop "
-            "--canzona-no-early-gather, or --canzona-early-compute")
-    if args.canzona_matrices_reduce_first and (args.canzona_early_compute == "off" or not args.canzona_early_gather):
-        raise CanzonaArgumentError(
-            "--canzona-matrices-reduce-first reorders the reduce-scatters for early compute: drop "
-            f"--canzona-no-{'early-compute' if args.canzona_early_gather else 'early-gather'}, "
-            "or --canzona-matrices-reduce-first")
+    _check_early_compute(args)
     if args.canzona_matrices_reduce_first and not args.overlap_grad_reduce:
         raise CanzonaArgumentError(
             "--canzona-matrices-reduce-first reorders the reduce-scatters that overlap backward: add "

@@ -34,8 +34,12 @@ def parse(*flags: str) -> argparse.Namespace:
 
 
 def test_a_sound_command_line_passes(tmp_path: Path) -> None:
-    tokenizer = tmp_path / "tokenizer.model"
-    tokenizer.write_bytes(b"")
+    from megatron.canzona.data import TokenizerTrainConfig, train_sentencepiece
+
+    # the tokenizer model is loaded at parse time: a real one (a page of a shipped book, ~0.5 s)
+    page = (ROOT / "data" / "books" / "austen-emma.txt").read_text()[:200_000].split("\n\n")
+    tokenizer = train_sentencepiece(page, tmp_path / "tokenizer", TokenizerTrainConfig(vocab_size=400, num_threads=1),
+                                    log=lambda line: None)
     check_common_args(parse("--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tokenizer),
                             "--data-path", "0.3", "a", "0.7", "b", "--canzona-metrics-file",
                             str(tmp_path / "new" / "m.jsonl")), {"WORLD_SIZE": "4"})

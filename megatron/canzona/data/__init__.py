@@ -18,6 +18,7 @@ from megatron.canzona.data.indexed import DatasetSummary, PreprocessConfig, data
 from megatron.canzona.data.tokenizer import (
     SENTENCEPIECE_TOKENIZER_TYPES,
     TokenizerTrainConfig,
+    check_tokenizer_model,
     check_tokenizer_type,
     load_tokenizer,
     train_sentencepiece,
@@ -37,6 +38,7 @@ __all__ = [
     "check_blend_words",
     "check_gpt_data",
     "check_input_files",
+    "check_tokenizer_model",
     "check_tokenizer_type",
     "dataset_helpers_available",
     "dataset_prefix",

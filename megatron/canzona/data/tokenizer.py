@@ -206,3 +206,35 @@ def load_tokenizer(model_path: str | Path, tokenizer_type: str = "SentencePieceT
         legacy=False,
         special_tokens=None,
     )
+
+
+HUGGING_FACE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""What marks a Hugging Face tokenizer directory (``--tokenizer-type HuggingFaceTokenizer`` loads the directory)."""
+
+
+def check_tokenizer_model(path: str, tokenizer_type: str) -> None:
+    """``ValueError`` unless ``path`` loads as ``tokenizer_type`` would load it (SentencePiece
+    models are loaded; a Hugging Face tokenizer is a directory or a hub name), saying which file
+    to pass where the user named a sibling of the right one (the ``.vocab`` beside a ``.model``,
+    the ``tokenizer.json`` inside a directory)."""
+    named = Path(path)
+    if tokenizer_type in SENTENCEPIECE_TOKENIZER_TYPES:
+        import sentencepiece as spm
+
+        try:
+            spm.SentencePieceProcessor(model_file=str(named))
+            return
+        except (RuntimeError, OSError) as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        folder = named if named.is_dir() else named.parent
+        stem = None if named.is_dir() else named.stem
+        models = sorted(p for p in folder.glob("*.model") if p != named and (stem is None or p.stem == stem)) \
+            or sorted(p for p in folder.glob("*.model") if p != named)
+        hint = f"pass {models[0]}" if models else "pass the .model file tools/train_tokenizer.py wrote"
+        what = "a directory" if named.is_dir() else f"not a SentencePiece model ({reason})"
+        raise ValueError(f"--tokenizer-model {path} is {what}; --tokenizer-type {tokenizer_type} loads a "
+                         f"SentencePiece .model file: {hint}")
+    if tokenizer_type == "HuggingFaceTokenizer" and named.is_file() and any(
+            (named.parent / marker).is_file() for marker in HUGGING_FACE_TOKENIZER_FILES):
+        raise ValueError(f"--tokenizer-model {path} is a file of a Hugging Face tokenizer; --tokenizer-type "
+                         f"HuggingFaceTokenizer loads its directory: pass {named.parent}")

@@ -292,20 +292,43 @@ def load_calibration(path: str, optimizer: str | None = None, ns_method: str | N
     return calibration_from_dict(entries[optimizer], source=f"{name}: optimizers.{optimizer}")
 
 
-def measured_ns_methods(path: str, ns_dtype: str) -> tuple[tuple[int, int, str], ...]:
-    """The faster Newton-Schulz method of every shape a calibration (``tools/bench_optim.py
-    --muon-ns-method standard gram --calibrate FILE``) timed both ways in ``ns_dtype``, as
-    ``(short side, long side, method)``; none where it measured another dtype or one method."""
+NS_CALIBRATION_METHODS = ("standard", "gram")
+"""The Newton-Schulz methods a calibration times for ``--muon-ns-method auto``, each under ``muon_methods``."""
+NS_CALIBRATION_DTYPES = ("bfloat16", "float32")
+"""The values of a calibration's ``ns_dtype``: the dtype Newton-Schulz iterated in when it was timed."""
+
+
+def read_ns_calibration(path: str) -> tuple[str, dict[str, Calibration]]:
+    """A Newton-Schulz calibration (``tools/bench_optim.py --muon-ns-method standard gram
+    --calibrate FILE``): its ``ns_dtype`` and each method's timings, every field checked;
+    ``ValueError`` naming the file and the field otherwise."""
     data = _read_mapping(path)
-    methods = data.get("muon_methods") if isinstance(data, Mapping) else None
-    if not isinstance(methods, Mapping) or not {"standard", "gram"} <= set(methods) or data.get("ns_dtype") != ns_dtype:
-        return ()
     name = os.path.basename(path)
-    timed = {method: calibration_from_dict(methods[method], source=f"{name}: muon_methods.{method}").seconds
-             for method in ("standard", "gram")}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{name}: expected an object with 'ns_dtype' and 'muon_methods', got {type(data).__name__}")
+    methods = data.get("muon_methods")
+    if not isinstance(methods, Mapping) or not set(NS_CALIBRATION_METHODS) <= set(methods):
+        found = sorted(methods) if isinstance(methods, Mapping) else methods
+        raise ValueError(f"{name}: muon_methods must hold the timings of {' and '.join(NS_CALIBRATION_METHODS)} "
+                         f"(tools/bench_optim.py --muon-ns-method standard gram --calibrate FILE writes them), "
+                         f"got {found!r}")
+    ns_dtype = data.get("ns_dtype")
+    if ns_dtype not in NS_CALIBRATION_DTYPES:
+        raise ValueError(f"{name}: ns_dtype must be one of {', '.join(NS_CALIBRATION_DTYPES)}, got {ns_dtype!r}")
+    return ns_dtype, {method: calibration_from_dict(methods[method], source=f"{name}: muon_methods.{method}")
+                      for method in NS_CALIBRATION_METHODS}
+
+
+def measured_ns_methods(path: str, ns_dtype: str) -> tuple[tuple[int, int, str], ...]:
+    """The faster Newton-Schulz method of every shape a calibration (:func:`read_ns_calibration`)
+    timed both ways, as ``(short side, long side, method)``; none where it measured another dtype
+    than ``ns_dtype``."""
+    measured_dtype, methods = read_ns_calibration(path)
+    if measured_dtype != ns_dtype:
+        return ()
     shapes: dict[tuple[int, int], str] = {}
-    for (m, n), standard in timed["standard"].items():
-        gram = timed["gram"].get((m, n))
+    for (m, n), standard in methods["standard"].seconds.items():
+        gram = methods["gram"].seconds.get((m, n))
         if gram is not None:
             shapes[(min(m, n), max(m, n))] = "gram" if gram < standard else "standard"
     return tuple((a, b, method) for (a, b), method in sorted(shapes.items()))
