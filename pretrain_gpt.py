@@ -19,9 +19,11 @@ See ``examples/qwen3/pretrain_qwen3_tiny_cpu.sh`` for a complete tiny run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +45,7 @@ from canzona_patches.registry import install as install_patches
 from canzona_patches.registry import install_group as install_patch_group
 from canzona_patches.integration.training import LOSS_KEY, iterations_this_job, nothing_trained
 from megatron.canzona.data import GPTDataConfig, build_gpt_datasets, check_gpt_data, describe_datasets
-from megatron.canzona.runtime.lifetime import end_with_parent, launched_by_torchrun
+from megatron.canzona.runtime.lifetime import end_with_parent, launched_by_torchrun, signal_held
 from megatron.canzona.runtime.save_lock import SaveDirectoryLocked, take_save_lock
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
@@ -363,14 +365,17 @@ def main() -> int:
     """Parse, validate, install the hooks and run ``megatron.training.pretrain``."""
     if launched_by_torchrun():
         end_with_parent()  # a rank whose torchrun was killed stops instead of training on
-    try:
-        args = parse_and_validate()
-        check_launched_as_a_rank()
-        lock_save_directory(args)
-    except (CanzonaArgumentError, SaveDirectoryLocked) as error:
-        if reports_errors():  # once per job: every rank fails alike at start-up
-            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
-        return 2
+    # Every rank fails these checks alike and only the first says why: it holds torchrun's SIGTERM
+    # (sent once another rank has exited) until its line is out, or the line would be lost.
+    with signal_held(signal.SIGTERM) if reports_errors() else contextlib.nullcontext():
+        try:
+            args = parse_and_validate()
+            check_launched_as_a_rank()
+            lock_save_directory(args)
+        except (CanzonaArgumentError, SaveDirectoryLocked) as error:
+            if reports_errors():  # once per job: every rank fails alike at start-up
+                print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+            return 2
     install_patches(args)  # every Megatron patch whose condition holds (python -m canzona_patches.registry)
     try:
         pretrain(

@@ -9,6 +9,7 @@ or, elsewhere, watches its parent from a thread.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -93,3 +95,26 @@ def end_session(process: subprocess.Popen) -> int:
     except ProcessLookupError:
         pass  # the whole session has ended
     return process.wait()
+
+
+@contextlib.contextmanager
+def signal_held(signal_number: int = signal.SIGTERM) -> Iterator[None]:
+    """Hold ``signal_number`` off while the block runs, then take it as it would have been taken.
+
+    torchrun ends a job's other ranks (SIGTERM) within its monitor interval (0.1 s) of the first
+    rank's exit. At start-up every rank fails a bad flag alike and only the first rank prints the
+    line, so a rank that got there first would have torchrun end the printing one before it
+    printed: the printing rank holds the signal over its checks and its line (torchrun's SIGKILL
+    follows only after its shutdown timeout, 30 s by default). Outside the main thread, where no
+    handler can be set, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal_number, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal_number, previous)
+        if received:
+            os.kill(os.getpid(), signal_number)

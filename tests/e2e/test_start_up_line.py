@@ -1,0 +1,49 @@
+"""The one line of a start-up error survives torchrun ending the job.
+
+Every rank of a job fails a bad flag alike and only rank 0 prints why. torchrun sends SIGTERM to
+the ranks still running within its monitor interval (0.1 s) of the first exit, so a rank 0 a
+little behind its peers (reading the failing statement, compiling a module on its first import)
+was ended before its line: ``tools/chaos.py --bad-input``'s ``micro-batch-0`` once exited 1 with
+no line. ``pretrain_gpt.py`` holds SIGTERM over its checks (``signal_held``); here a rank 0 that
+is one second late, under torchrun, prints its line with the signal held and loses it without.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from .support import ROOT, run_with_deadline
+
+LATE_RANK_0 = '''
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from megatron.canzona.runtime.lifetime import signal_held
+import contextlib
+
+hold = sys.argv[1] == "hold"
+with signal_held(signal.SIGTERM) if hold and os.environ["RANK"] == "0" else contextlib.nullcontext():
+    if os.environ["RANK"] == "0":
+        time.sleep(1.0)  # later than torchrun's monitor interval after rank 1's exit
+        print("late.py: error: the one line", file=sys.stderr, flush=True)
+        print("rank 0 still here after its line", flush=True)
+sys.exit(2)
+'''
+
+
+@pytest.mark.parametrize("hold", ["hold", "no-hold"])
+def test_a_late_rank_0_prints_its_line_while_it_holds_sigterm(hold: str, tmp_path: Path) -> None:
+    script = tmp_path / "late.py"
+    script.write_text(LATE_RANK_0.format(root=str(ROOT)))
+    result = run_with_deadline([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                str(script), hold], timeout_s=120)
+    out = result.stdout + (result.stderr or "")
+    assert result.returncode != 0, out
+    if hold == "hold":
+        assert out.count("late.py: error: the one line") == 1, out
+        # the held SIGTERM was taken once the block ended: rank 0 went no further
+        assert "rank 0 still here" in out and "exitcode  : -15" in out, out
+    else:  # the race the hold closes: torchrun ended rank 0 before it printed
+        assert "the one line" not in out, out
