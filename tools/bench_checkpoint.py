@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron.canzona.cli import ArgumentParser, at_least, positive
 from megatron.canzona.planning import OPTIMIZERS
 from megatron.canzona.runtime import LaunchConfig, launch
 from megatron.canzona.provenance import git_revision, machine
@@ -53,16 +54,16 @@ class BenchJob:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp", default="1,2,4", help="comma-separated data-parallel sizes (one launch each)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="muon")
-    parser.add_argument("--layers", type=int, default=2, help="transformer layers (tiny GPT: 2)")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden size, 4 heads (tiny GPT: 64)")
-    parser.add_argument("--ffn-hidden", type=int, default=None, help="SwiGLU size (default 2 * hidden)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed training steps")
-    parser.add_argument("--steps", type=int, default=5, help="timed training steps")
-    parser.add_argument("--repeats", type=int, default=3, help="saves and loads per launch")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung launch fails")
+    parser.add_argument("--layers", type=at_least(1), default=2, help="transformer layers (tiny GPT: 2)")
+    parser.add_argument("--hidden", type=at_least(1), default=64, help="hidden size, 4 heads (tiny GPT: 64)")
+    parser.add_argument("--ffn-hidden", type=at_least(1), default=None, help="SwiGLU size (default 2 * hidden)")
+    parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed training steps")
+    parser.add_argument("--steps", type=at_least(1), default=5, help="timed training steps")
+    parser.add_argument("--repeats", type=at_least(1), default=3, help="saves and loads per launch")
+    parser.add_argument("--timeout", type=positive, default=600.0, help="seconds before a hung launch fails")
     parser.add_argument("--dir", help="where checkpoints go (default: a temporary directory, removed)")
     parser.add_argument("--json", metavar="FILE", help="also write the JSON result here")
     args = parser.parse_args(argv)

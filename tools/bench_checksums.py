@@ -28,14 +28,15 @@ import time
 from pathlib import Path
 
 from canzona_patches.version import quiet_megatron_notices
+from megatron.canzona.cli import ArgumentParser, at_least
 from megatron.canzona.provenance import git_revision, machine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=512, help="MiB of state saved (default 512)")
-    parser.add_argument("--tensors", type=int, default=16, help="tensors the state is split into")
-    parser.add_argument("--repeats", type=int, default=3, help="saves (and loads) per variant")
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=at_least(1), default=512, help="MiB of state saved (default 512)")
+    parser.add_argument("--tensors", type=at_least(1), default=16, help="tensors the state is split into")
+    parser.add_argument("--repeats", type=at_least(1), default=3, help="saves (and loads) per variant")
     parser.add_argument("--dir", help="where checkpoints go (default: a temporary directory, removed)")
     parser.add_argument("--json", metavar="FILE", help="also write the JSON result here")
     args = parser.parse_args(argv)

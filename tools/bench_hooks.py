@@ -12,11 +12,11 @@ bucket group passes one dispatch and one finish per iteration.
 
 from __future__ import annotations
 
-import argparse
 import timeit
 from types import SimpleNamespace
 
 from canzona_patches.integration import early_gather
+from megatron.canzona.cli import ArgumentParser, at_least
 
 
 class _Group:
@@ -52,8 +52,8 @@ def per_iteration_us(group: _Group, number: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--number", type=int, default=200_000, help="calls timed per row")
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--number", type=at_least(1), default=200_000, help="calls timed per row")
     args = p.parse_args(argv)
     plain, held, matrix = _Group(), _Group(), _Group()
     order = early_gather.order_matrices_first([SimpleNamespace(bucket_groups=[matrix, held])], {matrix})

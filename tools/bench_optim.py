@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from megatron.canzona.cli import ArgumentParser, at_least
 from megatron.canzona.optim import (
     AdamWConfig,
     AdamWState,
@@ -218,12 +219,12 @@ def measure_matmul_rate(device: torch.device, dtype: torch.dtype, size: int | No
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--optimizer", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
     p.add_argument("--models", "--shapes", dest="models", nargs="+", default=None,
                    help="Qwen3 models whose layer shapes to use (default: qwen3-1.7b qwen3-8b)")
-    p.add_argument("--tiny-gpt", nargs="+", type=int, default=[], metavar="HIDDEN",
+    p.add_argument("--tiny-gpt", nargs="+", type=at_least(1), default=[], metavar="HIDDEN",
                    help="also tools/bench_step.py's tiny GPT matrices at these hidden sizes (only these when "
                         "--models is not given)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -232,13 +233,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Muon Newton-Schulz dtype(s); several are timed in turn")
     p.add_argument("--muon-ns-method", nargs="+", choices=NS_METHODS, default=["standard"],
                    help="Muon Newton-Schulz method(s), the runtime's --muon-ns-method; several are timed in turn")
-    p.add_argument("--stack", type=int, default=None, help="matrices per batched call (default: 4 on CPU, 8 on CUDA)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats, median reported (default: 3 CPU, 10 CUDA)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed plain steps before timing")
-    p.add_argument("--shrink", type=int, default=None, help="divide every dimension by this (default: 8 on CPU, 1 on CUDA)")
-    p.add_argument("--precondition-frequency", type=int, default=10, help="Shampoo/SOAP refresh every f steps")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--matmul-size", type=int, default=None,
+    p.add_argument("--stack", type=at_least(1), default=None, help="matrices per batched call (default: 4 on CPU, 8 on CUDA)")
+    p.add_argument("--repeats", type=at_least(1), default=None, help="timed repeats, median reported (default: 3 CPU, 10 CUDA)")
+    p.add_argument("--warmup", type=at_least(0), default=1, help="untimed plain steps before timing")
+    p.add_argument("--shrink", type=at_least(1), default=None, help="divide every dimension by this (default: 8 on CPU, 1 on CUDA)")
+    p.add_argument("--precondition-frequency", type=at_least(1), default=10, help="Shampoo/SOAP refresh every f steps")
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
+    p.add_argument("--matmul-size", type=at_least(1), default=None,
                    help="side of the square GEMM the matmul rate is measured on (default: 8192 on CUDA, 1024 on CPU)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout only)")
     p.add_argument("--calibration-dir", metavar="DIR",

@@ -25,18 +25,19 @@ import sys
 
 import torch
 
+from megatron.canzona.cli import ArgumentParser, at_least
 from megatron.canzona.optim.newton_schulz import newton_schulz
 from megatron.canzona.provenance import git_revision, machine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", type=int, nargs=2, default=(4096, 12288), metavar=("M", "N"),
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", type=at_least(1), nargs=2, default=(4096, 12288), metavar=("M", "N"),
                    help="the Newton-Schulz matrix (default: Qwen3-8B's fc2)")
-    p.add_argument("--stack", type=int, default=4, help="matrices of that shape per Newton-Schulz call")
-    p.add_argument("--gemm", type=int, default=8192, help="side of the square bf16 products of the load")
-    p.add_argument("--load-products", type=int, default=24, help="products in the load")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--stack", type=at_least(1), default=4, help="matrices of that shape per Newton-Schulz call")
+    p.add_argument("--gemm", type=at_least(1), default=8192, help="side of the square bf16 products of the load")
+    p.add_argument("--load-products", type=at_least(1), default=24, help="products in the load")
+    p.add_argument("--repeats", type=at_least(1), default=5)
     p.add_argument("--json", help="also write the result here")
     return p.parse_args(argv)
 

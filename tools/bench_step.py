@@ -79,6 +79,7 @@ import statistics
 import sys
 import time
 
+from megatron.canzona.cli import ArgumentParser, at_least, fraction, non_negative, positive
 from megatron.canzona.curves import save_figure
 from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.planning.grid import expert_dp_size as grid_expert_dp_size
@@ -97,33 +98,33 @@ STAGE_COLOURS = {"gather": "tab:blue", "compute": "tab:orange", "scatter": "tab:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dp", type=int, default=2, help="data-parallel size")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (processes = dp * tp)")
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dp", type=at_least(1), default=2, help="data-parallel size")
+    parser.add_argument("--tp", type=at_least(1), default=1, help="tensor-parallel size (processes = dp * tp)")
     parser.add_argument("--gantt", metavar="FILE.png", help="with --tp > 1: timeline of one async step")
-    parser.add_argument("--layers", type=int, default=4, help="transformer layers")
-    parser.add_argument("--hidden", type=int, default=384, help="hidden size (4 heads, 2 query groups)")
-    parser.add_argument("--ffn-hidden", type=int, default=None, help="SwiGLU size (default: 8/3 hidden)")
-    parser.add_argument("--bucket-size", type=int, default=None,
+    parser.add_argument("--layers", type=at_least(1), default=4, help="transformer layers")
+    parser.add_argument("--hidden", type=at_least(1), default=384, help="hidden size (4 heads, 2 query groups)")
+    parser.add_argument("--ffn-hidden", type=at_least(1), default=None, help="SwiGLU size (default: 8/3 hidden)")
+    parser.add_argument("--bucket-size", type=at_least(1), default=None,
                         help="DDP bucket size in elements (small buckets split matrices across DP shards)")
-    parser.add_argument("--alpha", type=float, default=0.5, help="Canzona planner balance knob")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (after --warmup)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed first steps per variant and round")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--alpha", type=fraction, default=0.5, help="Canzona planner balance knob")
+    parser.add_argument("--steps", type=at_least(1), default=10, help="timed steps per variant (after --warmup)")
+    parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed first steps per variant and round")
+    parser.add_argument("--rounds", type=at_least(1), default=3,
                         help="variants run in turn this many times, so load drift hits them alike")
     parser.add_argument("--moe", action="store_true", help="mixture of experts in every layer (see --num-experts)")
-    parser.add_argument("--num-experts", type=int, default=8, help="with --moe: experts per layer")
-    parser.add_argument("--ep", type=int, default=None, help="with --moe: expert-parallel size (default 2)")
-    parser.add_argument("--moe-ffn-hidden", type=int, default=None,
+    parser.add_argument("--num-experts", type=at_least(1), default=8, help="with --moe: experts per layer")
+    parser.add_argument("--ep", type=at_least(1), default=None, help="with --moe: expert-parallel size (default 2)")
+    parser.add_argument("--moe-ffn-hidden", type=at_least(1), default=None,
                         help="with --moe: each expert's SwiGLU size (default: hidden / 2)")
-    parser.add_argument("--moe-topk", type=int, default=2, help="with --moe: experts per token")
+    parser.add_argument("--moe-topk", type=at_least(1), default=2, help="with --moe: experts per token")
     parser.add_argument("--iteration", action="store_true",
                         help="time the exposed optimizer time of whole iterations instead: from the end of "
                         "backward to the next forward's first transformer layer, with --overlap-grad-reduce and "
                         "(distributed optimizers) --overlap-param-gather")
-    parser.add_argument("--clip-grad", type=float, default=0.0,
+    parser.add_argument("--clip-grad", type=non_negative, default=0.0,
                         help="Megatron's global-norm clip (0: none); e.g. 1e-3 acts in every step, 1e9 in none")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a hung launch fails")
+    parser.add_argument("--timeout", type=positive, default=900.0, help="seconds before a hung launch fails")
     parser.add_argument("--json", metavar="FILE", help="also write the JSON result here")
     args = parser.parse_args(argv)
     if args.dp < 1 or args.tp < 1:

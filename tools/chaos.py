@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from canzona_patches.version import quiet_megatron_notices
+from megatron.canzona.cli import ArgumentParser, at_least, positive
 from megatron.canzona.provenance import git_revision, machine
 from megatron.canzona.runtime.lifetime import end_session, ranks_of, running
 
@@ -77,17 +78,17 @@ ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \|")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--faults", type=int, default=60, help="faults in all, spread over the scenarios")
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", type=at_least(0), default=60, help="faults in all, spread over the scenarios")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
-    parser.add_argument("--train-iters", type=int, default=300)
-    parser.add_argument("--save-interval", type=int, default=10)
+    parser.add_argument("--train-iters", type=at_least(1), default=300)
+    parser.add_argument("--save-interval", type=at_least(1), default=10)
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated fault kinds, of {', '.join(KINDS)}")
     parser.add_argument("--seed", type=int, default=0, help="seeds the choice of faults, ranks and moments")
     parser.add_argument("--data-path", help="dataset prefix (default: the recipe's demo data, made if missing)")
     parser.add_argument("--tokenizer-model", help="SentencePiece model of --data-path")
-    parser.add_argument("--launch-timeout", type=float, default=600.0, help="seconds one launch may take")
-    parser.add_argument("--exit-timeout", type=float, default=30.0, help="seconds the ranks get to end after a fault")
+    parser.add_argument("--launch-timeout", type=positive, default=600.0, help="seconds one launch may take")
+    parser.add_argument("--exit-timeout", type=positive, default=30.0, help="seconds the ranks get to end after a fault")
     parser.add_argument("--dir", help="where runs go (default: a temporary directory, removed)")
     parser.add_argument("--json", metavar="FILE", help="also write the JSON result here")
     parser.add_argument("--bad-input", action="store_true",

@@ -48,6 +48,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megatron.canzona.cli import ArgumentParser, at_least
 from megatron.canzona.curves import LossCurve, read_curve, save_figure
 from megatron.canzona.provenance import git_revision, machine
 
@@ -354,14 +355,14 @@ def load_average() -> float | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS),
                         help="which optimizers, in this order (default: all; the first is the ratios' base)")
-    parser.add_argument("--iters", type=int, default=360,
+    parser.add_argument("--iters", type=at_least(1), default=360,
                         help="training iterations of every run (default 360: about one pass over the training split)")
-    parser.add_argument("--eval-interval", type=int, default=20, help="iterations between validations")
-    parser.add_argument("--eval-iters", type=int, default=20, help="batches per validation")
-    parser.add_argument("--log-interval", type=int, default=5, help="iterations per training-loss point")
+    parser.add_argument("--eval-interval", type=at_least(1), default=20, help="iterations between validations")
+    parser.add_argument("--eval-iters", type=at_least(0), default=20, help="batches per validation")
+    parser.add_argument("--log-interval", type=at_least(1), default=5, help="iterations per training-loss point")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "build" / "compare", help="runs' directory")
     parser.add_argument("--output", type=Path, default=None, help="PNG (default: OUT_DIR/compare_optimizers.png)")
     parser.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 29517)),

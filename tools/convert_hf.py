@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from megatron.canzona.cli import ArgumentParser, at_least
 from megatron.canzona.hf import (
     EMBEDDING,
     FINAL_NORM,
@@ -569,14 +570,14 @@ def _size(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     out = commands.add_parser("export", help="torch_dist checkpoint -> Hugging Face Qwen3 directory")
     out.add_argument("--load", type=Path, required=True, help="pretrain_gpt.py's --save directory (or one iter_N in it)")
-    out.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the tracked one)")
+    out.add_argument("--iteration", type=at_least(0), default=None, help="iteration to export (default: the tracked one)")
     out.add_argument("--save", type=Path, required=True, help="Hugging Face directory to write")
-    out.add_argument("--vocab-size", type=int, default=None,
+    out.add_argument("--vocab-size", type=at_least(1), default=None,
                      help="keep the first N embedding rows (default: Megatron's padded vocabulary)")
     out.add_argument("--tokenizer", type=Path, default=None,
                      help="Hugging Face tokenizer directory to copy (default: the run's, if it was one)")

@@ -30,6 +30,7 @@ import math
 import sys
 import time
 
+from megatron.canzona.cli import ArgumentParser, at_least, fraction, non_negative
 from megatron.canzona.planning import DEFAULT_ALPHA, OPTIMIZERS, QWEN3_MODELS, get_qwen3_config, qwen3_specs
 from megatron.canzona.planning.grid import expert_coordinates, expert_dp_size
 from megatron.canzona.planning.memory import (
@@ -51,27 +52,27 @@ DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-8b", help=f"one of: {', '.join(QWEN3_MODELS)}")
-    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=8, help="data-parallel size")
-    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=at_least(1), default=1, help="tensor-parallel size")
+    p.add_argument("--dp", "--data-parallel-size", dest="dp", type=at_least(1), default=8, help="data-parallel size")
+    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=at_least(1), default=1,
                    help="context-parallel size: the plan and the optimizer shard over DP x CP, as Megatron's DDP "
                    "reduces over it (ranks in Megatron's order, TP then CP then DP)")
-    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=at_least(1), default=1, help="pipeline-parallel size")
+    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=at_least(1), default=1,
                    help="expert-parallel size (MoE models; expert TP is 1 above 1)")
-    p.add_argument(FIRST_FLAG, dest="first_stage_layers", type=int, default=None,
+    p.add_argument(FIRST_FLAG, dest="first_stage_layers", type=at_least(0), default=None,
                    help="layers of the first pipeline stage (Megatron's; for layers PP does not divide)")
-    p.add_argument(LAST_FLAG, dest="last_stage_layers", type=int, default=None,
+    p.add_argument(LAST_FLAG, dest="last_stage_layers", type=at_least(0), default=None,
                    help="layers of the last pipeline stage")
-    p.add_argument("--rank", type=int, default=0, help="global rank to build (Megatron's default rank order)")
+    p.add_argument("--rank", type=at_least(0), default=0, help="global rank to build (Megatron's default rank order)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer")
     p.add_argument("--adaptive-muon-moment2-method", choices=MOMENT2_METHODS, default="adamuon",
                    help="with --optimizer adaptive_muon: AdaMuon's elementwise second moment or NorMuon's per row "
                    "or column (pretrain_gpt.py's flag)")
-    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="planner balance knob")
-    p.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket (default: Megatron's)")
+    p.add_argument("--alpha", type=fraction, default=DEFAULT_ALPHA, help="planner balance knob")
+    p.add_argument("--bucket-size", type=at_least(1), default=None, help="elements per DDP bucket (default: Megatron's)")
     p.add_argument("--layout", "--canzona-layout", dest="layout", choices=LAYOUT_CHOICES, default=CanzonaConfig.layout,
                    help="DP layout of the matrix buffers (pretrain_gpt.py's --canzona-layout)")
     p.add_argument("--cluster", "--canzona-cluster", dest="cluster", default="h100-ib400",
@@ -81,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-early-compute", "--canzona-no-early-compute", dest="early_compute", action="store_false",
                    help="the run computes every matrix update in the step (pretrain_gpt.py's --canzona-no-early-compute; "
                    "default: early, as on CUDA, with its staging state and directions counted)")
-    p.add_argument("--early-compute-budget", "--canzona-early-compute-budget", dest="early_compute_budget", type=float,
+    p.add_argument("--early-compute-budget", "--canzona-early-compute-budget", dest="early_compute_budget", type=non_negative,
                    default=EARLY_COMPUTE_BYTES / 2**30, metavar="GIB",
                    help="most GiB early compute keeps per rank (pretrain_gpt.py's --canzona-early-compute-budget)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

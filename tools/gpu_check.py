@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from megatron.canzona.cli import ArgumentParser, at_least, positive
 from megatron.canzona.curves import read_curve
 from megatron.canzona.provenance import ROOT as ROOT_DIR
 from megatron.canzona.provenance import git_revision, machine
@@ -640,11 +641,11 @@ def publish(table: str, report: dict[str, Any]) -> list[Path]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--steps", nargs="+", choices=[s.name for s in STEPS], default=[s.name for s in STEPS])
     p.add_argument("--out", type=Path, default=ROOT / "build" / "gpu-check", help="logs, gpu_check.json and gpu_check.md")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds each command may take")
+    p.add_argument("--timeout", type=positive, default=900.0, help="seconds each command may take")
     p.add_argument("--variants", nargs="+", choices=ALL_VARIANTS, default=list(ONE_GPU_VARIANTS),
                    help="the one_gpu step's recipe variants, run in this order in every round")
     p.add_argument("--once", nargs="*", choices=ALL_VARIANTS, default=list(ONCE_VARIANTS),
@@ -653,9 +654,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="one_gpu: profile no iteration (by default, after the timed runs, one short run of each "
                    f"variant profiles its iteration {PROFILED_ITERATION})")
-    p.add_argument("--rounds", type=int, default=ONE_GPU_ROUNDS, help="one_gpu: paired rounds of the variants")
-    p.add_argument("--timed", type=int, default=ONE_GPU_TIMED, help="one_gpu: timed iterations per run, after the warm-up")
-    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--rounds", type=at_least(1), default=ONE_GPU_ROUNDS, help="one_gpu: paired rounds of the variants")
+    p.add_argument("--timed", type=at_least(1), default=ONE_GPU_TIMED, help="one_gpu: timed iterations per run, after the warm-up")
+    p.add_argument("--budget", type=positive, default=None, metavar="SECONDS",
                    help="the whole check's time: one_gpu runs fewer rounds and later steps are skipped to end by then")
     p.add_argument("--merge", type=Path, nargs="+", metavar="OUT_DIR",
                    help="run nothing: report the one_gpu rounds that earlier runs left in these --out directories "

@@ -20,6 +20,7 @@ import argparse
 
 import torch
 
+from megatron.canzona.cli import ArgumentParser, at_least
 from megatron.canzona.optim.newton_schulz import NS_COEFFICIENTS, SPECTRUM_KINDS, newton_schulz, singular_value_band
 from megatron.canzona.optim.newton_schulz import spectrum_matrix
 from megatron.canzona.planning.cost import gram_runs
@@ -47,15 +48,15 @@ def worst_excess(schedule: str, steps: int, dtype: torch.dtype, method: str, res
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--steps", type=int, default=5, help="Newton-Schulz iterations")
+    p.add_argument("--steps", type=at_least(1), default=5, help="Newton-Schulz iterations")
     p.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"])
     p.add_argument("--schedules", nargs="+", choices=sorted(NS_COEFFICIENTS),
                    default=["quintic", "quintic_schedule", "polar_express", "polar_express_4dp"])
-    p.add_argument("--restart-every", nargs="+", type=int, default=[],
+    p.add_argument("--restart-every", nargs="+", type=at_least(1), default=[],
                    help="also time gram restarting every k steps, for each k given")
-    p.add_argument("--seeds", type=int, default=3, help="inputs of each kind and shape")
+    p.add_argument("--seeds", type=at_least(1), default=3, help="inputs of each kind and shape")
     args = p.parse_args(argv)
     if args.steps < 1 or any(k < 1 for k in args.restart_every):
         p.error("--steps and --restart-every take positive integers")

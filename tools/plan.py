@@ -18,6 +18,7 @@ import platform
 import sys
 import time
 
+from megatron.canzona.cli import ArgumentParser, at_least, fraction, positive
 from megatron.canzona.curves import save_figure
 from megatron.canzona.planning import (
     NS_METHODS,
@@ -66,21 +67,21 @@ MOE_CASES = (  # model, TP, EP, expert TP, PP, first/last stage layers, DPs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-8b", help=f"one of: {', '.join(QWEN3_MODELS)}")
-    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=8, help="data-parallel size")
-    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=at_least(1), default=1, help="tensor-parallel size")
+    p.add_argument("--dp", "--data-parallel-size", dest="dp", type=at_least(1), default=8, help="data-parallel size")
+    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=at_least(1), default=1,
                    help="context-parallel size: the plan spans DP x CP ranks, as Megatron's DDP reduces over them")
-    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
+    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=at_least(1), default=1,
                    help="expert-parallel size (MoE models): each EP rank holds num_experts/EP local experts")
-    p.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=int, default=1,
+    p.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=at_least(1), default=1,
                    help="expert tensor-parallel size (default 1 here; Megatron's own default is ETP = TP)")
-    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1,
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=at_least(1), default=1,
                    help="pipeline stages: every stage is planned, the busiest one reported")
-    p.add_argument("--decoder-first-pipeline-num-layers", dest="first_stage_layers", type=int, default=None,
+    p.add_argument("--decoder-first-pipeline-num-layers", dest="first_stage_layers", type=at_least(0), default=None,
                    help="layers of the first pipeline stage when PP does not divide the layers")
-    p.add_argument("--decoder-last-pipeline-num-layers", dest="last_stage_layers", type=int, default=None,
+    p.add_argument("--decoder-last-pipeline-num-layers", dest="last_stage_layers", type=at_least(0), default=None,
                    help="layers of the last pipeline stage when PP does not divide the layers")
     p.add_argument("--expert-layout", choices=EXPERT_LAYOUTS, default="sequential",
                    help="module holding the experts: SequentialMLP, TE GroupedMLP, legacy GroupedMLP (stacked)")
@@ -93,12 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--muon-ns-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="dtype Muon's Newton-Schulz iterates in (gram restarts every 2 steps in bf16)")
     p.add_argument("--calibration", metavar="FILE", help="JSON of measured seconds per shape (replaces the FLOP formulas)")
-    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="0 favours equal chunk sizes, 1 equal compute")
+    p.add_argument("--alpha", type=fraction, default=DEFAULT_ALPHA, help="0 favours equal chunk sizes, 1 equal compute")
     p.add_argument("--layout", "--canzona-layout", dest="layout", choices=LAYOUTS, default="whole",
                    help="Canzona's DP layout (--compare also plans the other one): whole = variable-size shards, "
                    "every matrix whole; lean = equal shards, matrices split across them gathered in the step")
-    p.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket (default: Megatron's max(40M, 1M*dp))")
-    p.add_argument("--tp-group-budget", type=float, default=None, help="largest per-slot cost of one TP micro-group")
+    p.add_argument("--bucket-size", type=at_least(1), default=None, help="elements per DDP bucket (default: Megatron's max(40M, 1M*dp))")
+    p.add_argument("--tp-group-budget", type=positive, default=None, help="largest per-slot cost of one TP micro-group")
     p.add_argument("--params-dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (bytes all-gathered)")
     p.add_argument("--grad-reduce-in-fp32", action="store_true", help="gradients reduce-scattered in fp32 (else in the parameter dtype)")
     p.add_argument("--split-qkv", action="store_true", help="optimize Q, K and V as separate matrices")
@@ -110,9 +111,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases", action="store_true", help="run docs/planner.md's case matrix and print its table")
     p.add_argument("--moe-cases", action="store_true", help="run docs/planner.md's mixture-of-experts table")
     args = p.parse_args(argv)
-    for flag in ("tp", "dp", "cp", "ep", "etp", "pp"):
-        if getattr(args, flag) < 1:
-            p.exit(2, f"plan.py: error: --{flag} {getattr(args, flag)}: a parallel size is --{flag} 1 or more\n")
     args.data_parallel, args.dp = args.dp, args.dp * args.cp  # the plan's DP group is DP x CP
     return args
 

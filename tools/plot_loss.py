@@ -17,12 +17,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron.canzona.cli import ArgumentParser
 from megatron.canzona.curves import plot_curves, read_curve
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("metrics", nargs="+", type=Path, help="metrics files (JSON lines), one per run")
     parser.add_argument("--label", action="append", default=[],
                         help="legend label of the next file, in order (default: file name)")

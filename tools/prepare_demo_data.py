@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from megatron.canzona.cli import ArgumentParser, at_least  # noqa: E402
 from megatron.canzona.data.corpus import books_to_documents, check_input_files, iter_texts, write_jsonl  # noqa: E402
 from megatron.canzona.data.indexed import PreprocessConfig, dataset_prefix, preprocess  # noqa: E402
 from megatron.canzona.data.tokenizer import MODEL_TYPES, TokenizerTrainConfig, train_sentencepiece  # noqa: E402
@@ -38,15 +39,15 @@ def log(message: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--books", nargs="+", default=DEFAULT_BOOKS,
                         help="plain-text books (default: the shipped data/books/*.txt)")
     parser.add_argument("--output-dir", default=str(ROOT / "data" / "demo"), help="default: data/demo")
-    parser.add_argument("--vocab-size", type=int, default=1024, help="default: %(default)s")
+    parser.add_argument("--vocab-size", type=at_least(1), default=1024, help="default: %(default)s")
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe", help="default: %(default)s")
-    parser.add_argument("--max-doc-chars", type=int, default=4000,
+    parser.add_argument("--max-doc-chars", type=at_least(1), default=4000,
                         help="paragraphs are grouped into documents of at most this many characters")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default: 1)")
+    parser.add_argument("--workers", type=at_least(1), default=1, help="tokenizing processes (default: 1)")
     parser.add_argument("--force", action="store_true", help="redo every step")
     return parser.parse_args(argv)
 

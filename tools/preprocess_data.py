@@ -19,6 +19,7 @@ import argparse
 import sys
 import time
 
+from megatron.canzona.cli import ArgumentParser, at_least
 from megatron.canzona.data.indexed import PreprocessConfig, preprocess
 from megatron.canzona.data.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES
 
@@ -26,7 +27,7 @@ from megatron.canzona.data.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Megatron-LM's preprocess_data flags that apply to SentencePiece document datasets."""
     defaults = PreprocessConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group("input data")
     group.add_argument("--input", nargs="+", required=True, help="text or JSONL file(s)")
     group.add_argument("--json-keys", nargs="+", default=list(defaults.json_keys),
@@ -39,8 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")
     group = parser.add_argument_group("runtime")
-    group.add_argument("--workers", type=int, default=defaults.workers, help="tokenizing processes (default: 1)")
-    group.add_argument("--log-interval", type=int, default=defaults.log_interval,
+    group.add_argument("--workers", type=at_least(1), default=defaults.workers, help="tokenizing processes (default: 1)")
+    group.add_argument("--log-interval", type=at_least(1), default=defaults.log_interval,
                        help="log progress every N documents (default: %(default)s)")
     return parser.parse_args(argv)
 

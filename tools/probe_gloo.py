@@ -45,6 +45,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron.canzona.cli import ArgumentParser, at_least, non_negative, positive
 from megatron.canzona.planning.sim import ClusterSpec
 from megatron.canzona.planning.sim.cluster import preset_path
 from megatron.canzona.provenance import wait_for_quiet
@@ -253,17 +254,17 @@ def print_report(report: dict) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
+    p.add_argument("--ranks", type=at_least(1), nargs="+", default=[2, 4],
                    help="gloo processes; one cluster file per count (gpus_per_node = the count)")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help="cluster file of the largest --ranks; smaller counts write <stem>-<ranks>.toml beside it")
-    p.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="buffer bytes per rank")
-    p.add_argument("--repeats", type=int, default=10, help="timed calls per size, median reported")
-    p.add_argument("--max-load", type=float, default=1.0, help="wait until the 1-minute load average is below this")
-    p.add_argument("--max-wait", type=float, default=900.0, help="seconds to wait for it at most")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung launch fails")
+    p.add_argument("--sizes", type=at_least(1), nargs="+", default=DEFAULT_SIZES, help="buffer bytes per rank")
+    p.add_argument("--repeats", type=at_least(1), default=10, help="timed calls per size, median reported")
+    p.add_argument("--max-load", type=non_negative, default=1.0, help="wait until the 1-minute load average is below this")
+    p.add_argument("--max-wait", type=non_negative, default=900.0, help="seconds to wait for it at most")
+    p.add_argument("--timeout", type=positive, default=600.0, help="seconds before a hung launch fails")
     p.add_argument("--json", metavar="FILE", help="also write the measurements as JSON")
     args = p.parse_args(argv)
     if min(args.ranks) < 2:

@@ -31,6 +31,7 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from megatron.canzona.cli import ArgumentParser, at_least, fraction, non_negative  # noqa: E402
 from megatron.canzona.curves import save_figure  # noqa: E402
 from megatron.canzona.planning import (  # noqa: E402
     NS_METHODS,
@@ -100,17 +101,17 @@ def recipe_defaults(model: str) -> dict[str, int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-32b", help=f"one of: {', '.join(QWEN3_MODELS)}")
-    p.add_argument("--gpus", type=int, default=256, help="GPUs of the job: DP = GPUs / (TP x PP)")
-    p.add_argument("--tp", type=int, help="tensor-parallel size (default: the recipe's)")
-    p.add_argument("--cp", type=int, help="context-parallel size (default: the recipe's): each sequence cut over CP "
+    p.add_argument("--gpus", type=at_least(1), default=256, help="GPUs of the job: DP = GPUs / (TP x PP)")
+    p.add_argument("--tp", type=at_least(1), help="tensor-parallel size (default: the recipe's)")
+    p.add_argument("--cp", type=at_least(1), help="context-parallel size (default: the recipe's): each sequence cut over CP "
                    "GPUs; the optimizer and the bucket collectives span DP x CP, as Megatron's DDP reduces over it")
-    p.add_argument("--pp", type=int, help="pipeline-parallel size (default: the recipe's)")
-    p.add_argument("--ep", type=int, help="expert-parallel size, MoE models (default: the recipe's)")
-    p.add_argument("--etp", type=int, help="expert tensor-parallel size (default 1, as the recipes)")
-    p.add_argument("--decoder-first-pipeline-num-layers", dest="first_stage_layers", type=int)
-    p.add_argument("--decoder-last-pipeline-num-layers", dest="last_stage_layers", type=int)
+    p.add_argument("--pp", type=at_least(1), help="pipeline-parallel size (default: the recipe's)")
+    p.add_argument("--ep", type=at_least(1), help="expert-parallel size, MoE models (default: the recipe's)")
+    p.add_argument("--etp", type=at_least(1), help="expert tensor-parallel size (default 1, as the recipes)")
+    p.add_argument("--decoder-first-pipeline-num-layers", dest="first_stage_layers", type=at_least(0))
+    p.add_argument("--decoder-last-pipeline-num-layers", dest="last_stage_layers", type=at_least(0))
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon")
     p.add_argument("--muon-ns-method", choices=NS_METHODS, default="standard",
                    help="Newton-Schulz of Canzona's Muon (the runtime's --muon-ns-method); the other strategies "
@@ -118,12 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cluster", default=DEFAULT_CLUSTER,
                    help=f"a TOML/JSON file or a preset of megatron/canzona/planning/sim/clusters/ ({', '.join(presets())})")
     p.add_argument("--calibration", metavar="FILE", help="measured seconds per shape (tools/bench_optim.py --calibration-dir)")
-    p.add_argument("--global-batch", type=int, help="sequences per iteration (default: the recipe's, at least DP x micro)")
-    p.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: the recipe's)")
-    p.add_argument("--seq-length", type=int, help="tokens per sequence (default: the recipe's)")
+    p.add_argument("--global-batch", type=at_least(1), help="sequences per iteration (default: the recipe's, at least DP x micro)")
+    p.add_argument("--micro-batch", type=at_least(1), help="sequences per micro-batch (default: the recipe's)")
+    p.add_argument("--seq-length", type=at_least(1), help="tokens per sequence (default: the recipe's)")
     p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(DEFAULT_STRATEGIES))
-    p.add_argument("--alpha", type=float, default=0.5, help="Canzona planner balance knob")
-    p.add_argument("--bucket-size", type=int, help="DDP bucket elements (default Megatron's max(40M, 1M x DP))")
+    p.add_argument("--alpha", type=fraction, default=0.5, help="Canzona planner balance knob")
+    p.add_argument("--bucket-size", type=at_least(1), help="DDP bucket elements (default Megatron's max(40M, 1M x DP))")
     p.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce gradients in bf16 (the recipes reduce in fp32: --accumulate-allreduce-grads-in-fp32)")
     p.add_argument("--no-split-qkv", dest="split_qkv", action="store_false", help="one matrix per fused QKV")
@@ -136,11 +137,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Canzona computes each micro-group before the step once gathered and backward is over, "
                         "in the reduce-scatters' exposed tail (never beside backward's GEMMs), speculating that "
                         "the clip does not act")
-    p.add_argument("--clip-rate", type=float, default=0.0,
+    p.add_argument("--clip-rate", type=fraction, default=0.0,
                    help="with --early-compute: the chance that the clip acts in an iteration; the step is priced "
                         "as the runtime's speculation policy decides (committed early, or recomputed / not "
                         "speculated: the step without early compute), its shares printed")
-    p.add_argument("--early-compute-budget", type=float, default=EARLY_COMPUTE_BYTES / 2**30, metavar="GIB",
+    p.add_argument("--early-compute-budget", type=non_negative, default=EARLY_COMPUTE_BYTES / 2**30, metavar="GIB",
                    help="with --early-compute: the most GiB each rank keeps for it (--canzona-early-compute-budget; "
                         "the groups that fit go early, the others in the step; 'inf': every group)")
     p.add_argument("--matrices-reduce-first", choices=("auto", "on", "off"), default="auto",

@@ -16,6 +16,7 @@ import argparse
 import sys
 import time
 
+from megatron.canzona.cli import ArgumentParser, at_least, fraction
 from megatron.canzona.data.corpus import check_input_files, iter_texts
 from megatron.canzona.data.tokenizer import MODEL_TYPES, TokenizerTrainConfig, train_sentencepiece
 
@@ -23,18 +24,18 @@ from megatron.canzona.data.tokenizer import MODEL_TYPES, TokenizerTrainConfig, t
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with defaults from ``TokenizerTrainConfig``."""
     defaults = TokenizerTrainConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     parser.add_argument("--json-key", default="text", help="JSONL key holding the text (default: text)")
-    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size, help="default: %(default)s")
+    parser.add_argument("--vocab-size", type=at_least(1), default=defaults.vocab_size, help="default: %(default)s")
     parser.add_argument("--model-type", choices=MODEL_TYPES, default=defaults.model_type, help="default: %(default)s")
-    parser.add_argument("--character-coverage", type=float, default=defaults.character_coverage)
+    parser.add_argument("--character-coverage", type=fraction, default=defaults.character_coverage)
     parser.add_argument("--no-byte-fallback", action="store_true",
                         help="map unseen characters to <unk> instead of UTF-8 byte pieces")
-    parser.add_argument("--max-sentences", type=int, default=defaults.max_sentences,
+    parser.add_argument("--max-sentences", type=at_least(1), default=defaults.max_sentences,
                         help="sample at most this many documents for training (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=defaults.num_threads, help="default: %(default)s")
+    parser.add_argument("--threads", type=at_least(1), default=defaults.num_threads, help="default: %(default)s")
     return parser.parse_args(argv)
 
 

@@ -54,6 +54,7 @@ import tempfile
 import time
 from typing import Any
 
+from megatron.canzona.cli import ArgumentParser, at_least, fraction, non_negative, positive
 from megatron.canzona.planning import Calibration, CostModel, Qwen3Config, WireConfig, qwen3_specs
 from megatron.canzona.planning.sim import ClusterSpec, StrategyResult, Workload, load_calibration, load_cluster, simulate
 from megatron.canzona.planning.sim.cluster import PRESET_DIR
@@ -497,7 +498,7 @@ def summary(rows: list[dict[str, Any]], tolerance: float) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clusters", nargs="+", default=list(DEFAULT_CLUSTERS),
                    help="the probe's cluster files (tools/probe_gloo.py); each case takes the smallest holding it")
@@ -505,20 +506,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Muon seconds per shape (tools/bench_optim.py --calibrate)")
     p.add_argument("--cases", nargs="+", default=[f"{d}x{t}" for d, t in CASES], metavar="DPxTP",
                    help="cases to measure, DP x TP (default: 2x1 4x1 1x2 2x2)")
-    p.add_argument("--layers", type=int, default=4, help="bench_step --layers")
-    p.add_argument("--hidden", type=int, default=384, help="bench_step --hidden")
-    p.add_argument("--steps", type=int, default=4, help="bench_step --steps")
-    p.add_argument("--rounds", type=int, default=MIN_ROUNDS,
+    p.add_argument("--layers", type=at_least(1), default=4, help="bench_step --layers")
+    p.add_argument("--hidden", type=at_least(1), default=384, help="bench_step --hidden")
+    p.add_argument("--steps", type=at_least(1), default=4, help="bench_step --steps")
+    p.add_argument("--rounds", type=at_least(1), default=MIN_ROUNDS,
                    help=f"bench_step --rounds (the ranking needs >= {MIN_ROUNDS} over the runs of a case)")
-    p.add_argument("--warmup", type=int, default=3,
+    p.add_argument("--warmup", type=at_least(0), default=3,
                    help="bench_step --warmup (Megatron's layer-wise Muon settles over its first 2-3 steps)")
-    p.add_argument("--alpha", type=float, default=0.5, help="Canzona planner balance knob (bench_step's default)")
-    p.add_argument("--tolerance", type=float, default=0.25, help="target |predicted / measured - 1|")
-    p.add_argument("--max-load", type=float, default=1.0, help="wait until the 1-minute load average is below this")
-    p.add_argument("--max-wait", type=float, default=900.0, help="seconds to wait for it at most, per case")
-    p.add_argument("--max-foreign", type=float, default=0.15,
+    p.add_argument("--alpha", type=fraction, default=0.5, help="Canzona planner balance knob (bench_step's default)")
+    p.add_argument("--tolerance", type=positive, default=0.25, help="target |predicted / measured - 1|")
+    p.add_argument("--max-load", type=non_negative, default=1.0, help="wait until the 1-minute load average is below this")
+    p.add_argument("--max-wait", type=non_negative, default=900.0, help="seconds to wait for it at most, per case")
+    p.add_argument("--max-foreign", type=fraction, default=0.15,
                    help="re-measure a case when other processes kept more cores than this busy during it")
-    p.add_argument("--retries", type=int, default=2, help="re-measurements per case at most (the cleanest is kept)")
+    p.add_argument("--retries", type=at_least(0), default=2, help="re-measurements per case at most (the cleanest is kept)")
     p.add_argument("--no-in-situ", dest="in_situ", action="store_false",
                    help="skip the DP 1 runs that measure each variant's compute speed inside bench_step")
     p.add_argument("--reuse", metavar="FILE", nargs="+",
@@ -528,7 +529,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iteration", action="store_true",
                    help="validate bench_step --iteration: the exposed optimizer time per iteration (end of backward "
                    "to the next forward), grad reduce and param gather overlapped; no in-situ runs")
-    p.add_argument("--bucket-size", type=int, default=None,
+    p.add_argument("--bucket-size", type=at_least(1), default=None,
                    help="bench_step --bucket-size (default: Megatron's; 1000000 with --iteration, so buckets overlap)")
     p.add_argument("--json", metavar="FILE", help="also write everything as JSON")
     args = p.parse_args(argv)

@@ -94,7 +94,7 @@ def test_plan_rejects_a_negative_parallel_size() -> None:
                           timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
-        "plan.py: error: --tp -2: a parallel size is --tp 1 or more")
+        "plan.py: error: argument --tp/--tensor-model-parallel-size: -2 is below 1: pass a whole number of 1 or more")
 
 
 def test_a_resumed_schedule_that_differs_names_megatrons_two_flags(tmp_path: Path) -> None:

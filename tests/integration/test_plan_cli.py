@@ -44,7 +44,7 @@ def test_plot_writes_a_png(tmp_path):
     assert "canzona" in out.stdout
 
 
-@pytest.mark.parametrize("args,hint", [(("--dp", "0"), "--dp 1 or more"), (("--alpha", "-0.5"), "[0, 1]"),
+@pytest.mark.parametrize("args,hint", [(("--dp", "0"), "--dp/--data-parallel-size: 0 is below 1"), (("--alpha", "-0.5"), "[0, 1]"),
                                        (("--model", "gpt-9"), "choose one of"), (("--model", "qwen3-8b", "--tp", "16"), "divides")])
 def test_bad_input_is_one_line_with_the_fix(args, hint):
     out = plan(*args)
