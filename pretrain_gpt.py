@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from canzona_patches.checkpoints.recovery import clear_failed_saves, describe_bytes, resume_advice
 from canzona_patches.integration.arguments import (
     CanzonaArgumentError,
     add_canzona_args,
@@ -46,6 +47,7 @@ from canzona_patches.registry import install_group as install_patch_group
 from canzona_patches.integration.training import LOSS_KEY, iterations_this_job, nothing_trained
 from megatron.canzona.data import GPTDataConfig, build_gpt_datasets, check_gpt_data, describe_datasets
 from megatron.canzona.runtime.lifetime import end_with_parent, launched_by_torchrun, signal_held
+from megatron.canzona.runtime.peers import lost_peer_words, mark_ended_knowingly, report_lost_peer, watch_for_lost_peers
 from megatron.canzona.runtime.save_lock import SaveDirectoryLocked, take_save_lock
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
@@ -333,6 +335,12 @@ def lock_save_directory(args: argparse.Namespace, environ: dict[str, str] | os._
     if lock.taken_over is not None:
         print(f"[canzona] took over the lock of --save {args.save} from {lock.taken_over.describe()}: "
               f"{lock.taken_over_because}", flush=True)
+    # Holding the lock, before anything is written: what failed or killed saves left goes now, so a
+    # resume into a full filesystem gets that space back (a complete checkpoint is never touched).
+    removed, freed = clear_failed_saves(args.save)
+    if removed:
+        print(f"[canzona] removed what a failed or killed save left under --save {args.save} ({', '.join(removed)}): "
+              f"{describe_bytes(freed)} freed", flush=True)
 
 
 def parse_and_validate() -> argparse.Namespace:
@@ -377,6 +385,7 @@ def main() -> int:
                 print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
             return 2
     install_patches(args)  # every Megatron patch whose condition holds (python -m canzona_patches.registry)
+    watch_for_lost_peers(functools.partial(_print_lost_peer, args))  # torchrun's SIGTERM after a rank died
     try:
         pretrain(
             pretrain_cfg_container_from_args(args),
@@ -386,10 +395,16 @@ def main() -> int:
             model_provider=model_provider,
         )
     except CanzonaArgumentError as error:  # found once the model exists (e.g. bucket too small), or the data
+        if lost_peer_words(error) is not None:  # a save whose collective lost a rank
+            return _stop_for_lost_peer(args, error)
+        mark_ended_knowingly()
         if reports_errors():  # every rank checks the same plan and the same files
             print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     except (AssertionError, RuntimeError) as error:  # sizes Megatron's parallel-state set-up cannot lay out
+        if lost_peer_words(error) is not None:
+            return _stop_for_lost_peer(args, error)
+        mark_ended_knowingly()
         if not raised_in_set_up(error):
             raise
         if reports_errors():
@@ -397,14 +412,34 @@ def main() -> int:
         return 2
     except SystemExit as stop:  # Megatron's clean stops (--exit-interval, --exit-duration-in-mins)
         if stop.code not in (None, 0):
+            mark_ended_knowingly()
             raise
+    except BaseException as error:  # noqa: BLE001  (reported, or marked and raised on)
+        if lost_peer_words(error) is not None:
+            return _stop_for_lost_peer(args, error)
+        mark_ended_knowingly()
+        raise
     _tear_down_process_groups()
     problem = nothing_trained(get_args(), *iterations_this_job())
     if problem is not None:  # a run that trained nothing unasked is a failure, not a success
+        mark_ended_knowingly()
         if reports_errors():
             print(f"pretrain_gpt.py: error: {problem}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _stop_for_lost_peer(args: argparse.Namespace, error: BaseException) -> int:
+    """A collective failed because a rank is gone: the one reporting survivor prints one line
+    (which rank, the last complete checkpoint, the command to resume); every survivor stops."""
+    gone = report_lost_peer(lost_peer_words(error))
+    if gone is not None:
+        _print_lost_peer(args, gone)
+    return 1
+
+
+def _print_lost_peer(args: argparse.Namespace, gone: str) -> None:
+    print(f"pretrain_gpt.py: error: {gone}; {resume_advice(args)}", file=sys.stderr, flush=True)
 
 
 def _tear_down_process_groups() -> None:
