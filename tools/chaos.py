@@ -4,11 +4,11 @@ end state is bitwise the uninterrupted run's; or (``--bad-input``) feed it carel
 
     python tools/chaos.py                                  # 60 faults of six kinds over 4 scenarios, 300 iterations each
     python tools/chaos.py --faults 2 --kinds rank-in-step,launcher-in-save --scenarios muon-async --train-iters 9   # short
-    python tools/chaos.py --bad-input                      # 16 careless inputs, a table of what each got (~2 min)
+    python tools/chaos.py --bad-input                      # 29 careless inputs, a table of what each got (~4 min)
 
 ``--bad-input`` runs the tiny recipe (2 CPU ranks) once per input of :data:`BAD_INPUTS` (flags
-Megatron or Canzona refuse, damaged data, resumes that cannot work, an unwritable file) and
-classifies what the user got: *one line* (a non-zero exit with one error line, torchrun's own
+Megatron or Canzona refuse, flags the run would not read, damaged data, resumes that cannot work,
+files named wrong; a tool's negative size runs that tool instead) and classifies what the user got: *one line* (a non-zero exit with one error line, torchrun's own
 failure report aside), *traceback* (a rank's), *silent* (exit 0, or no error line), *hang* (no
 exit within ``--launch-timeout``), *loss* (the checkpoint resumed from changed); and how many
 times the line was printed. It exits 0 only if every input got one line, printed once.
@@ -486,15 +486,19 @@ def print_table(results: dict[str, Tally], wall: float) -> None:
 
 @dataclass(frozen=True)
 class BadInput:
-    """One careless input to the tiny recipe (2 CPU ranks unless ``env`` says otherwise)."""
+    """One careless input to the tiny recipe (2 CPU ranks unless ``env`` says otherwise), or to a tool."""
 
     name: str
     kind: str
-    """What is wrong: ``flags``, ``data``, ``resume`` or ``files``."""
+    """What is wrong: ``flags``, ``unread`` (a flag the run would not read), ``data``, ``resume``,
+    ``files`` or ``tools`` (a tool's option)."""
     flags: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     prepare: str | None = None
-    """What :func:`_prepare` sets up first: ``cut-idx``, ``long-bin``, ``hf-dir``, ``sidecar`` or ``checkpoint``."""
+    """What :func:`_prepare` sets up first: ``cut-idx``, ``long-bin``, ``hf-dir``, ``sidecar``, ``checkpoint``,
+    ``calibration-cut`` or ``calibration-one-method``."""
+    command: tuple[str, ...] = ()
+    """A tool of ``tools/`` and its arguments, run instead of the recipe."""
 
 
 BAD_INPUTS = (
@@ -517,6 +521,22 @@ BAD_INPUTS = (
     BadInput("resume-past-train-iters-overriding", "resume", ("--override-opt_param-scheduler",),
              env=(("TRAIN_ITERS", "1"), ("WARMUP_ITERS", "0")), prepare="checkpoint"),
     BadInput("edited-checksum-file", "resume", prepare="sidecar"),
+    BadInput("canzona-flag-with-adamw", "unread", ("--canzona-split-gate-up",), env=(("VARIANT", "adamw"),)),
+    BadInput("early-compute-budget-under-sync", "unread", ("--canzona-early-compute-budget", "2"),
+             env=(("VARIANT", "sync"),)),
+    BadInput("shampoo-flag-with-muon", "unread", ("--shampoo-epsilon", "1e-10")),
+    BadInput("megatron-muon-flag-under-canzona", "unread", ("--muon-tp-mode", "distributed")),
+    BadInput("cp-comm-type-misspelt", "unread", ("--context-parallel-size", "2", "--cp-comm-type", "all-gather")),
+    BadInput("profile-file-without-iteration", "unread", ("--canzona-profile-file", "profile.json")),
+    BadInput("calibration-cut-short", "files", ("--muon-ns-method", "auto"), prepare="calibration-cut"),
+    BadInput("calibration-of-one-method", "files", ("--muon-ns-method", "auto"), prepare="calibration-one-method"),
+    BadInput("tokenizer-vocab-beside-model", "files", env=(("TOKENIZER_MODEL", str(ROOT / "data" / "demo" /
+                                                                                     "tokenizer.vocab")),)),
+    BadInput("tokenizer-a-directory", "files", env=(("TOKENIZER_MODEL", str(ROOT / "data" / "demo")),)),
+    BadInput("dry-run-negative-budget", "tools", command=("dry_run.py", "--model", "qwen3-tiny",
+                                                          "--early-compute-budget", "-2")),
+    BadInput("simulate-negative-gpus", "tools", command=("simulate.py", "--gpus", "-64")),
+    BadInput("bench-step-negative-warmup", "tools", command=("bench_step.py", "--warmup", "-1")),
 )
 """The table ``--bad-input`` runs: careless inputs of each kind a user makes."""
 OUTCOMES = ("one line", "traceback", "silent", "hang", "loss")
@@ -546,6 +566,14 @@ def _prepare(case: BadInput, work: Path, seed: Path | None) -> tuple[dict[str, s
             listing = next((ckpt / f"iter_{_tracked_iteration(ckpt):07d}" / "checksums").glob("__0_*.sha256"))
             listing.write_text("0" * 64 + "  " + listing.read_text().split()[1] + "\n")
         return {"CKPT_DIR": str(ckpt)}, []
+    if case.prepare in ("calibration-cut", "calibration-one-method"):
+        shipped = ROOT / "tools" / "calibrations" / "h100-muon-bf16.json"
+        calibration = work / "calibration.json"
+        text = shipped.read_text()
+        if case.prepare == "calibration-one-method":  # what tools/bench_optim.py --calibrate writes for one method
+            text = json.dumps({k: v for k, v in json.loads(text).items() if k != "muon_methods"})
+        calibration.write_text(text[: len(text) // 2] if case.prepare == "calibration-cut" else text)
+        return {}, ["--canzona-calibration", str(calibration)]
     return {}, []
 
 
@@ -584,7 +612,9 @@ def run_bad_input(case: BadInput, root: Path, seed: Path | None, timeout: float)
     env.update(prepared)
     extra = [*case.flags, *flags]
     tracked = (Path(env["CKPT_DIR"]) / TRACKER).read_text() if case.prepare in ("checkpoint", "sidecar") else None
-    process = subprocess.Popen(["bash", str(RECIPE), *extra], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+    command = ([sys.executable, str(ROOT / "tools" / case.command[0]), *case.command[1:]] if case.command
+               else ["bash", str(RECIPE), *extra])
+    process = subprocess.Popen(command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=timeout)

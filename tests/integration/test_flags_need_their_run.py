@@ -165,9 +165,9 @@ CALIBRATIONS = {
     "not_json": ("{'muon_methods': }", "not valid JSON"),
     "a_list": ("[]", "expected an object with 'ns_dtype' and 'muon_methods', got list"),
     "bench_optim_without_methods": (json.dumps({"optimizer": "muon", "ns_dtype": "bfloat16", "timings": []}),
-                                    "muon_methods must hold the timings of standard and gram"),
+                                    "muon_methods must hold the timings of standard and gram .*; it has none"),
     "one_method": (json.dumps({"ns_dtype": "bfloat16", "muon_methods": {"standard": {}}}),
-                   "muon_methods must hold the timings of standard and gram .* got \\['standard'\\]"),
+                   "muon_methods must hold the timings of standard and gram .*; got \\['standard'\\]"),
     "ns_dtype_fp16": (json.dumps({"ns_dtype": "float16", "muon_methods": {"standard": {}, "gram": {}}}),
                       "ns_dtype must be one of bfloat16, float32, got 'float16'"),
     "seconds_a_string": (json.dumps({"ns_dtype": "bfloat16", "muon_methods": {
