@@ -15,7 +15,9 @@ attention computes, in the plainest way:
   its rows (an all-reduce, then its rows: the reduce-scatter of the gather).
 * **Masking** is causal by global position: a query attends to keys at its position or before.
 
-Softmax in fp32 at least, dropout as Megatron's local attention draws it. Cost per layer and rank:
+Softmax in fp32 at least, dropout as Megatron's local attention draws it. Under ``--qk-clip`` or
+``--log-max-attention-logit`` each head's largest masked score is kept, as transformer-engine >= 2.9
+keeps it (:mod:`canzona_patches.integration.qk_clip` reduces it over DP x CP). Cost per layer and rank:
 the all-gather of K and V (``(CP − 1)/CP`` of the sequence's keys and values) and an
 all-reduce of their gradients; scores for the local queries against every key. An
 emulation for CPU tests and CPU runs, not a fast kernel.
@@ -24,7 +26,9 @@ emulation for CPU tests and CPU runs, not a fast kernel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +38,7 @@ from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
 
+from canzona_patches.integration.qk_clip import record_max_logits  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
@@ -50,13 +55,17 @@ def zigzag_positions(rank: int, cp_size: int, local_length: int) -> torch.Tensor
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_positions: torch.Tensor,
-                     key_positions: torch.Tensor, scale: float, dropout: torch.nn.Module | None = None) -> torch.Tensor:
+                     key_positions: torch.Tensor, scale: float, dropout: torch.nn.Module | None = None,
+                     logits: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """``softmax(scale · q kᵀ, causal by position) v`` for ``[s, b, heads, dim]`` inputs (keys
-    and values with as many heads as the queries); ``[sq, b, heads · dim]`` out."""
+    and values with as many heads as the queries); ``[sq, b, heads · dim]`` out. ``logits``, if
+    given, sees the masked scores (``[b, heads, sq, sk]``, ``-inf`` where masked)."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     future = key_positions.to(scores.device)[None, :] > query_positions.to(scores.device)[:, None]
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(future, float("-inf"))
+    if logits is not None:
+        logits(scores)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     if dropout is not None:
         probs = dropout(probs)
@@ -103,6 +112,10 @@ class ContextParallelAttention(MegatronModule):
             self.softmax_scale /= max(1, layer_number)
         self.dropout = torch.nn.Dropout(config.attention_dropout if attention_dropout is None else attention_dropout)
         self.cp_group = parallel_state.get_context_parallel_group()
+        self.keeps_logits = bool(config.qk_clip or config.log_max_attention_logit)
+        """Whether the heads' largest logits are kept (``current_max_attn_logits``, as
+        transformer-engine keeps them) for QK-clip or its log."""
+        self.current_max_attn_logits: torch.Tensor | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
@@ -122,7 +135,8 @@ class ContextParallelAttention(MegatronModule):
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if tracked else contextlib.nullcontext()
         with rng:
             return causal_attention(query, key, value, zigzag_positions(cp_rank, cp_size, local), key_positions,
-                                    self.softmax_scale, dropout)
+                                    self.softmax_scale, dropout,
+                                    logits=functools.partial(record_max_logits, self) if self.keeps_logits else None)
 
 
 def local_core_attention(original: Any, run: Any) -> Any:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from canzona_patches.errors import CanzonaArgumentError
+from canzona_patches.integration.qk_clip import check_qk_clip_args, hold_qk_clip_args, restore_qk_clip_args
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
@@ -316,6 +317,8 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
     """
     _check_flags_have_their_run(args)
     check_common_args(args)
+    check_qk_clip_args(args)
+    hold_qk_clip_args(args)  # past Megatron's transformer-engine assert; finalize_canzona_args restores
     if args.optimizer in CANZONA_ONLY_OPTIMIZERS and not args.canzona:
         raise CanzonaArgumentError(
             f"--optimizer {args.optimizer} is implemented by Canzona only: add --canzona "
@@ -664,6 +667,7 @@ def finalize_canzona_args(args: argparse.Namespace) -> None:
             start, increment, samples = args.rampup_batch_size
             print(f"> --rampup-batch-size {start} {increment} {samples} runs as --step-batch-size-schedule "
                   f"'{schedule}' (thresholds in tokens; Megatron-Core 0.19.2 ignores the ramp flag)", flush=True)
+    restore_qk_clip_args(args)
     if not args.canzona:
         return
     args.use_layer_wise_distributed_optimizer = False

@@ -119,6 +119,11 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         """What this step's gradient norm decided (:func:`norm_outcome`), made by the norm phase
         of each step and read by the step."""
 
+    qk_clip: Any = None
+    """The run's :class:`~canzona_patches.integration.qk_clip.QkClip` (the dense optimizer of a
+    run with ``--qk-clip`` or ``--log-max-attention-logit``): applied after the update, before the
+    main parameters are copied to the model's."""
+
     canzona: CanzonaPart
     """This optimizer's part of the run's :class:`~canzona_patches.integration.setup.CanzonaSetup`."""
 
@@ -236,8 +241,9 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         """The step with one frozen value of what it needs (:class:`StepFactors`): the hosts
         scale what was gathered early as the holders' gradients were (the loss scale's inverse,
         then the clip factor: Megatron's order), and use what was computed early only where no
-        clip acted. Then Megatron's own end of a step: main parameters to the model's, and the
-        parameter all-gather unless it overlaps the next forward."""
+        clip acted. QK-clip (:attr:`qk_clip`) on the updated main weights. Then Megatron's own end of a
+        step: main parameters to the model's, and the parameter all-gather unless it overlaps the
+        next forward."""
         outcome = self._outcome
         if outcome.skip is not None:
             return False
@@ -246,6 +252,9 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         if not self.is_stub_optimizer:
             with _timed(timers, "optimizer-inner-step", self.config):
                 self.optimizer.step(factors=factors)
+        if self.qk_clip is not None:  # every rank: its all-reduce; then the main rows this rank holds
+            self.qk_clip.clip()
+        if not self.is_stub_optimizer:
             with _timed(timers, "optimizer-copy-main-to-model-params", self.config):
                 if self.config.reuse_grad_buf_for_mxfp8_param_ag:  # the param all-gather reads the grad buffer
                     if not self.config.overlap_param_gather:

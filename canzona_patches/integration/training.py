@@ -146,7 +146,11 @@ def canzona_optimizer(get_megatron_optimizer: Callable[..., Any], run: Any) -> C
         # for embeddings under Muon) are the Canzona optimizer's own business.
         from canzona_patches.integration.optimizer import build_canzona_optimizer
 
-        return build_canzona_optimizer(config, model_chunks, handoff.take())
+        from canzona_patches.integration.qk_clip import attach_qk_clip
+
+        optimizer = build_canzona_optimizer(config, model_chunks, handoff.take())
+        attach_qk_clip(optimizer, model_chunks, run)
+        return optimizer
 
     return get_canzona_optimizer
 
@@ -177,6 +181,7 @@ class IntervalMetrics:
         self._samples = 0
         self._parts: list[Any] = []
         self._early_reported: collections.Counter[str] = collections.Counter()
+        self._max_logit: torch.Tensor | None = None
 
     def watch(self, optimizer: Any) -> None:
         """Report the early compute of ``optimizer`` (each part of a chained one)."""
@@ -225,6 +230,14 @@ class IntervalMetrics:
             self._loss_sum = self._loss_sum + loss.detach().float().sum().double()
             self._loss_count += 1
 
+    def record_max_logit(self, value: torch.Tensor | float | None) -> None:
+        """Keep the interval's largest attention logit (``--qk-clip``/``--log-max-attention-logit``:
+        what ``clip_qk`` returned, a 0-d tensor on the device, read at the report)."""
+        if value is None or not (self._args.qk_clip or self._args.log_max_attention_logit):
+            return
+        value = torch.as_tensor(value, dtype=torch.float32)
+        self._max_logit = value if self._max_logit is None else torch.maximum(self._max_logit, value)
+
     def _step_time(self) -> float:
         """Seconds in ``optimizer.step`` since the last reset (one device wait, for the events)."""
         if self._step_events:
@@ -256,8 +269,10 @@ class IntervalMetrics:
             "dp_size": args.data_parallel_size,
             "tp_size": args.tensor_model_parallel_size,
             "early_compute": self._early_steps(),
+            "max_attention_logit": None if self._max_logit is None else _max_over_ranks(float(self._max_logit)),
         }
         if reset:
+            self._max_logit = None
             self._early_reported.update(metrics["early_compute"] or {})
             self._loss_sum, self._loss_count, self._step_seconds, self._iterations, self._samples = 0.0, 0, 0.0, 0, 0
         self._write(metrics)
@@ -312,6 +327,8 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     early = metrics["early_compute"]
     if early is not None:
         line += f" early compute {'/'.join(EARLY_OUTCOMES)}: {'/'.join(str(early.get(k, 0)) for k in EARLY_OUTCOMES)} |"
+    if metrics.get("max_attention_logit") is not None:
+        line += f" max attention logit: {metrics['max_attention_logit']:.6g} |"
     if metrics["progress"] is not None:
         line += f" progress: {100.0 * metrics['progress']:.1f}% |"
     return line
@@ -390,6 +407,7 @@ def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Call
                                   *rest: Any, is_first_iteration: bool = False, **kwargs: Any):
         args = _training.get_args()
         metrics.record(loss_dict, skipped_iter, get_current_global_batch_size())
+        metrics.record_max_logit(rest[2] if len(rest) > 2 else kwargs.get("max_attention_logit"))
         _ITERATIONS["skipped" if skipped_iter else "trained"] += 1
         on_interval = iteration % args.log_interval == 0
         is_first_iteration = is_first_iteration and not on_interval
