@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from canzona_patches.integration.arguments import add_canzona_args
+from canzona_patches.integration.skipped import SkippedLosses, nonfinite_interval_warning, nonfinite_nothing_trained
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
@@ -175,6 +176,8 @@ class IntervalMetrics:
         self._path = Path(args.canzona_metrics_file) if args.canzona_metrics_file else None
         self._loss_sum: torch.Tensor | float = 0.0
         self._loss_count = 0
+        self._skipped_loss_sum: torch.Tensor | float = 0.0  # lm_loss of an interval that trained nothing
+        self._skipped_count = 0
         self._step_seconds = 0.0
         self._step_events: list[tuple[Any, Any]] = []
         self._iterations = 0
@@ -229,6 +232,9 @@ class IntervalMetrics:
         if loss is not None and not skipped_iter:
             self._loss_sum = self._loss_sum + loss.detach().float().sum().double()
             self._loss_count += 1
+        elif loss is not None:
+            self._skipped_loss_sum = self._skipped_loss_sum + loss.detach().float().sum().double()
+            self._skipped_count += 1
 
     def record_max_logit(self, value: torch.Tensor | float | None) -> None:
         """Keep the interval's largest attention logit (``--qk-clip``/``--log-max-attention-logit``:
@@ -257,7 +263,8 @@ class IntervalMetrics:
             "iteration": iteration,
             "train_iters": args.train_iters,
             "consumed_samples": args.consumed_train_samples,
-            "lm_loss": float(self._loss_sum) / self._loss_count if self._loss_count else None,
+            "lm_loss": (float(self._loss_sum) / self._loss_count if self._loss_count else
+                        float(self._skipped_loss_sum) / self._skipped_count if self._skipped_count else None),
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "learning_rate": learning_rate,
             "iteration_ms": 1000.0 * interval_s / iterations,
@@ -275,6 +282,7 @@ class IntervalMetrics:
             self._max_logit = None
             self._early_reported.update(metrics["early_compute"] or {})
             self._loss_sum, self._loss_count, self._step_seconds, self._iterations, self._samples = 0.0, 0, 0.0, 0, 0
+            self._skipped_loss_sum, self._skipped_count = 0.0, 0
         self._write(metrics)
         return metrics
 
@@ -378,6 +386,8 @@ def nothing_trained(args: Any, trained: int, skipped: int) -> str | None:
     ``--train-iters`` equal to the iteration it loaded); ``None`` otherwise."""
     if trained or getattr(args, "skip_train", False) or not getattr(args, "train_iters", None):
         return None
+    if skipped and (nonfinite := nonfinite_nothing_trained(skipped, args)) is not None:
+        return nonfinite
     if skipped:
         return (f"all {skipped} iterations were skipped: the fp16 loss scale overflowed each time and nothing "
                 f"trained; pass a lower --initial-loss-scale (this run's: {args.initial_loss_scale:g})")
@@ -400,6 +410,7 @@ def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Call
     intervals. Here the first iteration counts as first only off the interval, so a resumed
     run logs what the straight run logs, line for line."""
     metrics = _metrics(run)
+    skipped_losses = SkippedLosses()
 
     @functools.wraps(training_log)
     def training_log_with_metrics(loss_dict, total_loss_dict, learning_rate, iteration,
@@ -409,20 +420,25 @@ def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Call
         metrics.record(loss_dict, skipped_iter, get_current_global_batch_size())
         metrics.record_max_logit(rest[2] if len(rest) > 2 else kwargs.get("max_attention_logit"))
         _ITERATIONS["skipped" if skipped_iter else "trained"] += 1
+        skipped_losses.record(loss_dict, skipped_iter)
+        interval_skipped = skipped_losses.all_skipped
         on_interval = iteration % args.log_interval == 0
         is_first_iteration = is_first_iteration and not on_interval
         logging_now = on_interval or is_first_iteration
         # Read Megatron's interval timer before training_log resets it.
         interval_s = _training.get_timers()("interval-time").elapsed(reset=False) if logging_now else 0.0
-        result = training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                              report_memory_flag, skipped_iter, grad_norm, *rest,
-                              is_first_iteration=is_first_iteration, **kwargs)
+        with skipped_losses.honest(total_loss_dict, logging_now=logging_now, reset=not is_first_iteration):
+            result = training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                                  report_memory_flag, skipped_iter, grad_norm, *rest,
+                                  is_first_iteration=is_first_iteration, **kwargs)
         if logging_now:
             report = metrics.report(iteration=iteration, interval_s=interval_s,
                                     learning_rate=learning_rate, grad_norm=grad_norm,
                                     reset=not is_first_iteration)
             _training.print_rank_last(format_metrics(report))
-            if not _ITERATIONS["trained"]:
+            if interval_skipped and not args.fp16:
+                _training.print_rank_last(nonfinite_interval_warning(interval_skipped, args))
+            elif not _ITERATIONS["trained"]:
                 _training.print_rank_last(all_skipped_warning(_ITERATIONS["skipped"], float(loss_scale),
                                                               getattr(args, "initial_loss_scale", None)))
             write_scalars(report, plan_scalars(_handoff(run).summary), iteration)
