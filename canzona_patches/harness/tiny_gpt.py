@@ -146,6 +146,12 @@ class TinyRun:
     to project)."""
     early_compute_bytes: int | None = None
     """Their memory budget per rank (``--canzona-early-compute-budget``; default 1 GiB)."""
+    replay_grads: bool = False
+    """After each forward-backward, replace every reduced gradient by one drawn from the
+    parameter's global name and the step (``replayed_grad_seed``), the same at any DP and TP
+    size: the step's inputs are then fixed, with no rounding of one step's forward fed into the
+    next (needs ``early_gather=False``: gathers issued in backward would read the old ones).
+    The result's ``initial_params`` are the parameters before the first step."""
     return_state: bool = False
     """Return this rank's optimizer state (``state``: every tensor of the Canzona inner
     optimizer by path), for bitwise comparisons of runs on the same layout."""
@@ -169,6 +175,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
     init_model_parallel(run)
     try:
         model, ddp_model, optimizer, plan = build(run)
+        initial = full_params(model) if run.replay_grads else None
         syncs: list[list[str]] = []
         fb_syncs: list[list[str]] = []
         losses, grad_norms, step_seconds, applied = map(list, zip(
@@ -189,6 +196,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "host_syncs": syncs,
             "forward_backward_syncs": fb_syncs,
             "state": _optimizer_state(optimizer) if run.return_state else None,
+            "initial_params": initial,
             "iteration_marks": {k: list(v) for k, v in ITERATION_MARKS.items()} if run.time_iteration else None,
             "param_gather_chain": _param_gather_chain(ddp_model) if run.overlap_param_gather else None,
             "early_gathers": _early_count(optimizer, "issued"),
@@ -632,6 +640,8 @@ def train_step(run: TinyRun, ddp_model, optimizer, step: int, syncs: list | None
         )
     if fb_syncs is not None and run.count_syncs:
         fb_syncs.append(fb_seen)
+    if run.replay_grads:
+        _replay_grads(ddp_model.module, run, step)
     if step == run.nan_grad_at_step and dist.get_rank() == 0:
         for buffer in ddp_model.buffers:
             buffer.grad_data.fill_(float("nan"))
@@ -698,31 +708,56 @@ def _init_by_global_name(model: torch.nn.Module, seed: int) -> None:
     every later layer shifts with it.) Norm weights keep their ones."""
     import zlib
 
-    from megatron.core import parallel_state
-
     from canzona_patches.params import global_param_names
-    from canzona_patches.integration.layout import is_expert_param
 
     names = global_param_names([model])
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() < 2:
                 continue
-            expert = is_expert_param(param)
-            group = parallel_state.get_expert_tensor_parallel_group() if expert else \
-                parallel_state.get_tensor_model_parallel_group()
-            tp_size, tp_rank = dist.get_world_size(group), dist.get_rank(group)
-            sharded = tp_size > 1 and getattr(param, "tensor_model_parallel", False)
-            shape = list(param.shape)
-            if sharded:
-                shape[param.partition_dim] *= tp_size
             generator = torch.Generator().manual_seed(zlib.crc32(names[param].encode()) ^ seed)
-            full = 0.02 * torch.randn(shape, generator=generator)
-            if sharded:  # rank r holds pieces r, r + tp, ... of tp * stride along the dim (see _unshard)
-                stride = param.partition_stride
-                pieces = full.chunk(tp_size * stride, dim=param.partition_dim)
-                full = torch.cat([pieces[j * tp_size + tp_rank] for j in range(stride)], dim=param.partition_dim)
-            param.copy_(full)
+            param.copy_(_drawn_whole_then_sliced(param, generator))
+
+
+def _drawn_whole_then_sliced(param: torch.nn.Parameter, generator: torch.Generator) -> torch.Tensor:
+    """0.02 * a standard normal tensor of ``param``'s unsharded shape, cut to this rank's TP shard."""
+    from megatron.core import parallel_state
+
+    from canzona_patches.integration.layout import is_expert_param
+
+    group = parallel_state.get_expert_tensor_parallel_group() if is_expert_param(param) else \
+        parallel_state.get_tensor_model_parallel_group()
+    tp_size, tp_rank = dist.get_world_size(group), dist.get_rank(group)
+    sharded = tp_size > 1 and getattr(param, "tensor_model_parallel", False)
+    shape = list(param.shape)
+    if sharded:
+        shape[param.partition_dim] *= tp_size
+    full = 0.02 * torch.randn(shape, generator=generator)
+    if sharded:  # rank r holds pieces r, r + tp, ... of tp * stride along the dim (see _unshard)
+        stride = param.partition_stride
+        pieces = full.chunk(tp_size * stride, dim=param.partition_dim)
+        full = torch.cat([pieces[j * tp_size + tp_rank] for j in range(stride)], dim=param.partition_dim)
+    return full
+
+
+def replayed_grad_seed(name: str, seed: int, step: int) -> int:
+    """The generator seed of ``name``'s replayed gradient at ``step`` (:attr:`TinyRun.replay_grads`)."""
+    import zlib
+
+    return zlib.crc32(f"{name}@{step}".encode()) ^ seed
+
+
+def _replay_grads(model: torch.nn.Module, run: TinyRun, step: int) -> None:
+    """Overwrite every reduced gradient with 0.02 * a normal tensor drawn from the parameter's
+    global name and the step, cut to this rank's TP shard: every DP rank's whole buffer, so
+    each shard (and each piece a host gathers) holds the same values at any DP and TP size."""
+    from canzona_patches.params import global_param_names
+
+    names = global_param_names([model])
+    with torch.no_grad():
+        for param in model.parameters():
+            generator = torch.Generator().manual_seed(replayed_grad_seed(names[param], run.seed, step))
+            param.main_grad.copy_(_drawn_whole_then_sliced(param, generator))
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,113 @@
+"""Shampoo's and SOAP's distributed step equals the single-device math on the same gradients.
+
+The training comparisons (``test_canzona_dp.py``, ``test_canzona_split.py``,
+``tests/e2e/test_context_parallel.py``) feed each step's rounding into the next forward, and
+Shampoo's inverse roots and SOAP's eigenbases amplify it: their bounds there are measured
+spreads, and another CPU's BLAS rounds differently. Here nothing is fed back: after each
+forward-backward every reduced gradient is replaced by one drawn from the parameter's name and
+the step (``TinyRun.replay_grads``), so the distributed optimizer and
+:class:`~megatron.canzona.optim.Shampoo` / :class:`~megatron.canzona.optim.SOAP` on one device
+(``megatron/canzona/optim``, no runtime) see the same inputs. Over four steps (two
+preconditioner refreshes) at DP 4 with matrices split across shards (the lean layout, gathered
+to a host), at TP 2 x DP 2 in the whole layout (gathered over TP) and at DP 4 in the whole
+layout, every matrix must end within ``MAX_ULPS`` of the one-device result: Shampoo bitwise,
+SOAP within a few units in the last place (bitwise through two steps, the first eigenbasis
+included; the runtime and the one-device class round differently after that).
+Context parallelism adds nothing here: the optimizer's group is DP x CP, a DP 4 group to the plan.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.canzona.optim import MATRIX_OPTIMIZERS, GateUpLayout, QKVLayout, build_param_groups
+from megatron.canzona.runtime import LaunchConfig, launch
+
+from canzona_patches.harness.tiny_gpt import (
+    HIDDEN, NUM_HEADS, NUM_QUERY_GROUPS, TinyRun, canzona_config, replayed_grad_seed, train_tiny_gpts,
+)
+from .test_canzona_dp import SPLITS
+from . import CPU_RANKS
+
+pytestmark = [*CPU_RANKS, pytest.mark.quick]
+
+LR = 2e-3
+STEPS = 4
+OPTIMIZERS = ("shampoo", "soap")
+CASES = {
+    "dp4_lean_split": dict(tp_size=1, canzona_layout="lean", bucket_size=20_000, alpha=1.0),
+    "dp4_whole": dict(tp_size=1, canzona_layout="whole", bucket_size=10_000, overlap_grad_reduce=True),
+    "tp2_dp2_whole": dict(tp_size=2, canzona_layout="whole", bucket_size=10_000, overlap_grad_reduce=True),
+}
+"""Case -> the TinyRun fields that make it (4 ranks each, one launch for all)."""
+MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+MAX_ULPS = {"shampoo": 0, "soap": 4}
+"""Largest difference allowed per optimizer, in units in the last place of the largest element of
+the one-device matrix (``ulps``). Measured: Shampoo 0 in every case; SOAP 2 in every case;
+SOAP's bound is twice that."""
+LAUNCH_TIMEOUT_S = 300.0
+
+
+def _run(optimizer: str, case: str) -> TinyRun:
+    return TinyRun(lr=LR, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1,
+                   global_batch=8, early_gather=False, replay_grads=True, **SPLITS[optimizer], **CASES[case])
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[tuple[str, str], list[dict]]:
+    """(optimizer, case) -> per-rank results of one 4-rank launch."""
+    cases = [(optimizer, case) for optimizer in OPTIMIZERS for case in CASES]
+    per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=4, timeout_s=LAUNCH_TIMEOUT_S),
+                      [_run(*key) for key in cases])
+    return {key: [rank[i] for rank in per_rank] for i, key in enumerate(cases)}
+
+
+def one_device(run: TinyRun, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The matrices after ``run.num_steps`` steps of the optimizer's single-device class on
+    the replayed gradients, split (Q/K/V, gate/up) and named as the distributed run splits them."""
+    params = {name: torch.nn.Parameter(value.clone()) for name, value in initial.items()
+              if name.endswith(MATRIX_SUFFIXES)}
+    qkv = QKVLayout(num_query_groups=NUM_QUERY_GROUPS, heads_per_group=NUM_HEADS // NUM_QUERY_GROUPS,
+                    head_dim=HIDDEN // NUM_HEADS) if run.split_qkv else None
+    groups = build_param_groups(params.items(), qkv_layout=qkv,
+                                gate_up_layout=GateUpLayout() if run.split_gate_up else None)
+    optimizer = MATRIX_OPTIMIZERS[run.optimizer](groups, lr=run.lr, weight_decay=run.weight_decay,
+                                                 config=canzona_config(run).matrix)
+    for step in range(run.num_steps):
+        for name, param in params.items():
+            generator = torch.Generator().manual_seed(replayed_grad_seed(name, run.seed, step))
+            param.grad = 0.02 * torch.randn(param.shape, generator=generator)
+        optimizer.step()
+    return {name: param.detach() for name, param in params.items()}
+
+
+def ulps(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest |got - expected| in units in the last place of ``expected``'s largest magnitude
+    (an element near zero would count the rounding of the sums that made it many times over)."""
+    top = expected.abs().max()
+    return float((got - expected).abs().max() / (torch.nextafter(top, torch.tensor(float("inf"))) - top))
+
+
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_distributed_step_equals_one_device_math(results, optimizer: str, case: str) -> None:
+    per_rank = results[(optimizer, case)]
+    run = _run(optimizer, case)
+    initial = per_rank[0]["initial_params"]
+    expected = one_device(run, initial)
+    assert len(expected) == 4 * 2, sorted(expected)  # four matrices in each of two layers
+    computed = sorted(name for result in per_rank for name in result["updated"])
+    assert len(computed) == len({n.split("#")[0] for n in computed}) or run.split_gate_up, computed
+    worst = {}
+    for rank, result in enumerate(per_rank):
+        assert result["initial_params"].keys() == initial.keys()
+        for name, value in expected.items():
+            assert not torch.equal(value, initial[name]), f"{name} did not move"
+            worst[name] = max(worst.get(name, 0.0), ulps(result["params"][name], value))
+    print(f"\n[replay] {optimizer} {case}: largest difference {max(worst.values()):.3g} ulp "
+          f"(bound {MAX_ULPS[optimizer]})", flush=True)
+    for name, seen in worst.items():
+        assert seen <= MAX_ULPS[optimizer], \
+            f"{optimizer} {case} {name}: {seen:.3g} ulp from one device (allowed {MAX_ULPS[optimizer]})"
