@@ -473,6 +473,7 @@ def test_tiny_recipe_trains_with_the_variant(demo_data, tmp_path: Path, variant:
 
 
 @pytest.mark.slow
+@pytest.mark.quick
 def test_moe_recipe_trains_at_ep2_and_resumes_at_ep1(demo_data, tmp_path: Path) -> None:
     """pretrain_qwen3_moe_tiny.sh with --canzona: 2 iterations at EP 2 (all-to-all dispatch,
     experts planned over expert-DP 1), a checkpoint, then EP 1 (experts dense parameters,

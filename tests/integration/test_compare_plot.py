@@ -101,6 +101,7 @@ def test_plot_and_markdown_table(tmp_path: Path) -> None:
     assert not math.isnan(rows[0]["best_valid_loss"])
 
 
+@pytest.mark.quick
 def test_no_train_reads_existing_runs_and_writes_the_summary(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for name in ("adam", "soap"):
         write_run(tmp_path / name, {1: 7.0, 25: 6.8, 50: 6.0}, {1: 300.0, 25: 100.0, 50: 200.0})

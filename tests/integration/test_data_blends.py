@@ -152,6 +152,7 @@ def test_each_split_from_its_own_paths(data, tokenizer, tmp_path):
     assert only_train[0].dataset_path == data["beta"] and only_train[1:] == [None, None]
 
 
+@pytest.mark.quick
 def test_a_data_args_file_is_the_same_as_its_flags(data, tokenizer, tmp_path):
     listing = tmp_path / "data_args.txt"
     listing.write_text(f"0.3 {data['alpha']}\n0.7 {data['beta']}\n")

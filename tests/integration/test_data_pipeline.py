@@ -96,6 +96,7 @@ def indexed(prefix: str):
     return IndexedDataset(prefix)
 
 
+@pytest.mark.quick
 def test_tokenizer_round_trips_text(tokenizer, corpus):
     assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.pad, tokenizer.unk) == (512, 2, 3, 0)
     for text in corpus[1][:5] + [UNUSUAL]:

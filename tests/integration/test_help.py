@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.quick
 def test_help_lists_megatron_and_canzona_flags():
     out = subprocess.run([sys.executable, "pretrain_gpt.py", "--help"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)

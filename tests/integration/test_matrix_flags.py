@@ -110,6 +110,7 @@ def test_muon_ns_method_other_than_standard_needs_canzonas_muon(flags):
         validate_canzona_args(args)
 
 
+@pytest.mark.quick
 def test_adaptive_muon_takes_muons_flags_and_its_second_moments():
     from megatron.canzona.optim import AdaptiveMuonConfig
 

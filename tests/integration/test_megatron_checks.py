@@ -53,6 +53,7 @@ class _AnyArgs(argparse.Namespace):
         return 8
 
 
+@pytest.mark.quick
 def test_every_assert_of_validate_args_is_worded_in_one_line() -> None:
     """Generated from Megatron's source: each ``assert`` statement of ``validate_args`` fails in
     turn (an AssertionError raised at its very line, in its file, as if it had failed there), and

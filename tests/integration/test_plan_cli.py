@@ -76,6 +76,7 @@ def test_moe_json_has_expert_buffers_beside_the_dense_ones_for_every_strategy():
     assert rep["expert_host_groups"]["num_groups"] >= 1
 
 
+@pytest.mark.quick
 def test_moe_table_names_the_busiest_stage_and_prints_the_expert_block():
     out = plan("--model", "qwen3-235b-a22b", "--tp", "4", "--ep", "8", "--pp", "8", "--dp", "4", "--split-qkv",
                "--decoder-first-pipeline-num-layers", "11", "--decoder-last-pipeline-num-layers", "11")

@@ -47,6 +47,7 @@ def outside_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
 
 
+@pytest.mark.quick
 def test_a_second_job_stops_naming_the_first(tmp_path: Path) -> None:
     holder = start_holder(tmp_path)
     try:

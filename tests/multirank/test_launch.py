@@ -36,6 +36,7 @@ def _rank_one_dies() -> None:
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S)
+@pytest.mark.quick
 def test_results_come_back_in_rank_order() -> None:
     results = launch(_sum_of_ranks, LaunchConfig(world_size=3, timeout_s=LAUNCH_TIMEOUT_S), 10)
     assert results == [(0, 30), (1, 30), (2, 30)]

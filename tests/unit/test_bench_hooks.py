@@ -6,6 +6,10 @@ from __future__ import annotations
 import pathlib
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.quick
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

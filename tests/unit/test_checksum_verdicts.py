@@ -17,6 +17,8 @@ from canzona_patches.checkpoints.checksums import (
     sidecar,
 )
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.fixture()
 def checkpoint(tmp_path: Path) -> Path:

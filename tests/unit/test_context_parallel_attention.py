@@ -9,6 +9,8 @@ import torch
 
 from canzona_patches.emulation.context_parallel import causal_attention, zigzag_positions
 
+pytestmark = pytest.mark.quick
+
 
 def test_zigzag_positions_are_megatrons_chunks() -> None:
     """2 CP ranks, 8 tokens in 4 chunks of 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2."""

@@ -24,6 +24,8 @@ from megatron.canzona.hf import from_hf, hf_config, hf_names, megatron_flags, me
 from megatron.canzona.hf import to_hf, vocab_divisor
 from megatron.canzona.planning import Qwen3Config
 
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = Qwen3Config(num_layers=2, hidden_size=8, ffn_hidden_size=12, num_attention_heads=4, num_query_groups=2,
                  kv_channels=3, vocab_size=16, norm_epsilon=1e-6, rotary_base=1000000.0, tied_embeddings=False,

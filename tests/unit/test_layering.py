@@ -7,6 +7,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.quick
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PURE_PACKAGES = ("megatron/canzona/planning", "megatron/canzona/optim")
 FORBIDDEN = ("torch.distributed", "megatron.core", "megatron.training", "canzona_patches", "megatron.canzona.runtime")

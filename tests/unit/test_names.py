@@ -8,11 +8,15 @@ import pathlib
 import re
 import subprocess
 
+import pytest
+
 from megatron.canzona.optim import MATRIX_OPTIMIZERS
 from megatron.canzona.planning import COST_KINDS, OPTIMIZERS
 from megatron.canzona.provenance import git_revision
 from megatron.canzona.runtime.config import TP_MODES
 from megatron.canzona.runtime.host_groups import MODES
+
+pytestmark = pytest.mark.quick
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = sorted(p for d in ("tools", "canzona_patches", "megatron/canzona") for p in (ROOT / d).rglob("*.py"))

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from canzona_patches.integration.layout import local_world_size, node_note
+
+pytestmark = pytest.mark.quick
 
 
 def test_local_world_size_reads_the_launchers_variable(monkeypatch):

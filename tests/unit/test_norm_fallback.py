@@ -8,10 +8,13 @@ norms one ``float()`` at a time: a device synchronisation per parameter in every
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from canzona_patches.harness.host_syncs import count_host_syncs
 from canzona_patches.integration.megatron_fixes import one_read_l2_norm
+
+pytestmark = pytest.mark.quick
 
 
 def _upstream(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -7,6 +7,8 @@ import torch
 
 from megatron.canzona.optim import AdamWConfig, AdamWState, adamw_foreach, adamw_update, apply_update
 
+pytestmark = pytest.mark.quick
+
 SHAPES = [(7,), (3, 5), (64,), (2, 3, 4), (1,)]
 
 

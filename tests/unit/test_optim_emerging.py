@@ -44,6 +44,7 @@ def _no_torch_compile():
         yield
 
 
+@pytest.mark.quick
 def test_coefficient_tables_match():
     for theirs, ours in EMERGING_OPTIMIZERS_COEFFICIENTS.items():
         schedule = NS_COEFFICIENTS[ours]
@@ -56,6 +57,7 @@ def test_coefficient_tables_match():
 @pytest.mark.parametrize("shape", [(3, 32, 48), (3, 48, 32), (2, 40, 40)])
 @pytest.mark.parametrize("theirs", ["simple", "quintic", "polar_express"])
 @pytest.mark.parametrize("ns_dtype", ["float32", "bfloat16"])
+@pytest.mark.quick
 def test_newton_schulz(shape, theirs, ns_dtype):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     with fp32_matmul_precision(MEGATRON_PRECISION[ns_dtype]):
@@ -79,6 +81,7 @@ def displacement_error(ours: torch.Tensor, theirs: torch.Tensor, start: torch.Te
      ("shape_scaling", 1.0, "shape_scaling"), ("unit_rms_norm", 1.0, "unit_rms_norm")],
 )
 @pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.quick
 def test_muon_optimizer(shape, ns_dtype, their_scale, extra, our_scale, nesterov):
     gen = torch.Generator().manual_seed(1)
     start = torch.randn(shape, generator=gen)
@@ -103,6 +106,7 @@ def test_muon_optimizer(shape, ns_dtype, their_scale, extra, our_scale, nesterov
 @pytest.mark.parametrize("shape", [(24, 24), (16, 40), (40, 16)])
 @pytest.mark.parametrize("use_eigh", [False, True])
 @pytest.mark.parametrize("correct_shampoo_beta_bias", [False, True])
+@pytest.mark.quick
 def test_soap_optimizer(shape, use_eigh, correct_shampoo_beta_bias):
     gen = torch.Generator().manual_seed(2)
     start = torch.randn(shape, generator=gen)

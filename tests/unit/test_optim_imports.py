@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.quick
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE_DIR = ROOT / "megatron" / "canzona" / "optim"
 FORBIDDEN = ("torch.distributed", "megatron.core", "megatron.training", "canzona_patches", "megatron.canzona.runtime")

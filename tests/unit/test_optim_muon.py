@@ -19,6 +19,8 @@ from megatron.canzona.optim import (
     muon_update,
 )
 
+pytestmark = pytest.mark.quick
+
 # Relative error of the parameter displacement after 4 steps (|got - ref| / |ref - start|).
 # fp64 state + fp64 Newton-Schulz: rounding only (seen <5e-15).
 MUON_RTOL_FP64 = 1e-12

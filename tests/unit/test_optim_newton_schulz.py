@@ -13,6 +13,8 @@ from megatron.canzona.optim import NS_COEFFICIENTS, newton_schulz, singular_valu
 from megatron.canzona.optim.newton_schulz import spectrum_matrix
 from megatron.canzona.planning.cost import AUTO_GRAM_FLOP_RATIO, AUTO_GRAM_MIN_SIDE, gram_runs, ns_flops, ns_method_for
 
+pytestmark = pytest.mark.quick
+
 # Relative Frobenius error of newton_schulz against the float64 SVD reference.
 # fp64: only rounding of ~5 GEMM chains on O(1) entries (seen: <1e-14).
 NS_RTOL_FP64 = 1e-12

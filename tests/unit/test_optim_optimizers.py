@@ -24,6 +24,8 @@ from megatron.canzona.optim import (
     muon_update,
 )
 
+pytestmark = pytest.mark.quick
+
 # AdamW against torch.optim.AdamW over 5 fp32 steps: the same formula evaluated in a
 # different order (torch divides sqrt(v) by sqrt(bias2) first) (seen <3e-7).
 ADAMW_RTOL = 1e-6

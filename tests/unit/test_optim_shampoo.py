@@ -14,6 +14,8 @@ from optim_reference import batched_and_looped, batched_minus_looped, make_grads
 
 from megatron.canzona.optim import ShampooConfig, ShampooState, inverse_root, shampoo_update
 
+pytestmark = pytest.mark.quick
+
 # Relative Frobenius error of each update direction against the reference.
 # fp64 end to end: rounding in eigh and the root (seen <2e-12).
 SHAMPOO_RTOL_FP64 = 1e-10

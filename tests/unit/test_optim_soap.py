@@ -12,6 +12,8 @@ from optim_reference import batched_and_looped, batched_minus_looped, make_grads
 
 from megatron.canzona.optim import AdamWConfig, AdamWState, SOAPConfig, SOAPState, adamw_update, soap_update
 
+pytestmark = pytest.mark.quick
+
 # Adam's eps matters for the comparisons: at step 1 the statistics are exactly G G^T and
 # G^T G, so the rotated gradient Q_L^T G Q_R is diagonal; its off-diagonal entries are
 # rounding noise of the eigenvectors (~1e-7 |G| with fp32 eigh, ~1e-15 |G| with fp64)

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, ParamRouting, QKVLayout
 from megatron.canzona.optim import build_param_groups, classify_parameter, merge_pieces, split_pieces
 
+pytestmark = pytest.mark.quick
+
 
 def megatron_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     """Fuse Q (groups*hpg*d, h), K and V (groups*d, h) the way Megatron lays out linear_qkv:

@@ -33,6 +33,8 @@ from megatron.canzona.optim import (
 )
 from megatron.canzona.optim.common import Refresh, refresh_due, refresh_offset, robust_eigh
 
+pytestmark = pytest.mark.quick
+
 OPTIMIZERS = {
     "muon": (Muon, MuonConfig(ns_dtype="float32")),
     "shampoo": (Shampoo, ShampooConfig(eps=1e-4, precondition_frequency=2)),

@@ -15,6 +15,8 @@ from megatron.canzona.optim.split import merge_pieces, split_pieces
 from test_optim_stacks_and_refresh import OPTIMIZERS, Stack, backward
 from megatron.canzona.optim import build_param_groups
 
+pytestmark = pytest.mark.quick
+
 STEPS = 5
 """Shampoo's and SOAP's preconditioners refresh every 2 steps: at steps 1, 3 and 5."""
 

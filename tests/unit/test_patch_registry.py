@@ -16,6 +16,8 @@ import pytest
 
 from canzona_patches import registry
 
+pytestmark = pytest.mark.quick
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "canzona_patches"
 TABLE_BEGIN, TABLE_END = "<!-- patches:begin -->", "<!-- patches:end -->"

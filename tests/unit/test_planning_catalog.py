@@ -5,6 +5,8 @@ import pytest
 from megatron.canzona.planning import QWEN3_MODELS, qwen3_specs
 from megatron.canzona.planning.qwen3 import get_qwen3_config
 
+pytestmark = pytest.mark.quick
+
 # Published non-embedding parameter counts (billions, as rounded on the model cards).
 PUBLISHED_NON_EMBEDDING = {
     "qwen3-0.6b": 0.44, "qwen3-1.7b": 1.4, "qwen3-4b": 3.6, "qwen3-8b": 6.95, "qwen3-14b": 13.2, "qwen3-32b": 31.2,

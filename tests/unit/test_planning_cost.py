@@ -4,6 +4,8 @@ import pytest
 
 from megatron.canzona.planning import Calibration, CostModel, ParamSpec, muon_flops, shampoo_flops, soap_flops
 
+pytestmark = pytest.mark.quick
+
 
 def test_muon_flops_by_hand():
     # a=2, b=3: per step 4·a²·b + 2·a³ = 48 + 16 = 64.

@@ -25,6 +25,7 @@ costs_lists = st.lists(st.floats(0.0, 1000.0, allow_nan=False), min_size=0, max_
 
 @settings(max_examples=150, deadline=None)
 @given(costs_lists, st.integers(1, 8), st.one_of(st.none(), st.floats(0.0, 3000.0)), st.data())
+@pytest.mark.quick
 def test_groups_cut_each_host_into_runs_under_the_budget(costs, num_hosts, budget, data):
     hosts = [data.draw(st.integers(0, num_hosts - 1)) for _ in costs]
     local = [data.draw(st.booleans()) for _ in costs]
@@ -49,6 +50,7 @@ def test_groups_cut_each_host_into_runs_under_the_budget(costs, num_hosts, budge
             assert len(runs) >= 2  # the next group's gather overlaps this one's compute
 
 
+@pytest.mark.quick
 def test_a_matrix_above_budget_runs_alone():
     groups = schedule_groups([10.0, 1.0, 1.0], [0, 0, 0], budget=4.0, at_least_two=False)
     assert groups == [0, 1, 1]
@@ -98,6 +100,7 @@ def test_traffic_counts_each_piece_once_each_way():
     assert [r.sync_gather for r in sync] == [800.0, 400.0, 240.0]
 
 
+@pytest.mark.quick
 def test_plan_traffic_is_what_the_planner_balanced():
     """The bytes per rank the metrics report come from the same tasks the runtime executes:
     every split matrix's non-host pieces, once each way."""
@@ -113,6 +116,7 @@ def test_plan_traffic_is_what_the_planner_balanced():
     assert sum(r.host_scatter for r in per_rank) == moved * wire.update_bytes
 
 
+@pytest.mark.quick
 def test_the_host_choice_prices_a_narrow_update_at_its_bytes():
     """A host scatters a bf16 Muon direction (2 bytes an element) where the update is narrow:
     the host choice counts those bytes, the ones the traffic metrics and the runtime send."""

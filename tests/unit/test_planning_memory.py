@@ -13,6 +13,8 @@ import pytest
 from megatron.canzona.planning import expert_coordinates, make_plan, qwen3_specs
 from megatron.canzona.planning.memory import StateLayout, rank_memory
 
+pytestmark = pytest.mark.quick
+
 MUON = StateLayout(optimizer="muon")
 
 

@@ -44,6 +44,7 @@ PUBLISHED = {"qwen3-30b-a3b": (30.5, 3.3), "qwen3-235b-a22b": (235.0, 22.0)}
 
 
 @pytest.mark.parametrize("model", sorted(HF_CONFIGS))
+@pytest.mark.quick
 def test_catalog_matches_the_hf_config(model):
     cfg = get_qwen3_config(model)
     got = (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels,
@@ -92,6 +93,7 @@ def test_sequential_layout_is_megatrons_registration_order():
 
 @pytest.mark.parametrize("layout", ["sequential", "grouped", "stacked"])
 @pytest.mark.parametrize("ep,etp", [(1, 1), (2, 1), (4, 2)])
+@pytest.mark.quick
 def test_every_layout_holds_the_local_experts_once(layout, ep, etp):
     cfg = get_qwen3_config("qwen3-moe-tiny")
     specs = qwen3_specs(cfg, ep_size=ep, expert_tp_size=etp, tp_size=2, expert_layout=layout, split_gate_up=True)
@@ -129,6 +131,7 @@ def test_experts_are_expert_parallel_as_megatron_marks_them(tp, ep, etp, expecte
     assert not any(s.is_expert for s in specs if ".mlp.experts." not in s.name)
 
 
+@pytest.mark.quick
 def test_routers_and_norms_go_to_adamw_and_experts_to_the_matrix_optimizer():
     for s in qwen3_specs("qwen3-moe-tiny", ep_size=2):
         if s.name.endswith(("router.weight", "layernorm.weight")) or "embedding" in s.name or "output" in s.name:
@@ -153,6 +156,7 @@ def test_bad_expert_sizes_say_what_to_do():
 # ------------------------------------------------------------------------------ pipeline
 
 
+@pytest.mark.quick
 def test_pipeline_split_follows_megatron():
     assert stage_layer_counts(48, 4) == (12,) * 4
     assert stage_layer_counts(94, 8, first_stage_layers=11, last_stage_layers=11) == (11,) + (12,) * 6 + (11,)
@@ -227,6 +231,7 @@ def tiny_plan(layout: str = "sequential") -> tuple[CanzonaPlan, list[ParamSpec]]
 
 
 @pytest.mark.parametrize("layout", ["sequential", "grouped", "stacked"])
+@pytest.mark.quick
 def test_every_expert_matrix_has_one_host_in_the_expert_plan(layout):
     plan, specs = tiny_plan(layout)
     dense, experts = split_experts(specs)
@@ -304,6 +309,7 @@ def test_base_loads_move_dense_work_off_busy_gpus():
         plan_canzona(specs, dp_size=8, cost_model=COST, base_loads=[[0.0]] * 4)
 
 
+@pytest.mark.quick
 def test_joint_balance_lowers_the_combined_makespan():
     """Qwen3-30B-A3B, one of 8 pipeline stages (6 layers), EP 8 x expert DP 8: 12 dense
     matrices for 64 GPUs, each 0.45 TFLOP of Muon against 1.9 TFLOP of expert work per GPU."""

@@ -24,6 +24,8 @@ from megatron.canzona.planning import (
 )
 from megatron.canzona.planning.geometry import BUCKET_GROWTH, bucket_end_divisor, packed_size, shard_divisor
 
+pytestmark = pytest.mark.quick
+
 COST = CostModel(kind="muon")
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

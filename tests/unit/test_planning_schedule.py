@@ -10,6 +10,8 @@ from megatron.canzona.planning.schedule import Task, buffer_schedule, plan_sched
 from megatron.canzona.planning.sim.layouts import plan_tasks as sim_plan_tasks
 from megatron.canzona.planning.specs import ParamSpec
 
+pytestmark = pytest.mark.quick
+
 
 def _specs(tp: int) -> list[ParamSpec]:
     return [s for s in qwen3_specs("qwen3-1.7b", tp_size=tp) if "layers.0." in s.name or "layers.1." in s.name]

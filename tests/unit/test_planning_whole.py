@@ -18,6 +18,8 @@ from megatron.canzona.planning.geometry import PARAM_ALIGNMENT, bucket_end_divis
 from megatron.canzona.planning.sim import ClusterSpec, StrategyResult
 from megatron.canzona.planning.sim.choose import faster_layout, layout_line, project_layouts
 
+pytestmark = pytest.mark.quick
+
 COST = CostModel(kind="muon")
 PLANNER_CASES = [
     ("qwen3-1.7b", 1, dp) for dp in (8, 32, 64, 128, 256)

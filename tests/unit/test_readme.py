@@ -46,6 +46,7 @@ def _anchors(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.quick
 def test_every_relative_link_resolves(doc: Path) -> None:
     for target in LINK.findall(doc.read_text()):
         if target.startswith(("http://", "https://", "mailto:")):
@@ -122,6 +123,7 @@ def test_every_command_the_readme_shows_exists_with_its_flags() -> None:
         assert not missing, f"the README passes {missing} to {' '.join(key)}, whose --help does not list them"
 
 
+@pytest.mark.quick
 def test_every_make_target_and_path_the_readme_names_exists() -> None:
     makefile = (ROOT / "Makefile").read_text()
     commands = _readme_commands()

@@ -16,6 +16,8 @@ from megatron.canzona.planning.lean import balanced_homes
 from megatron.canzona.planning.sim import ClusterSpec, Workload, load_calibration, load_cluster, simulate
 from megatron.canzona.planning.sim.step import SimTask, StepRun, run_host_groups
 
+pytestmark = pytest.mark.quick
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOY = {
     "name": "toy", "gpus_per_node": 8,

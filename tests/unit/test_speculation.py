@@ -13,6 +13,8 @@ from megatron.canzona.planning.speculation import (
     policy_outcomes,
 )
 
+pytestmark = pytest.mark.quick
+
 CLIP = 1.0
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from megatron.canzona.cli import SIGNED_OPTIONS, at_least, fraction, non_negative, positive
 
+pytestmark = pytest.mark.quick
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOLS = sorted((ROOT / "tools").glob("*.py"))
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
+pytestmark = pytest.mark.quick
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOLS = sorted((ROOT / "tools").glob("*.py"))
 TOOL_NAMES = {path.stem for path in TOOLS}

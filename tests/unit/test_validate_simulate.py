@@ -3,6 +3,10 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick
+
 _PATH = Path(__file__).resolve().parents[2] / "tools" / "validate_simulate.py"
 _spec = importlib.util.spec_from_file_location("validate_simulate", _PATH)
 validate = importlib.util.module_from_spec(_spec)
