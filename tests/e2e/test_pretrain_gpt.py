@@ -195,6 +195,7 @@ def test_canzona_buckets_smaller_than_a_matrix_split_it_across_shards(demo_data:
     assert buckets == matrices and split == matrices
 
 
+@pytest.mark.quick
 def test_canzona_with_virtual_pipeline_stages(demo_data: DemoData, tmp_path: Path) -> None:
     """PP 2 with two model chunks per stage (4 layers, one per virtual stage): each stage's
     chunks are planned together, one bucket per chunk, and the run trains and saves."""
