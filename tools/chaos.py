@@ -491,7 +491,7 @@ class BadInput:
     name: str
     kind: str
     """What is wrong: ``flags``, ``unread`` (a flag the run would not read), ``data``, ``resume``,
-    ``files`` or ``tools`` (a tool's option)."""
+    ``files``, ``tools`` (a tool's option), ``nan`` (a run gone non-finite) or ``peer`` (a rank dies)."""
     flags: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     prepare: str | None = None
@@ -537,6 +537,9 @@ BAD_INPUTS = (
                                                           "--early-compute-budget", "-2")),
     BadInput("simulate-negative-gpus", "tools", command=("simulate.py", "--gpus", "-64")),
     BadInput("bench-step-negative-warmup", "tools", command=("bench_step.py", "--warmup", "-1")),
+    BadInput("nan-with-the-check-off", "nan", ("--no-check-for-nan-in-loss-and-grad", "--init-method-std", "1e20")),
+    BadInput("a-rank-dies-in-the-step", "peer", env=(("ENTRY", "canzona_patches/harness/pretrain_with_fault.py"),
+                                                     ("CANZONA_CKPT_FAULT", "step@3:1"))),
 )
 """The table ``--bad-input`` runs: careless inputs of each kind a user makes."""
 OUTCOMES = ("one line", "traceback", "silent", "hang", "loss")
