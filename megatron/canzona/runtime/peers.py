@@ -36,9 +36,10 @@ ROLL_CALL_S = 3.0
 """How long the reporting rank waits for the survivors to answer before naming the rest gone."""
 _STORE_TIMEOUT_S = 10.0
 _PREFIX = "canzona/peers"
-# gloo (tcp/pair.cc), NCCL and the TCP store's words for a connection a dead process dropped.
+# gloo's (tcp/pair.cc) and NCCL's words for a connection a dead process dropped; not a refused
+# connection or a timeout (a rendezvous that failed, a hang: no rank is known to be gone).
 _LOST = re.compile(r"(Connection (closed|reset) by (remote )?peer|Broken pipe|remote process exited"
-                   r"|ncclRemoteError|Socket Timeout|Connection refused)", re.IGNORECASE)
+                   r"|ncclRemoteError)", re.IGNORECASE)
 _GLOO_WHERE = re.compile(r"pair\.cc:\d+\]\s*")
 
 _reporting = False
