@@ -150,7 +150,10 @@ def _gone_ranks(store: Any, rank: int, world_size: int, dead_here: list[int]) ->
 
 
 def _dead_local_ranks() -> list[int]:
-    """Global ranks of this node's torchrun children that are no longer running."""
+    """Global ranks of this node's torchrun children that are no longer running (none known
+    under another launcher: its children are not ranks of one agent)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return []
     try:
         local_world = int(os.environ["LOCAL_WORLD_SIZE"])
         first = int(os.environ["RANK"]) - int(os.environ["LOCAL_RANK"])
