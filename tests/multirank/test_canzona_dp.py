@@ -90,6 +90,11 @@ def results() -> dict[tuple[str, int], list[dict]]:
 @pytest.mark.parametrize("dp", [2, 4])
 def test_dp_equals_single_process(results, optimizer: str, dp: int) -> None:
     (reference,) = results[(optimizer, 1)]
+    share = {"loss": max(abs(a - b) / abs(b) / 1e-4 for result in results[(optimizer, dp)]
+                         for a, b in zip(result["losses"], reference["losses"])),
+             "max": max(float((result["params"][name] - expected).abs().max()) / PARAM_ATOL[optimizer]
+                        for result in results[(optimizer, dp)] for name, expected in reference["params"].items())}
+    print(f"\n[share] dp {optimizer} dp {dp}: {share}", flush=True)  # the largest share of each bound (`pytest -s`)
     for rank, result in enumerate(results[(optimizer, dp)]):
         assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4)
         for name, expected in reference["params"].items():

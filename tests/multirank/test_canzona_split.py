@@ -18,6 +18,7 @@ from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.runtime import LaunchConfig, launch
 
 from .test_canzona_dp import PARAM_ATOL, SPLITS
+from .test_canzona_whole import ELEMENTWISE_BOUND, MATRIX_BOUND, MEAN_BOUND
 from canzona_patches.harness.tiny_gpt import TinyRun, planned_tasks, train_tiny_gpts
 from . import CPU_RANKS
 
@@ -33,6 +34,14 @@ LAYOUTS = {2: (1, 2), 3: (1, 3), 4: (1, 4), "tp2_dp2": (2, 2)}
 # At TP 2 the AdamW parameters (embedding, output layer) also see TP's reordered sums; an
 # embedding row whose first Adam step is sign-like moves by up to 3.5e-6 (test_canzona_tp.py).
 ELEMENTWISE_ATOL_TP = {"muon": 0.01 * LR, "shampoo": 0.01 * LR, "soap": 0.25 * LR}
+# SOAP's eigenbases amplify the reduce order's rounding by a factor that depends on the CPU's
+# code path: here (AMD EPYC, AVX-512, MKL) its largest difference after 4 steps is 0.003 lr
+# (0.005 lr under MKL_CBWR=COMPATIBLE; `pytest -s` prints each case's share of its bounds), but
+# another CPU's BLAS moved 458 elements of linear_proj at DP 3 by up to 0.32 lr. test_canzona_whole.py
+# measured the same amplification at DP 3 (0.69 lr, mean 0.095 lr) and bounds it; SOAP is held
+# to its bounds here, the mean catching a lost or doubled update (~lr). The step itself is exact
+# on the same gradients: tests/multirank/test_replay_exactness.py.
+LOSS_RTOL = 1e-4
 MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 LAUNCH_TIMEOUT_S = 300.0
 TEST_TIMEOUT_S = 4 * LAUNCH_TIMEOUT_S
@@ -65,6 +74,16 @@ def _is_matrix(name: str) -> bool:
     return name.endswith(MATRIX_SUFFIXES)
 
 
+def _bounds(optimizer: str, case, name: str) -> tuple[float, float]:
+    """(largest, mean) absolute difference allowed for parameter ``name``."""
+    if optimizer == "soap":  # the same model, SOAP settings, steps and lr as test_canzona_whole.py
+        return (MATRIX_BOUND if _is_matrix(name) else ELEMENTWISE_BOUND)["soap"], MEAN_BOUND["soap"]
+    atol = PARAM_ATOL[optimizer]
+    if case == "tp2_dp2" and not _is_matrix(name):
+        atol = max(atol, ELEMENTWISE_ATOL_TP[optimizer])
+    return atol, atol
+
+
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("case", list(LAYOUTS))
@@ -74,16 +93,26 @@ def test_split_matrices_equal_single_process(results, optimizer: str, case) -> N
     plan = CanzonaPlan.from_json(per_rank[0]["plan"])
     split = {p.name for p in plan.dp.matrix.placements if p.host is None}
     assert any(name.endswith("linear_fc1.weight") for name in split), f"fc1 must lie across DP shards: {split}"
-    for rank, result in enumerate(per_rank):
-        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4)
+    bounds = {name: _bounds(optimizer, case, name) for name in reference["params"]}
+    share = {"loss": 0.0, "max": 0.0, "mean": 0.0}  # the largest share of each bound used (`pytest -s`)
+    for result in per_rank:
+        share["loss"] = max([share["loss"], *(abs(a - b) / abs(b) / LOSS_RTOL
+                                              for a, b in zip(result["losses"], reference["losses"]))])
         for name, expected in reference["params"].items():
-            atol = PARAM_ATOL[optimizer]
-            if case == "tp2_dp2" and not _is_matrix(name):
-                atol = max(atol, ELEMENTWISE_ATOL_TP[optimizer])
+            difference = (result["params"][name] - expected).abs()
+            share["max"] = max(share["max"], difference.max().item() / bounds[name][0])
+            share["mean"] = max(share["mean"], difference.mean().item() / bounds[name][1])
+    print(f"\n[share] split {optimizer} {case}: {share}", flush=True)
+    for rank, result in enumerate(per_rank):
+        assert result["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL)
+        for name, expected in reference["params"].items():
+            atol, mean_atol = bounds[name]
             torch.testing.assert_close(
                 result["params"][name], expected, rtol=0, atol=atol,
                 msg=lambda m: f"{optimizer} {case} rank {rank} {name}: {m}",
             )
+            mean = (result["params"][name] - expected).abs().mean().item()
+            assert mean <= mean_atol, f"{optimizer} {case} rank {rank} {name}: mean difference {mean:.3g}"
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

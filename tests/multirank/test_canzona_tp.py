@@ -52,9 +52,19 @@ TP = 2
 #   eigenbasis amplifying a reordered sum, not TP. Hence for SOAP the TP 1 x DP 2 run is a
 #   yardstick: each bound below is at least REORDER_FACTOR times that run's difference from
 #   TP 1 x DP 1 (TP adds its own reorderings on top of DP's).
-MATRIX_ATOL = {"muon": 1e-3 * LR, "shampoo": 1e-3 * LR, "soap": 0.5 * LR}
-ELEMENTWISE_ATOL = {"muon": 0.01 * LR, "shampoo": 0.01 * LR, "soap": 0.25 * LR}
-MEAN_ATOL = {"muon": 1e-4 * LR, "shampoo": 1e-4 * LR, "soap": 0.05 * LR}
+# * Under ATEN_CPU_CAPABILITY=default (ATen's scalar kernels, as on a CPU without AVX2) Muon's
+#   matrices differ by up to 1.0e-3 lr and its means by 0.84e-4 lr, Shampoo's largest by 0.93 of
+#   the bounds below as they were (1e-3 lr, 0.01 lr, 1e-4 lr; shares printed by `pytest -s`): the
+#   bounds for Muon and Shampoo are twice those, still ~lr / 500 below a lost update.
+MATRIX_ATOL = {"muon": 2e-3 * LR, "shampoo": 2e-3 * LR, "soap": 0.5 * LR}
+# * SOAP under MKL_CBWR=COMPATIBLE (MKL's reference code path): embedding element (86, 15),
+#   whose first Adam steps are sign-like, moves by 2.1 lr at TP 2 split (world 2 and 4) while
+#   its TP 1 x DP 2 yardstick moves it by 0.19 lr: a sign flip of a near-zero gradient is not
+#   bounded by another run's rounding. An Adam step moves an element by about lr at most, so two
+#   runs part by at most ~2 lr per step: SOAP's AdamW parameters are held to STEPS * lr (half
+#   that worst case, twice the largest measured), its mean bound still catching a lost update.
+ELEMENTWISE_ATOL = {"muon": 0.02 * LR, "shampoo": 0.02 * LR, "soap": STEPS * LR}
+MEAN_ATOL = {"muon": 2e-4 * LR, "shampoo": 2e-4 * LR, "soap": 0.05 * LR}
 LOSS_RTOL = 1e-5  # measured 1.1e-6 (SOAP on AVX2; 3.5e-5 on AVX-512, as its yardstick), 1e-7 (Muon, Shampoo)
 YARDSTICK = ("soap",)
 REORDER_FACTOR = 2.0
@@ -141,21 +151,31 @@ def test_tp_equals_single_process(results, optimizer: str, split: str, world_siz
     if yardstick is not None:
         reordered = max(abs(a - b) / abs(b) for a, b in zip(yardstick["losses"], reference["losses"]))
         loss_rtol = max(loss_rtol, REORDER_FACTOR * reordered)
+    share = {"loss": 0.0, "max": 0.0, "mean": 0.0}  # the largest share of each bound used (`pytest -s`)
+    checks = []
     for rank, result in enumerate(results[(optimizer, split, world_size, "async")]):
-        torch.testing.assert_close(result["losses"], reference["losses"], rtol=loss_rtol, atol=0)
+        loss = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))
+        share["loss"] = max(share["loss"], loss / loss_rtol)
         for name, expected in reference["params"].items():
-            where = f"{optimizer} {split} world {world_size} rank {rank} {name}"
             max_atol = (MATRIX_ATOL if _is_matrix(name) else ELEMENTWISE_ATOL)[optimizer]
             mean_atol = MEAN_ATOL[optimizer]
             if yardstick is not None:
                 reordered = (yardstick["params"][name] - expected).abs()
                 max_atol = max(max_atol, REORDER_FACTOR * float(reordered.max()))
                 mean_atol = max(mean_atol, REORDER_FACTOR * float(reordered.mean()))
-            torch.testing.assert_close(
-                result["params"][name], expected, rtol=0, atol=max_atol, msg=lambda m: f"{where}: {m}"
-            )
-            mean = float((result["params"][name] - expected).abs().mean())
-            assert mean <= mean_atol, f"{where}: mean absolute difference {mean:.3g}"
+            difference = (result["params"][name] - expected).abs()
+            share["max"] = max(share["max"], float(difference.max()) / max_atol)
+            share["mean"] = max(share["mean"], float(difference.mean()) / mean_atol)
+            checks.append((rank, result, name, expected, max_atol, mean_atol))
+    print(f"\n[share] tp {optimizer} {split} world {world_size}: {share}", flush=True)
+    for rank, result, name, expected, max_atol, mean_atol in checks:
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=loss_rtol, atol=0)
+        where = f"{optimizer} {split} world {world_size} rank {rank} {name}"
+        torch.testing.assert_close(
+            result["params"][name], expected, rtol=0, atol=max_atol, msg=lambda m: f"{where}: {m}"
+        )
+        mean = float((result["params"][name] - expected).abs().mean())
+        assert mean <= mean_atol, f"{where}: mean absolute difference {mean:.3g}"
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -42,10 +42,14 @@ CASES = {
 }
 """Case -> the TinyRun fields that make it (4 ranks each, one launch for all)."""
 MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
-MAX_ULPS = {"shampoo": 0, "soap": 4}
+MAX_ULPS = {"shampoo": 1, "soap": 16}
 """Largest difference allowed per optimizer, in units in the last place of the largest element of
-the one-device matrix (``ulps``). Measured: Shampoo 0 in every case; SOAP 2 in every case;
-SOAP's bound is twice that."""
+the one-device matrix (``ulps``). Measured (`pytest -s` prints it), the same in every case and
+layout, under this machine's default code paths (AVX-512, MKL), MKL_CBWR=COMPATIBLE,
+MKL_CBWR=AVX2, ATEN_CPU_CAPABILITY=default and ATEN_CPU_CAPABILITY=avx2: Shampoo 0 (bitwise)
+but 0.25 under ATen's scalar kernels (default); SOAP 2, 2.5, 6.4, 6.5 and 2. The
+bounds are about 2.5 times the largest: rounding, where a lost or misrouted update moves a
+matrix by ~lr (10^5 ulp)."""
 LAUNCH_TIMEOUT_S = 300.0
 
 
