@@ -18,6 +18,8 @@ from megatron.canzona.cli import SIGNED_OPTIONS, at_least, fraction, non_negativ
 
 pytestmark = pytest.mark.quick
 
+pytestmark = pytest.mark.quick
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOLS = sorted((ROOT / "tools").glob("*.py"))
 
