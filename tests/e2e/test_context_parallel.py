@@ -34,20 +34,21 @@ LR = 3e-3
 # element moves by about lr per step and a lost or doubled update moves a whole tensor by ~lr.
 # Measured (`pytest -s` prints each run's "[cp]" line; Muon against one process after 6 steps):
 # matrices 5e-8, AdamW parameters 1.2e-7, losses 1.6e-7 relative. Shampoo and SOAP run with
-# MATRIX_FLAGS, and their spread was measured under MKL_CBWR=COMPATIBLE, MKL_CBWR=AVX2 and
-# ATEN_CPU_CAPABILITY=default, the variables set for the whole pytest run on this machine (AMD
-# EPYC, AVX-512, MKL; the "[cp-share]" line gives each bound's share). Shampoo stays within Muon's bounds: matrices 6e-5 lr at most,
-# AdamW parameters 2e-4 lr, means 9e-6 lr, losses 1.5e-7 relative. SOAP's Adam in an eigenbasis
-# amplifies the reorderings in every setting alike: matrices up to 2.8 lr apart (mean 0.28 lr),
-# AdamW parameters 2.9 lr (an embedding element whose sign-like first Adam steps flip; mean
-# 0.06 lr), losses 1.1e-4 relative. An Adam step moves an element by about lr, so two runs part
-# by at most ~2 lr per step: SOAP's largest differences are held to ITERS * lr (half that worst
-# case, about twice the measured), its means to 0.6 lr and its losses to 2.5e-4, twice the
-# measured. SOAP's step itself is exact on the same gradients (tests/multirank/test_replay_exactness.py).
+# MATRIX_FLAGS; their spread was measured on this machine (AMD EPYC, AVX-512, MKL) as it is and
+# with MKL_CBWR=COMPATIBLE, MKL_CBWR=AVX2, ATEN_CPU_CAPABILITY=default and ATEN_CPU_CAPABILITY=avx2
+# set for the whole pytest run (the "[cp-share]" line gives each bound's share). Shampoo stays
+# within Muon's bounds: matrices 6.7e-5 lr at most, AdamW parameters 2e-4 lr, means 9e-6 lr, losses 1.5e-7 relative.
+# SOAP's Adam in an eigenbasis amplifies the reorderings in every setting alike: matrices up to
+# 3.1 lr apart (mean 0.28 lr), AdamW parameters 2.9 lr (an embedding element whose sign-like
+# first Adam steps flip; mean 0.07 lr), losses 1.7e-4 relative. An Adam step moves an element
+# by about lr, so two runs part by at most ~2 lr per step: SOAP's largest differences are held
+# to ITERS * lr (half that worst case, about twice the measured), its means to 0.6 lr and its
+# losses to 3.5e-4, about twice the measured. On the same gradients SOAP's distributed step is
+# the one-device math to a few ulp (tests/multirank/test_replay_exactness.py).
 MATRIX_ATOL = {"muon": 1e-3 * LR, "shampoo": 1e-3 * LR, "soap": ITERS * LR}
 ELEMENTWISE_ATOL = {"muon": 0.01 * LR, "shampoo": 0.01 * LR, "soap": ITERS * LR}
 MEAN_ATOL = {"muon": 1e-4 * LR, "shampoo": 1e-4 * LR, "soap": 0.6 * LR}
-LOSS_RTOL = {"muon": 1e-5, "shampoo": 1e-5, "soap": 2.5e-4}
+LOSS_RTOL = {"muon": 1e-5, "shampoo": 1e-5, "soap": 3.5e-4}
 FIRST_LOSS_RTOL = 1e-6
 """The first iteration's loss, every optimizer (measured 8e-8)."""
 MATRIX_FLAGS = {
