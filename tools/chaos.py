@@ -4,7 +4,7 @@ end state is bitwise the uninterrupted run's; or (``--bad-input``) feed it carel
 
     python tools/chaos.py                                  # 60 faults of six kinds over 4 scenarios, 300 iterations each
     python tools/chaos.py --faults 2 --kinds rank-in-step,launcher-in-save --scenarios muon-async --train-iters 9   # short
-    python tools/chaos.py --bad-input                      # 29 careless inputs, a table of what each got (~4 min)
+    python tools/chaos.py --bad-input                      # 31 careless inputs, a table of what each got (~4 min)
 
 ``--bad-input`` runs the tiny recipe (2 CPU ranks) once per input of :data:`BAD_INPUTS` (flags
 Megatron or Canzona refuse, flags the run would not read, damaged data, resumes that cannot work,
