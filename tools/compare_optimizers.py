@@ -20,6 +20,10 @@ and vectors take AdamW in every run. All use one learning rate, 3e-3 (the demo's
 * ``shampoo``: ``--canzona`` Shampoo grafted to Adam's per-matrix update norm, which is why
   it takes Adam's learning rate;
 * ``soap``: ``--canzona`` SOAP, Adam in Shampoo's eigenbasis, again Adam's learning rate;
+* ``normuon``: ``--optimizer adaptive_muon --adaptive-muon-moment2-method normuon``, Muon's scale;
+* ``muon_qk_clip``: Muon with ``--qk-clip --qk-clip-threshold 3``, under the demo's largest logits
+  (3.6-3.8 in its first 30 iterations), so the clip acts; the demo's Qwen3 has QK norms, which
+  undo the scaling in the forward, so only the weights' scale and their gradients change;
 * ``muon_gram``: Muon with ``--muon-ns-method gram``, and ``muon_seed``: Muon with another
   ``--seed`` (other initial weights, other data order), the run-to-run noise gram's gap to
   Muon is held against (the runs are otherwise deterministic).
@@ -92,6 +96,9 @@ RUNS: dict[str, RunSpec] = {
     "normuon": RunSpec(label="NorMuon", optimizer="adaptive_muon", canzona=True,
                        flags=("--adaptive-muon-moment2-method", "normuon", "--muon-scale-mode", "spectral",
                               "--muon-extra-scale-factor", "0.2")),
+    "muon_qk_clip": RunSpec(label="Muon, QK-clip at 3", optimizer="muon", canzona=True,
+                            flags=("--muon-scale-mode", "spectral", "--muon-extra-scale-factor", "0.2",
+                                   "--qk-clip", "--qk-clip-threshold", "3")),
     "shampoo": RunSpec(label="Shampoo", optimizer="shampoo", canzona=True),
     "soap": RunSpec(label="SOAP", optimizer="soap", canzona=True),
 }

@@ -136,7 +136,7 @@ class ContextParallelAttention(MegatronModule):
         with rng:
             return causal_attention(query, key, value, zigzag_positions(cp_rank, cp_size, local), key_positions,
                                     self.softmax_scale, dropout,
-                                    logits=functools.partial(record_max_logits, self) if self.keeps_logits else None)
+                                    logits=functools.partial(record_max_logits, self) if self.keeps_logits and self.training else None)
 
 
 def local_core_attention(original: Any, run: Any) -> Any:

@@ -145,6 +145,8 @@ def _local_softmax_hook(core_attention: DotProductAttention):
     softmax = core_attention.scale_mask_softmax
 
     def hook(module: Any, inputs: tuple) -> None:
+        if not core_attention.training:  # validation's forwards are not the step's
+            return
         scores, mask = inputs[0], inputs[1] if len(inputs) > 1 else None
         sq, sk = scores.shape[2], scores.shape[3]
         if softmax.window_size is not None:
