@@ -7,7 +7,7 @@ One module-scoped sequence of runs (each process pays Megatron's or transformers
    vocabulary 512 (the demo tokenizer's), tied and untied embeddings, RMSNorm weights drawn
    from [0.5, 1.5] so that a misplaced norm shows in the logits;
 2. ``convert_hf.py import`` writes each as a release checkpoint;
-3. ``pretrain_gpt.py`` on 2 gloo ranks, Muon with ``--canzona``, the architecture flags of
+3. ``pretrain_gpt.py`` on 2 gloo ranks with ``--canzona`` (Muon; NorMuon for the untied model), the architecture flags of
    examples/qwen3/common.sh (``qwen3_model_args``) at these sizes, ``--load`` the import:
    the untied model at TP 2 and lr 3e-3, the tied one at PP 2 and lr 0 (its weights must
    come back bitwise); both save iteration 2 with their optimizer state;
@@ -90,6 +90,12 @@ def converted(*args: str) -> str:
     return result.stdout
 
 
+OPTIMIZER = {"tied": ("--optimizer", "muon"),
+             "untied": ("--optimizer", "adaptive_muon", "--adaptive-muon-moment2-method", "normuon")}
+"""The tied model trains with Muon, the untied one with NorMuon (its checkpoint holds a second
+moment besides the momentum; the export reads the weights alone)."""
+
+
 def train(data: DemoData, out: Path, model: str, load: Path, save: Path) -> str:
     args = [
         *recipe_model_args(model == "tied"), *LAYOUT[model],
@@ -99,7 +105,7 @@ def train(data: DemoData, out: Path, model: str, load: Path, save: Path) -> str:
         "--eval-iters", "0", "--tokenizer-type", "SentencePieceTokenizer",
         "--tokenizer-model", str(data.tokenizer_model), "--data-path", data.data_prefix, "--split", "80,10,10",
         "--data-cache-path", str(out / "cache"), "--num-workers", "0",
-        "--optimizer", "muon", "--canzona", "--use-distributed-optimizer",
+        *OPTIMIZER[model], "--canzona", "--use-distributed-optimizer",
         "--load", str(load), "--save", str(save), "--save-interval", "2",
     ]
     result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
