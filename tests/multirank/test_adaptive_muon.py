@@ -13,7 +13,8 @@ Q, K and V optimized apart and the clip acting:
   moments) is bitwise the step's own through committed steps, a NaN step and a step whose clip
   acts, at TP 2 x DP 2;
 * a checkpoint saved at DP 2 resumes bitwise at DP 2 and, at DP 4, within the reshard tolerance
-  of ``test_checkpoint.py`` (NorMuon) or ten times it (AdaMuon, :data:`RESHARD_ATOL`).
+  of ``test_checkpoint.py`` (NorMuon) or ten times it (AdaMuon, :data:`RESHARD_ATOL`); at TP 2 x DP 2
+  within the TP bound above (:data:`ATOL`).
 
 Three launches (2, 4, then 1 rank).
 """
@@ -77,7 +78,8 @@ def results(tmp_path_factory) -> dict[tuple, list[dict]]:
                      overlap_grad_reduce=True, bucket_size=10_000)
         four += [((m, "tp2_dp2"), _run(m, tp_size=2)), ((m, "ep2_dp2"), _run(m, num_experts=4, ep_size=2)),
                  ((m, "early"), replace(early, early_compute=True, early_gather_at_dispatch=True)), ((m, "step"), early),
-                 ((m, "resumed_dp4"), ResumeJob(run=saved, load_dir=str(root / m)))]
+                 ((m, "resumed_dp4"), ResumeJob(run=saved, load_dir=str(root / m))),
+                 ((m, "resumed_tp2"), ResumeJob(run=replace(saved, tp_size=2), load_dir=str(root / m)))]
         one += [((m, "single"), _run(m)), ((m, "single_moe"), _run(m, num_experts=4))]
     out = {}
     for world, cases in ((2, two), (4, four), (1, one)):
@@ -135,4 +137,11 @@ def test_a_checkpoint_resumes_across_dp_sizes(results, method: str) -> None:
     for rank, result in enumerate(results[(method, "resumed_dp4")]):
         assert result["losses"] == pytest.approx(straight["losses"][HALF:], rel=1e-4)
         _close(result["params"], straight["params"], RESHARD_ATOL[method], f"{method} DP 2 -> DP 4 rank {rank}",
+               ELEMENTWISE_ATOL)
+    # Into TP 2 x DP 2: each matrix's host still holds both moments whole (NorMuon's per row or
+    # column of the whole matrix); TP's reordered sums bound it as they bound TP 2 x DP 2 itself.
+    for rank, result in enumerate(results[(method, "resumed_tp2")]):
+        assert result["start"] == HALF, f"rank {rank}"
+        assert result["losses"] == pytest.approx(straight["losses"][HALF:], rel=1e-4)
+        _close(result["params"], straight["params"], ATOL[method], f"{method} DP 2 -> TP 2 x DP 2 rank {rank}",
                ELEMENTWISE_ATOL)
