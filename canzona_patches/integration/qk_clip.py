@@ -277,15 +277,37 @@ def _main_shards(optimizer: Any) -> dict[Any, tuple[torch.Tensor, int]]:
     return shards
 
 
+LOGIT_SOURCES = {"DotProductAttention": "Megatron's local attention",
+                 "ContextParallelAttention": "the CPU context-parallel attention",
+                 "TEDotProductAttention": "transformer-engine's attention"}
+"""Where the logits come from, by the core attention's class (the start-up line)."""
+
+
+def qk_clip_line(*, clip: bool, threshold: float, alpha: float, attention: str, qk_layernorm: bool) -> str:
+    """The start-up line of ``--qk-clip`` (or of ``--log-max-attention-logit`` alone)."""
+    source = LOGIT_SOURCES.get(attention, attention)
+    if not clip:
+        return f"[canzona] max attention logit: logged from {source}, no clip"
+    line = f"[canzona] QK-clip: threshold {threshold:g}, alpha {alpha:g}, logits from {source}"
+    if qk_layernorm:
+        line += ("; with --qk-layernorm the QK norms undo the scaling of query and key rows, so the clip cannot "
+                 "lower the logits (docs/qk_clip.md)")
+    return line
+
+
 def attach_qk_clip(optimizer: Any, model_chunks: list, run: Any) -> None:
     """Give the run's dense Canzona optimizer a :class:`QkClip` when the model's config asks for
-    the clip or the log (``--qk-clip``, ``--log-max-attention-logit``)."""
+    the clip or the log (``--qk-clip``, ``--log-max-attention-logit``), and say so in one line."""
     config = get_attr_wrapped_model(model_chunks[0], "config")
     if not (config.qk_clip or config.log_max_attention_logit):
         return
     dense = getattr(optimizer, "chained_optimizers", [optimizer])[0]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dense.qk_clip = _clips(run).clip = QkClip(model_chunks, dense, clip=config.qk_clip, device=device)
+    clip = QkClip(model_chunks, dense, clip=config.qk_clip, device=device)
+    dense.qk_clip = _clips(run).clip = clip
+    if clip.layers and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print(qk_clip_line(clip=config.qk_clip, threshold=config.qk_clip_threshold, alpha=config.qk_clip_alpha,
+                           attention=type(clip.layers[0].core).__name__, qk_layernorm=config.qk_layernorm), flush=True)
 
 
 class _Holder:

@@ -121,6 +121,10 @@ def test_logging_alone_changes_nothing(one_process: dict) -> None:
     assert plain_logits == [None] * len(plain_losses)
     assert all(v is not None and v > 0 for v in log_logits), log_logits
     assert "max attention logit:" in stdout
+    assert stdout.count("[canzona] max attention logit: logged from Megatron's local attention, no clip") == 1
+    clip_stdout = one_process["clip"][3]
+    assert clip_stdout.count("[canzona] QK-clip: threshold 0.1, alpha 0.5, logits from Megatron's local attention\n") \
+        == 1, clip_stdout[-3000:]
     # The first iteration's forward sees the same weights with the clip on or off.
     assert log_logits[0] == clip_logits[0]
     # The clip changed the run: later logits differ, and all logits were above the threshold.

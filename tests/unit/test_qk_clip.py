@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canzona_patches.errors import CanzonaArgumentError
-from canzona_patches.integration.qk_clip import check_qk_clip_args, record_max_logits
+from canzona_patches.integration.qk_clip import check_qk_clip_args, qk_clip_line, record_max_logits
 from megatron.canzona.optim.qk_clip import QKClipConfig, QKVRows, clip_qkv_, group_eta, row_scales, scale_rows_
 from megatron.core.transformer.attention import SelfAttention
 
@@ -153,3 +153,12 @@ def test_projected_cost_at_qwen3_32b_tp8_dp32() -> None:
     assert alone.ring_s == alone.tree_s == 0.0 and alone.clip_bytes == 64 * cost.clip_bytes // 2
     with pytest.raises(SystemExit):
         main(["--dp", "0"])
+
+
+def test_start_up_line() -> None:
+    line = qk_clip_line(clip=True, threshold=0.1, alpha=0.5, attention="DotProductAttention", qk_layernorm=False)
+    assert line == "[canzona] QK-clip: threshold 0.1, alpha 0.5, logits from Megatron's local attention"
+    line = qk_clip_line(clip=True, threshold=100.0, alpha=0.5, attention="TEDotProductAttention", qk_layernorm=True)
+    assert "transformer-engine's attention" in line and "cannot lower the logits" in line and "\n" not in line
+    line = qk_clip_line(clip=False, threshold=100.0, alpha=0.5, attention="ContextParallelAttention", qk_layernorm=True)
+    assert line == "[canzona] max attention logit: logged from the CPU context-parallel attention, no clip"
