@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib.util
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,3 +65,59 @@ def torchrun(nproc: int, script: str, *args: str) -> list[str]:
     """The command that starts ``nproc`` local gloo ranks of ``script`` (a free port each time)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(nproc), script, *args]
+
+
+class _RankServer:
+    """The session's ``rank_server.py`` process, started at first use, stopped at exit."""
+
+    process: subprocess.Popen | None = None
+
+    @classmethod
+    def get(cls) -> subprocess.Popen:
+        if cls.process is None or cls.process.poll() is not None:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            cls.process = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "e2e" / "rank_server.py")],
+                                           cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=subprocess.DEVNULL, text=True)
+            atexit.register(cls.process.kill)
+        return cls.process
+
+    @classmethod
+    def reply(cls, timeout_s: float) -> dict | None:
+        """The server's next line, or None at the deadline."""
+        ready, _, _ = select.select([cls.process.stdout], [], [], max(timeout_s, 0.0))
+        if not ready:
+            return None
+        line = cls.process.stdout.readline()
+        if not line:
+            raise RuntimeError("tests/e2e/rank_server.py exited")
+        return json.loads(line)
+
+
+def launch_ranks(nproc: int, script: str, *args: str, timeout_s: float,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``run_with_deadline(torchrun(nproc, script, *args))`` without starting interpreters: the ranks
+    are forked from one process that imported Megatron (``rank_server.py``; not torchrun's agent).
+    Output: every rank's stdout and stderr, as torchrun passes them through; at the deadline the
+    job is killed and the test fails with its output's tail."""
+    server = _RankServer.get()
+    with tempfile.NamedTemporaryFile(prefix="ranks-", suffix=".log", delete=False) as file:
+        output = Path(file.name)
+    request = {"script": script, "args": list(args), "nproc": nproc, "output": str(output),
+               "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}}
+    server.stdin.write(json.dumps(request) + "\n")
+    server.stdin.flush()
+    deadline = time.monotonic() + timeout_s
+    started = _RankServer.reply(60.0)
+    assert started is not None and "pid" in started, started
+    done = _RankServer.reply(deadline - time.monotonic())
+    if done is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(started["pid"], signal.SIGKILL)
+        _RankServer.reply(60.0)
+        text = output.read_text(errors="replace")
+        output.unlink()
+        pytest.fail(f"{nproc} ranks of {script} {' '.join(args[:4])} ... did not finish in {timeout_s} s:\n{text[-4000:]}")
+    text = output.read_text(errors="replace")
+    output.unlink()
+    return subprocess.CompletedProcess([script, *args], done["returncode"], text, None)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .support import ROOT, DemoData, run_with_deadline, torchrun
+from .support import ROOT, DemoData, launch_ranks
 from .test_pretrain_gpt import QWEN3_TINY, RUN_TIMEOUT_S, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -100,8 +100,7 @@ def cp_args(data: DemoData, out: Path, optimizer: str, *extra: str) -> list[str]
 
 
 def run(data: DemoData, out: Path, nproc: int, optimizer: str, *extra: str) -> tuple[list[float], dict]:
-    result = run_with_deadline(torchrun(nproc, "pretrain_gpt.py", *cp_args(data, out, optimizer, *extra)),
-                               timeout_s=RUN_TIMEOUT_S)
+    result = launch_ranks(nproc, "pretrain_gpt.py", *cp_args(data, out, optimizer, *extra), timeout_s=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-6000:]
     losses = [m["lm_loss"] for m in read_metrics(out / "metrics.jsonl")]
     return losses, result.stdout

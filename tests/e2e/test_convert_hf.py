@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .support import ROOT, VOCAB_SIZE, DemoData, run_with_deadline, torchrun
+from .support import ROOT, VOCAB_SIZE, DemoData, launch_ranks, run_with_deadline
 
 # The shared sequence runs in the first test's setup: 1.5 minutes of CPU, minutes more on a busy machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -108,7 +108,7 @@ def train(data: DemoData, out: Path, model: str, load: Path, save: Path) -> str:
         *OPTIMIZER[model], "--canzona", "--use-distributed-optimizer",
         "--load", str(load), "--save", str(save), "--save-interval", "2",
     ]
-    result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    result = launch_ranks(2, "pretrain_gpt.py", *args, timeout_s=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-6000:]
     return result.stdout
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .support import ROOT, DemoData, run_with_deadline, torchrun
+from .support import ROOT, DemoData, launch_ranks, run_with_deadline, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def check_training(result: subprocess.CompletedProcess, metrics_path: Path, *, d
 def test_dp2_trains_logs_and_writes_metrics(demo_data: DemoData, tmp_path: Path) -> None:
     args = pretrain_args(demo_data, tmp_path, "--optimizer", "adam", "--use-distributed-optimizer",
                          "--overlap-grad-reduce", "--overlap-param-gather")
-    result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    result = launch_ranks(2, "pretrain_gpt.py", *args, timeout_s=RUN_TIMEOUT_S)
     check_training(result, tmp_path / "metrics.jsonl", dp_size=2, tp_size=1)
     # Ranks share one pipe, so a line may be cut by another rank's output: count and search
     # the whole output rather than lines.
@@ -88,7 +88,7 @@ def test_dp2_trains_logs_and_writes_metrics(demo_data: DemoData, tmp_path: Path)
 def test_tp2_trains(demo_data: DemoData, tmp_path: Path) -> None:
     args = pretrain_args(demo_data, tmp_path, "--optimizer", "adam", "--tensor-model-parallel-size", "2",
                          "--use-distributed-optimizer")
-    result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    result = launch_ranks(2, "pretrain_gpt.py", *args, timeout_s=RUN_TIMEOUT_S)
     check_training(result, tmp_path / "metrics.jsonl", dp_size=1, tp_size=2)
 
 
@@ -105,7 +105,7 @@ def test_canzona_dp2_trains(demo_data: DemoData, tmp_path: Path, run: str) -> No
     """pretrain_gpt.py --canzona for real: the α-balanced layout, the Canzona optimizer, DP 2."""
     args = pretrain_args(demo_data, tmp_path, *CANZONA_RUNS[run], "--canzona", "--use-distributed-optimizer",
                          "--canzona-alpha", "0.25")
-    result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    result = launch_ranks(2, "pretrain_gpt.py", *args, timeout_s=RUN_TIMEOUT_S)
     metrics = check_training(result, tmp_path / "metrics.jsonl", dp_size=2, tp_size=1)
     assert metrics[-1]["canzona"] and metrics[-1]["optimizer"] == CANZONA_RUNS[run][1]
     assert "number of skipped iterations:   0" in result.stdout
@@ -126,7 +126,7 @@ def test_canzona_tp2_dp2_trains(demo_data: DemoData, tmp_path: Path) -> None:
                          "--tensorboard-dir", str(tmp_path / "tb"), "--tensorboard-log-interval", "1",
                          "--wandb-project", "canzona-test", "--wandb-exp-name", "tp2-dp2",
                          "--wandb-save-dir", str(tmp_path / "wandb"))
-    result = run_with_deadline(torchrun(4, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S,
+    result = launch_ranks(4, "pretrain_gpt.py", *args, timeout_s=RUN_TIMEOUT_S,
                                env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     metrics = check_training(result, tmp_path / "metrics.jsonl", dp_size=2, tp_size=2)
     assert metrics[-1]["canzona"] and "number of skipped iterations:   0" in result.stdout
@@ -185,7 +185,7 @@ def test_canzona_buckets_smaller_than_a_matrix_split_it_across_shards(demo_data:
     args = pretrain_args(demo_data, tmp_path, "--optimizer", "muon", "--canzona", "--use-distributed-optimizer",
                          "--overlap-grad-reduce", "--ddp-bucket-size", "1000", "--canzona-alpha", "1.0",
                          "--canzona-layout", "lean")
-    result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    result = launch_ranks(2, "pretrain_gpt.py", *args, timeout_s=RUN_TIMEOUT_S)
     check_training(result, tmp_path / "metrics.jsonl", dp_size=2, tp_size=1)
     assert "number of skipped iterations:   0" in result.stdout
     plan = re.search(r"\[canzona\] plan: lean layout, (\d+) matrices .*?, (\d+) bucket\(s\), (\d+) split across DP shards",
@@ -203,7 +203,7 @@ def test_canzona_with_virtual_pipeline_stages(demo_data: DemoData, tmp_path: Pat
                          "--pipeline-model-parallel-size", "2", "--num-layers", "4",
                          "--num-layers-per-virtual-pipeline-stage", "1",
                          "--save", str(tmp_path / "ckpt"), "--save-interval", str(NUM_ITERS))
-    result = run_with_deadline(torchrun(2, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    result = launch_ranks(2, "pretrain_gpt.py", *args, timeout_s=RUN_TIMEOUT_S)
     check_training(result, tmp_path / "metrics.jsonl", dp_size=1, tp_size=1)
     plans = re.findall(r"\[canzona\] stage (\d) plan: \w+ layout, (\d+) matrices over DP 1 x TP 1, (\d+) bucket\(s\)",
                        result.stdout)
@@ -367,7 +367,7 @@ def test_an_fp16_run_that_skips_every_iteration_says_so(demo_data: DemoData, tmp
     trained nothing, ends with one error line and a non-zero exit instead of exit 0."""
     args = pretrain_args(demo_data, tmp_path, "--optimizer", "adam", "--fp16", "--train-iters", "8",
                          "--lr-warmup-iters", "2")
-    result = run_with_deadline(torchrun(1, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    result = launch_ranks(1, "pretrain_gpt.py", *args, timeout_s=RUN_TIMEOUT_S)
     assert result.returncode != 0, result.stdout[-4000:]
     assert "[canzona] warning: all 5 iteration(s) so far were skipped" in result.stdout, result.stdout[-4000:]
     errors = [line for line in result.stdout.splitlines() if "pretrain_gpt.py: error:" in line]
@@ -378,6 +378,6 @@ def test_a_split_without_documents_fails_instead_of_hanging(demo_data: DemoData,
     """38 documents and --split 949,50,1 leave the test split empty (Megatron's GPTDataset would spin)."""
     args = pretrain_args(demo_data, tmp_path, "--optimizer", "adam")
     args[args.index("--split") + 1] = "949,50,1"
-    result = run_with_deadline(torchrun(1, "pretrain_gpt.py", *args), timeout_s=RUN_TIMEOUT_S)
+    result = launch_ranks(1, "pretrain_gpt.py", *args, timeout_s=RUN_TIMEOUT_S)
     assert result.returncode != 0
     assert "--split 949,50,1 leaves the test split" in result.stdout

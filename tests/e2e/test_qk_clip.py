@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .support import DemoData, run_with_deadline, torchrun
+from .support import DemoData, launch_ranks
 from .test_context_parallel import parameters
 from .test_pretrain_gpt import QWEN3_TINY, RUN_TIMEOUT_S, read_metrics
 
@@ -74,8 +74,7 @@ def qk_args(data: DemoData, out: Path, *extra: str, optimizer: str = "muon") -> 
 
 def run(data: DemoData, out: Path, nproc: int, *extra: str, script: str = "pretrain_gpt.py",
         env: dict[str, str] | None = None, optimizer: str = "muon") -> tuple[list[float], list[float | None], str]:
-    result = run_with_deadline(torchrun(nproc, script, *qk_args(data, out, *extra, optimizer=optimizer)),
-                               timeout_s=RUN_TIMEOUT_S, env=env)
+    result = launch_ranks(nproc, script, *qk_args(data, out, *extra, optimizer=optimizer), timeout_s=RUN_TIMEOUT_S, env=env)
     assert result.returncode == 0, result.stdout[-6000:]
     metrics = read_metrics(out / "metrics.jsonl")
     return [m["lm_loss"] for m in metrics], [m.get("max_attention_logit") for m in metrics], result.stdout
@@ -190,7 +189,7 @@ def pp_reference(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) 
     for flag, value in (("--train-iters", "1"), ("--lr", "0"), ("--min-lr", "0"), ("--lr-warmup-iters", "0"),
                         ("--save-interval", "1")):
         flags[flags.index(flag) + 1] = value
-    result = run_with_deadline(torchrun(1, "pretrain_gpt.py", *flags), timeout_s=RUN_TIMEOUT_S)
+    result = launch_ranks(1, "pretrain_gpt.py", *flags, timeout_s=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-6000:]
     load = ["--load", str(start / "ckpt"), "--finetune", "--no-load-optim", "--no-load-rng"]
     where = tmp_path_factory.mktemp("pp_one")

@@ -1,6 +1,7 @@
-"""pretrain_gpt.py --optimizer muon --canzona stops and resumes: torchrun, 2 gloo ranks.
+"""pretrain_gpt.py --optimizer muon --canzona stops and resumes: 2 gloo ranks.
 
-One module-scoped sequence of runs (each rank pays ~8 s of imports, so runs are shared):
+The ranks are forked from one process that imported Megatron (``support.launch_ranks``; torchrun's
+agent is tested in test_failures.py). One module-scoped sequence of runs:
 
 1. **killed mid-save**: 8 iterations at DP 2 with ``--save-interval 4``; rank 1 is SIGKILLed
    (``CANZONA_CKPT_FAULT=write@8:1``, armed by ``pretrain_with_fault.py``, which runs
@@ -42,7 +43,7 @@ from typing import Any
 
 import pytest
 
-from .support import DemoData, run_with_deadline, torchrun
+from .support import DemoData, launch_ranks
 from .test_pretrain_gpt import QWEN3_TINY
 
 pytestmark = pytest.mark.slow
@@ -79,8 +80,7 @@ def metrics_of(out: Path) -> dict[int, dict]:
 
 def _train(data: DemoData, out: Path, *args: str, nproc: int = 2, **kwargs: Any) -> dict[int, dict]:
     """One ``pretrain_gpt.py`` run (:func:`resume_args` plus ``args``) that must succeed; its metrics."""
-    result = run_with_deadline(torchrun(nproc, "pretrain_gpt.py", *resume_args(data, out, *args, **kwargs)),
-                               timeout_s=RUN_TIMEOUT_S)
+    result = launch_ranks(nproc, "pretrain_gpt.py", *resume_args(data, out, *args, **kwargs), timeout_s=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-6000:]
     (out / "stdout.txt").write_text(result.stdout)
     return metrics_of(out)
@@ -106,9 +106,8 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = {"ckpt": ckpt, "copy": copy}
 
     killed = root / "killed"
-    out["killed"] = run_with_deadline(
-        torchrun(2, FAULTY_ENTRY, *resume_args(demo_data, killed, "--save", str(ckpt),
-                                               "--save-interval", str(SAVE_INTERVAL))),
+    out["killed"] = launch_ranks(
+        2, FAULTY_ENTRY, *resume_args(demo_data, killed, "--save", str(ckpt), "--save-interval", str(SAVE_INTERVAL)),
         timeout_s=RUN_TIMEOUT_S, env={"CANZONA_CKPT_FAULT": f"write@{ITERS}:1"})
     out["after_kill"] = sorted(p.name for p in ckpt.iterdir())
     out["tracker_after_kill"] = (ckpt / TRACKER).read_text()
@@ -123,7 +122,7 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     mismatched = [a if a != "176" else "192" for a in resume_args(demo_data, root / "bad", "--load", str(copy))]
     assert mismatched != resume_args(demo_data, root / "bad", "--load", str(copy)), "--ffn-hidden-size not found"
-    out["mismatch"] = run_with_deadline(torchrun(1, "pretrain_gpt.py", *mismatched), timeout_s=RUN_TIMEOUT_S)
+    out["mismatch"] = launch_ranks(1, "pretrain_gpt.py", *mismatched, timeout_s=RUN_TIMEOUT_S)
     return out
 
 
@@ -132,9 +131,8 @@ def async_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) ->
     root = tmp_path_factory.mktemp("async")
     ckpt = root / "ckpt"
     save = ("--save", str(ckpt), "--save-interval", str(SAVE_INTERVAL), "--async-save")
-    out = {"killed": run_with_deadline(
-        torchrun(2, FAULTY_ENTRY, *resume_args(demo_data, root / "killed", *save)),
-        timeout_s=RUN_TIMEOUT_S, env={"CANZONA_CKPT_FAULT": f"commit@{ITERS}"})}
+    out = {"killed": launch_ranks(2, FAULTY_ENTRY, *resume_args(demo_data, root / "killed", *save),
+                                  timeout_s=RUN_TIMEOUT_S, env={"CANZONA_CKPT_FAULT": f"commit@{ITERS}"})}
     out["after_kill"] = sorted(p.name for p in ckpt.iterdir())
     out["tracker_after_kill"] = (ckpt / TRACKER).read_text()
     out["reference"] = metrics_of(root / "killed")
@@ -248,9 +246,9 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     surfaces when the save is finalized), and iteration 2 stays tracked and intact."""
     ckpt = tmp_path / "ckpt"
     asynchronous = ("--async-save",) if mode == "async" else ()
-    result = run_with_deadline(
-        torchrun(2, FAULTY_ENTRY, *resume_args(demo_data, tmp_path, "--save", str(ckpt), "--save-interval", "2",
-                                               "--train-iters", "4", *asynchronous)),
+    result = launch_ranks(
+        2, FAULTY_ENTRY, *resume_args(demo_data, tmp_path, "--save", str(ckpt), "--save-interval", "2",
+                                      "--train-iters", "4", *asynchronous),
         timeout_s=RUN_TIMEOUT_S, env={"CANZONA_CKPT_FAULT": "full@4:1"})
     out = result.stdout + (result.stderr or "")
     assert result.returncode != 0, out[-6000:]

@@ -33,6 +33,13 @@ _DEAD_PEER_S = 5.0
 dead rank is the one reported (its death is the likely root cause). Waited only on that error path,
 and only until a dead peer shows: a failure with every peer alive costs the whole wait, once."""
 _STOP_GRACE_S = 5.0
+PRELOAD_ENV = "CANZONA_LAUNCH_PRELOAD"
+"""Comma-separated module names. When set, ranks are forked from one server process that imported
+these modules once (multiprocessing's ``forkserver``, kept for the life of the calling process)
+instead of each rank being a fresh interpreter that imports them again (``spawn``): a test session
+of many launches pays Megatron's import once, not once per rank and launch. The server starts at
+the first launch, before any rank initializes a process group, so every rank still starts from a
+process that has only imported modules."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +74,8 @@ def launch(
 
     ``fn`` runs after ``torch.distributed.init_process_group`` and before
     ``destroy_process_group``. It must be importable by name (a module-level function),
-    because ranks are started with the ``spawn`` method; its arguments must pickle and its
+    because ranks are started with the ``spawn`` method (or forked from a server process, see
+    :data:`PRELOAD_ENV`); its arguments must pickle and its
     return value must go through ``torch.save``. A script that calls :func:`launch` needs the
     ``if __name__ == "__main__":`` guard, since ``spawn`` re-imports the main module.
 
@@ -79,7 +87,7 @@ def launch(
     """
     if config.world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {config.world_size}.")
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     results: multiprocessing.Queue = context.Queue()
     port = _free_port(config.master_addr)
     processes = [
@@ -100,6 +108,16 @@ def launch(
         raise
     _stop(processes, grace_s=_STOP_GRACE_S)
     return by_rank
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """``spawn``; or ``forkserver`` preloading the modules :data:`PRELOAD_ENV` names."""
+    preload = [name.strip() for name in os.environ.get(PRELOAD_ENV, "").split(",") if name.strip()]
+    if not preload:
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(preload)  # no effect once this process's server runs
+    return context
 
 
 def _free_port(address: str) -> int:
