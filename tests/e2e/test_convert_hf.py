@@ -26,14 +26,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from .support import ROOT, VOCAB_SIZE, DemoData, launch_ranks, run_with_deadline
+from .support import ROOT, VOCAB_SIZE, DemoData, launch_ranks
 
 # The shared sequence runs in the first test's setup: 1.5 minutes of CPU, minutes more on a busy machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -81,7 +80,7 @@ def make_hf_model(out: Path, tied: bool) -> None:
 
 
 def convert(*args: str) -> subprocess.CompletedProcess:
-    return run_with_deadline([sys.executable, "tools/convert_hf.py", *args], timeout_s=CONVERT_TIMEOUT_S)
+    return launch_ranks(1, "tools/convert_hf.py", *args, timeout_s=CONVERT_TIMEOUT_S)
 
 
 def converted(*args: str) -> str:
@@ -160,8 +159,8 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     checkpoints = [str(out[model][kind]) for model in MODELS for kind in ("imported", "trained")]
     torch.save(out["tokens"], root / "tokens.pt")
-    result = run_with_deadline([sys.executable, "tests/e2e/megatron_logits.py", str(root / "tokens.pt"),
-                                str(root / "logits.pt"), *checkpoints], timeout_s=CONVERT_TIMEOUT_S)
+    result = launch_ranks(1, "tests/e2e/megatron_logits.py", str(root / "tokens.pt"), str(root / "logits.pt"),
+                          *checkpoints, timeout_s=CONVERT_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-4000:]
     out["megatron_logits"] = torch.load(root / "logits.pt")
     return out
