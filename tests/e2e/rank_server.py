@@ -11,7 +11,8 @@ ranks compute is what they compute under torchrun. Not torchrun's agent: no
 tests of those keep torchrun.
 
 Protocol, one JSON object per line. Request on stdin:
-``{"script": path, "args": [...], "nproc": N, "env": {...}, "output": path}``.
+``{"script": path, "args": [...], "nproc": N, "env": {...}, "output": path}``, and ``"errors": path``
+for stderr apart (else stderr goes to ``output`` too).
 Replies on stdout: ``{"pid": leader}`` once the job started (its process group is the leader's
 pid: kill it at a deadline), then ``{"returncode": rc}``: 0, or the first failing rank's code
 (a signal as a negative number), after the other ranks were stopped as torchrun stops them.
@@ -31,6 +32,16 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+PRELOAD = (
+    "megatron.core.tokenizers.text", "megatron.core.datasets.blended_megatron_dataset_builder",
+    "megatron.core.datasets.gpt_dataset", "megatron.core.datasets.helpers_cpp",
+    "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader", "torch._dynamo", "numpy.random",
+    "canzona_patches.integration.optimizer", "canzona_patches.integration.setup", "canzona_patches.integration.layout",
+    "canzona_patches.integration.profile", "canzona_patches.integration.megatron_fixes",
+    "canzona_patches.checkpoints.state", "megatron.canzona.planning.sim",
+)
+"""What a run imports after ``pretrain_gpt``'s own imports (its tokenizer's transformers, the data
+sets, the planner's simulator, ...: 1.5 s of a one-rank run's 3.2 s, measured), imported here once."""
 STOP_GRACE_S = 5.0
 """Between SIGTERM and SIGKILL for the ranks still running once one failed (torchrun waits too)."""
 
@@ -41,15 +52,16 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _rank(request: dict, rank: int, port: int, output_fd: int) -> int:
-    """In a rank's process: torchrun's variables, the output file, the script as ``__main__``."""
+def _rank(request: dict, rank: int, port: int, output_fd: int, errors_fd: int) -> int:
+    """In a rank's process: torchrun's variables (the request's ``env`` may override them: a rank
+    that stands for one of a larger job), the output files, the script as ``__main__``."""
     os.dup2(output_fd, 1)
-    os.dup2(output_fd, 2)
+    os.dup2(errors_fd, 2)
     nproc = request["nproc"]
-    os.environ.update(request.get("env", {}))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                       WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(request.get("env", {}))
     script = str(ROOT / request["script"])
     sys.argv = [script, *request["args"]]
     sys.path[0] = os.path.dirname(script)
@@ -73,13 +85,15 @@ def _rank(request: dict, rank: int, port: int, output_fd: int) -> int:
 
 def _leader(request: dict) -> int:
     """In the job's leader: fork the ranks, wait; on a failure stop the others; the job's code."""
-    output_fd = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+    output_fd = os.open(request["output"], flags)
+    errors_fd = os.open(request["errors"], flags) if request.get("errors") else output_fd
     port = _free_port()
     ranks = {}
     for rank in range(request["nproc"]):
         pid = os.fork()
         if pid == 0:
-            os._exit(_rank(request, rank, port, output_fd))
+            os._exit(_rank(request, rank, port, output_fd, errors_fd))
         ranks[pid] = rank
     code, deadline = 0, None
     while ranks:
@@ -107,9 +121,20 @@ def _leader(request: dict) -> int:
 def main() -> None:
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
+    import importlib
+
     import pretrain_gpt  # noqa: F401  (the import every rank shares)
 
-    for line in sys.stdin:
+    for name in PRELOAD:
+        importlib.import_module(name)
+    threads = len(os.listdir("/proc/self/task"))
+    assert threads == 1, f"the rank server runs {threads} threads after its imports: forking it is unsafe"
+
+    stdin = os.dup(0)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the ranks read nothing; requests come on the copy
+    requests = os.fdopen(stdin)
+
+    for line in requests:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:

@@ -67,57 +67,87 @@ def torchrun(nproc: int, script: str, *args: str) -> list[str]:
             str(nproc), script, *args]
 
 
+IMPORT_TIME_ENV = ("HF_", "TRANSFORMERS_", "MKL_", "ATEN_", "TORCH_", "PYTORCH_", "CUDA_", "NCCL_")
+"""Prefixes of variables that modules read when imported: a launch whose ``env`` sets one gets a
+rank server started with it (the ranks of the shared one imported with the test session's)."""
+
+
 class _RankServer:
-    """The session's ``rank_server.py`` process, started at first use, stopped at exit."""
+    """``rank_server.py`` processes, one per set of import-time variables, started at first use and
+    stopped at exit."""
 
-    process: subprocess.Popen | None = None
-
-    @classmethod
-    def get(cls) -> subprocess.Popen:
-        if cls.process is None or cls.process.poll() is not None:
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-            cls.process = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "e2e" / "rank_server.py")],
-                                           cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                           stderr=subprocess.DEVNULL, text=True)
-            atexit.register(cls.process.kill)
-        return cls.process
+    processes: dict[tuple, subprocess.Popen] = {}
 
     @classmethod
-    def reply(cls, timeout_s: float) -> dict | None:
+    def get(cls, env: dict[str, str]) -> subprocess.Popen:
+        key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)))
+        process = cls.processes.get(key)
+        if process is None or process.poll() is not None:
+            full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **dict(key)}
+            process = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "e2e" / "rank_server.py")],
+                                       cwd=ROOT, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=subprocess.DEVNULL, text=True)
+            atexit.register(process.kill)
+            cls.processes[key] = process
+        return process
+
+    @staticmethod
+    def reply(process: subprocess.Popen, timeout_s: float) -> dict | None:
         """The server's next line, or None at the deadline."""
-        ready, _, _ = select.select([cls.process.stdout], [], [], max(timeout_s, 0.0))
+        ready, _, _ = select.select([process.stdout], [], [], max(timeout_s, 0.0))
         if not ready:
             return None
-        line = cls.process.stdout.readline()
+        line = process.stdout.readline()
         if not line:
             raise RuntimeError("tests/e2e/rank_server.py exited")
         return json.loads(line)
 
 
-def launch_ranks(nproc: int, script: str, *args: str, timeout_s: float,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def launch_ranks(nproc: int, script: str, *args: str, timeout_s: float, env: dict[str, str] | None = None,
+                 separate_stderr: bool = False) -> subprocess.CompletedProcess:
     """``run_with_deadline(torchrun(nproc, script, *args))`` without starting interpreters: the ranks
     are forked from one process that imported Megatron (``rank_server.py``; not torchrun's agent).
-    Output: every rank's stdout and stderr, as torchrun passes them through; at the deadline the
-    job is killed and the test fails with its output's tail."""
-    server = _RankServer.get()
-    with tempfile.NamedTemporaryFile(prefix="ranks-", suffix=".log", delete=False) as file:
-        output = Path(file.name)
-    request = {"script": script, "args": list(args), "nproc": nproc, "output": str(output),
+    Output: every rank's stdout and stderr, as torchrun passes them through (``separate_stderr``:
+    stderr apart); at the deadline the job is killed and the test fails with its output's tail."""
+    server = _RankServer.get(env or {})
+    paths = []
+    for kind in ("output", "errors")[:1 + separate_stderr]:
+        with tempfile.NamedTemporaryFile(prefix=f"ranks-{kind}-", suffix=".log", delete=False) as file:
+            paths.append(Path(file.name))
+    request = {"script": script, "args": list(args), "nproc": nproc, "output": str(paths[0]),
+               "errors": str(paths[-1]) if separate_stderr else None,
                "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}}
     server.stdin.write(json.dumps(request) + "\n")
     server.stdin.flush()
     deadline = time.monotonic() + timeout_s
-    started = _RankServer.reply(60.0)
+    started = _RankServer.reply(server, 60.0)
     assert started is not None and "pid" in started, started
-    done = _RankServer.reply(deadline - time.monotonic())
+    done = _RankServer.reply(server, deadline - time.monotonic())
     if done is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(started["pid"], signal.SIGKILL)
-        _RankServer.reply(60.0)
-        text = output.read_text(errors="replace")
-        output.unlink()
-        pytest.fail(f"{nproc} ranks of {script} {' '.join(args[:4])} ... did not finish in {timeout_s} s:\n{text[-4000:]}")
-    text = output.read_text(errors="replace")
-    output.unlink()
-    return subprocess.CompletedProcess([script, *args], done["returncode"], text, None)
+        _RankServer.reply(server, 60.0)
+    texts = [path.read_text(errors="replace") for path in paths]
+    for path in paths:
+        path.unlink()
+    if done is None:
+        pytest.fail(f"{nproc} ranks of {script} {' '.join(args[:4])} ... did not finish in {timeout_s} s:\n"
+                    f"{texts[-1][-4000:]}")
+    return subprocess.CompletedProcess([script, *args], done["returncode"], texts[0],
+                                       texts[1] if separate_stderr else None)
+
+
+def run_cases(cases: dict[str, list[str] | dict], *, timeout_s: float,
+              env: dict[str, str] | None = None) -> dict[str, dict]:
+    """``pretrain_gpt.py`` as one rank for each case (a flag list, or ``{"flags": [...], "env": {...}}``:
+    a rank that sees that environment, e.g. the world size of a job the case stands for), one after
+    another through :func:`launch_ranks`. Per case: ``returncode``, ``stdout``, ``stderr`` and
+    ``output`` (stdout, then stderr)."""
+    results = {}
+    for name, case in cases.items():
+        case = case if isinstance(case, dict) else {"flags": case}
+        done = launch_ranks(1, "pretrain_gpt.py", *case["flags"], timeout_s=timeout_s,
+                            env={**(env or {}), **case.get("env", {})}, separate_stderr=True)
+        results[name] = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr,
+                         "output": done.stdout + done.stderr}
+    return results

@@ -62,6 +62,8 @@ MATRIX_FLAGS = {
 ``canzona_config``): fp64 roots and eigenbases, an eps that dominates rounding, SOAP rotating only
 sides <= 64. With the defaults (fp32 roots, eps 1e-12) the 6-step runs lose every digit to the
 reorderings: SOAP's matrices end up to 137 lr apart at CP 2 x DP 2, Shampoo's 1.6 lr."""
+NORMUON = ("adaptive_muon", "--adaptive-muon-moment2-method", "normuon")
+"""NorMuon: its host keeps a second moment per row or column of each whole matrix beside the momentum."""
 MATRICES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 """Checkpoint keys of the matrix optimizer's parameters (the rest is AdamW's)."""
 CP_DP = ["--context-parallel-size", "2"]
@@ -94,7 +96,7 @@ def cp_args(data: DemoData, out: Path, optimizer: str, *extra: str) -> list[str]
         "--data-path", data.data_prefix, "--split", "80,10,10", "--data-cache-path", str(out / "cache"),
         "--num-workers", "0", "--canzona-metrics-file", str(out / "metrics.jsonl"),
         "--optimizer", optimizer, "--canzona", "--use-distributed-optimizer", "--muon-fp32-matmul-prec", "high",
-        "--use-cpu-initialization", *MATRIX_FLAGS[optimizer],
+        "--use-cpu-initialization", *MATRIX_FLAGS.get(optimizer, ()),
         "--save", str(out / "ckpt"), "--save-interval", str(ITERS), *extra,
     ]
 
@@ -140,7 +142,7 @@ def references(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) ->
     class OneProcess(dict):
         def __missing__(self, optimizer: str) -> tuple[list[float], dict]:
             where = tmp_path_factory.mktemp(f"one_{optimizer}")
-            losses, _ = run(demo_data, where, 1, optimizer)
+            losses, _ = run(demo_data, where, 1, *(NORMUON if optimizer == "normuon" else (optimizer,)))
             self[optimizer] = (losses, parameters(where / "ckpt"))
             return self[optimizer]
 
@@ -207,21 +209,27 @@ def test_moe_at_cp2_ep2_matches_the_same_experts_without_cp(demo_data: DemoData,
         assert top <= bound, f"{key} differs by up to {top:.3g} (allowed {bound:.3g})"
 
 
-@pytest.mark.parametrize(("saved", "resumed"), [(CP_DP[:2], []), ([], CP_DP[:2])], ids=["cp2_to_cp1", "cp1_to_cp2"])
-def test_resume_across_cp_sizes(saved: list[str], resumed: list[str], demo_data: DemoData, tmp_path: Path,
-                                references) -> None:
-    """Muon on 2 ranks, saved after iteration 3 at one CP size (CP 2 or DP 2) and resumed at the
-    other to iteration 6: the resumed losses and the final parameters match one process's
-    uninterrupted run within the CP bounds (the checkpoint reshards over DP x CP as over DP)."""
-    first, _ = run(demo_data, tmp_path / "first", 2, "muon", "--canzona-layout", "whole", "--save-interval", "3",
+RESUMES = {"cp2_to_cp1": ("muon", CP_DP[:2], []), "cp1_to_cp2": ("muon", [], CP_DP[:2]),
+           "cp2_to_cp1_normuon": ("normuon", CP_DP[:2], [])}
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_resume_across_cp_sizes(name: str, demo_data: DemoData, tmp_path: Path, references) -> None:
+    """Muon (and NorMuon, whose second moment reshards too) on 2 ranks, saved after iteration 3
+    at one CP size (CP 2 or DP 2) and resumed at the other to iteration 6: the resumed losses and
+    the final parameters match one process's uninterrupted run within Muon's CP bounds (the
+    checkpoint reshards over DP x CP as over DP)."""
+    optimizer, saved, resumed = RESUMES[name]
+    flags = NORMUON if optimizer == "normuon" else (optimizer,)
+    first, _ = run(demo_data, tmp_path / "first", 2, *flags, "--canzona-layout", "whole", "--save-interval", "3",
                    *saved)
-    second, stdout = run(demo_data, tmp_path / "second", 2, "muon", "--canzona-layout", "whole",
+    second, stdout = run(demo_data, tmp_path / "second", 2, *flags, "--canzona-layout", "whole",
                          "--load", str(tmp_path / "first" / "ckpt"), "--ckpt-step", "3", *resumed)
     assert "loading" in stdout.lower() and len(first) == ITERS and len(second) == ITERS - 3, stdout[-4000:]
-    ref_losses, ref_params = references["muon"]
+    ref_losses, ref_params = references[optimizer]
     torch.testing.assert_close(torch.tensor(second), torch.tensor(ref_losses[3:]), rtol=LOSS_RTOL["muon"], atol=0)
     diffs = differences(parameters(tmp_path / "second" / "ckpt"), ref_params)
-    report(f"resume {'cp2 -> cp1' if saved else 'cp1 -> cp2'}", second, ref_losses[3:], diffs)
+    report(f"resume {name}", second, ref_losses[3:], diffs)
     for key, (top, _) in diffs.items():
         bound = MATRIX_ATOL["muon"] if key.endswith(MATRICES) else ELEMENTWISE_ATOL["muon"]
         assert top <= bound, f"{key} differs by up to {top:.3g} (allowed {bound:.3g})"

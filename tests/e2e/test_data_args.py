@@ -1,7 +1,7 @@
 """pretrain_gpt.py takes its data and tokenizer flags as Megatron's pretrain_gpt.py does: real runs.
 
 Tiny one-rank runs, forked from one process after one import
-(``tests/e2e/forked_pretrain.py``), each a data form with a tokenizer type:
+(``support.run_cases``), each a data form with a tokenizer type:
 
 * ``--data-path 0.3 A 0.7 B`` with ``--tokenizer-type HuggingFaceTokenizer`` (a local directory);
 * ``--train-data-path A --valid-data-path B`` with ``GPT2BPETokenizer`` (``--vocab-file``,
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import pytest
 
 from megatron.canzona.data import book_paragraphs, group_paragraphs
 
-from .support import ROOT, DemoData, run_with_deadline
+from .support import ROOT, DemoData, run_cases
 from .test_pretrain_gpt import QWEN3_TINY
 
 pytestmark = pytest.mark.slow
@@ -133,10 +132,7 @@ def test_each_data_form_and_tokenizer_type_trains(bpe: BpeData, demo_data: DemoD
     }
     flags = {name: run_flags(tmp_path / name, *case) for name, case in cases.items()}
     env = {"HF_HOME": str(bpe.hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    result = run_with_deadline([sys.executable, "tests/e2e/forked_pretrain.py", json.dumps(flags)],
-                               timeout_s=RUN_TIMEOUT_S, env=env)
-    assert result.returncode == 0, result.stdout[-4000:]
-    runs = json.loads(result.stdout.strip().splitlines()[-1])
+    runs = run_cases(flags, timeout_s=RUN_TIMEOUT_S, env=env)
     missing = runs.pop("missing_prefix")
     assert missing["returncode"] == 2, missing["output"][-4000:]
     assert missing["output"].rstrip().splitlines()[-1] == (

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .support import ROOT, DemoData, launch_ranks, run_with_deadline, torchrun
+from .support import ROOT, DemoData, launch_ranks, run_cases, run_with_deadline, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -291,10 +291,7 @@ case trips one), which pretrain_gpt.py answers in one line naming the flags and 
 def test_megatrons_own_checks_fail_in_one_line() -> None:
     cases = {name: {"flags": [*MEGATRON_BASE, *flags], "env": {"WORLD_SIZE": str(world)}}
              for name, (flags, world, _) in MEGATRON_CHECKS.items()}
-    forked = run_with_deadline([sys.executable, "tests/e2e/forked_pretrain.py", json.dumps(cases)],
-                               timeout_s=RUN_TIMEOUT_S)
-    assert forked.returncode == 0, forked.stdout[-4000:]
-    results = json.loads(forked.stdout.strip().splitlines()[-1])
+    results = run_cases(cases, timeout_s=RUN_TIMEOUT_S)
     for name, (_, _, expected) in MEGATRON_CHECKS.items():
         result = results[name]
         assert result["returncode"] == 2, f"{name}: exit {result['returncode']}\n{result['stderr'][-3000:]}"
@@ -326,22 +323,19 @@ def check_one_line_error(name: str, returncode: int, stderr: str) -> None:
 
 
 def test_bad_flags_fail_with_one_line_naming_the_fix() -> None:
-    """Every case through pretrain_gpt.main() (tests/e2e/forked_pretrain.py forks one child per
-    case after one import), and one case as a plain command line beside it."""
+    """Every case through pretrain_gpt.py as one rank forked after one import (support.run_cases),
+    and one case as a plain command line beside it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cli = subprocess.Popen([sys.executable, "pretrain_gpt.py", *BAD_INPUTS["adam"][0]], cwd=ROOT, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cases = {name: flags for name, (flags, _) in BAD_INPUTS.items()}
-    forked = run_with_deadline([sys.executable, "tests/e2e/forked_pretrain.py", json.dumps(cases)],
-                               timeout_s=RUN_TIMEOUT_S)
+    results = run_cases(cases, timeout_s=RUN_TIMEOUT_S)
     try:
         _, cli_stderr = cli.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         cli.kill()
         pytest.fail(f"pretrain_gpt.py gave no answer in {RUN_TIMEOUT_S} s")
     check_one_line_error("adam", cli.returncode, cli_stderr)
-    assert forked.returncode == 0, forked.stdout[-4000:]
-    results = json.loads(forked.stdout.strip().splitlines()[-1])
     assert set(results) == set(BAD_INPUTS)
     for name, result in results.items():
         check_one_line_error(name, result["returncode"], result["stderr"])

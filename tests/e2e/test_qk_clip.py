@@ -30,13 +30,11 @@ import pytest
 import torch
 
 from .support import DemoData, launch_ranks
-from .test_context_parallel import parameters
-from .test_pretrain_gpt import QWEN3_TINY, RUN_TIMEOUT_S, read_metrics
+from .test_context_parallel import ITERS, LR, cp_args, parameters
+from .test_pretrain_gpt import RUN_TIMEOUT_S, read_metrics
 
 pytestmark = pytest.mark.slow
 
-ITERS = 6
-LR = 3e-3
 TAU = 0.1
 ALPHA = 0.5
 CLIP = ["--qk-clip", "--qk-clip-threshold", str(TAU), "--qk-clip-alpha", str(ALPHA)]
@@ -54,27 +52,17 @@ TRACED = str(Path(__file__).with_name("qk_clip_traced.py"))
 
 
 def qk_args(data: DemoData, out: Path, *extra: str, optimizer: str = "muon") -> list[str]:
-    """6 iterations of the tiny Qwen3 without its QK norm at global batch 8 (micro batch 2), no
-    dropout, a loss and a logit every iteration, a checkpoint at the end."""
-    architecture = list(QWEN3_TINY)
-    architecture.remove("--qk-layernorm")
-    return [
-        *architecture, "--attention-dropout", "0", "--hidden-dropout", "0",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
-        "--lr", str(LR), "--min-lr", str(LR / 10), "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
-        "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1", "--eval-interval", str(ITERS),
-        "--eval-iters", "0",
-        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(data.tokenizer_model),
-        "--data-path", data.data_prefix, "--split", "80,10,10", "--data-cache-path", str(out / "cache"),
-        "--num-workers", "0", "--canzona-metrics-file", str(out / "metrics.jsonl"),
-        "--optimizer", optimizer, "--canzona", "--use-distributed-optimizer", "--muon-fp32-matmul-prec", "high",
-        "--use-cpu-initialization", "--save", str(out / "ckpt"), "--save-interval", str(ITERS), *extra,
-    ]
+    """test_context_parallel.py's 6 iterations (global batch 8, no dropout, a loss every iteration,
+    a checkpoint at the end) of the tiny Qwen3 without its QK norm, which would undo the clip."""
+    flags = cp_args(data, out, optimizer, *extra)
+    flags.remove("--qk-layernorm")
+    return flags
 
 
 def run(data: DemoData, out: Path, nproc: int, *extra: str, script: str = "pretrain_gpt.py",
         env: dict[str, str] | None = None, optimizer: str = "muon") -> tuple[list[float], list[float | None], str]:
-    result = launch_ranks(nproc, script, *qk_args(data, out, *extra, optimizer=optimizer), timeout_s=RUN_TIMEOUT_S, env=env)
+    result = launch_ranks(nproc, script, *qk_args(data, out, *extra, optimizer=optimizer), timeout_s=RUN_TIMEOUT_S,
+                          env=env)
     assert result.returncode == 0, result.stdout[-6000:]
     metrics = read_metrics(out / "metrics.jsonl")
     return [m["lm_loss"] for m in metrics], [m.get("max_attention_logit") for m in metrics], result.stdout

@@ -14,7 +14,9 @@ Q, K and V optimized apart and the clip acting:
   acts, at TP 2 x DP 2;
 * a checkpoint saved at DP 2 resumes bitwise at DP 2 and, at DP 4, within the reshard tolerance
   of ``test_checkpoint.py`` (NorMuon) or ten times it (AdaMuon, :data:`RESHARD_ATOL`); at TP 2 x DP 2
-  within the TP bound above (:data:`ATOL`).
+  within the TP bound above (:data:`ATOL`);
+* a checkpoint saved at EP 2 x DP 2 (each expert matrix's moments with its host) resumes on one
+  process (EP 1) within the EP bound above.
 
 Three launches (2, 4, then 1 rank).
 """
@@ -76,11 +78,14 @@ def results(tmp_path_factory) -> dict[tuple, list[dict]]:
                 ((m, "resumed_dp2"), ResumeJob(run=saved, load_dir=str(root / m)))]
         early = _run(m, tp_size=2, clip_grad=3.0, nan_grad_at_step=1, big_grad_at_step=STEPS - 1, return_state=True,
                      overlap_grad_reduce=True, bucket_size=10_000)
-        four += [((m, "tp2_dp2"), _run(m, tp_size=2)), ((m, "ep2_dp2"), _run(m, num_experts=4, ep_size=2)),
+        moe = _run(m, num_experts=4, ep_size=2)
+        four += [((m, "tp2_dp2"), _run(m, tp_size=2)), ((m, "ep2_dp2"), moe),
+                 ((m, "ep_saved"), ResumeJob(run=moe, save_dir=str(root / f"{m}_ep"), save_after=(HALF,))),
                  ((m, "early"), replace(early, early_compute=True, early_gather_at_dispatch=True)), ((m, "step"), early),
                  ((m, "resumed_dp4"), ResumeJob(run=saved, load_dir=str(root / m))),
                  ((m, "resumed_tp2"), ResumeJob(run=replace(saved, tp_size=2), load_dir=str(root / m)))]
-        one += [((m, "single"), _run(m)), ((m, "single_moe"), _run(m, num_experts=4))]
+        one += [((m, "single"), _run(m)), ((m, "single_moe"), _run(m, num_experts=4)),
+                ((m, "resumed_ep1"), ResumeJob(run=replace(moe, ep_size=1), load_dir=str(root / f"{m}_ep")))]
     out = {}
     for world, cases in ((2, two), (4, four), (1, one)):
         per_rank = launch(moe_jobs, LaunchConfig(world_size=world, timeout_s=LAUNCH_TIMEOUT_S), [j for _, j in cases])
@@ -145,3 +150,17 @@ def test_a_checkpoint_resumes_across_dp_sizes(results, method: str) -> None:
         assert result["losses"] == pytest.approx(straight["losses"][HALF:], rel=1e-4)
         _close(result["params"], straight["params"], ATOL[method], f"{method} DP 2 -> TP 2 x DP 2 rank {rank}",
                ELEMENTWISE_ATOL)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("method", METHODS)
+def test_a_checkpoint_resumes_across_ep_sizes(results, method: str) -> None:
+    """Saved at EP 2 x DP 2 after step 2, resumed at EP 1 on one rank (every expert's momentum and
+    second moment from the two EP hosts' shards): the straight EP 2 run's last losses and weights."""
+    straight = results[(method, "ep2_dp2")]
+    for result in results[(method, "ep_saved")]:  # saving changes nothing
+        assert result["losses"] == straight[0]["losses"]
+    (resumed,) = results[(method, "resumed_ep1")]
+    assert resumed["start"] == HALF
+    assert resumed["losses"] == pytest.approx(straight[0]["losses"][HALF:], rel=1e-4)
+    _close(resumed["params"], _union(straight), ATOL[method], f"{method} EP 2 x DP 2 -> EP 1", ELEMENTWISE_ATOL)
