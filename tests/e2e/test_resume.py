@@ -27,6 +27,8 @@ Megatron's own AdamW in the legacy ``--ckpt-format torch`` (a fourth sequence): 
 iteration 4 of 8 at DP 2, resumed with its moments (canzona_patches/integration/megatron_fixes.py makes
 that load work with torch's optimizers) and, as a control, with ``--no-load-optim``.
 
+NorMuon (``--optimizer adaptive_muon``) the same way at PP 2 (a fifth sequence, without early compute).
+
 Dropout is off, as in the Qwen3 recipes: on CPU the data loader draws from the same
 generator as dropout after a resume (on GPU dropout uses the CUDA generator), so CPU
 resumes with dropout are not bitwise.
@@ -155,6 +157,15 @@ def pp_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> di
     clip = ("--clip-grad", "0.7")
     pp2 = ("--pipeline-model-parallel-size", "2", "--canzona-early-compute", "--overlap-grad-reduce", *clip)
     return _save_then_resume(demo_data, tmp_path_factory.mktemp("pp"), pp2, {"pp2": pp2, "dp2": clip})
+
+
+@pytest.fixture(scope="module")
+def pp_normuon_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """NorMuon (its second moment beside the momentum, per stage) saved at PP 2, resumed at PP 2 and PP 1 x DP 2."""
+    pp2 = ("--pipeline-model-parallel-size", "2", "--overlap-grad-reduce")
+    normuon = ("adaptive_muon", "--adaptive-muon-moment2-method", "normuon", "--canzona")
+    return _save_then_resume(demo_data, tmp_path_factory.mktemp("pp_normuon"), pp2, {"pp2": pp2, "dp2": ()},
+                             optimizer=normuon)
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +314,11 @@ def test_a_checkpoint_saved_right_after_a_recomputed_early_step_resumes_exactly(
 def test_resume_at_dp2_from_a_pp2_checkpoint(pp_runs):
     """The two stages' state merged into one model: losses and grad norms within 1e-5 (relative)."""
     _assert_repeats_closely(pp_runs["dp2"], pp_runs["reference"], dp_size=2)
+
+
+def test_normuon_resumes_at_pp2_exactly_and_at_dp2_closely_from_a_pp2_checkpoint(pp_normuon_runs):
+    _assert_repeats_exactly(pp_normuon_runs["pp2"], pp_normuon_runs["reference"])
+    _assert_repeats_closely(pp_normuon_runs["dp2"], pp_normuon_runs["reference"], dp_size=2)
 
 
 def test_megatron_adamw_resumes_exactly_from_the_legacy_format(legacy_runs):
