@@ -187,6 +187,7 @@ def _error_jobs(root: Path) -> list[ResumeJob]:
 
 
 @multirank
+@pytest.mark.quick  # the quick suite's checkpoints: this module's one launch per world size, resumed
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_resume_at_the_same_layout_is_bitwise(results, optimizer):
     (straight, *_), resumed = results[("straight", optimizer)], results[("resumed", optimizer, 2)]
@@ -209,6 +210,7 @@ def test_a_resume_reads_into_the_live_optimizer_state(results, optimizer):
 
 
 @multirank
+@pytest.mark.quick
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("dp", [1, 4])
 def test_resume_at_another_dp_size(results, optimizer, dp):
@@ -378,6 +380,7 @@ commit_checkpoint(sys.argv[1], 4)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.quick
 @pytest.mark.parametrize("phase", ["commit", "tracker"])
 def test_a_commit_killed_at_any_point_keeps_the_previous_checkpoint_tracked(tmp_path, phase):
     """Iteration 3 is committed; iteration 4 is fully written in staging when the rank dies."""

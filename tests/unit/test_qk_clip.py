@@ -17,6 +17,8 @@ from canzona_patches.integration.qk_clip import check_qk_clip_args, qk_clip_line
 from megatron.canzona.optim.qk_clip import QKClipConfig, QKVRows, clip_qkv_, group_eta, row_scales, scale_rows_
 from megatron.core.transformer.attention import SelfAttention
 
+pytestmark = pytest.mark.quick
+
 # Qwen3-32B's attention on one of TP 8's ranks: 8 heads in 1 query group, head dim 128, is too big
 # for a unit test; the same structure, smaller: 3 groups of 2 heads of dim 4, hidden 8.
 ROWS = QKVRows(groups=3, heads_per_group=2, head_dim=4)
