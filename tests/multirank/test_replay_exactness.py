@@ -34,7 +34,9 @@ pytestmark = [*CPU_RANKS, pytest.mark.quick]
 
 LR = 2e-3
 STEPS = 4
-OPTIMIZERS = ("shampoo", "soap")
+OPTIMIZERS = ("shampoo", "soap", "adamuon", "normuon")
+REPLAY_SPLITS = SPLITS | {"adamuon": dict(split_qkv=True, split_gate_up=False),
+                          "normuon": dict(split_qkv=True, split_gate_up=True)}
 CASES = {
     "dp4_lean_split": dict(tp_size=1, canzona_layout="lean", bucket_size=20_000, alpha=1.0),
     "dp4_whole": dict(tp_size=1, canzona_layout="whole", bucket_size=10_000, overlap_grad_reduce=True),
@@ -42,7 +44,7 @@ CASES = {
 }
 """Case -> the TinyRun fields that make it (4 ranks each, one launch for all)."""
 MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
-MAX_ULPS = {"shampoo": 1, "soap": 16}
+MAX_ULPS = {"shampoo": 1, "soap": 16, "adamuon": 1, "normuon": 1}
 """Largest difference allowed per optimizer, in units in the last place of the largest element of
 the one-device matrix (``ulps``). Measured (`pytest -s` prints it), the same in every case and
 layout, under this machine's default code paths (AVX-512, MKL), MKL_CBWR=COMPATIBLE,
@@ -55,7 +57,7 @@ LAUNCH_TIMEOUT_S = 300.0
 
 def _run(optimizer: str, case: str) -> TinyRun:
     return TinyRun(lr=LR, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1,
-                   global_batch=8, early_gather=False, replay_grads=True, **SPLITS[optimizer], **CASES[case])
+                   global_batch=8, early_gather=False, replay_grads=True, **REPLAY_SPLITS[optimizer], **CASES[case])
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def one_device(run: TinyRun, initial: dict[str, torch.Tensor]) -> dict[str, torc
                     head_dim=HIDDEN // NUM_HEADS) if run.split_qkv else None
     groups = build_param_groups(params.items(), qkv_layout=qkv,
                                 gate_up_layout=GateUpLayout() if run.split_gate_up else None)
-    optimizer = MATRIX_OPTIMIZERS[run.optimizer](groups, lr=run.lr, weight_decay=run.weight_decay,
+    optimizer = MATRIX_OPTIMIZERS.get(run.optimizer, MATRIX_OPTIMIZERS["adaptive_muon"])(groups, lr=run.lr, weight_decay=run.weight_decay,
                                                  config=canzona_config(run).matrix)
     for step in range(run.num_steps):
         for name, param in params.items():
