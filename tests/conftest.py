@@ -41,8 +41,9 @@ def _bound_shares(request, monkeypatch):
                 and atol is not None:
             diff = (actual.double() - expected.double()).abs()
             bound = atol + (rtol or 0.0) * expected.double().abs()
-            share = float(torch.where(bound > 0, diff / bound.clamp_min(1e-300), diff * float("inf")).nan_to_num(0.0).max()) \
-                if diff.numel() else 0.0
+            # where the bound is 0 a difference would have raised: 0 * inf -> NaN -> a share of 0
+            shares = torch.where(bound > 0, diff / bound.clamp_min(1e-300), diff * float("inf")).nan_to_num(0.0)
+            share = float(shares.max()) if diff.numel() else 0.0
             seen["share"] = max(seen["share"], share)
             seen["checks"] += 1
 

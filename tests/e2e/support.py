@@ -132,7 +132,7 @@ def launch_ranks(nproc: int, script: str, *args: str, timeout_s: float, env: dic
         path.unlink()
     if done is None:
         pytest.fail(f"{nproc} ranks of {script} {' '.join(args[:4])} ... did not finish in {timeout_s} s:\n"
-                    f"{texts[-1][-4000:]}")
+                    f"{''.join(texts)[-4000:]}")
     return subprocess.CompletedProcess([script, *args], done["returncode"], texts[0],
                                        texts[1] if separate_stderr else None)
 

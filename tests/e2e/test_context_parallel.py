@@ -62,8 +62,9 @@ MATRIX_FLAGS = {
 ``canzona_config``): fp64 roots and eigenbases, an eps that dominates rounding, SOAP rotating only
 sides <= 64. With the defaults (fp32 roots, eps 1e-12) the 6-step runs lose every digit to the
 reorderings: SOAP's matrices end up to 137 lr apart at CP 2 x DP 2, Shampoo's 1.6 lr."""
-NORMUON = ("adaptive_muon", "--adaptive-muon-moment2-method", "normuon")
-"""NorMuon: its host keeps a second moment per row or column of each whole matrix beside the momentum."""
+OPTIMIZER_FLAGS = {"normuon": ("adaptive_muon", "--adaptive-muon-moment2-method", "normuon")}
+"""Names that stand for more than --optimizer: NorMuon keeps a second moment per row or column of
+each whole matrix beside the momentum."""
 MATRICES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 """Checkpoint keys of the matrix optimizer's parameters (the rest is AdamW's)."""
 CP_DP = ["--context-parallel-size", "2"]
@@ -142,7 +143,7 @@ def references(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) ->
     class OneProcess(dict):
         def __missing__(self, optimizer: str) -> tuple[list[float], dict]:
             where = tmp_path_factory.mktemp(f"one_{optimizer}")
-            losses, _ = run(demo_data, where, 1, *(NORMUON if optimizer == "normuon" else (optimizer,)))
+            losses, _ = run(demo_data, where, 1, *OPTIMIZER_FLAGS.get(optimizer, (optimizer,)))
             self[optimizer] = (losses, parameters(where / "ckpt"))
             return self[optimizer]
 
@@ -220,7 +221,7 @@ def test_resume_across_cp_sizes(name: str, demo_data: DemoData, tmp_path: Path, 
     the final parameters match one process's uninterrupted run within Muon's CP bounds (the
     checkpoint reshards over DP x CP as over DP)."""
     optimizer, saved, resumed = RESUMES[name]
-    flags = NORMUON if optimizer == "normuon" else (optimizer,)
+    flags = OPTIMIZER_FLAGS.get(optimizer, (optimizer,))
     first, _ = run(demo_data, tmp_path / "first", 2, *flags, "--canzona-layout", "whole", "--save-interval", "3",
                    *saved)
     second, stdout = run(demo_data, tmp_path / "second", 2, *flags, "--canzona-layout", "whole",
