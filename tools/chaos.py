@@ -359,7 +359,7 @@ def compare(reference: Path, chaos: Path, tally: Tally) -> None:
     optimizer state, compared here, do not depend on with dropout off."""
     import torch
 
-    left, right = _tensors(reference), _tensors(chaos)
+    left, right = checkpoint_tensors(reference), checkpoint_tensors(chaos)
     if left.keys() != right.keys():
         tally.mismatches.append(f"keys differ: {sorted(left.keys() ^ right.keys())[:5]}")
     for key in sorted(left.keys() & right.keys()):
@@ -373,7 +373,7 @@ def compare(reference: Path, chaos: Path, tally: Tally) -> None:
             tally.mismatches.append(key)
 
 
-def _tensors(ckpt: Path) -> dict:
+def checkpoint_tensors(ckpt: Path) -> dict:
     """The tensors of the tracked checkpoint of ``ckpt``, by key."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

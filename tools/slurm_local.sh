@@ -8,7 +8,9 @@
 # Checks the logs and checkpoints of the first two; that the lm loss and grad norm Megatron
 # prints for each iteration of train + resume are the straight job's, line for line and
 # digit for digit, and so are the final validation and test losses; then takes everything
-# down. Then a fourth job, requeued while it trains, must take over its own --save lock.
+# down. Then a fourth job, requeued while it trains without an exit-signal handler, must take
+# over its own --save lock; a fifth, requeued then cancelled with the recipe's handler, must save
+# a checkpoint each time and resume from the first.
 #
 #   tools/slurm_local.sh            # ~90 s on 2 cores once SLURM is installed (four jobs)
 #   KEEP=1 tools/slurm_local.sh     # leave the work directory (logs, slurm.conf) behind
@@ -397,18 +399,19 @@ wait_output() {
 
 # A job requeued while it trains (scontrol requeue; a node failure) is the same job: its
 # second start must take over the --save directory's lock that the first one, killed, could
-# not remove (megatron/canzona/runtime/save_lock.py), and train on.
+# not remove (megatron/canzona/runtime/save_lock.py), and train on. Without an exit-signal
+# handler (EXIT_SIGNAL=none) the requeue's SIGTERM ends the ranks at once, saying in one line
+# that nothing was saved.
 requeue_job() {
     local id
-    id="$(submit requeue "$WORK/checkpoints-requeue" "$WORK/run-requeue" --train-iters 100000)"
-    log "submitted job $id (requeue): trains until it is requeued"
+    id="$(EXIT_SIGNAL=none submit requeue "$WORK/checkpoints-requeue" "$WORK/run-requeue" --train-iters 100000)"
+    log "submitted job $id (requeue): trains until it is requeued, no exit-signal handler"
     wait_output requeue "iteration +3/ +100000 \|" "the job did not start training"
-    scontrol requeue "$id" || fail "scontrol requeue $id failed"
-    # slurmctld holds a requeued batch job back for a while (BeginTime); let it start now.
-    wait_for 60 "job $id pending again" bash -c "[[ \"\$(scontrol show job $id | grep -o 'JobState=[A-Z]*')\" == JobState=PENDING ]]"
-    scontrol update JobId="$id" StartTime=now || true
+    requeue_now "$id"
     log "requeued job $id while it trained"
     wait_output requeue "\[slurm\] job $id \(restart 1\)" "the job did not start again"
+    check_log requeue "pretrain_gpt\.py: error: stopped by SIGTERM in iteration [0-9]+: nothing was saved .*--exit-signal-handler" \
+        "the first start did not say that the requeue's SIGTERM saved nothing"
     wait_output requeue "\[canzona\] took over the lock of --save .*: the same SLURM job $id, requeued" \
         "the requeued job did not take over its own save-directory lock"
     wait_output requeue "iteration +[0-9]+/ +100000 \|" "the requeued job did not train"
@@ -416,9 +419,49 @@ requeue_job() {
     log "job $id, restarted, took over its save-directory lock and trained on; cancelled"
 }
 
+requeue_now() {  # ID: requeue a running job and let it start again at once
+    scontrol requeue "$1" || fail "scontrol requeue $1 failed"
+    # slurmctld holds a requeued batch job back for a while (BeginTime); let it start now.
+    wait_for 60 "job $1 pending again" bash -c "[[ \"\$(scontrol show job $1 | grep -o 'JobState=[A-Z]*')\" == JobState=PENDING ]]"
+    scontrol update JobId="$1" StartTime=now || true
+}
+
+saved_after_sigterm() {  # JOB_OUTPUT: the iteration of the first save after the first "[canzona] SIGTERM" line
+    awk '/\[canzona\] SIGTERM in iteration/ { stopped = 1 }
+         stopped && match($0, /successfully saved checkpoint from iteration +[0-9]+/) {
+             n = split(substr($0, RSTART, RLENGTH), words, " "); print words[n] + 0; exit }' "$1"
+}
+
+# Preemption: SLURM ends a job with SIGTERM (scontrol requeue, scancel, a preempting job), and
+# under the recipe's --exit-signal-handler every rank saves a checkpoint at the next iteration
+# boundary and exits; the requeued start resumes from it, and a scancel saves again.
+preempted_job() {
+    local id saved cancelled
+    id="$(submit preempted "$WORK/checkpoints-preempted" "$WORK/run-preempted" --train-iters 100000)"
+    log "submitted job $id (preempted): trains until it is requeued, then cancelled"
+    wait_output preempted "iteration +3/ +100000 \|" "the job did not start training"
+    requeue_now "$id"
+    wait_output preempted "\[slurm\] job $id \(restart 1\)" "the job did not start again"
+    check_log preempted "\[canzona\] SIGTERM in iteration [0-9]+: every rank saves a checkpoint" \
+        "the first start did not take the requeue's SIGTERM as a stop to save at"
+    saved="$(saved_after_sigterm "$WORK/jobs/preempted.out")"
+    [[ -n "$saved" ]] || fail "preempted: the first start saved no checkpoint on SIGTERM"
+    wait_output preempted "loading (distributed )?checkpoint from .* at iteration $saved" \
+        "the requeued job did not resume from the checkpoint its first start saved (iteration $saved)"
+    wait_output preempted "iteration +$(( saved + 1 ))/ +100000 \|" "the requeued job did not train on from iteration $saved"
+    log "job $id saved iteration $saved on the requeue's SIGTERM, and its restart resumed from it"
+    scancel "$id"
+    wait_for 60 "job $id to end" bash -c "[[ \"\$(scontrol show job $id | grep -o 'JobState=[A-Z]*')\" == JobState=CANCELLED ]]"
+    wait_for 30 "the cancelled job's checkpoint" bash -c \
+        "(( \$(cat '$WORK/checkpoints-preempted/latest_checkpointed_iteration.txt') > $saved ))"
+    cancelled="$(cat "$WORK/checkpoints-preempted/latest_checkpointed_iteration.txt")"
+    log "scancel: job $id saved iteration $cancelled before it ended"
+}
+
 install_slurm
 write_config
 start_daemons
 run_jobs
 requeue_job
+preempted_job
 log "PASS"

@@ -40,6 +40,10 @@
 #   GC_INTERVAL    iterations between the ranks' joint garbage collections (default 100)
 #   SHUTDOWN_TIMEOUT  seconds torchrun gives its ranks to exit after relaying a signal before it
 #                  kills them (default 150: SIGUSR1 comes 180 s before the SLURM time limit)
+#   EXIT_SIGNAL    the signal that makes every rank save a checkpoint and exit (default SIGUSR1,
+#                  which slurm_pretrain.sbatch sends before the time limit; SIGTERM, what scancel
+#                  and preemption send, does the same under --exit-signal-handler); none: no
+#                  --exit-signal-handler, a signal ends the job without saving
 #   NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT   torchrun's rendezvous; under
 #                  SLURM (slurm_pretrain.sbatch) NNODES and NODE_RANK come from SLURM_NNODES
 #                  and SLURM_NODEID, the master from the sbatch script
@@ -195,12 +199,16 @@ qwen3_training_args() {
         # each rank's allocation count says so: a collection on one rank stalls every
         # collective waiting for it, and at hundreds of ranks one of them is always collecting.
         --manual-gc --manual-gc-interval "$GC_INTERVAL"
-        # SIGUSR1 makes every rank finish its iteration, save a checkpoint and exit with status
-        # 0 (slurm_pretrain.sbatch sends it before the time limit, torchrun relays it: see
-        # qwen3_launcher). SIGTERM keeps meaning "stop now": torchrun stops the surviving ranks
-        # of a failed job with it. Costs one 4-byte all-gather per iteration.
-        --exit-signal-handler --exit-signal SIGUSR1
     )
+    # SIGUSR1 makes every rank finish its iteration, save a checkpoint and exit with status 0
+    # (slurm_pretrain.sbatch sends it before the time limit, torchrun relays it: see
+    # qwen3_launcher), and so does SIGTERM, which scancel and preemption send (pretrain_gpt.py
+    # takes it as the exit signal under --exit-signal-handler). A SIGTERM with which torchrun
+    # stops the surviving ranks of a failed job still stops them at once: a rank of theirs has
+    # ended. Costs one 4-byte all-gather per iteration.
+    if [[ "$EXIT_SIGNAL" != none ]]; then
+        TRAINING_ARGS+=(--exit-signal-handler --exit-signal "$EXIT_SIGNAL")
+    fi
     case "$PRECISION" in
         # Gradients are accumulated over micro-batches and reduce-scattered over DP in fp32 at
         # every DP size. A bf16 sum of DP gradients rounds to 8 mantissa bits, and its error
@@ -365,6 +373,7 @@ qwen3_defaults() {
     DIST_TIMEOUT_MINUTES="${DIST_TIMEOUT_MINUTES:-30}"
     GC_INTERVAL="${GC_INTERVAL:-100}"
     SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-150}"
+    EXIT_SIGNAL="${EXIT_SIGNAL:-SIGUSR1}"
     qwen3_python
 }
 

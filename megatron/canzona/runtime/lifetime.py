@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 """``prctl`` option: the signal this process gets when the thread that forked it exits."""
@@ -105,16 +106,23 @@ def signal_held(signal_number: int = signal.SIGTERM) -> Iterator[None]:
     rank's exit. At start-up every rank fails a bad flag alike and only the first rank prints the
     line, so a rank that got there first would have torchrun end the printing one before it
     printed: the printing rank holds the signal over its checks and its line (torchrun's SIGKILL
-    follows only after its shutdown timeout, 30 s by default). Outside the main thread, where no
-    handler can be set, the block runs as it is."""
+    follows only after its shutdown timeout, 30 s by default). A handler the block installs for
+    the signal (Megatron's ``--exit-signal-handler``, set while the flags are checked) is kept,
+    and a signal held meanwhile goes to it. Outside the main thread, where no handler can be
+    set, the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received: list[int] = []
-    previous = signal.signal(signal_number, lambda number, frame: received.append(number))
+
+    def hold(number: int, frame: Any) -> None:
+        received.append(number)
+
+    previous = signal.signal(signal_number, hold)
     try:
         yield
     finally:
-        signal.signal(signal_number, previous)
+        if signal.getsignal(signal_number) is hold:
+            signal.signal(signal_number, previous)
         if received:
             os.kill(os.getpid(), signal_number)

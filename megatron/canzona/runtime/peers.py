@@ -43,6 +43,7 @@ _LOST = re.compile(r"(Connection (closed|reset) by (remote )?peer|Broken pipe|re
 _GLOO_WHERE = re.compile(r"pair\.cc:\d+\]\s*")
 
 _reporting = False
+_stopping = False
 
 
 def lost_peer_words(error: BaseException) -> str | None:
@@ -80,7 +81,7 @@ def report_lost_peer(words: str) -> str | None:
         return f"a peer is gone ({_gloo_or_nccl()}: {words})"
     rank, world_size = dist.get_rank(), dist.get_world_size()
     _try(lambda: store.set(f"{_PREFIX}/alive/{rank}", "1"))
-    dead_here = _dead_local_ranks()
+    dead_here = _ended_local_ranks()
     for dead in dead_here:
         _try(lambda: store.set(f"{_PREFIX}/gone/{dead}", "1"))
     if _try(lambda: store.add(f"{_PREFIX}/reporters", 1)) not in (1, None):
@@ -92,31 +93,46 @@ def report_lost_peer(words: str) -> str | None:
     return f"{which} gone ({how}; {_gloo_or_nccl()}: {words})"
 
 
-def watch_for_lost_peers(report: Callable[[str], None]) -> bool:
-    """Under torchrun: on SIGTERM, if a rank of this node ended without a word (torchrun stops
-    the others when one of its children dies), the one reporting rank calls ``report`` with
-    ``"rank R is gone (...)"``; then the rank ends by SIGTERM as it would have. A SIGTERM with
-    every rank of the node alive or accounted for (a cancelled job) only marks this rank as
-    ended knowingly. Installed only over the default handler; returns whether it was."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+def watch_for_lost_peers(report: Callable[[str], None], stop: Callable[[bool], bool] | None = None) -> bool:
+    """Under torchrun, take SIGTERM in one of three ways:
+
+    * a rank of this node ended without a word (torchrun stops the others when one of its
+      children dies): the one reporting rank calls ``report`` with ``"rank R is gone (...)"``,
+      then every rank ends by SIGTERM as it would have;
+    * a rank of this node ended of its own accord (it said why): the rank ends quietly;
+    * every rank of the node runs (the job was told to stop: SIGTERM to torchrun, which relays
+      it, or to every rank, as ``scancel`` and preemption send it): ``stop(first)`` decides, on
+      every rank, ``first`` being true on the one rank of the job that speaks for it; it returns
+      whether the rank goes on (to save at the next iteration boundary) instead of ending now.
+      Without ``stop`` the rank ends, as it would have.
+
+    The handler replaces whatever handled SIGTERM before (``stop`` may call it). Returns whether
+    it was installed (under torchrun only: elsewhere nobody relays a peer's death)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
 
     def on_sigterm(signum: int, frame: Any) -> None:
+        global _stopping
         if _reporting:
             return  # this rank is already reporting a lost peer: let it finish its line
-        line = None
-        store = _store()
-        if store is not None:
-            dead = [r for r in _dead_local_ranks() if not _try(lambda r=r: store.check([f"{_PREFIX}/ended/{r}"]))]
+        line, store, ended_here = None, _store(), _ended_local_ranks()
+        if store is not None and ended_here:
+            dead = [r for r in ended_here if not _try(lambda r=r: store.check([f"{_PREFIX}/ended/{r}"]))]
             if dead:
                 _try(lambda: store.set(f"{_PREFIX}/alive/{dist.get_rank()}", "1"))
                 if _try(lambda: store.add(f"{_PREFIX}/reporters", 1)) in (1, None):
                     which = f"rank {dead[0]} is" if len(dead) == 1 else f"ranks {', '.join(map(str, dead))} are"
                     line = f"{which} gone (its process on this node ended without a word; torchrun stopped the rest)"
-            else:
-                mark_ended_knowingly()
         if line is not None:
             report(line)
+        elif not ended_here and _stopping:
+            return  # a second SIGTERM of the same stop (scancel's to every rank, then torchrun's relay)
+        elif not ended_here and stop is not None:
+            first = store is None or _try(lambda: store.add(f"{_PREFIX}/stopping", 1)) in (1, None)
+            _stopping = True
+            if stop(first):
+                return
+        mark_ended_knowingly()
         sys.stdout.flush()
         sys.stderr.flush()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -149,7 +165,7 @@ def _gone_ranks(store: Any, rank: int, world_size: int, dead_here: list[int]) ->
     return silent, f"no answer within {ROLL_CALL_S:.0f} s"
 
 
-def _dead_local_ranks() -> list[int]:
+def _ended_local_ranks() -> list[int]:
     """Global ranks of this node's torchrun children that are no longer running (none known
     under another launcher: its children are not ranks of one agent)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
