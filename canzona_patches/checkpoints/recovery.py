@@ -7,6 +7,9 @@
   old copy of a re-saved iteration goes back into place first (``recover_replaced``).
 * :func:`resume_advice`: the last complete checkpoint and the command that resumes from it, for
   the one line of a job that stops because a rank is gone.
+* :func:`way_on`: for a checkpoint that cannot be loaded (a file missing or cut short, a tracker
+  that names nothing or holds garbage, a ``--ckpt-step`` with no such checkpoint), the complete
+  checkpoints that are there and the ``--ckpt-step N`` that resumes from the latest of them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from canzona_patches.checkpoints.files import STAGING_PREFIX, TRACKER, recover_replaced, resolve_checkpoint
+from canzona_patches.checkpoints.files import (
+    STAGING_PREFIX,
+    TRACKER,
+    check_checkpoint_files,
+    recover_replaced,
+    resolve_checkpoint,
+)
 from canzona_patches.errors import CanzonaCheckpointError
 
 
@@ -58,6 +67,32 @@ def last_complete_checkpoint(save_dir: str | Path | None) -> Path | None:
     except CanzonaCheckpointError:
         return None
     return path if path is not None and path.is_dir() else None
+
+
+def complete_checkpoints(load_dir: str | Path) -> list[int]:
+    """The iterations of the checkpoints under ``load_dir`` whose every file is there at its full
+    size (:func:`check_checkpoint_files`; checksums are not read), oldest first."""
+    found = []
+    for path in sorted(Path(load_dir).glob("iter_[0-9]*")):
+        try:
+            iteration = int(path.name[len("iter_"):])
+            check_checkpoint_files(path)
+        except (ValueError, CanzonaCheckpointError, OSError):
+            continue
+        found.append(iteration)
+    return sorted(found)
+
+
+def way_on(load_dir: str | Path, *, damaged: Path | None = None) -> str:
+    """What a run can resume from when the checkpoint ``damaged`` (or the tracker) cannot be
+    loaded: the complete checkpoints under ``load_dir`` and the ``--ckpt-step`` of the latest."""
+    found = [i for i in complete_checkpoints(load_dir) if damaged is None or Path(load_dir) / f"iter_{i:07d}" != damaged]
+    if not found:
+        return f"no complete checkpoint under --load {load_dir}: restore one, or drop --load to train from scratch"
+    if len(found) == 1:
+        return f"the complete checkpoint there is iteration {found[0]}: resume from it with --ckpt-step {found[0]}"
+    shown = ", ".join(map(str, found[-4:])) + (f" (and {len(found) - 4} older)" if len(found) > 4 else "")
+    return f"complete checkpoints there: iterations {shown}; resume from the latest with --ckpt-step {found[-1]}"
 
 
 def resume_advice(args: Any) -> str:

@@ -49,6 +49,7 @@ from canzona_patches.checkpoints.files import (
     recover_replaced,
     resolve_checkpoint,
 )
+from canzona_patches.checkpoints.recovery import way_on
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim.split import GateUpLayout, QKVLayout
 from megatron.canzona.runtime.optimizer import CanzonaOptimizer
@@ -166,6 +167,7 @@ def common_state(optimizer: Any) -> dict:
         "param_groups": groups,
         "grad_scaler": scaler.state_dict() if scaler is not None else None,
         "speculation": parts[0].speculation.state(),
+        "moment2_method": getattr(parts[0].optimizer.config, "moment2_method", None),  # AdaMuon or NorMuon
     }
 
 
@@ -192,6 +194,11 @@ def _check_common(saved: dict, current: dict) -> None:
             f"resume with --optimizer {saved['optimizer']}, or pass --no-load-optim to load the weights and start "
             f"{current['optimizer']}'s state afresh"
         )
+    method = saved.get("moment2_method")  # (checkpoints saved before it was recorded: the shapes tell)
+    if method is not None and method != current.get("moment2_method"):
+        raise CanzonaCheckpointError(
+            f"the checkpoint holds {method}'s second moment, this run uses {current.get('moment2_method')}: resume with "
+            f"--adaptive-muon-moment2-method {method}, or pass --no-load-optim to start the optimizer afresh")
     if saved["pieces"] != current["pieces"]:
         raise CanzonaCheckpointError(
             f"the checkpoint optimizes fused matrices split as {', '.join(saved['pieces']) or 'none'}, this run as "
@@ -300,10 +307,16 @@ def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimi
 
     def find() -> str | None:
         recover_replaced(Path(load_dir))
-        path = resolve_checkpoint(load_dir, step)
-        if path is None:
-            return None
-        check_checkpoint_files(path)
+        path = None
+        try:
+            path = resolve_checkpoint(load_dir, step)
+            if path is None:
+                return None
+            if step is not None and not path.is_dir():
+                raise CanzonaCheckpointError(f"--ckpt-step {step}: there is no {path}")
+            check_checkpoint_files(path)
+        except CanzonaCheckpointError as error:  # the checkpoints that are there, and how to go on
+            raise CanzonaCheckpointError(f"{error}; {way_on(load_dir, damaged=path)}") from None
         return str(path)
 
     found = decided_on_rank_zero(find, group=group)
@@ -312,7 +325,8 @@ def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimi
     # Before anything unpickles the files (the optimizer check reads the saved common state).
     mismatch = agreed_mismatch(Path(found), group=group) if checksums else None
     if mismatch:
-        raise CanzonaCheckpointError(mismatch)
+        way = decided_on_rank_zero(lambda: way_on(load_dir, damaged=Path(found)), group=group)
+        raise CanzonaCheckpointError(f"{mismatch}; {way}")
     if optimizer is not None and (Path(found) / "metadata.json").is_file():
         decided_on_rank_zero(lambda: check_optimizer_compatible(Path(found), optimizer), group=group)
     return Path(found)
@@ -329,8 +343,10 @@ def check_optimizer_compatible(path: Path, optimizer: Any) -> None:
     """The optimizer state in ``path`` is the kind this run's optimizer reads."""
     with one_line_errors(path):
         common = dist_checkpointing.load_common_state_dict(str(path))
-    if not isinstance(common.get("optimizer"), dict):
-        return  # saved with --no-save-optim: Megatron loads the model only
+    if not isinstance(common.get("optimizer"), dict):  # (Megatron's load would stop with KeyError: 'optimizer')
+        raise CanzonaCheckpointError(
+            f"{path} holds no optimizer state (it was saved with --no-save-optim): pass --no-load-optim to load the "
+            "model and start the optimizer afresh")
     saved = common["optimizer"].get("canzona")
     canzona_run = is_canzona_optimizer(optimizer)
     if canzona_run and saved is None:
@@ -389,6 +405,10 @@ def _check_nothing_to_resume(load_dir: str, save_dir: str | None) -> None:
     start afresh, and say so; any other directory is a mistake (a typo would otherwise train
     from scratch and exit 0): stop with one line, on every rank alike."""
     same = save_dir is not None and Path(save_dir).resolve() == Path(load_dir).resolve()
+    if Path(load_dir).is_dir() and any(Path(load_dir).glob("iter_[0-9]*")):  # checkpoints without their tracker
+        raise CanzonaCheckpointError(
+            f"--load {load_dir} has checkpoints but no {TRACKER} (deleted?), so nothing says which to resume; "
+            f"{way_on(load_dir)}")
     if same:
         if global_rank() == 0:
             print(f"[canzona] --load {load_dir} holds no checkpoint yet: training starts from iteration 0 "

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 from canzona_patches.errors import CanzonaArgumentError
+from canzona_patches.integration.dependent_flags import check_dependent_flags
+from canzona_patches.integration.optimizer_ranges import check_megatron_optimizer_ranges, field_error_line
 from canzona_patches.integration.qk_clip import check_qk_clip_args, hold_qk_clip_args, restore_qk_clip_args
 from canzona_patches.version import require_pinned_megatron
 
@@ -40,6 +42,7 @@ require_pinned_megatron()
 
 from megatron.canzona.data import check_blend_words, check_tokenizer_model  # noqa: E402
 from megatron.canzona.optim import AdaptiveMuonConfig, MuonConfig, ShampooConfig, SOAPConfig  # noqa: E402
+from megatron.canzona.optim.config import FieldError  # noqa: E402
 from megatron.canzona.planning import OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
 from megatron.canzona.planning.cost import NS_OPTIMIZERS  # noqa: E402
 from megatron.canzona.planning.speculation import EARLY_COMPUTE_SETTINGS  # noqa: E402
@@ -316,6 +319,7 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
     Runs before Megatron's ``validate_args``, on the parsed flags as given.
     """
     _check_flags_have_their_run(args)
+    check_dependent_flags(args)
     check_common_args(args)
     check_qk_clip_args(args)
     hold_qk_clip_args(args)  # past Megatron's transformer-engine assert; finalize_canzona_args restores
@@ -352,7 +356,13 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
             "--canzona partitions the distributed optimizer: add --use-distributed-optimizer")
     _check_parallelism(args)
     _check_optimizer_flags(args)
+    if args.save and args.ckpt_format != "torch_dist":
+        raise CanzonaArgumentError(
+            f"--ckpt-format {args.ckpt_format} cannot hold --canzona's optimizer state (a global tensor per "
+            "parameter name, resharded at load), and the first save would stop the job: pass --ckpt-format "
+            "torch_dist (the default)")
     _check_ranges(args)
+    _check_optimizer_settings(args)
     _check_cluster(args)
 
 
@@ -386,6 +396,7 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
                 f"(e.g. {args.micro_batch_size * dp * max(1, args.global_batch_size // (args.micro_batch_size * dp))})")
     _check_context_parallel(args)
     _check_cp_comm_type(args)
+    check_megatron_optimizer_ranges(args)
     if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
         raise CanzonaArgumentError(
             f"--ddp-bucket-size {args.ddp_bucket_size} must be a positive number of elements (or omit it for "
@@ -514,7 +525,12 @@ def early_compute_off_by(args: argparse.Namespace) -> str | None:
 
 
 def _check_early_compute(args: argparse.Namespace) -> None:
-    """A flag of early compute given where another one turns it off is refused, naming both."""
+    """A flag of early compute given where another one turns it off is refused, naming both; so is
+    early compute forced on with no budget to keep what it computes."""
+    if args.canzona_early_compute == "on" and args.canzona_early_compute_budget == 0:
+        raise CanzonaArgumentError(
+            "--canzona-early-compute on with --canzona-early-compute-budget 0 keeps nothing it computes: it would "
+            "compute nothing early; pass a budget (e.g. --canzona-early-compute-budget 1), or --canzona-no-early-compute")
     off = early_compute_off_by(args)
     if off is None:
         return
@@ -642,11 +658,15 @@ def _check_ranges(args: argparse.Namespace) -> None:
     if budget is not None and budget <= 0:
         raise CanzonaArgumentError(
             f"--canzona-tp-group-budget {budget} must be positive: pass a cost budget or omit it")
-    for flag in ("shampoo_precondition_frequency", "soap_precondition_frequency",
-                 "shampoo_max_precond_dim", "soap_max_precond_dim"):
-        if getattr(args, flag) < 1:
-            raise CanzonaArgumentError(
-                f"--{flag.replace('_', '-')} {getattr(args, flag)} must be 1 or more")
+
+
+def _check_optimizer_settings(args: argparse.Namespace) -> None:
+    """The matrix optimizer's and AdamW's configs built from the flags: a field out of its range
+    (the configs' own checks) is one line naming its flag (``optimizer_ranges.py``)."""
+    try:
+        canzona_config_from_args(args)
+    except FieldError as error:
+        raise CanzonaArgumentError(field_error_line(error, MATRIX_FLAGS)) from None
 
 
 def finalize_canzona_args(args: argparse.Namespace) -> None:

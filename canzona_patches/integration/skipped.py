@@ -12,7 +12,9 @@ among the "nan iterations"). The interval metrics' ``lm_loss`` falls back to the
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,21 +69,60 @@ class SkippedLosses:
                 self._sums, self._count, self._trained = {}, 0, 0
 
 
-def nonfinite_interval_warning(skipped: int, args: Any) -> str:
-    """The log line of an interval whose every iteration was skipped for its gradient norm."""
-    check_off = not getattr(args, "check_for_nan_in_loss_and_grad", True)
-    why = ("Megatron's NaN check is off (--no-check-for-nan-in-loss-and-grad), so the run goes on without "
-           "training: drop that flag to stop at the first NaN, or lower --lr" if check_off else
-           "see --grad-norm-skip-threshold and --lr")
-    return (f"[canzona] warning: all {skipped} iteration(s) of this log interval were skipped: the gradient norm "
-            f"was inf, NaN or over the skip threshold each time and nothing trained; {why}")
+SKIP_REASONS = ("overflow", "nonfinite", "threshold")
+"""Why an iteration was skipped: an fp16 loss-scale overflow, a gradient norm that is inf or NaN,
+a finite norm over ``--grad-norm-skip-threshold``."""
 
 
-def nonfinite_nothing_trained(skipped: int, args: Any) -> str | None:
-    """Why a run whose every iteration was skipped, not for fp16, trained nothing; ``None`` for
-    an fp16 run (its loss scale is the cause) or a run with Megatron's NaN check on."""
-    if getattr(args, "fp16", False) or getattr(args, "check_for_nan_in_loss_and_grad", True):
-        return None
-    return (f"all {skipped} iterations were skipped: the gradient norm was inf or NaN each time and nothing "
-            "trained; --no-check-for-nan-in-loss-and-grad let the run go on: drop it to stop at the first NaN "
-            "(and see where it starts), then lower --lr or fix the input")
+def skip_reason(grad_norm: float | None, args: Any) -> str:
+    """Which of :data:`SKIP_REASONS` skipped an iteration whose gradient norm was ``grad_norm``
+    (``None``: Megatron's fp16 step found an inf and computed none). A finite norm is skipped only
+    over the threshold; an fp16 run's inf or NaN is its loss scaler's (it skips and lowers the
+    scale); a non-finite norm otherwise is the run's own."""
+    norm = None if grad_norm is None else float(grad_norm)
+    if norm is not None and math.isfinite(norm):
+        return "threshold"
+    return "overflow" if getattr(args, "fp16", False) else "nonfinite"
+
+
+def why_skipped(reasons: collections.Counter, args: Any, *, last_norm: float | None = None) -> str:
+    """Why the skipped iterations of ``reasons`` (a count per :data:`SKIP_REASONS`) were skipped,
+    and what to do, in words: ``"the fp16 loss scale overflowed each time ...; pass a lower
+    --initial-loss-scale (...)"``; several reasons are counted."""
+    threshold = getattr(args, "grad_norm_skip_threshold", math.inf)
+    what = {
+        "overflow": ("the fp16 loss scale overflowed", "pass a lower --initial-loss-scale"
+                     + (f" (this run's: {args.initial_loss_scale:g})" if getattr(args, "initial_loss_scale", None) else "")),
+        "nonfinite": ("the gradient norm was inf or NaN",
+                      "--no-check-for-nan-in-loss-and-grad let the run go on: drop it to stop at the first NaN (and see "
+                      "where it starts), then lower --lr or fix the input"
+                      if not getattr(args, "check_for_nan_in_loss_and_grad", True) else "lower --lr or fix the input"),
+        "threshold": (f"the gradient norm was over --grad-norm-skip-threshold {threshold:g}"
+                      + (f" (last: {last_norm:.4g})" if last_norm is not None and math.isfinite(last_norm) else ""),
+                      "raise --grad-norm-skip-threshold (or drop it), or lower --lr"),
+    }
+    given = [reason for reason in SKIP_REASONS if reasons.get(reason)]
+    if len(given) == 1:
+        cause, fix = what[given[0]]
+        return f"{cause} each time and nothing trained; {fix}"
+    causes = ", ".join(f"{reasons[reason]} because {what[reason][0]}" for reason in given)
+    return f"{causes}; nothing trained: " + "; ".join(what[reason][1] for reason in given)
+
+
+def interval_skipped_warning(skipped: int, reasons: collections.Counter, args: Any, last_norm: float | None) -> str:
+    """The log line of an interval whose every iteration was skipped."""
+    return f"[canzona] warning: all {skipped} iteration(s) of this log interval were skipped: " \
+           f"{why_skipped(reasons, args, last_norm=last_norm)}"
+
+
+def run_skipped_warning(skipped: int, reasons: collections.Counter, args: Any, last_norm: float | None,
+                        loss_scale: float | None = None) -> str:
+    """The log line of a run whose every iteration so far was skipped."""
+    scale = f" (the loss scale is now {loss_scale:g})" if reasons.get("overflow") and loss_scale is not None else ""
+    return (f"[canzona] warning: all {skipped} iteration(s) so far were skipped{scale}: "
+            f"{why_skipped(reasons, args, last_norm=last_norm)}")
+
+
+def nothing_trained_line(skipped: int, reasons: collections.Counter, args: Any, last_norm: float | None) -> str:
+    """The error line of a finished run whose every iteration was skipped."""
+    return f"all {skipped} iterations were skipped: {why_skipped(reasons, args, last_norm=last_norm)}"

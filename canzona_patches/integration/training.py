@@ -40,7 +40,13 @@ from typing import Any
 import torch
 
 from canzona_patches.integration.arguments import add_canzona_args
-from canzona_patches.integration.skipped import SkippedLosses, nonfinite_interval_warning, nonfinite_nothing_trained
+from canzona_patches.integration.skipped import (
+    SkippedLosses,
+    interval_skipped_warning,
+    nothing_trained_line,
+    run_skipped_warning,
+    skip_reason,
+)
 from canzona_patches.version import require_pinned_megatron
 
 require_pinned_megatron()
@@ -364,7 +370,11 @@ def timing_optimizer_step(setup_model_and_optimizer: Callable[..., Any], run: An
 
 
 _ITERATIONS: collections.Counter[str] = collections.Counter()
-"""This process's iterations of the job so far: ``trained`` and ``skipped`` (an fp16 overflow)."""
+"""This process's iterations of the job so far: ``trained`` and ``skipped``."""
+_SKIPPED: collections.Counter[str] = collections.Counter()
+"""This process's skipped iterations of the job so far, by :func:`skip_reason`."""
+_LAST_NORM: list[float | None] = [None]
+"""The gradient norm of the last skipped iteration (for the line that says why)."""
 
 
 def iterations_this_job() -> tuple[int, int]:
@@ -372,25 +382,14 @@ def iterations_this_job() -> tuple[int, int]:
     return _ITERATIONS["trained"], _ITERATIONS["skipped"]
 
 
-def all_skipped_warning(skipped: int, loss_scale: float, initial_loss_scale: float | None) -> str:
-    """The log line of a run whose every iteration so far was skipped for overflow."""
-    fix = "pass a lower --initial-loss-scale"
-    if initial_loss_scale:
-        fix += f" (this run's: {initial_loss_scale:g}), e.g. {2.0 ** 16:g}"
-    return (f"[canzona] warning: all {skipped} iteration(s) so far were skipped: the fp16 loss scale (now "
-            f"{loss_scale:g}) overflowed each time and nothing has trained; {fix}")
-
-
-def nothing_trained(args: Any, trained: int, skipped: int) -> str | None:
+def nothing_trained(args: Any, trained: int, skipped: int, reasons: collections.Counter | None = None) -> str | None:
     """Why a finished run trained nothing, when that was not asked for (``--skip-train``, or
-    ``--train-iters`` equal to the iteration it loaded); ``None`` otherwise."""
+    ``--train-iters`` equal to the iteration it loaded); ``None`` otherwise. ``reasons``: the
+    skipped iterations by :func:`skip_reason` (default: this process's)."""
     if trained or getattr(args, "skip_train", False) or not getattr(args, "train_iters", None):
         return None
-    if skipped and (nonfinite := nonfinite_nothing_trained(skipped, args)) is not None:
-        return nonfinite
     if skipped:
-        return (f"all {skipped} iterations were skipped: the fp16 loss scale overflowed each time and nothing "
-                f"trained; pass a lower --initial-loss-scale (this run's: {args.initial_loss_scale:g})")
+        return nothing_trained_line(skipped, _SKIPPED if reasons is None else reasons, args, _LAST_NORM[0])
     loaded = getattr(args, "iteration", 0) or 0
     if loaded == args.train_iters:
         return None
@@ -411,6 +410,7 @@ def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Call
     run logs what the straight run logs, line for line."""
     metrics = _metrics(run)
     skipped_losses = SkippedLosses()
+    interval_reasons: collections.Counter[str] = collections.Counter()
 
     @functools.wraps(training_log)
     def training_log_with_metrics(loss_dict, total_loss_dict, learning_rate, iteration,
@@ -420,6 +420,11 @@ def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Call
         metrics.record(loss_dict, skipped_iter, get_current_global_batch_size())
         metrics.record_max_logit(rest[2] if len(rest) > 2 else kwargs.get("max_attention_logit"))
         _ITERATIONS["skipped" if skipped_iter else "trained"] += 1
+        if skipped_iter:
+            reason = skip_reason(grad_norm, args)
+            _SKIPPED[reason] += 1
+            interval_reasons[reason] += 1
+            _LAST_NORM[0] = None if grad_norm is None else float(grad_norm)
         skipped_losses.record(loss_dict, skipped_iter)
         interval_skipped = skipped_losses.all_skipped
         on_interval = iteration % args.log_interval == 0
@@ -436,11 +441,14 @@ def logging_interval_metrics(training_log: Callable[..., Any], run: Any) -> Call
                                     learning_rate=learning_rate, grad_norm=grad_norm,
                                     reset=not is_first_iteration)
             _training.print_rank_last(format_metrics(report))
-            if interval_skipped and not args.fp16:
-                _training.print_rank_last(nonfinite_interval_warning(interval_skipped, args))
+            if interval_skipped and not args.fp16:  # (fp16 skips while its loss scale settles)
+                _training.print_rank_last(interval_skipped_warning(interval_skipped, interval_reasons, args,
+                                                                   _LAST_NORM[0]))
             elif not _ITERATIONS["trained"]:
-                _training.print_rank_last(all_skipped_warning(_ITERATIONS["skipped"], float(loss_scale),
-                                                              getattr(args, "initial_loss_scale", None)))
+                _training.print_rank_last(run_skipped_warning(_ITERATIONS["skipped"], _SKIPPED, args, _LAST_NORM[0],
+                                                              float(loss_scale)))
+            if not is_first_iteration:
+                interval_reasons.clear()
             write_scalars(report, plan_scalars(_handoff(run).summary), iteration)
         return result
 

@@ -137,20 +137,53 @@ def test_a_schedule_mismatch_says_samples_as_samples_and_iterations_as_iteration
 
 
 def test_a_run_that_trained_nothing_unasked_says_why() -> None:
-    from canzona_patches.integration.training import all_skipped_warning, nothing_trained
+    from collections import Counter
+
+    from canzona_patches.integration.skipped import run_skipped_warning
+    from canzona_patches.integration.training import nothing_trained
 
     def run(**kw):
-        return argparse.Namespace(**{"train_iters": 20, "iteration": 0, "skip_train": False,
+        return argparse.Namespace(**{"train_iters": 20, "iteration": 0, "skip_train": False, "fp16": True,
                                      "initial_loss_scale": 2.0 ** 32, **kw})
 
-    assert nothing_trained(run(), trained=3, skipped=2) is None
-    assert "all 20 iterations were skipped" in nothing_trained(run(), trained=0, skipped=20)
-    assert "--initial-loss-scale (this run's: 4.29497e+09)" in nothing_trained(run(), trained=0, skipped=20)
+    overflow = Counter(overflow=20)
+    assert nothing_trained(run(), trained=3, skipped=2, reasons=overflow) is None
+    assert "all 20 iterations were skipped" in nothing_trained(run(), trained=0, skipped=20, reasons=overflow)
+    assert "--initial-loss-scale (this run's: 4.29497e+09)" in nothing_trained(run(), 0, 20, reasons=overflow)
     assert nothing_trained(run(iteration=20), trained=0, skipped=0) is None  # asked: train-iters = loaded
     assert nothing_trained(run(skip_train=True), trained=0, skipped=0) is None
     assert "raise --train-iters above 48" in nothing_trained(run(iteration=48), trained=0, skipped=0)
-    line = all_skipped_warning(5, 2.0 ** 27, 2.0 ** 32)
-    assert line.startswith("[canzona] warning: all 5 iteration(s) so far were skipped") and "--initial-loss-scale" in line
+    line = run_skipped_warning(5, Counter(overflow=5), run(), None, 2.0 ** 27)
+    assert line.startswith("[canzona] warning: all 5 iteration(s) so far were skipped (the loss scale is now 1.34218e+08)")
+    assert "--initial-loss-scale" in line
+
+
+@pytest.mark.parametrize(("grad_norm", "fp16", "reason"), [
+    (None, True, "overflow"), (float("inf"), True, "overflow"), (float("nan"), False, "nonfinite"),
+    (float("inf"), False, "nonfinite"), (7.5, False, "threshold"), (7.5, True, "threshold")])
+def test_a_skipped_iteration_is_told_by_its_norm(grad_norm, fp16, reason) -> None:
+    from canzona_patches.integration.skipped import skip_reason
+
+    assert skip_reason(grad_norm, argparse.Namespace(fp16=fp16)) == reason
+
+
+def test_skips_over_the_threshold_name_the_threshold_not_the_loss_scale() -> None:
+    """An fp32 run, or Megatron's own optimizer, skipping every step over --grad-norm-skip-threshold
+    is told so (it used to read "the fp16 loss scale overflowed ... --initial-loss-scale")."""
+    from collections import Counter
+
+    from canzona_patches.integration.skipped import nothing_trained_line, why_skipped
+
+    args = argparse.Namespace(fp16=False, grad_norm_skip_threshold=0.5, initial_loss_scale=None,
+                              check_for_nan_in_loss_and_grad=True)
+    line = nothing_trained_line(4, Counter(threshold=4), args, 0.93)
+    assert line == ("all 4 iterations were skipped: the gradient norm was over --grad-norm-skip-threshold 0.5 (last: "
+                    "0.93) each time and nothing trained; raise --grad-norm-skip-threshold (or drop it), or lower --lr")
+    assert "loss scale" not in line
+    mixed = why_skipped(Counter(overflow=1, threshold=2), argparse.Namespace(fp16=True, initial_loss_scale=2.0 ** 16,
+                                                                            grad_norm_skip_threshold=3.0), last_norm=4.0)
+    assert mixed.startswith("1 because the fp16 loss scale overflowed, 2 because the gradient norm was over "
+                            "--grad-norm-skip-threshold 3") and "--initial-loss-scale" in mixed
 
 
 def test_an_unwritable_metrics_file_fails_at_start_up(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from canzona_patches.integration.arguments import (
     flag_groups,
     validate_canzona_args,
 )
+from canzona_patches.integration.dependent_flags import DEPENDENT_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -102,7 +103,8 @@ def test_a_flag_of_every_run_is_taken_without_canzona(flag: str, tmp_path: Path)
     words = in_tmp(CANZONA_FLAGS[flag], tmp_path)
     if flag == "--canzona-profile-file":  # it writes what the profiled iteration measured
         words += ["--canzona-profile-iteration", "2"]
-    args = parse(*words)
+    switch = {entry.flag: entry.switch_words for entry in DEPENDENT_FLAGS}.get(flag, ())
+    args = parse(*words, *in_tmp(list(switch), tmp_path))  # a flag of a switch (--save) with it
     validate_canzona_args(args)
     assert args.canzona is False
 

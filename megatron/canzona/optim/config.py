@@ -37,35 +37,46 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _check_beta(owner: str, name: str, value: float) -> None:
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{owner}.{name}={value} is outside [0, 1); pick e.g. 0.9 or 0.95.")
+class FieldError(ValueError):
+    """A config field out of its range: which class, field (and element of a pair), the value,
+    and a valid one, so that an entry point can name its own flag for the field."""
+
+    def __init__(self, config_class: type, name: str, value: Any, expected: str, example: Any,
+                 index: int | None = None) -> None:
+        self.config_class, self.name, self.index, self.value = config_class, name, index, value
+        self.expected, self.example = expected, example
+        field = f"{name}[{index}]" if index is not None else name
+        super().__init__(f"{config_class.__name__}.{field}={value!r} {expected}; pick e.g. {example!r}.")
+
+
+def _check_beta(config: Any, name: str, value: float, default: float, index: int | None = None) -> None:
+    if not 0.0 <= value < 1.0:  # NaN too
+        raise FieldError(type(config), name, value, "is outside [0, 1)", default, index)
 
 
 def check_fields(config: Any) -> None:
-    """Check every field of a config dataclass by its type and name, with one message
-    naming the field and the fix: a ``Literal`` is one of its values; an ``int`` (step
-    counts, frequencies, sizes) is >= 1; a ``float`` is a decay rate in [0, 1) when it is
-    ``momentum`` or named ``*beta*``, else (epsilons, scales) > 0; a float pair ``betas``
-    holds two decay rates."""
-    owner = type(config).__name__
+    """Check every field of a config dataclass by its type and name, raising a
+    :class:`FieldError` naming the field and a valid value: a ``Literal`` is one of its values;
+    an ``int`` (step counts, frequencies, sizes) is >= 1; a ``float`` is a decay rate in [0, 1)
+    when it is ``momentum`` or named ``*beta*``, else (epsilons, scales) > 0; a float pair
+    ``betas`` holds two decay rates."""
     hints = typing.get_type_hints(type(config))
     for field in dataclasses.fields(config):
         name, value, kind = field.name, getattr(config, field.name), hints[field.name]
         if typing.get_origin(kind) is Literal:
             if value not in typing.get_args(kind):
-                raise ValueError(f"{owner}.{name}={value!r} is not supported; use one of {typing.get_args(kind)}.")
+                raise FieldError(type(config), name, value, f"is not one of {typing.get_args(kind)}", field.default)
         elif kind is int and value < 1:
-            raise ValueError(f"{owner}.{name}={value} must be >= 1 ({field.default} is usual).")
+            raise FieldError(type(config), name, value, "must be >= 1", field.default)
         elif kind is float and (name == "momentum" or "beta" in name):
-            _check_beta(owner, name, value)
+            _check_beta(config, name, value, field.default)
         elif kind is float and not value > 0:
-            raise ValueError(f"{owner}.{name}={value} must be > 0.")
+            raise FieldError(type(config), name, value, "must be > 0", field.default)
         elif kind == tuple[float, float]:
             if len(value) != 2:
-                raise ValueError(f"{owner}.{name}={value} must be a pair (beta1, beta2).")
+                raise FieldError(type(config), name, value, "must be a pair (beta1, beta2)", field.default)
             for index, beta in enumerate(value):
-                _check_beta(owner, f"{name}[{index}]", beta)
+                _check_beta(config, name, beta, field.default[index], index)
 
 
 @dataclass(frozen=True, kw_only=True)

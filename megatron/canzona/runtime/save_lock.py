@@ -23,6 +23,7 @@ stale one renames it away first, so of two jobs racing for it exactly one rename
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import socket
@@ -69,6 +70,27 @@ class Holder:
         return f"PID {self.pid} on {self.host}{job}, since {self.started}"
 
 
+def check_save_directory(save_dir: str | Path) -> None:
+    """Raise :class:`SaveDirectoryLocked` in one line naming ``--save`` and the fix unless
+    ``save_dir`` is (or can be made) a directory this process creates files in: a regular file,
+    a read-only or immutable directory, or one without write permission is named at start,
+    not at the first save. Creates the directory, as the first save would."""
+    path = Path(save_dir)
+    if path.exists() and not path.is_dir():
+        raise SaveDirectoryLocked(f"--save {path} is a file, not a directory: pass a directory (e.g. --save "
+                                  f"{path}.d), or move the file away")
+    probe = path / f".canzona-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        probe.unlink()
+    except OSError as error:
+        where = f" ({error.filename})" if error.filename and str(error.filename) != str(probe) else ""
+        hint = " (an immutable directory? lsattr -d shows it)" if error.errno == errno.EPERM else ""
+        raise SaveDirectoryLocked(f"--save {path} cannot hold checkpoints: {error.strerror or error}{where}{hint}; "
+                                  "pass a directory this job can write to") from None
+
+
 def take_save_lock(save_dir: str | Path, *, heartbeat_s: float = HEARTBEAT_S,
                    stale_after_s: float = STALE_AFTER_S) -> SaveLock:
     """Take ``save_dir``'s lock for this process's life (released at exit), or raise
@@ -91,7 +113,7 @@ class SaveLock:
         self._stop = threading.Event()
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_save_directory(self.path.parent)  # a file, a read-only directory: one line, not a traceback
         for _ in range(_ROUNDS):  # a stale lock renamed away, then ours; a race costs one more round
             if self._create():
                 break
