@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from canzona_patches.checkpoints.recovery import clear_failed_saves, describe_bytes, resume_advice
+from canzona_patches.errors import CanzonaRankError
 from canzona_patches.integration.arguments import (
     CanzonaArgumentError,
     add_canzona_args,
@@ -39,6 +40,7 @@ from canzona_patches.integration.arguments import (
     validate_canzona_args,
 )
 from canzona_patches.emulation.cpu import enable_cpu_training_mode
+from canzona_patches.integration.data_files import data_worker_died_words
 from canzona_patches.integration.megatron_checks import one_line as megatron_check_failed
 from canzona_patches.integration.megatron_checks import raised_in_set_up
 from canzona_patches.integration.preemption import exit_handler_of, stop_on_sigterm
@@ -48,7 +50,15 @@ from canzona_patches.registry import install_group as install_patch_group
 from canzona_patches.integration.training import LOSS_KEY, iterations_this_job, nothing_trained
 from megatron.canzona.data import GPTDataConfig, build_gpt_datasets, check_gpt_data, describe_datasets
 from megatron.canzona.runtime.lifetime import end_with_parent, launched_by_torchrun, signal_held
-from megatron.canzona.runtime.peers import lost_peer_words, mark_ended_knowingly, report_lost_peer, watch_for_lost_peers
+from megatron.canzona.runtime.peers import (
+    claim_report,
+    lost_peer_words,
+    mark_ended_knowingly,
+    report_lost_peer,
+    report_silent_peer,
+    timed_out_words,
+    watch_for_lost_peers,
+)
 from megatron.canzona.runtime.save_lock import SaveDirectoryLocked, take_save_lock
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
@@ -398,16 +408,24 @@ def main() -> int:
             forward_step,
             model_provider=model_provider,
         )
+    except CanzonaRankError as error:  # found by one rank alone (a data file cut short under the job)
+        if claim_report():
+            print(f"pretrain_gpt.py: error: {_last_line(error)}", file=sys.stderr, flush=True)
+        return 2
     except CanzonaArgumentError as error:  # found once the model exists (e.g. bucket too small), or the data
-        if lost_peer_words(error) is not None:  # a save whose collective lost a rank
-            return _stop_for_lost_peer(args, error)
+        if _peer_failed(error):  # a save whose collective lost a rank, or timed out
+            return _stop_for_peer(args, error)
         mark_ended_knowingly()
         if reports_errors():  # every rank checks the same plan and the same files
             print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     except (AssertionError, RuntimeError) as error:  # sizes Megatron's parallel-state set-up cannot lay out
-        if lost_peer_words(error) is not None:
-            return _stop_for_lost_peer(args, error)
+        if _peer_failed(error):
+            return _stop_for_peer(args, error)
+        if (data := data_worker_died_words(error, args.data_path)) is not None:
+            if claim_report():
+                print(f"pretrain_gpt.py: error: {data}", file=sys.stderr, flush=True)
+            return 2
         mark_ended_knowingly()
         if not raised_in_set_up(error):
             raise
@@ -419,8 +437,8 @@ def main() -> int:
             mark_ended_knowingly()
             raise
     except BaseException as error:  # noqa: BLE001  (reported, or marked and raised on)
-        if lost_peer_words(error) is not None:
-            return _stop_for_lost_peer(args, error)
+        if _peer_failed(error):
+            return _stop_for_peer(args, error)
         mark_ended_knowingly()
         raise
     _tear_down_process_groups()
@@ -433,17 +451,33 @@ def main() -> int:
     return 0
 
 
-def _stop_for_lost_peer(args: argparse.Namespace, error: BaseException) -> int:
-    """A collective failed because a rank is gone: the one reporting survivor prints one line
-    (which rank, the last complete checkpoint, the command to resume); every survivor stops."""
-    gone = report_lost_peer(lost_peer_words(error))
+def _last_line(error: BaseException) -> str:
+    """The error's own line: a DataLoader worker's error comes back with its traceback before it."""
+    text = str(error).strip()
+    if "Original Traceback" not in text:
+        return text
+    return text.splitlines()[-1].split(": ", 1)[-1]
+
+
+def _peer_failed(error: BaseException) -> bool:
+    return lost_peer_words(error) is not None or timed_out_words(error) is not None
+
+
+def _stop_for_peer(args: argparse.Namespace, error: BaseException) -> int:
+    """A collective failed because a rank is gone, or timed out waiting for one: the one reporting
+    survivor prints one line (which rank, the last complete checkpoint) and the command to
+    resume; every survivor stops."""
+    lost = lost_peer_words(error)
+    gone = report_lost_peer(lost) if lost is not None else report_silent_peer(timed_out_words(error))
     if gone is not None:
         _print_lost_peer(args, gone)
     return 1
 
 
 def _print_lost_peer(args: argparse.Namespace, gone: str) -> None:
-    print(f"pretrain_gpt.py: error: {gone}; {resume_advice(args)}", file=sys.stderr, flush=True)
+    """One line (the rank gone or silent, the last complete checkpoint), then the command to resume."""
+    advice, command = resume_advice(args)
+    print(f"pretrain_gpt.py: error: {gone}; {advice}\n{command}", file=sys.stderr, flush=True)
 
 
 def _tear_down_process_groups() -> None:

@@ -13,3 +13,8 @@ class CanzonaArgumentError(ValueError):
 
 class CanzonaCheckpointError(CanzonaArgumentError):
     """A checkpoint that cannot be loaded; the message is one line naming the file and why."""
+
+
+class CanzonaRankError(CanzonaArgumentError):
+    """A fault one rank finds alone (a data file that changed under the job): that rank says it,
+    once per job, where a flag error is said by the first rank only (every rank finds it alike)."""

@@ -4,14 +4,19 @@ end state is bitwise the uninterrupted run's; or (``--bad-input``) feed it carel
 
     python tools/chaos.py                                  # 60 faults of six kinds over 4 scenarios, 300 iterations each
     python tools/chaos.py --faults 2 --kinds rank-in-step,launcher-in-save --scenarios muon-async --train-iters 9   # short
-    python tools/chaos.py --bad-input                      # 31 careless inputs, a table of what each got (~4 min)
+    python tools/chaos.py --bad-input                      # 47 careless inputs, a table of what each got (~9 min)
 
 ``--bad-input`` runs the tiny recipe (2 CPU ranks) once per input of :data:`BAD_INPUTS` (flags
-Megatron or Canzona refuse, flags the run would not read, damaged data, resumes that cannot work,
-files named wrong; a tool's negative size runs that tool instead) and classifies what the user got: *one line* (a non-zero exit with one error line, torchrun's own
-failure report aside), *traceback* (a rank's), *silent* (exit 0, or no error line), *hang* (no
-exit within ``--launch-timeout``), *loss* (the checkpoint resumed from changed); and how many
-times the line was printed. It exits 0 only if every input got one line, printed once.
+Megatron or Canzona refuse, flags the run would not read, settings out of range, damaged data or
+checkpoints, resumes that cannot work, files named wrong, a job told to stop, a rank that stops
+answering, a data file cut short under the job; a tool's negative size runs that tool instead) and
+classifies what the user got: *one line* (a non-zero exit with one error line, torchrun's own
+failure report aside), *saved* (a stop that must save did: the checkpoint at the iteration it came
+in or later, every rank exiting 0), *traceback* (a rank's, whether or not torch put ``[rankN]: ``
+before its lines), *silent* (exit 0, or no error line), *hang* (no exit within ``--launch-timeout``),
+*loss* (the checkpoint resumed from changed, or a stop that did not save); how many times the line
+was printed, and its length. It exits 0 only if every input got what it expects (one line, or
+saved), printed once, in at most 300 characters.
 
 Each scenario (``muon``, ``muon-async``, ``shampoo``, ``shampoo-async``: the optimizer, with or
 without ``--async-save``) trains the tiny Qwen3 recipe (``examples/qwen3/pretrain_qwen3_tiny.sh``,
@@ -95,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="instead of faults, run a table of careless inputs (flags, data, resumes) and count "
                         "their outcomes: one line, traceback, silent, hang, loss")
     parser.add_argument("--bad-cases", help="with --bad-input: comma-separated names of its table (default: all)")
+    parser.add_argument("--markdown", metavar="FILE", help="with --bad-input: also write the table of outcomes as "
+                        "Markdown here (docs/bad_input.md's), the runs' directory shortened to …")
     args = parser.parse_args(argv)
     if args.bad_cases and any(c.strip() not in {b.name for b in BAD_INPUTS} for c in args.bad_cases.split(",")):
         parser.error(f"--bad-cases {args.bad_cases!r}: choose from {', '.join(b.name for b in BAD_INPUTS)}")
@@ -495,10 +502,20 @@ class BadInput:
     flags: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     prepare: str | None = None
-    """What :func:`_prepare` sets up first: ``cut-idx``, ``long-bin``, ``hf-dir``, ``sidecar``, ``checkpoint``,
-    ``calibration-cut`` or ``calibration-one-method``."""
+    """What :func:`_prepare` sets up first: ``cut-idx``, ``long-bin``, ``hf-dir``, ``sidecar``, ``checkpoint``
+    (a copy of the seed run's checkpoints, iterations 1 and 2), ``checkpoint-normuon`` and ``checkpoint-no-optim``
+    (the same saved with NorMuon, or with --no-save-optim), ``shard-cut``, ``shard-missing``, ``tracker-missing``
+    (the seed's with iteration 2's shard cut short or gone, its tracker naming iteration 9), ``save-file``
+    (``--save`` a regular file), ``bin-copy`` (a copy of the demo data, for ``during``), ``calibration-cut`` or
+    ``calibration-one-method``."""
     command: tuple[str, ...] = ()
     """A tool of ``tools/`` and its arguments, run instead of the recipe."""
+    during: tuple[int, str] | None = None
+    """Done once the run logs iteration N: ``(N, what)``, ``what`` one of ``sigterm-torchrun`` (as srun relays
+    scancel), ``sigstop-rank1`` (a rank that stops answering) or ``cut-bin`` (the data's ``.bin`` cut to 4 KiB)."""
+    expect: str = "one line"
+    """The outcome that counts as handled: ``one line``, or ``saved`` (a stop that must save, exit 0 on every
+    rank and resume: the tracker at N or later, the ``[canzona] SIGTERM`` line, no error line)."""
 
 
 BAD_INPUTS = (
@@ -540,34 +557,79 @@ BAD_INPUTS = (
     BadInput("nan-with-the-check-off", "nan", ("--no-check-for-nan-in-loss-and-grad", "--init-method-std", "1e20")),
     BadInput("a-rank-dies-in-the-step", "peer", env=(("ENTRY", "canzona_patches/harness/pretrain_with_fault.py"),
                                                      ("CANZONA_CKPT_FAULT", "step@3:1"))),
+    # A fourth round (issue 50): preemption, parse-time checks, a silent rank, the way on from a checkpoint.
+    BadInput("sigterm-saves-under-the-exit-handler", "preempt", env=(("CKPT_DIR", "{work}/ckpt"),
+                                                                     ("TRAIN_ITERS", "100000")),
+             during=(3, "sigterm-torchrun"), expect="saved"),
+    BadInput("sigterm-without-the-exit-handler", "preempt", env=(("CKPT_DIR", "{work}/ckpt"), ("EXIT_SIGNAL", "none"),
+                                                                 ("TRAIN_ITERS", "100000")),
+             during=(3, "sigterm-torchrun")),
+    BadInput("ckpt-format-torch-under-canzona", "flags", env=(("CKPT_DIR", "{work}/ckpt"), ("CKPT_FORMAT", "torch"))),
+    BadInput("save-is-a-file", "files", prepare="save-file"),
+    BadInput("adamw-beta2-above-1", "range", ("--adam-beta2", "1.5")),
+    BadInput("qk-clip-threshold-without-clip", "unread", ("--qk-clip-threshold", "50")),
+    BadInput("early-compute-on-without-budget", "unread", ("--canzona-early-compute", "on",
+                                                           "--canzona-early-compute-budget", "0")),
+    BadInput("a-rank-stops-answering", "peer", ("--distributed-timeout-seconds-after-init", "5"),
+             env=(("CKPT_DIR", "{work}/ckpt"), ("SAVE_INTERVAL", "2"), ("TRAIN_ITERS", "100000")),
+             during=(3, "sigstop-rank1")),
+    BadInput("every-step-over-the-skip-threshold", "skip", ("--grad-norm-skip-threshold", "0.01")),
+    BadInput("normuon-resumed-as-adamuon", "resume", env=(("OPTIMIZER", "adaptive_muon"),),
+             prepare="checkpoint-normuon"),
+    BadInput("checkpoint-without-optimizer-state", "resume", prepare="checkpoint-no-optim"),
+    BadInput("shard-cut-short", "resume", prepare="shard-cut"),
+    BadInput("tracker-names-a-missing-iteration", "resume", prepare="tracker-missing"),
+    BadInput("ckpt-step-without-such-checkpoint", "resume", ("--ckpt-step", "7"), prepare="checkpoint"),
+    BadInput("bin-cut-short-while-running", "data", env=(("TRAIN_ITERS", "100000"),), prepare="bin-copy",
+             during=(2, "cut-bin")),
 )
 """The table ``--bad-input`` runs: careless inputs of each kind a user makes."""
-OUTCOMES = ("one line", "traceback", "silent", "hang", "loss")
+OUTCOMES = ("one line", "saved", "traceback", "silent", "hang", "loss")
 ERROR_LINE = re.compile(r"^\S+: error: ")
+LONG_LINE = 300
+"""Characters above which an error line counts as too long to read (a long command goes on a line of its own)."""
+RANK_PREFIX = re.compile(r"^\[(?:default|rank)\d+\]:\s?")
+"""What torch puts before every line a rank prints once its process group started (``[rank0]: ``), or
+torchrun's ``--tee`` (``[default0]: ``)."""
+SEEDS = {"checkpoint": (), "checkpoint-normuon": ("--optimizer", "adaptive_muon", "--adaptive-muon-moment2-method",
+                                                 "normuon"), "checkpoint-no-optim": ("--no-save-optim",)}
+"""The seed runs the resume cases start from, by :attr:`BadInput.prepare`, and their extra flags."""
 
 
-def _prepare(case: BadInput, work: Path, seed: Path | None) -> tuple[dict[str, str], list[str]]:
+def _prepare(case: BadInput, work: Path, seeds: dict[str, Path]) -> tuple[dict[str, str], list[str]]:
     """Set up what ``case`` damages; the environment and the extra flags it runs with."""
     demo = ROOT / "data" / "demo" / "demo_text_document"
-    if case.prepare in ("cut-idx", "long-bin"):
+    if case.prepare in ("cut-idx", "long-bin", "bin-copy"):
         copy = work / "data" / "copy_text_document"
         copy.parent.mkdir(parents=True)
         index, data = Path(f"{demo}.idx").read_bytes(), Path(f"{demo}.bin").read_bytes()
         Path(f"{copy}.idx").write_bytes(index[: len(index) - 40] if case.prepare == "cut-idx" else index)
         Path(f"{copy}.bin").write_bytes(data + bytes(128) if case.prepare == "long-bin" else data)
-        return {"DATA_PATH": str(copy)}, []
+        return {"DATA_PATH": str(copy), "DATA_CACHE": str(work / "data" / "cache")}, []
     if case.prepare == "hf-dir":
         hf = work / "Qwen3-0.6B"
         hf.mkdir(parents=True)
         (hf / "config.json").write_text("{}")
         (hf / "model.safetensors").write_bytes(b"")
         return {}, ["--load", str(hf)]
-    if case.prepare in ("checkpoint", "sidecar"):
+    if case.prepare == "save-file":
+        (work / "ckpt").write_text("a file where the checkpoints would go\n")
+        return {"CKPT_DIR": str(work / "ckpt")}, []
+    if case.prepare in (*SEEDS, "sidecar", "shard-cut", "shard-missing", "tracker-missing"):
         ckpt = work / "ckpt"
-        shutil.copytree(seed, ckpt)
+        shutil.copytree(seeds[case.prepare if case.prepare in SEEDS else "checkpoint"], ckpt)
+        latest = ckpt / f"iter_{_tracked_iteration(ckpt):07d}"
         if case.prepare == "sidecar":
-            listing = next((ckpt / f"iter_{_tracked_iteration(ckpt):07d}" / "checksums").glob("__0_*.sha256"))
+            listing = next((latest / "checksums").glob("__0_*.sha256"))
             listing.write_text("0" * 64 + "  " + listing.read_text().split()[1] + "\n")
+        if case.prepare in ("shard-cut", "shard-missing"):
+            shard = next(latest.glob("__1_*.distcp"))
+            if case.prepare == "shard-cut":
+                shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+            else:
+                shard.unlink()
+        if case.prepare == "tracker-missing":
+            (ckpt / TRACKER).write_text("9")
         return {"CKPT_DIR": str(ckpt)}, []
     if case.prepare in ("calibration-cut", "calibration-one-method"):
         shipped = ROOT / "tools" / "calibrations" / "h100-muon-bf16.json"
@@ -580,21 +642,24 @@ def _prepare(case: BadInput, work: Path, seed: Path | None) -> tuple[dict[str, s
     return {}, []
 
 
-def _seed_checkpoint(root: Path, timeout: float) -> Path:
-    """A short Muon run (2 iterations, saved at 2) the resume cases start from."""
+def _seed_checkpoint(root: Path, name: str, timeout: float) -> Path:
+    """A short run (2 iterations, saved at 1 and 2) the resume cases start from: Muon, or what
+    :data:`SEEDS` adds for ``name``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NPROC_PER_NODE": "2", "TP": "1",
-           "TRAIN_ITERS": "2", "SAVE_INTERVAL": "2", "WARMUP_ITERS": "1", "EVAL_ITERS": "0", "EVAL_INTERVAL": "100",
-           "LOG_DIR": str(root / "seed"), "CKPT_DIR": str(root / "seed" / "ckpt"), "MASTER_PORT": str(_free_port())}
-    done = subprocess.run(["bash", str(RECIPE)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+           "TRAIN_ITERS": "2", "SAVE_INTERVAL": "1", "WARMUP_ITERS": "1", "EVAL_ITERS": "0", "EVAL_INTERVAL": "100",
+           "LOG_DIR": str(root / name), "CKPT_DIR": str(root / name / "ckpt"), "MASTER_PORT": str(_free_port())}
+    done = subprocess.run(["bash", str(RECIPE), *SEEDS[name]], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     if done.returncode != 0:
-        raise RuntimeError(f"the seed run failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return root / "seed" / "ckpt"
+        raise RuntimeError(f"the seed run {name} failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return root / name / "ckpt"
 
 
-def _rank_traceback(output: str) -> bool:
+def rank_traceback(output: str) -> bool:
     """Whether a rank printed a traceback: one with a frame outside torchrun's own code (its
-    failure report, which stays, has its own traceback of ``torch/distributed`` and ``runpy``)."""
-    lines = output.splitlines()
+    failure report, which stays, has its own traceback of ``torch/distributed`` and ``runpy``),
+    with or without the ``[rankN]: `` torch puts before a rank's lines once its group started."""
+    lines = [RANK_PREFIX.sub("", line) for line in output.splitlines()]
     for i, line in enumerate(lines):
         if line.strip() == "Traceback (most recent call last):":
             frames = [f for f in lines[i + 1:i + 200] if f.lstrip().startswith('File "')]
@@ -603,47 +668,86 @@ def _rank_traceback(output: str) -> bool:
     return False
 
 
-def run_bad_input(case: BadInput, root: Path, seed: Path | None, timeout: float) -> dict:
+class _Watched:
+    """A launch whose output is read as it comes, to act once it logs iteration N (``during``)."""
+
+    def __init__(self, command: list[str], env: dict[str, str], during: tuple[int, str] | None,
+                 data: str | None) -> None:
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.during, self.data, self.lines, self.acted = during, data, [], False
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+            logged = ITERATION.search(line)
+            if self.during and not self.acted and logged and int(logged[1]) >= self.during[0]:
+                self.acted = True
+                self._act(self.during[1])
+
+    def _act(self, what: str) -> None:
+        if what == "sigterm-torchrun":
+            os.kill(self.process.pid, signal.SIGTERM)  # the recipe execs torchrun
+        elif what == "sigstop-rank1":
+            os.kill(ranks_of(self.process.pid)["1"], signal.SIGSTOP)
+        elif what == "cut-bin":
+            os.truncate(f"{self.data}.bin", 4096)
+
+    def finish(self, timeout: float) -> tuple[int | None, str]:
+        try:
+            code: int | None = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        end_session(self.process)
+        self._reader.join(timeout=10)
+        return code, "".join(self.lines)
+
+
+def run_bad_input(case: BadInput, root: Path, seeds: dict[str, Path], timeout: float) -> dict:
     """One case: its outcome (:data:`OUTCOMES`), how many times its error line was printed,
     the line, and the checkpoint it resumed from still whole (no loss)."""
     work = root / case.name
     work.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NPROC_PER_NODE": "2", "TP": "1",
            "TRAIN_ITERS": "4", "WARMUP_ITERS": "1", "EVAL_ITERS": "0", "EVAL_INTERVAL": "100", "LOG_INTERVAL": "2",
-           "LOG_DIR": str(work), "CKPT_DIR": "none", "MASTER_PORT": str(_free_port()), **dict(case.env)}
-    prepared, flags = _prepare(case, work, seed)
+           "LOG_DIR": str(work), "CKPT_DIR": "none", "MASTER_PORT": str(_free_port()),
+           **{key: value.replace("{work}", str(work)) for key, value in case.env}}
+    if case.during:
+        env["LOG_INTERVAL"] = "1"
+    prepared, flags = _prepare(case, work, seeds)
     env.update(prepared)
     extra = [*case.flags, *flags]
-    tracked = (Path(env["CKPT_DIR"]) / TRACKER).read_text() if case.prepare in ("checkpoint", "sidecar") else None
+    resumed = case.prepare in (*SEEDS, "sidecar")
+    tracked = (Path(env["CKPT_DIR"]) / TRACKER).read_text() if resumed else None
     command = ([sys.executable, str(ROOT / "tools" / case.command[0]), *case.command[1:]] if case.command
                else ["bash", str(RECIPE), *extra])
-    process = subprocess.Popen(command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-        code: int | None = process.returncode
-    except subprocess.TimeoutExpired:
-        end_session(process)
-        output, code = (process.stdout.read() if process.stdout else ""), None
+    code, output = _Watched(command, env, case.during, env.get("DATA_PATH")).finish(timeout)
     (work / "output.log").write_text(output)
-    errors = [line for line in output.splitlines() if ERROR_LINE.match(line)]
+    errors = [line for line in (RANK_PREFIX.sub("", line) for line in output.splitlines()) if ERROR_LINE.match(line)]
     lost = False
     if tracked is not None:
         ckpt = Path(env["CKPT_DIR"])
         lost = (ckpt / TRACKER).read_text() != tracked or (
-            case.prepare == "checkpoint" and _checkpoint_problem(ckpt / f"iter_{int(tracked):07d}") is not None)
+            case.prepare in SEEDS and _checkpoint_problem(ckpt / f"iter_{int(tracked):07d}") is not None)
     if code is None:
         outcome = "hang"
+    elif case.expect == "saved":
+        saved = _tracked_iteration(Path(env["CKPT_DIR"]))
+        outcome = ("saved" if saved >= case.during[0] and "[canzona] SIGTERM in iteration" in output and not errors
+                   and not rank_traceback(output) and "exitcode" not in output else "loss")
     elif lost:
         outcome = "loss"
-    elif _rank_traceback(output):
+    elif rank_traceback(output):
         outcome = "traceback"
     elif code == 0 or not errors:
         outcome = "silent"
     else:
         outcome = "one line"
-    return {"name": case.name, "kind": case.kind, "outcome": outcome, "exit": code, "printed": len(errors),
-            "line": errors[0] if errors else None}
+    line = errors[0] if errors else None
+    return {"name": case.name, "kind": case.kind, "outcome": outcome, "expected": case.expect, "exit": code,
+            "printed": len(errors), "chars": len(line) if line else 0, "line": line}
 
 
 def bad_input(args: argparse.Namespace) -> int:
@@ -658,12 +762,13 @@ def bad_input(args: argparse.Namespace) -> int:
         subprocess.run([sys.executable, str(ROOT / "tools" / "prepare_demo_data.py"), "--output-dir", str(demo)],
                        cwd=ROOT, check=True, capture_output=True)
     try:
-        seed = _seed_checkpoint(root, args.launch_timeout) if any(c.prepare in ("checkpoint", "sidecar")
-                                                                  for c in cases) else None
+        wanted = {"checkpoint" if c.prepare in ("sidecar", "shard-cut", "shard-missing", "tracker-missing")
+                  else c.prepare for c in cases} & set(SEEDS)
+        seeds = {name: _seed_checkpoint(root / "seeds", name, args.launch_timeout) for name in sorted(wanted)}
         for case in cases:
-            row = run_bad_input(case, root, seed, args.launch_timeout)
+            row = run_bad_input(case, root, seeds, args.launch_timeout)
             rows.append(row)
-            print(f"[chaos] {case.name}: {row['outcome']}, printed {row['printed']}x", flush=True)
+            print(f"[chaos] {case.name}: {row['outcome']}, printed {row['printed']}x, {row['chars']} chars", flush=True)
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
@@ -673,13 +778,27 @@ def bad_input(args: argparse.Namespace) -> int:
         print(f"| {row['name']} | {row['kind']} | {row['outcome']} | {row['exit']} | {row['printed']} | {line} |")
     counts = {outcome: sum(row["outcome"] == outcome for row in rows) for outcome in OUTCOMES}
     repeated = sum(row["printed"] > 1 for row in rows)
+    long_lines = sum(row["chars"] > LONG_LINE for row in rows)
+    handled = sum(row["outcome"] == row["expected"] for row in rows)
     print(f"{len(rows)} inputs: " + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES)
-          + f"; {repeated} printed more than once; {(time.perf_counter() - started) / 60:.1f} min")
+          + f"; {handled} as expected; {repeated} printed more than once; {long_lines} lines over {LONG_LINE} "
+          f"characters; {(time.perf_counter() - started) / 60:.1f} min")
     report = {"git_revision": git_revision(), "machine": machine(), "counts": counts, "repeated": repeated,
-              "cases": rows}
+              "long_lines": long_lines, "cases": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if counts["one line"] == len(rows) and not repeated else 1
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_table(rows, root))
+    return 0 if handled == len(rows) and not repeated and not long_lines else 1
+
+
+def markdown_table(rows: list[dict], root: Path) -> str:
+    """The outcomes as docs/bad_input.md's table: the runs' directory shortened to ``…``."""
+    lines = ["| input | kind | outcome | printed | chars | the line (paths shortened) |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        line = (row["line"] or "").replace(str(root), "…").replace(str(ROOT) + "/", "").replace("|", "\\|")
+        lines.append(f"| {row['name']} | {row['kind']} | {row['outcome']} | {row['printed']}× | {row['chars']} | {line} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -90,24 +90,26 @@ def way_on(load_dir: str | Path, *, damaged: Path | None = None) -> str:
     if not found:
         return f"no complete checkpoint under --load {load_dir}: restore one, or drop --load to train from scratch"
     if len(found) == 1:
-        return f"the complete checkpoint there is iteration {found[0]}: resume from it with --ckpt-step {found[0]}"
+        return f"iteration {found[0]} is complete: resume from it with --ckpt-step {found[0]}"
     shown = ", ".join(map(str, found[-4:])) + (f" (and {len(found) - 4} older)" if len(found) > 4 else "")
-    return f"complete checkpoints there: iterations {shown}; resume from the latest with --ckpt-step {found[-1]}"
+    return f"iterations {shown} are complete: resume from the latest with --ckpt-step {found[-1]}"
 
 
-def resume_advice(args: Any) -> str:
-    """The last complete checkpoint under ``--save`` and the command that resumes from it: this
-    job's own launch command (torchrun's, read from this host), with ``--load`` added where the
-    job did not load from its ``--save``."""
+def resume_advice(args: Any) -> tuple[str, str]:
+    """The last complete checkpoint under ``--save`` and the command that resumes from it, as the
+    end of a one-line error and a second line holding the command (hundreds of characters: this
+    job's own launch command, read from torchrun on this host, with ``--load`` added where the
+    job did not load from its ``--save``)."""
     command = _launch_command()
     if args.save is None:
-        return f"there is no --save: nothing to resume from; to start again: {command}"
+        return "there is no --save: nothing to resume from (command to start again below)", f"  start again: {command}"
     checkpoint = last_complete_checkpoint(args.save)
     if checkpoint is None:
-        return f"no complete checkpoint under --save {args.save}: nothing to resume from; to start again: {command}"
+        return (f"no complete checkpoint under --save {args.save}: nothing to resume from (command to start again "
+                "below)"), f"  start again: {command}"
     if args.load is None or Path(args.load).resolve() != Path(args.save).resolve():
         command += f" --load {shlex.quote(str(args.save))}"
-    return f"the last complete checkpoint is {checkpoint}; to resume from it: {command}"
+    return f"the last complete checkpoint is {checkpoint} (resume command below)", f"  resume: {command}"
 
 
 def _launch_command() -> str:

@@ -15,6 +15,7 @@ import argparse
 import ast
 import functools
 import linecache
+import os
 import re
 import traceback
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ class FailedCheck:
     """``args`` attributes the condition reads, in order."""
     local_values: dict[str, Any]
     """Other names of the condition and their values where it failed."""
+    environment: tuple[str, ...] = ()
+    """Environment variables the condition reads (``os.environ.get('X')``, ``os.environ['X']``,
+    ``os.getenv('X')``), in order."""
 
 
 def _statement(file: str, line: int) -> ast.Assert | None:
@@ -85,8 +89,25 @@ def failed_check(error: BaseException) -> FailedCheck | None:
                     names[sub.id] = value
         return FailedCheck(file=file, line=line, condition=" ".join(condition.replace("\\\n", " ").split()),
                            message=str(error),
-                           flags=tuple(flags), local_values=names)
+                           flags=tuple(flags), local_values=names, environment=_environment_read(node.test))
     return None
+
+
+def _environment_read(test: ast.expr) -> tuple[str, ...]:
+    """The environment variables an ``assert`` condition reads by name."""
+    found: list[str] = []
+    for sub in ast.walk(test):
+        name = None
+        if isinstance(sub, ast.Call) and sub.args and isinstance(sub.args[0], ast.Constant):
+            func = ast.unparse(sub.func)
+            if func in ("os.environ.get", "os.getenv", "environ.get", "getenv"):
+                name = sub.args[0].value
+        elif isinstance(sub, ast.Subscript) and ast.unparse(sub.value) in ("os.environ", "environ") \
+                and isinstance(sub.slice, ast.Constant):
+            name = sub.slice.value
+        if isinstance(name, str) and name not in found:
+            found.append(name)
+    return tuple(found)
 
 
 def _flag(name: str) -> str:
@@ -113,7 +134,13 @@ def _fix(check: FailedCheck, args: argparse.Namespace) -> str:
     if positive:
         return f"{_flag(positive.group(1))} must be 1 or more"
     named = [f"{_flag(f)} ({getattr(args, f, None)})" for f in check.flags if not f.startswith("_")]
+    named += [f"the environment variable {name} ({_environment_value(name)})" for name in check.environment]
     return f"change {', '.join(named)} so that it holds" if named else "change the flags it reads so that it holds"
+
+
+def _environment_value(name: str) -> str:
+    value = os.environ.get(name)
+    return "unset" if value is None else f"now {value!r}"
 
 
 SET_UP = ("megatron/core/parallel_state.py",)

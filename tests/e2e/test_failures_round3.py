@@ -81,8 +81,10 @@ def test_a_dead_peer_on_another_node_is_one_line(save_killed_on_another_node: di
     assert len(lines) == 1, lines or survivor[-6000:]
     assert lines[0].startswith("pretrain_gpt.py: error: rank 1 is gone ("), lines[0]
     assert re.search(r"gloo: .*(Connection (reset|closed) by peer)", lines[0]), lines[0]
-    assert f"; the last complete checkpoint is {ckpt}/iter_0000002; to resume from it: " in lines[0], lines[0]
-    command = lines[0].split("; to resume from it: ", 1)[1]
+    assert lines[0].endswith(f"; the last complete checkpoint is {ckpt}/iter_0000002 (resume command below)"), lines[0]
+    assert len(lines[0]) < 300 + len(str(ckpt)), lines[0]  # under 300 but for the path
+    command = survivor.split(lines[0] + "\n", 1)[1].splitlines()[0]
+    assert command.startswith("  resume: "), command
     assert "torch.distributed.run" in command and "--node-rank 0" in command and f"--load {ckpt}" in command, command
     assert not RANK_TRACEBACK.search(survivor), survivor[-6000:]
     assert "ChildFailedError" in survivor  # torchrun's own report follows, as before
@@ -137,7 +139,8 @@ def test_a_dead_peer_on_this_node_is_one_line(demo_data: DemoData, tmp_path: Pat
     lines = ERROR_LINE.findall(out)
     assert len(lines) == 1, lines or out[-6000:]
     assert lines[0].startswith("pretrain_gpt.py: error: rank 1 is gone ("), lines[0]
-    assert "; there is no --save: nothing to resume from; to start again: " in lines[0], lines[0]
+    assert lines[0].endswith("; there is no --save: nothing to resume from (command to start again below)")
+    assert out.split(lines[0] + "\n", 1)[1].startswith("  start again: "), out[-6000:]
     assert not RANK_TRACEBACK.search(out), out[-6000:]
     assert re.search(rf"exitcode\s*: -9 \(pid: {ranks['1']}\)", out), out[-6000:]
 

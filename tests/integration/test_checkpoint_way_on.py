@@ -63,7 +63,7 @@ def test_a_shard_cut_short_names_the_file_and_the_step_that_resumes(saved: Path)
     shard.write_bytes(shard.read_bytes()[:100])
     line = _refusal(saved)
     assert f"{shard} is truncated" in line
-    assert line.endswith("complete checkpoints there: iterations 2, 4; resume from the latest with --ckpt-step 4"), line
+    assert line.endswith("iterations 2, 4 are complete: resume from the latest with --ckpt-step 4"), line
 
 
 def test_a_missing_shard_names_it_and_the_step_that_resumes(saved: Path) -> None:
@@ -71,14 +71,14 @@ def test_a_missing_shard_names_it_and_the_step_that_resumes(saved: Path) -> None
     _shard(saved / "iter_0000004").unlink()
     line = _refusal(saved)
     assert re.search(r"iter_0000006/\S+\.distcp is missing", line)
-    assert line.endswith("the complete checkpoint there is iteration 2: resume from it with --ckpt-step 2"), line
+    assert line.endswith("iteration 2 is complete: resume from it with --ckpt-step 2"), line
 
 
 def test_a_tracker_naming_a_missing_iteration(saved: Path) -> None:
     (saved / TRACKER).write_text("8")
     line = _refusal(saved)
     assert f"{saved / 'iter_0000008'} does not exist (named by {saved / TRACKER})" in line
-    assert line.endswith("iterations 2, 4, 6; resume from the latest with --ckpt-step 6"), line
+    assert line.endswith("iterations 2, 4, 6 are complete: resume from the latest with --ckpt-step 6"), line
 
 
 def test_a_tracker_holding_garbage(saved: Path) -> None:

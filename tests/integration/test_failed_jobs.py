@@ -63,18 +63,22 @@ def test_failed_saves_are_removed_and_complete_checkpoints_kept(tmp_path: Path) 
 
 
 def test_resume_advice_names_the_last_complete_checkpoint(tmp_path: Path) -> None:
+    """The end of a one-line error (under 300 characters with a short path) and, on a line of its
+    own, the command that resumes or starts again."""
     def args(**kw):
         return argparse.Namespace(**{"save": str(tmp_path), "load": str(tmp_path), **kw})
 
-    assert resume_advice(args(save=None)).startswith("there is no --save: nothing to resume from; to start again: ")
-    assert resume_advice(args()).startswith(f"no complete checkpoint under --save {tmp_path}: nothing to resume")
+    advice, command = resume_advice(args(save=None))
+    assert advice == "there is no --save: nothing to resume from (command to start again below)"
+    assert command.startswith("  start again: ")
+    assert resume_advice(args())[0].startswith(f"no complete checkpoint under --save {tmp_path}: nothing to resume")
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
-    assert resume_advice(args()).startswith(f"no complete checkpoint under --save {tmp_path}")  # tracked, not there
+    assert resume_advice(args())[0].startswith(f"no complete checkpoint under --save {tmp_path}")  # tracked, not there
     (tmp_path / "iter_0000004").mkdir()
-    advice = resume_advice(args())
-    assert advice.startswith(f"the last complete checkpoint is {tmp_path / 'iter_0000004'}; to resume from it: ")
-    assert "--load" not in advice.split("to resume from it: ")[1]
-    assert resume_advice(args(load=None)).endswith(f" --load {tmp_path}")
+    advice, command = resume_advice(args())
+    assert advice == f"the last complete checkpoint is {tmp_path / 'iter_0000004'} (resume command below)"
+    assert command.startswith("  resume: ") and "--load" not in command and "\n" not in command
+    assert resume_advice(args(load=None))[1].endswith(f" --load {tmp_path}")
 
 
 def test_an_interval_that_trained_nothing_logs_its_skipped_loss() -> None:

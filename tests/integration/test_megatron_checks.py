@@ -37,6 +37,32 @@ def test_a_bare_assert_names_its_condition_and_flags(tmp_path) -> None:
     assert message.endswith("change --num-query-groups (3), --kv-channels (16) so that it holds") and "\n" not in message
 
 
+ENVIRONMENT_CHECK = """import os
+
+
+def check(args):
+    assert os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS') != "1" or not args.use_megatron_fsdp, \\
+        'FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset.'
+"""
+"""Megatron's FSDP check: it reads an environment variable, which the fix must name."""
+
+
+def test_a_check_of_the_environment_names_the_variable(tmp_path, monkeypatch) -> None:
+    source = tmp_path / "megatron_env_like.py"
+    source.write_text(ENVIRONMENT_CHECK)
+    spec = importlib.util.spec_from_file_location("megatron_env_like", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    args = argparse.Namespace(use_megatron_fsdp=True)
+    with pytest.raises(AssertionError) as raised:
+        module.check(args)
+    assert failed_check(raised.value).environment == ("CUDA_DEVICE_MAX_CONNECTIONS",)
+    message = str(one_line(raised.value, args))
+    assert message.endswith("change --use-megatron-fsdp (True), the environment variable CUDA_DEVICE_MAX_CONNECTIONS "
+                            "(now '1') so that it holds"), message
+
+
 def test_an_assert_without_source_still_gives_one_line() -> None:
     exec_globals: dict = {}
     exec(compile("def f():\n    assert False, 'some\\nmessage'\n", "<nowhere>", "exec"), exec_globals)

@@ -40,7 +40,16 @@ _PREFIX = "canzona/peers"
 # connection or a timeout (a rendezvous that failed, a hang: no rank is known to be gone).
 _LOST = re.compile(r"(Connection (closed|reset) by (remote )?peer|Broken pipe|remote process exited"
                    r"|ncclRemoteError)", re.IGNORECASE)
+_TIMED_OUT = re.compile(r"(Timed out waiting|timed out after|timeout caused pair closure"
+                        r"|Watchdog caught collective operation timeout)", re.I)
 _GLOO_WHERE = re.compile(r"pair\.cc:\d+\]\s*")
+_WHERE = re.compile(r"^(RuntimeError: |DistBackendError: )?\[[^\]]*\.(cc|cpp|h):\d+\]\s*")
+"""The source location gloo puts before its words (``[/__w/.../unbound_buffer.cc:78] ``)."""
+WORDS_CHARS = 120
+"""How much of gloo's or NCCL's words a one-line error quotes."""
+TIMEOUT_ROLL_CALL_S = 10.0
+"""After a collective timed out: how long the reporting rank waits for the others to answer (the
+ranks waiting on the silent one time out too, within about an iteration of each other)."""
 
 _reporting = False
 _stopping = False
@@ -49,15 +58,26 @@ _stopping = False
 def lost_peer_words(error: BaseException) -> str | None:
     """gloo's or NCCL's words when ``error`` (or an error it was raised from) says a peer's
     connection broke; ``None`` otherwise."""
+    return _words_of(error, _LOST)
+
+
+def timed_out_words(error: BaseException) -> str | None:
+    """gloo's or NCCL's words when ``error`` (or an error it was raised from) says a collective
+    waited longer than the process group's timeout (``--distributed-timeout-minutes``); ``None``
+    otherwise."""
+    return _words_of(error, _TIMED_OUT)
+
+
+def _words_of(error: BaseException, pattern: re.Pattern) -> str | None:
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         texts = [str(error), *(str(f) for f in (getattr(error, "failures", None) or {}).values())]
         for text in texts:
             for line in text.splitlines():
-                if _LOST.search(line):
-                    words = _GLOO_WHERE.split(line.strip())[-1]
-                    return words.split(". This is typically")[0][:200]
+                if pattern.search(line):
+                    words = _GLOO_WHERE.split(_WHERE.sub("", line.strip()))[-1]
+                    return words.split(". This is typically")[0][:WORDS_CHARS]
         error = error.__cause__ or error.__context__
     return None
 
@@ -68,6 +88,16 @@ def mark_ended_knowingly() -> None:
     store = _store()
     if store is not None:
         _try(lambda: store.set(f"{_PREFIX}/ended/{dist.get_rank()}", "1"))
+
+
+def claim_report() -> bool:
+    """Whether this rank is the first of the job to report a failure (one line per job), for a
+    fault one rank finds alone; marks it as ending knowingly, so no peer reports it gone."""
+    global _reporting
+    _reporting = True
+    mark_ended_knowingly()
+    store = _store()
+    return store is None or _try(lambda: store.add(f"{_PREFIX}/reporters", 1)) in (1, None)
 
 
 def report_lost_peer(words: str) -> str | None:
@@ -89,6 +119,34 @@ def report_lost_peer(words: str) -> str | None:
     gone, how = _gone_ranks(store, rank, world_size, dead_here)
     if not gone:
         return None
+    which = f"rank {gone[0]} is" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))} are"
+    return f"{which} gone ({how}; {_gloo_or_nccl()}: {words})"
+
+
+def report_silent_peer(words: str) -> str | None:
+    """After a collective timed out with ``words`` (:func:`timed_out_words`): answer the roll call
+    and, on the one rank that reports, return ``"rank R did not answer (...)"``, naming the ranks
+    that neither answered within :data:`TIMEOUT_ROLL_CALL_S` nor ended knowingly (a frozen,
+    swapped-out or I/O-bound rank, a lost node); ``None`` on the others."""
+    global _reporting
+    _reporting = True
+    store = _store()
+    if store is None:
+        return f"a collective timed out ({_gloo_or_nccl()}: {words})"
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    _try(lambda: store.set(f"{_PREFIX}/alive/{rank}", "1"))
+    dead_here = _ended_local_ranks()
+    for dead in dead_here:
+        _try(lambda: store.set(f"{_PREFIX}/gone/{dead}", "1"))
+    if _try(lambda: store.add(f"{_PREFIX}/reporters", 1)) not in (1, None):
+        return None
+    gone, how = _gone_ranks(store, rank, world_size, dead_here, window_s=TIMEOUT_ROLL_CALL_S)
+    if not gone:
+        return f"a collective timed out and every rank answered after it ({_gloo_or_nccl()}: {words})"
+    if how.startswith("no answer"):
+        which = f"rank {gone[0]} did" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))} did"
+        return (f"{which} not answer after a collective timed out (frozen, swapped out, stuck in I/O, node lost?; "
+                f"{_gloo_or_nccl()}: {words})")
     which = f"rank {gone[0]} is" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))} are"
     return f"{which} gone ({how}; {_gloo_or_nccl()}: {words})"
 
@@ -142,12 +200,13 @@ def watch_for_lost_peers(report: Callable[[str], None], stop: Callable[[bool], b
     return True
 
 
-def _gone_ranks(store: Any, rank: int, world_size: int, dead_here: list[int]) -> tuple[list[int], str]:
+def _gone_ranks(store: Any, rank: int, world_size: int, dead_here: list[int],
+                window_s: float = ROLL_CALL_S) -> tuple[list[int], str]:
     """The ranks gone and how that is known; ranks that ended knowingly are left out."""
     def ended(r: int) -> bool:
         return bool(_try(lambda: store.check([f"{_PREFIX}/ended/{r}"])))
 
-    deadline = time.monotonic() + ROLL_CALL_S
+    deadline = time.monotonic() + window_s
     answered = {rank}
     while True:
         reported = [r for r in range(world_size) if r not in answered
@@ -162,7 +221,7 @@ def _gone_ranks(store: Any, rank: int, world_size: int, dead_here: list[int]) ->
             break
         time.sleep(0.1)
     silent = [r for r in range(world_size) if r not in answered and not ended(r)]
-    return silent, f"no answer within {ROLL_CALL_S:.0f} s"
+    return silent, f"no answer within {window_s:.0f} s"
 
 
 def _ended_local_ranks() -> list[int]:
