@@ -16,5 +16,5 @@ class CanzonaCheckpointError(CanzonaArgumentError):
 
 
 class CanzonaRankError(CanzonaArgumentError):
-    """A fault one rank finds alone (a data file that changed under the job): that rank says it,
+    """A failure one rank finds alone (a data file that changed under the job): that rank says it,
     once per job, where a flag error is said by the first rank only (every rank finds it alike)."""

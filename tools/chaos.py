@@ -587,7 +587,8 @@ BAD_INPUTS = (
 OUTCOMES = ("one line", "saved", "traceback", "silent", "hang", "loss")
 ERROR_LINE = re.compile(r"^\S+: error: ")
 LONG_LINE = 300
-"""Characters above which an error line counts as too long to read (a long command goes on a line of its own)."""
+"""Characters above which an error line counts as too long to read (a long command goes on a line of its own),
+the case's directory counted as one."""
 RANK_PREFIX = re.compile(r"^\[(?:default|rank)\d+\]:\s?")
 """What torch puts before every line a rank prints once its process group started (``[rank0]: ``), or
 torchrun's ``--tee`` (``[default0]: ``)."""
@@ -746,8 +747,10 @@ def run_bad_input(case: BadInput, root: Path, seeds: dict[str, Path], timeout: f
     else:
         outcome = "one line"
     line = errors[0] if errors else None
+    # Its length as a user reads it with a path of their own: the case's directory counts as one character.
+    chars = len(line.replace(str(work), "…").replace(f"{ROOT}/", "")) if line else 0
     return {"name": case.name, "kind": case.kind, "outcome": outcome, "expected": case.expect, "exit": code,
-            "printed": len(errors), "chars": len(line) if line else 0, "line": line}
+            "printed": len(errors), "chars": chars, "line": line}
 
 
 def bad_input(args: argparse.Namespace) -> int:

@@ -425,8 +425,8 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
             read_ns_calibration(calibration)
         except ValueError as error:
             raise CanzonaArgumentError(
-                f"--canzona-calibration {calibration}: {error}; write it with tools/bench_optim.py --muon-ns-method "
-                "standard gram --calibrate FILE, or pass 'none'") from None
+                f"--canzona-calibration {calibration}: {str(error).removeprefix(os.path.basename(calibration) + ': ')}; "
+                "write it with tools/bench_optim.py --muon-ns-method standard gram --calibrate FILE, or pass 'none'") from None
     if getattr(args, "canzona_profile_file", None) and getattr(args, "canzona_profile_iteration", None) is None:
         raise CanzonaArgumentError(
             "--canzona-profile-file writes the profile of --canzona-profile-iteration N: add it, or drop "

@@ -121,12 +121,11 @@ def _fix(check: FailedCheck, args: argparse.Namespace) -> str:
         size = check.local_values.get("total_model_size")
         if size:
             return (f"the number of processes ({args.world_size}) must be a multiple of TP x PP x CP = {size}: start "
-                    f"{size}, {2 * size}, {4 * size}, ... ranks (torchrun --nproc-per-node x --nnodes), or change "
-                    "--tensor-model-parallel-size, --pipeline-model-parallel-size or --context-parallel-size")
+                    f"{size}, {2 * size}, ... processes (torchrun --nproc-per-node x --nnodes), or change the TP, PP or CP "
+                    "size")
     if "num_layers %" in condition and "pipeline" in condition:
-        return (f"--num-layers {args.num_layers} does not split evenly over --pipeline-model-parallel-size "
-                f"{args.pipeline_model_parallel_size}: pick a pipeline size that divides it, or give the uneven "
-                "stages with --decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers")
+        return (f"--num-layers {args.num_layers} does not split evenly over {args.pipeline_model_parallel_size} stages: "
+                "pick a --pipeline-model-parallel-size that divides it, or set --decoder-first-pipeline-num-layers")
     if "max_position_embeddings" in condition:
         return (f"raise --max-position-embeddings (now {args.max_position_embeddings}) to at least --seq-length "
                 f"{args.seq_length}, or lower --seq-length")
@@ -160,8 +159,7 @@ def _set_up_fix(text: str, args: argparse.Namespace) -> str:
     if sizes:
         return (f"the number of processes ({sizes[1]}) must be a multiple of expert TP x EP x PP = {sizes[2]}: change "
                 f"--expert-model-parallel-size ({getattr(args, 'expert_model_parallel_size', None)}) or "
-                f"--expert-tensor-parallel-size ({getattr(args, 'expert_tensor_parallel_size', None)}), or start a "
-                "multiple of it")
+                f"--expert-tensor-parallel-size ({getattr(args, 'expert_tensor_parallel_size', None)})")
     return "change the parallel sizes it names"
 
 

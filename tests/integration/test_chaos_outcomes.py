@@ -4,7 +4,11 @@ is not one, and the error line is found under the prefix too."""
 
 from __future__ import annotations
 
+import pytest
+
 from tools.chaos import ERROR_LINE, RANK_PREFIX, rank_traceback
+
+pytestmark = pytest.mark.quick
 
 RANK_TRACEBACK = """\
 [rank0]: Traceback (most recent call last):

@@ -21,6 +21,8 @@ from canzona_patches.checkpoints.recovery import complete_checkpoints, way_on
 from canzona_patches.checkpoints.state import _check_nothing_to_resume, verified_checkpoint
 from canzona_patches.errors import CanzonaCheckpointError
 
+pytestmark = pytest.mark.quick
+
 TRACKER = "latest_checkpointed_iteration.txt"
 
 

@@ -15,6 +15,8 @@ from canzona_patches.integration.data_files import checked_bin_read, data_worker
 from megatron.core.datasets import indexed_dataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "data" / "demo" / "demo_text_document"
 

@@ -167,9 +167,9 @@ CALIBRATIONS = {
     "not_json": ("{'muon_methods': }", "not valid JSON"),
     "a_list": ("[]", "expected an object with 'ns_dtype' and 'muon_methods', got list"),
     "bench_optim_without_methods": (json.dumps({"optimizer": "muon", "ns_dtype": "bfloat16", "timings": []}),
-                                    "muon_methods must hold the timings of standard and gram .*; it has none"),
+                                    "muon_methods must hold the timings of standard and gram; it has none"),
     "one_method": (json.dumps({"ns_dtype": "bfloat16", "muon_methods": {"standard": {}}}),
-                   "muon_methods must hold the timings of standard and gram .*; got \\['standard'\\]"),
+                   "muon_methods must hold the timings of standard and gram; got \\['standard'\\]"),
     "ns_dtype_fp16": (json.dumps({"ns_dtype": "float16", "muon_methods": {"standard": {}, "gram": {}}}),
                       "ns_dtype must be one of bfloat16, float32, got 'float16'"),
     "seconds_a_string": (json.dumps({"ns_dtype": "bfloat16", "muon_methods": {
@@ -183,7 +183,8 @@ def test_a_calibration_is_read_when_named(case: str, tmp_path: Path) -> None:
     text, what = CALIBRATIONS[case]
     path = tmp_path / f"{case}.json"
     path.write_text(text)
-    with pytest.raises(CanzonaArgumentError, match=f"^--canzona-calibration {path}: {case}.json: {what}") as refused:
+    # (the file named once: the reader's own "<name>: " prefix is dropped)
+    with pytest.raises(CanzonaArgumentError, match=f"^--canzona-calibration {path}: {what}") as refused:
         validate_canzona_args(parse(*CANZONA, "--muon-ns-method", "auto", "--canzona-calibration", str(path)))
     assert "\n" not in str(refused.value) and "tools/bench_optim.py" in str(refused.value)
 

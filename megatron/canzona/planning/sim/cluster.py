@@ -310,8 +310,7 @@ def read_ns_calibration(path: str) -> tuple[str, dict[str, Calibration]]:
     if not isinstance(methods, Mapping) or not set(NS_CALIBRATION_METHODS) <= set(methods):
         found = f"got {sorted(methods) if isinstance(methods, Mapping) else methods!r}" if methods is not None \
             else "it has none (a calibration of one method?)"
-        raise ValueError(f"{name}: muon_methods must hold the timings of {' and '.join(NS_CALIBRATION_METHODS)} "
-                         f"(tools/bench_optim.py --muon-ns-method standard gram --calibrate FILE writes them); {found}")
+        raise ValueError(f"{name}: muon_methods must hold the timings of {' and '.join(NS_CALIBRATION_METHODS)}; {found}")
     ns_dtype = data.get("ns_dtype")
     if ns_dtype not in NS_CALIBRATION_DTYPES:
         raise ValueError(f"{name}: ns_dtype must be one of {', '.join(NS_CALIBRATION_DTYPES)}, got {ns_dtype!r}")
