@@ -120,12 +120,11 @@ def _fix(check: FailedCheck, args: argparse.Namespace) -> str:
     if "world_size %" in condition:
         size = check.local_values.get("total_model_size")
         if size:
-            return (f"the number of processes ({args.world_size}) must be a multiple of TP x PP x CP = {size}: start "
-                    f"{size}, {2 * size}, ... processes (torchrun --nproc-per-node x --nnodes), or change the TP, PP or CP "
-                    "size")
+            return (f"start a multiple of TP x PP x CP = {size} processes (torchrun --nproc-per-node x --nnodes), or "
+                    "change the TP, PP or CP size")
     if "num_layers %" in condition and "pipeline" in condition:
-        return (f"--num-layers {args.num_layers} does not split evenly over {args.pipeline_model_parallel_size} stages: "
-                "pick a --pipeline-model-parallel-size that divides it, or set --decoder-first-pipeline-num-layers")
+        return (f"--num-layers {args.num_layers} does not split over {args.pipeline_model_parallel_size} stages: pick a "
+                "--pipeline-model-parallel-size that divides it, or set --decoder-first-pipeline-num-layers")
     if "max_position_embeddings" in condition:
         return (f"raise --max-position-embeddings (now {args.max_position_embeddings}) to at least --seq-length "
                 f"{args.seq_length}, or lower --seq-length")
@@ -174,5 +173,5 @@ def one_line(error: BaseException, args: argparse.Namespace) -> CanzonaArgumentE
             return CanzonaArgumentError(f"Megatron's parallel layout failed: {text}; {_set_up_fix(text, args)}")
         return CanzonaArgumentError(f"Megatron's flag check failed: {text}")
     what = " ".join(check.message.split()) or f"`{check.condition}` does not hold"
-    where = f"{re.sub(r'^.*/site-packages/', '', check.file)}:{check.line}"
+    where = f"{re.sub(r'^.*/site-packages/(megatron/)?', '', check.file)}:{check.line}"
     return CanzonaArgumentError(f"Megatron's flag check failed: {what} ({where}); {_fix(check, args)}")

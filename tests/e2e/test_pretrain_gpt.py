@@ -275,9 +275,9 @@ MEGATRON_BASE = [*QWEN3_TINY, "--micro-batch-size", "2", "--global-batch-size", 
 MEGATRON_CHECKS = {
     # name: (flags over MEGATRON_BASE, the job's world size, what the line must say)
     "world_size": (["--tensor-model-parallel-size", "2"], 3,
-                   "the number of processes (3) must be a multiple of TP x PP x CP = 2"),
+                   "start a multiple of TP x PP x CP = 2 processes (torchrun --nproc-per-node x --nnodes)"),
     "world_size_with_cp": (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"], 6,
-                           "must be a multiple of TP x PP x CP = 4"),
+                           "start a multiple of TP x PP x CP = 4 processes"),
     "layers_by_pipeline": (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2,
                            "--decoder-first-pipeline-num-layers"),
     "positions_below_sequence": (["--max-position-embeddings", "32"], 1,

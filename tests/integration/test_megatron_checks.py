@@ -104,7 +104,7 @@ def test_every_assert_of_validate_args_is_worded_in_one_line() -> None:
         assert f"arguments.py:{node.lineno})" in message, (node.lineno, message)
         read = dict.fromkeys(sub.attr for sub in ast.walk(node.test) if isinstance(sub, ast.Attribute)
                              and isinstance(sub.value, ast.Name) and sub.value.id == "args")
-        special = re.search(r"(must be a multiple of|does not split evenly|raise --max-position-embeddings|"
+        special = re.search(r"(start a multiple of|does not split over|raise --max-position-embeddings|"
                             r"must be 1 or more)", message)
         if read and not special:
             for flag in read:

@@ -13,6 +13,13 @@ answers; a rank that does not within :data:`ROLL_CALL_S` is named). A rank that 
 error of its own, or because it was told to (SIGTERM), marks so in the store first
 (:func:`mark_ended_knowingly`): it is not "gone", and a peer's SIGTERM does not report it.
 
+A rank that stops answering (frozen, swapped out, stuck in I/O, its node lost) is learnt of when
+a collective with it times out (gloo's ``Timed out waiting``, :func:`timed_out_words`): the
+survivors answer the same roll call for :data:`TIMEOUT_ROLL_CALL_S`, and those that do not are
+named (:func:`report_silent_peer`). A SIGTERM with every rank of the node running is a stop the
+job was told (``scancel``, preemption, a SIGTERM to torchrun): :func:`watch_for_lost_peers` hands
+it to the entry point, which saves under ``--exit-signal-handler``.
+
 Of all survivors, the first to take the store's report counter prints (exactly one line per
 job); the others stop quietly. Store operations are few and only on these failure paths.
 """
@@ -92,7 +99,7 @@ def mark_ended_knowingly() -> None:
 
 def claim_report() -> bool:
     """Whether this rank is the first of the job to report a failure (one line per job), for a
-    fault one rank finds alone; marks it as ending knowingly, so no peer reports it gone."""
+    failure one rank finds alone; marks it as ending knowingly, so no peer reports it gone."""
     global _reporting
     _reporting = True
     mark_ended_knowingly()
@@ -109,12 +116,8 @@ def report_lost_peer(words: str) -> str | None:
     store = _store()
     if store is None:
         return f"a peer is gone ({_gloo_or_nccl()}: {words})"
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    _try(lambda: store.set(f"{_PREFIX}/alive/{rank}", "1"))
-    dead_here = _ended_local_ranks()
-    for dead in dead_here:
-        _try(lambda: store.set(f"{_PREFIX}/gone/{dead}", "1"))
-    if _try(lambda: store.add(f"{_PREFIX}/reporters", 1)) not in (1, None):
+    rank, world_size, dead_here, reports = _answer_roll_call(store)
+    if not reports:
         return None
     gone, how = _gone_ranks(store, rank, world_size, dead_here)
     if not gone:
@@ -133,12 +136,8 @@ def report_silent_peer(words: str) -> str | None:
     store = _store()
     if store is None:
         return f"a collective timed out ({_gloo_or_nccl()}: {words})"
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    _try(lambda: store.set(f"{_PREFIX}/alive/{rank}", "1"))
-    dead_here = _ended_local_ranks()
-    for dead in dead_here:
-        _try(lambda: store.set(f"{_PREFIX}/gone/{dead}", "1"))
-    if _try(lambda: store.add(f"{_PREFIX}/reporters", 1)) not in (1, None):
+    rank, world_size, dead_here, reports = _answer_roll_call(store)
+    if not reports:
         return None
     gone, how = _gone_ranks(store, rank, world_size, dead_here, window_s=TIMEOUT_ROLL_CALL_S)
     if not gone:
@@ -198,6 +197,17 @@ def watch_for_lost_peers(report: Callable[[str], None], stop: Callable[[bool], b
 
     signal.signal(signal.SIGTERM, on_sigterm)
     return True
+
+
+def _answer_roll_call(store: Any) -> tuple[int, int, list[int], bool]:
+    """This rank answers (``alive``) and reports this node's ended ranks (``gone``); returns its
+    rank, the world size, those ranks, and whether it is the one rank that reports."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    _try(lambda: store.set(f"{_PREFIX}/alive/{rank}", "1"))
+    dead_here = _ended_local_ranks()
+    for dead in dead_here:
+        _try(lambda: store.set(f"{_PREFIX}/gone/{dead}", "1"))
+    return rank, world_size, dead_here, _try(lambda: store.add(f"{_PREFIX}/reporters", 1)) in (1, None)
 
 
 def _gone_ranks(store: Any, rank: int, world_size: int, dead_here: list[int],
