@@ -4,7 +4,7 @@ end state is bitwise the uninterrupted run's; or (``--bad-input``) feed it carel
 
     python tools/chaos.py                                  # 60 faults of six kinds over 4 scenarios, 300 iterations each
     python tools/chaos.py --faults 2 --kinds rank-in-step,launcher-in-save --scenarios muon-async --train-iters 9   # short
-    python tools/chaos.py --bad-input                      # 47 careless inputs, a table of what each got (~9 min)
+    python tools/chaos.py --bad-input                      # 46 careless inputs, a table of what each got (~7 min)
 
 ``--bad-input`` runs the tiny recipe (2 CPU ranks) once per input of :data:`BAD_INPUTS` (flags
 Megatron or Canzona refuse, flags the run would not read, settings out of range, damaged data or
@@ -497,15 +497,17 @@ class BadInput:
 
     name: str
     kind: str
-    """What is wrong: ``flags``, ``unread`` (a flag the run would not read), ``data``, ``resume``,
-    ``files``, ``tools`` (a tool's option), ``nan`` (a run gone non-finite) or ``peer`` (a rank dies)."""
+    """What is wrong: ``flags``, ``unread`` (a flag the run would not read, or one without its switch), ``range``
+    (a setting out of its range), ``data``, ``resume``, ``files``, ``tools`` (a tool's option), ``nan`` (a run gone
+    non-finite), ``skip`` (every step over the skip threshold), ``peer`` (a rank dies or stops answering) or
+    ``preempt`` (the job is told to stop)."""
     flags: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     prepare: str | None = None
     """What :func:`_prepare` sets up first: ``cut-idx``, ``long-bin``, ``hf-dir``, ``sidecar``, ``checkpoint``
     (a copy of the seed run's checkpoints, iterations 1 and 2), ``checkpoint-normuon`` and ``checkpoint-no-optim``
-    (the same saved with NorMuon, or with --no-save-optim), ``shard-cut``, ``shard-missing``, ``tracker-missing``
-    (the seed's with iteration 2's shard cut short or gone, its tracker naming iteration 9), ``save-file``
+    (the same saved with NorMuon, or with --no-save-optim), ``shard-cut``, ``tracker-missing`` (the seed's with
+    iteration 2's shard cut short, its tracker naming iteration 9), ``save-file``
     (``--save`` a regular file), ``bin-copy`` (a copy of the demo data, for ``during``), ``calibration-cut`` or
     ``calibration-one-method``."""
     command: tuple[str, ...] = ()
@@ -616,19 +618,16 @@ def _prepare(case: BadInput, work: Path, seeds: dict[str, Path]) -> tuple[dict[s
     if case.prepare == "save-file":
         (work / "ckpt").write_text("a file where the checkpoints would go\n")
         return {"CKPT_DIR": str(work / "ckpt")}, []
-    if case.prepare in (*SEEDS, "sidecar", "shard-cut", "shard-missing", "tracker-missing"):
+    if case.prepare in (*SEEDS, "sidecar", "shard-cut", "tracker-missing"):
         ckpt = work / "ckpt"
         shutil.copytree(seeds[case.prepare if case.prepare in SEEDS else "checkpoint"], ckpt)
         latest = ckpt / f"iter_{_tracked_iteration(ckpt):07d}"
         if case.prepare == "sidecar":
             listing = next((latest / "checksums").glob("__0_*.sha256"))
             listing.write_text("0" * 64 + "  " + listing.read_text().split()[1] + "\n")
-        if case.prepare in ("shard-cut", "shard-missing"):
+        if case.prepare == "shard-cut":
             shard = next(latest.glob("__1_*.distcp"))
-            if case.prepare == "shard-cut":
-                shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-            else:
-                shard.unlink()
+            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         if case.prepare == "tracker-missing":
             (ckpt / TRACKER).write_text("9")
         return {"CKPT_DIR": str(ckpt)}, []
@@ -765,7 +764,7 @@ def bad_input(args: argparse.Namespace) -> int:
         subprocess.run([sys.executable, str(ROOT / "tools" / "prepare_demo_data.py"), "--output-dir", str(demo)],
                        cwd=ROOT, check=True, capture_output=True)
     try:
-        wanted = {"checkpoint" if c.prepare in ("sidecar", "shard-cut", "shard-missing", "tracker-missing")
+        wanted = {"checkpoint" if c.prepare in ("sidecar", "shard-cut", "tracker-missing")
                   else c.prepare for c in cases} & set(SEEDS)
         seeds = {name: _seed_checkpoint(root / "seeds", name, args.launch_timeout) for name in sorted(wanted)}
         for case in cases:
