@@ -426,10 +426,12 @@ requeue_now() {  # ID: requeue a running job and let it start again at once
     scontrol update JobId="$1" StartTime=now || true
 }
 
-saved_after_sigterm() {  # JOB_OUTPUT: the iteration of the first save after the first "[canzona] SIGTERM" line
+saved_after_sigterm() {  # JOB_OUTPUT: the iteration of the last save before Megatron's exit on the first SIGTERM
+    # (the save of the iteration under way when the signal came may be the periodic one, the exit's the next)
     awk '/\[canzona\] SIGTERM in iteration/ { stopped = 1 }
          stopped && match($0, /successfully saved checkpoint from iteration +[0-9]+/) {
-             n = split(substr($0, RSTART, RLENGTH), words, " "); print words[n] + 0; exit }' "$1"
+             n = split(substr($0, RSTART, RLENGTH), words, " "); last = words[n] + 0 }
+         stopped && /exiting program after receiving SIGTERM/ { print last; exit }' "$1"
 }
 
 # Preemption: SLURM ends a job with SIGTERM (scontrol requeue, scancel, a preempting job), and

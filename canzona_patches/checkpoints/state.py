@@ -345,7 +345,10 @@ def check_optimizer_compatible(path: Path, optimizer: Any) -> None:
     """The optimizer state in ``path`` is the kind this run's optimizer reads."""
     with one_line_errors(path):
         common = dist_checkpointing.load_common_state_dict(str(path))
-    if not isinstance(common.get("optimizer"), dict):  # (Megatron's load would stop with KeyError: 'optimizer')
+    if not isinstance(common.get("optimizer"), dict):
+        if path.name == "release":
+            return  # a release checkpoint (tools/convert_hf.py import): Megatron loads its model only
+        # (Megatron's load would stop with KeyError: 'optimizer')
         raise CanzonaCheckpointError(
             f"{path} holds no optimizer state (it was saved with --no-save-optim): pass --no-load-optim to load the "
             "model and start the optimizer afresh")
