@@ -735,7 +735,7 @@ def run_bad_input(case: BadInput, root: Path, seeds: dict[str, Path], timeout: f
         outcome = "hang"
     elif case.expect == "saved":
         saved = _tracked_iteration(Path(env["CKPT_DIR"]))
-        outcome = ("saved" if saved >= case.during[0] and "[canzona] SIGTERM in iteration" in output and not errors
+        outcome = ("saved" if saved >= case.during[0] and "[canzona] SIGTERM after iteration" in output and not errors
                    and not rank_traceback(output) and "exitcode" not in output else "loss")
     elif lost:
         outcome = "loss"

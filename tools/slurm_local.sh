@@ -410,7 +410,7 @@ requeue_job() {
     requeue_now "$id"
     log "requeued job $id while it trained"
     wait_output requeue "\[slurm\] job $id \(restart 1\)" "the job did not start again"
-    check_log requeue "pretrain_gpt\.py: error: stopped by SIGTERM in iteration [0-9]+: nothing was saved .*--exit-signal-handler" \
+    check_log requeue "pretrain_gpt\.py: error: stopped by SIGTERM after iteration [0-9]+: nothing was saved .*--exit-signal-handler" \
         "the first start did not say that the requeue's SIGTERM saved nothing"
     wait_output requeue "\[canzona\] took over the lock of --save .*: the same SLURM job $id, requeued" \
         "the requeued job did not take over its own save-directory lock"
@@ -428,7 +428,7 @@ requeue_now() {  # ID: requeue a running job and let it start again at once
 
 saved_after_sigterm() {  # JOB_OUTPUT: the iteration of the last save before Megatron's exit on the first SIGTERM
     # (the save of the iteration under way when the signal came may be the periodic one, the exit's the next)
-    awk '/\[canzona\] SIGTERM in iteration/ { stopped = 1 }
+    awk '/\[canzona\] SIGTERM after iteration/ { stopped = 1 }
          stopped && match($0, /successfully saved checkpoint from iteration +[0-9]+/) {
              n = split(substr($0, RSTART, RLENGTH), words, " "); last = words[n] + 0 }
          stopped && /exiting program after receiving SIGTERM/ { print last; exit }' "$1"
@@ -444,7 +444,7 @@ preempted_job() {
     wait_output preempted "iteration +3/ +100000 \|" "the job did not start training"
     requeue_now "$id"
     wait_output preempted "\[slurm\] job $id \(restart 1\)" "the job did not start again"
-    check_log preempted "\[canzona\] SIGTERM in iteration [0-9]+: every rank saves a checkpoint" \
+    check_log preempted "\[canzona\] SIGTERM after iteration [0-9]+: every rank saves a checkpoint" \
         "the first start did not take the requeue's SIGTERM as a stop to save at"
     saved="$(saved_after_sigterm "$WORK/jobs/preempted.out")"
     [[ -n "$saved" ]] || fail "preempted: the first start saved no checkpoint on SIGTERM"

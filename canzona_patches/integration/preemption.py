@@ -37,16 +37,18 @@ def stop_on_sigterm(args: argparse.Namespace, exit_handler: Callable[[int, Any],
     """On a SIGTERM that tells the job to stop: hand it to Megatron's exit handler, which saves at
     the next iteration boundary (return ``True``: the rank goes on), or say in one line, on the
     ``first`` rank only, that nothing is saved and which flag would have (``False``: it ends)."""
+    # Megatron sets curr_iteration as a step begins: that many iterations are done at least (the
+    # step under way, or just logged, is the next); "before training" while the model is built.
     iteration = getattr(args, "curr_iteration", None)
-    at = f" in iteration {iteration + 1}" if iteration is not None else " before training"
+    at = f" after iteration {iteration}" if iteration is not None else " before training"
     if exit_handler is not None:
         exit_handler(args.exit_signal, None)
         if first:
             if args.save:
-                print(f"[canzona] SIGTERM{at}: every rank saves a checkpoint to --save {args.save} at the end of "
-                      "the iteration, then exits (--exit-signal-handler)", flush=True)
+                print(f"[canzona] SIGTERM{at}: every rank saves a checkpoint to --save {args.save} at the next "
+                      "iteration boundary, then exits (--exit-signal-handler)", flush=True)
             else:
-                print(f"pretrain_gpt.py: warning: SIGTERM{at}: the job stops at the end of the iteration and "
+                print(f"pretrain_gpt.py: warning: SIGTERM{at}: the job stops at the next iteration boundary and "
                       "saves nothing: there is no --save", file=sys.stderr, flush=True)
         return True
     if first:

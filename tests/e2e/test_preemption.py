@@ -81,7 +81,7 @@ def test_sigterm_to_torchrun_saves_at_the_next_iteration_boundary(preempted):
     out, saved = preempted["stop_out"], preempted["saved_at"]
     assert 3 <= saved < ITERS, out[-6000:]
     assert f"successfully saved checkpoint from iteration {saved:7d}" in out, out[-6000:]
-    assert len(re.findall(r"^\[canzona\] SIGTERM in iteration \d+: every rank saves a checkpoint", out, re.M)) == 1
+    assert len(re.findall(r"^\[canzona\] SIGTERM after iteration \d+: every rank saves a checkpoint", out, re.M)) == 1
     assert not re.search(rf"iteration +{saved + 1}/ +{ITERS} \|", out), "trained on past the save"
     # Every rank exited 0 (Megatron's code after an exit-signal save); torchrun reports its signal.
     assert "got signal: 15" in out and "exitcode" not in out, out[-6000:]
@@ -117,7 +117,7 @@ def test_sigterm_without_the_exit_handler_says_nothing_was_saved_and_names_the_f
     out = preempted["unhandled_out"]
     lines = ERROR_LINE.findall(out)
     assert len(lines) == 1, out[-6000:]
-    assert re.match(r"pretrain_gpt\.py: error: stopped by SIGTERM in iteration \d+: nothing was saved", lines[0])
+    assert re.match(r"pretrain_gpt\.py: error: stopped by SIGTERM after iteration \d+: nothing was saved", lines[0])
     assert "--exit-signal-handler" in lines[0] and len(lines[0]) < 300, lines[0]
     assert preempted["unhandled_code"] != 0 and not (preempted["unhandled_ckpt"] / TRACKER).exists()
     assert not RANK_TRACEBACK.search(out), out[-6000:]
