@@ -267,10 +267,15 @@ def forward_step(data_iterator: Any, model: GPTModel):
 def adapt_args_to_cpu(args: argparse.Namespace) -> list[str]:
     """Switch CUDA-only choices to CPU ones; return ``flag=value`` notes of what changed."""
     changed = []
-    # validate_args requires it for TP/CP > 1 before Blackwell; CPU has no device queues.
-    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+    # validate_args requires it for TP/CP > 1 before Blackwell, and refuses it under Megatron-FSDP
+    # (which only warns at TP > 1); CPU has no device queues.
+    fsdp = getattr(args, "use_megatron_fsdp", False)
+    if not fsdp and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
         changed.append("CUDA_DEVICE_MAX_CONNECTIONS=1")
+    if fsdp and args.gradient_reduce_div_fusion:  # its reduce-scatter divides by PREMUL_SUM, which gloo lacks
+        args.gradient_reduce_div_fusion = False
+        changed.append("gradient_reduce_div_fusion=False")
     if args.distributed_backend == "nccl":
         args.distributed_backend = "gloo"
         changed.append("--distributed-backend=gloo")

@@ -206,6 +206,8 @@ _LISTS, PATCHES = load_table()
 
 CPU_TORCH_MODULES = _LISTS["cpu_torch_modules"]
 """Megatron-Core modules whose ``torch`` global is CPU mode's stand-in."""
+CPU_TORCH_FSDP_MODULES = _LISTS["cpu_torch_fsdp_modules"]
+"""Megatron-FSDP's modules, whose ``torch`` global is the CPU stand-in with device index 0."""
 CPU_TORCH_TRAINING_MODULES = _LISTS["cpu_torch_training_modules"]
 """``megatron.training`` modules whose ``torch`` global is the one-device CPU stand-in."""
 CHECKPOINT_WRITER_MODULES = _LISTS["checkpoint_writer_modules"]
