@@ -1,7 +1,8 @@
 """Megatron-Core's own Megatron-FSDP trains on CPU with gloo through ``pretrain_gpt.py``, as
 Megatron has it (``--use-megatron-fsdp --ckpt-format fsdp_dtensor --optimizer adam``), in each of
-its three sharding strategies, at DP 2, DP 4 and TP 2 x DP 2; its losses and gradient norms are
-the ``--use-distributed-optimizer`` run's (``canzona_patches/emulation/fsdp.py``).
+its three sharding strategies, at DP 2, DP 4 and TP 2 x DP 2 (and with small buckets); its losses
+and gradient norms are the ``--use-distributed-optimizer`` run's (``canzona_patches/emulation/fsdp.py``);
+and the planner predicts the buckets it builds (``megatron.canzona.planning.fsdp``).
 
 Measured: every logged loss and gradient norm agrees within 8.6e-8 relative (fp32 sums in another
 order); the bound is 1e-6.
@@ -14,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron.canzona.planning.fsdp import FsdpBucket, fsdp_buckets
+from megatron.canzona.planning.specs import ParamSpec
+
 from .support import DemoData, launch_ranks
 from .test_pretrain_gpt import QWEN3_TINY
 
@@ -24,7 +28,9 @@ RUN_TIMEOUT_S = 240
 REL = 1e-6
 STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 FSDP = ("--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor")
-LAYOUTS = {"dp2": (2, ()), "dp4": (4, ()), "tp2_dp2": (4, ("--tensor-model-parallel-size", "2", "--sequence-parallel"))}
+LAYOUTS = {"dp2": (2, ()), "dp4": (4, ()), "tp2_dp2": (4, ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
+           "dp2_buckets": (2, ("--ddp-bucket-size", "20000"))}
+"""Ranks and flags per layout; ``dp2_buckets`` closes buckets at 20,000 elements (``optim``: no units)."""
 
 
 def _args(data: DemoData, out: Path, *extra: str) -> list[str]:
@@ -40,10 +46,16 @@ def _args(data: DemoData, out: Path, *extra: str) -> list[str]:
 
 
 def _train(data: DemoData, out: Path, nproc: int, *extra: str) -> dict:
-    result = launch_ranks(nproc, "pretrain_gpt.py", *_args(data, out, *extra), timeout_s=RUN_TIMEOUT_S)
+    """One run (Megatron-FSDP ones through ``fsdp_geometry_traced.py``): its metrics, output and
+    each rank's recorded geometry."""
+    fsdp = "--use-megatron-fsdp" in extra
+    script = "tests/e2e/fsdp_geometry_traced.py" if fsdp else "pretrain_gpt.py"
+    result = launch_ranks(nproc, script, *_args(data, out, *extra), timeout_s=RUN_TIMEOUT_S,
+                          env={"FSDP_GEOMETRY_TRACE": str(out / "geometry")} if fsdp else None)
     assert result.returncode == 0, result.stdout[-6000:]
     metrics = {m["iteration"]: m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-    return {"metrics": metrics, "stdout": result.stdout}
+    geometry = [json.loads(path.read_text()) for path in sorted((out / "geometry").glob("rank*.json"))] if fsdp else []
+    return {"metrics": metrics, "stdout": result.stdout, "geometry": geometry}
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +66,14 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = {}
     for layout, (nproc, extra) in LAYOUTS.items():
         out[layout, "distopt"] = _train(demo_data, root / layout / "distopt", nproc, *extra, "--use-distributed-optimizer")
-        for strategy in STRATEGIES if layout == "dp2" else ("optim_grads_params",):
+        for strategy in STRATEGIES if layout == "dp2" else ("optim",) if layout == "dp2_buckets" else ("optim_grads_params",):
             out[layout, strategy] = _train(demo_data, root / layout / strategy, nproc, *extra, *FSDP,
                                            "--data-parallel-sharding-strategy", strategy)
     return out
 
 
-CASES = [("dp2", s) for s in STRATEGIES] + [("dp4", "optim_grads_params"), ("tp2_dp2", "optim_grads_params")]
+CASES = [("dp2", s) for s in STRATEGIES] + [("dp4", "optim_grads_params"), ("tp2_dp2", "optim_grads_params"),
+                                            ("dp2_buckets", "optim")]
 
 
 @pytest.mark.parametrize(("layout", "strategy"), CASES, ids=[f"{layout}-{s}" for layout, s in CASES])
@@ -83,3 +96,37 @@ def test_the_cpu_adaptation_says_what_it_changed_for_fsdp(runs: dict) -> None:
     adapted = next(line for line in out.splitlines() if line.startswith("> no CUDA, running on CPU:"))
     assert "gradient_reduce_div_fusion=False" in adapted and "CUDA_DEVICE_MAX_CONNECTIONS" not in adapted, adapted
     assert "instead of the current device" not in out
+
+
+@pytest.mark.parametrize(("layout", "strategy"), CASES, ids=[f"{layout}-{s}" for layout, s in CASES])
+def test_the_planners_geometry_is_megatron_fsdps(runs: dict, layout: str, strategy: str) -> None:
+    """megatron.canzona.planning.fsdp predicts, from the parameters' descriptions alone, every
+    bucket Megatron-FSDP built: its items and their offsets, its chunk, its padded size; every
+    rank alike. Each matrix that spans a shard boundary is cut between whole rows."""
+    geometry = runs[layout, strategy]["geometry"]
+    assert len(geometry) == LAYOUTS[layout][0]
+    for rank in geometry:
+        specs = [ParamSpec.from_dict(spec) for spec in rank["specs"]]
+        read = tuple(FsdpBucket.from_dict(bucket) for bucket in rank["buckets"])
+        predicted = fsdp_buckets(specs, dp_size=rank["dp_size"], strategy=rank["strategy"],
+                                 bucket_size=rank["bucket_size"])
+        assert predicted == read
+        matrices = {spec.name for spec in specs if spec.family == "matrix"}
+        for bucket in read:
+            for item in bucket.items:
+                if item.name in matrices and item.numel >= bucket.chunk:
+                    assert all(lo % item.row == 0 and hi % item.row == 0 for _, lo, hi in bucket.pieces(item)), item
+    split = sum(len(b.pieces(i)) > 1 for b in read for i in b.items)
+    print(f"[fsdp] {layout} {strategy}: {len(read)} buckets, {split} parameters across shards")
+
+
+@pytest.mark.quick
+def test_a_megatron_fsdp_run_trains_and_its_buckets_are_the_planners(demo_data: DemoData, tmp_path: Path) -> None:
+    """The quick suite's one Megatron-FSDP launch: DP 2, optim_grads_params, through the geometry
+    trace; the loss falls and the planner's buckets are the ones read from the buffers."""
+    run = _train(demo_data, tmp_path, 2, *FSDP, "--data-parallel-sharding-strategy", "optim_grads_params")
+    assert run["metrics"][ITERS]["lm_loss"] < run["metrics"][1]["lm_loss"]
+    for rank in run["geometry"]:
+        specs = [ParamSpec.from_dict(spec) for spec in rank["specs"]]
+        assert fsdp_buckets(specs, dp_size=2, bucket_size=rank["bucket_size"]) == tuple(
+            FsdpBucket.from_dict(bucket) for bucket in rank["buckets"])

@@ -3,7 +3,8 @@
 A module of ``megatron/canzona`` or ``canzona_patches`` is reached when a quick test file imports
 it (a name imported from a package counts for the module that defines it), or when it is imported,
 at the top or inside a function, by a module reached so, or by an entry point that a quick test
-starts (``pretrain_gpt.py``, a ``tools/`` script, the demo's recipe). A new module that nothing
+starts (``pretrain_gpt.py``, a ``tools/`` script or a ``tests/e2e/`` wrapper of an entry point, the demo's
+recipe). A new module that nothing
 quick reaches fails here: mark a test of it ``quick``, or list it in :data:`NOT_QUICK` with the
 reason.
 """
@@ -88,7 +89,7 @@ def reached_by_quick_tests() -> set[str]:
         roots |= imported_by(test, resolve=True)
         text = test.read_text()
         scripts |= {ROOT / script for mention, script in ENTRY_POINTS.items() if mention in text}
-        scripts |= {ROOT / name for name in re.findall(r"tools/\w+\.py", text) if (ROOT / name).is_file()}
+        scripts |= {ROOT / name for name in re.findall(r"(?:tools|tests/e2e)/\w+\.py", text) if (ROOT / name).is_file()}
     for script in scripts:
         roots |= imported_by(script, resolve=False)
     reached, todo = set(), [name for name in roots if name in modules]

@@ -1,0 +1,41 @@
+"""Megatron-FSDP's buffers as built, read into the planner's :class:`FsdpBucket` (one per bucket).
+
+What the runtime binds a plan to under ``--use-megatron-fsdp``: every parameter's offset in its
+bucket, the bucket's chunk and padded size and its shards, read from Megatron-FSDP's own indexes
+(``ParamAndGradBuffer.parameter_groups``: each group's main-weight buffer, or its model-weight
+buffer where the weights are the main weights), so that nothing re-derives them;
+``megatron.canzona.planning.fsdp`` predicts the same for the planner, and
+``tests/e2e/test_megatron_fsdp.py`` checks the two against each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.canzona.planning.fsdp import FsdpBucket, FsdpItem, fsdp_unit
+
+
+def read_fsdp_buckets(fsdp_model: Any) -> tuple[FsdpBucket, ...]:
+    """The buckets of a Megatron-FSDP-wrapped model chunk (``megatron.core``'s
+    ``FullyShardedDataParallel``, or the ``MegatronFSDP`` it wraps), in bucket order."""
+    inner = getattr(fsdp_model, "module", fsdp_model)
+    buffer = getattr(inner, "param_and_grad_buffer", None) or fsdp_model.param_and_grad_buffer
+    names = buffer.param_to_name
+    buckets = []
+    for group in buffer.parameter_groups:
+        data = group.main_weight_buffer or group.model_weight_buffer or group.main_grad_buffer
+        items = sorted((FsdpItem(name=names[group.params[item_id]], offset=index.global_data_index, numel=index.size,
+                                 row=_row(index.shape))
+                        for item_id, index in data.item_index_map.items()), key=lambda item: item.offset)
+        buckets.append(FsdpBucket(
+            unit=None if group.fsdp_unit_id is None else fsdp_unit(items[0].name), expert=bool(group.is_expert_param),
+            dtype=str(group.dtype).removeprefix("torch."), chunk=int(group.chunk_size_factor),
+            size=int(data.bucket_index.size), dp_size=int(data.dp_world_size), items=tuple(items)))
+    return tuple(buckets)
+
+
+def _row(shape: Any) -> int:
+    row = 1
+    for dim in tuple(shape)[1:]:
+        row *= int(dim)
+    return row

@@ -1,0 +1,187 @@
+"""Megatron-FSDP's buffer geometry, restated as pure arithmetic.
+
+Megatron-FSDP (Megatron-Core 0.19.2, ``megatron/core/distributed/fsdp/``) keeps each bucket of
+parameters in one flat buffer, cut into ``dp_size`` equal shards; a rank holds its shard of the
+weights, main weights and gradients (per sharding strategy). Where every byte of a matrix lies
+decides who can host it and what its pieces cost to gather, so the planner, the simulator and
+``tools/dry_run.py`` predict it here, and the runtime reads the same geometry from the buffers
+Megatron-FSDP built (``canzona_patches/integration/fsdp_geometry.py``), each checked against the
+other (``tests/e2e/test_megatron_fsdp.py``).
+
+The rules, in registration order (``named_parameters``):
+
+* **Buckets.** Parameters are grouped by (dtype, expert or not, FSDP unit). Under
+  ``optim_grads_params`` each transformer layer is a unit: its parameters of one kind are one
+  bucket. Parameters outside a unit (or every parameter, under ``optim`` and ``optim_grads``,
+  which have no units) share a group per kind, closed into buckets of at least the suggested
+  bucket size (``--ddp-bucket-size``), in order.
+* **Rows.** Inside a bucket the parameters are taken widest row first (rows of the local, TP-sharded
+  tensor; ties in registration order), and the bucket's *chunk* is the least common multiple of
+  the row sizes that do not already tile it. Shard boundaries fall on multiples of the chunk, so
+  they cut a parameter that spans them between whole rows.
+* **Packing.** A parameter of at least one chunk starts where the previous one ended, its last
+  partial chunk padded to a whole one; that padding is shared with the next parameter whose own
+  partial chunk fits beside it (placed so that its partial chunk ends the shared one), and with
+  parameters smaller than a chunk, in order. The small ones left over go at the end. The bucket is
+  padded to a multiple of ``dp_size * chunk`` and cut into ``dp_size`` equal shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from megatron.canzona.planning.geometry import round_up
+from megatron.canzona.planning.specs import ParamSpec
+
+SHARDING_STRATEGIES: tuple[str, ...] = ("optim", "optim_grads", "optim_grads_params")
+"""Megatron-FSDP's sharding strategies (``--data-parallel-sharding-strategy``) that shard a buffer."""
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpItem:
+    """One parameter's place in its bucket."""
+
+    name: str
+    offset: int
+    """First element in the bucket."""
+    numel: int
+    row: int
+    """Elements per row of the local tensor (its trailing dimensions; 1 for a vector)."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpBucket:
+    """One bucket: its items, its chunk, its padded size and its ``dp_size`` equal shards."""
+
+    unit: int | None
+    """The FSDP unit (transformer layer, in module order) it belongs to, or ``None``."""
+    expert: bool
+    dtype: str
+    chunk: int
+    size: int
+    dp_size: int
+    items: tuple[FsdpItem, ...]
+    """In buffer order (by offset)."""
+
+    @property
+    def shard_size(self) -> int:
+        return self.size // self.dp_size
+
+    def pieces(self, item: FsdpItem) -> tuple[tuple[int, int, int], ...]:
+        """``(rank, lo, hi)``: elements ``[lo, hi)`` of ``item`` (counted from its first) that
+        rank holds, for every rank holding some."""
+        shard = self.shard_size
+        found = []
+        for rank in range(item.offset // shard, (item.end - 1) // shard + 1):
+            lo, hi = max(item.offset, rank * shard), min(item.end, (rank + 1) * shard)
+            found.append((rank, lo - item.offset, hi - item.offset))
+        return tuple(found)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> FsdpBucket:
+        return cls(**{**data, "items": tuple(FsdpItem(**item) for item in data["items"])})
+
+
+def fsdp_unit(name: str) -> int | None:
+    """The transformer layer a parameter belongs to by its name, or ``None`` (embedding, final
+    norm, output layer)."""
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
+def chunk_size(shapes: Sequence[tuple[int, ...]]) -> int:
+    """The chunk of a bucket whose parameters have local ``shapes``, widest row first."""
+    chunk = 0
+    for shape in shapes:
+        numel, row = math.prod(shape), math.prod(shape[1:])
+        if not chunk:
+            chunk = row
+        elif not (row == chunk or (chunk % row == 0 and numel % chunk == 0) or numel < chunk):
+            chunk = math.lcm(chunk, row)
+    return max(chunk, 1)
+
+
+def pack(numels: Sequence[int], chunk: int) -> tuple[list[int], int]:
+    """Each parameter's first element and the packed extent (before the bucket's end padding)."""
+    offsets: list[int] = [0] * len(numels)
+    regular = [i for i, n in enumerate(numels) if n >= chunk]
+    small = [i for i, n in enumerate(numels) if n < chunk]
+    cursor = 0
+    while regular:
+        first = regular.pop(0)
+        offsets[first] = cursor
+        tail = numels[first] % chunk
+        if not tail:
+            cursor += numels[first]
+            continue
+        gap, space = cursor + numels[first], chunk - tail
+        cursor += (numels[first] // chunk + 1) * chunk
+        partner = next((j for j in regular if numels[j] % chunk and tail + numels[j] % chunk <= chunk), None)
+        if partner is not None:
+            regular.remove(partner)
+            head = numels[partner] % chunk
+            offsets[partner], space = cursor - head, space - head
+            cursor += numels[partner] // chunk * chunk
+        for j in list(small):
+            if numels[j] <= space:
+                offsets[j], space, gap = gap, space - numels[j], gap + numels[j]
+                small.remove(j)
+    for j in small:
+        offsets[j], cursor = cursor, cursor + numels[j]
+    return offsets, cursor
+
+
+def bucket_of(params: Sequence[ParamSpec], *, dp_size: int, unit: int | None, expert: bool) -> FsdpBucket:
+    """The bucket Megatron-FSDP builds of ``params`` (registration order) at ``dp_size``."""
+    ordered = sorted(params, key=lambda p: -math.prod(p.local_shape[1:]))  # stable: ties in registration order
+    chunk = chunk_size([p.local_shape for p in ordered])
+    offsets, extent = pack([p.numel for p in ordered], chunk)
+    items = sorted((FsdpItem(name=p.name, offset=o, numel=p.numel, row=math.prod(p.local_shape[1:]))
+                    for p, o in zip(ordered, offsets)), key=lambda item: item.offset)
+    return FsdpBucket(unit=unit, expert=expert, dtype=ordered[0].dtype, chunk=chunk,
+                      size=round_up(extent, dp_size * chunk), dp_size=dp_size, items=tuple(items))
+
+
+def fsdp_buckets(specs: Iterable[ParamSpec], *, dp_size: int, strategy: str = "optim_grads_params",
+                 bucket_size: int | None = None, expert_dp_size: int | None = None) -> tuple[FsdpBucket, ...]:
+    """Megatron-FSDP's buckets of one model chunk's ``specs`` (any order: registration order is
+    the reverse of :attr:`ParamSpec.order`), sharded over ``dp_size`` ranks (expert buckets over
+    ``expert_dp_size``, default the same); ``bucket_size`` is ``--ddp-bucket-size`` (``None``:
+    unbounded)."""
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {strategy!r}")
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    units = strategy == "optim_grads_params"
+    groups: dict[tuple[str, bool, int | None], list[ParamSpec]] = {}
+    for spec in sorted(specs, key=lambda s: -s.order):
+        groups.setdefault((spec.dtype, spec.is_expert, fsdp_unit(spec.name) if units else None), []).append(spec)
+    buckets = []
+    for (_, expert, unit), params in groups.items():
+        size = (expert_dp_size or dp_size) if expert else dp_size
+        for run in ([params] if unit is not None else _closed_at(params, bucket_size)):
+            buckets.append(bucket_of(run, dp_size=size, unit=unit, expert=expert))
+    return tuple(buckets)
+
+
+def _closed_at(params: list[ParamSpec], bucket_size: int | None) -> list[list[ParamSpec]]:
+    """Runs of ``params``, each closed once it holds ``bucket_size`` elements or more."""
+    runs, run = [], []
+    for spec in params:
+        run.append(spec)
+        if bucket_size and sum(p.numel for p in run) >= bucket_size:
+            runs.append(run)
+            run = []
+    return [*runs, run] if run else runs
