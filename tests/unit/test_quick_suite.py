@@ -3,10 +3,9 @@
 A module of ``megatron/canzona`` or ``canzona_patches`` is reached when a quick test file imports
 it (a name imported from a package counts for the module that defines it), or when it is imported,
 at the top or inside a function, by a module reached so, or by an entry point that a quick test
-starts (``pretrain_gpt.py``, a ``tools/`` script or a ``tests/e2e/`` wrapper of an entry point, the demo's
-recipe). A new module that nothing
-quick reaches fails here: mark a test of it ``quick``, or list it in :data:`NOT_QUICK` with the
-reason.
+starts (``pretrain_gpt.py``, a ``tools/`` script or a ``tests/e2e/`` wrapper of an entry point, the
+demo's recipe). A new module that nothing quick reaches fails here: mark a test of it ``quick``, or
+list it in :data:`NOT_QUICK` with the reason.
 """
 
 from __future__ import annotations
