@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from .comm import WireConfig, collective_bytes, narrow_bytes
 from .cost import CostModel
+from .fsdp import FSDP_LAYOUT, fsdp_buckets, fsdp_buffer
 from .geometry import default_bucket_size, lean_bucket_ranges
 from .hosts import HostItem, assign_hosts, default_budget, schedule_groups
 from .lean import balanced_homes, lean_buffer, shard_ladder
@@ -135,9 +136,12 @@ def plan_canzona(
     budget: float | None = None,
     base_loads: Sequence[Sequence[float]] | None = None,
     layout: str = "lean",
+    fsdp_strategy: str = "optim_grads_params",
+    fsdp_bucket_size: int | None = None,
 ) -> CanzonaPlan:
     """The Canzona plan of the parameters ``specs`` (one pipeline stage, any model chunks),
-    its matrix buffers laid out ``layout`` (:data:`LAYOUTS`).
+    its matrix buffers laid out ``layout`` (:data:`LAYOUTS`), or Megatron-FSDP's (``fsdp``:
+    its buckets of ``fsdp_strategy`` and ``fsdp_bucket_size``, :mod:`~megatron.canzona.planning.fsdp`).
 
     ``base_loads[dp_rank][tp_rank]``: compute each GPU already has (its expert work); homes
     and hosts fill around it. The plan's loads and budget count this plan's work only."""
@@ -158,6 +162,11 @@ def plan_canzona(
         buffers = _whole_fill(stage, [whole_bucket_ranges([s.numel for s in chunk], bucket_size, dp_size)
                                       for chunk in mats])
         _, items, hosts, loads = stage.hosts(buffers)
+    elif layout == FSDP_LAYOUT:  # Megatron-FSDP's own buckets and shards, as it builds them: hosts only
+        buffers = [fsdp_buffer(fsdp_buckets([s for s in specs if s.chunk == c], dp_size=dp_size, strategy=fsdp_strategy,
+                                            bucket_size=fsdp_bucket_size), chunk, chunk_costs)
+                   for c, chunk, chunk_costs in zip(chunks, mats, stage.costs)]
+        _, items, hosts, loads = stage.hosts(buffers)
     else:
         ranges = [lean_bucket_ranges([s.numel for s in chunk], bucket_size) for chunk in mats]
         _, buffers, items, hosts, loads = _best_fill(stage, ranges)
@@ -170,8 +179,8 @@ def plan_canzona(
 
 
 def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown Canzona layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if layout not in (*LAYOUTS, FSDP_LAYOUT):
+        raise ValueError(f"unknown Canzona layout {layout!r}; choose one of {', '.join(LAYOUTS)} (or {FSDP_LAYOUT})")
 
 
 def _whole_fill(stage: _Stage, ranges: list[list[tuple[int, int]]]) -> list[BufferPlan]:

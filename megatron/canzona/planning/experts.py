@@ -87,6 +87,8 @@ def plan_with_experts(
     budget: float | None,
     joint_balance: bool = True,
     layout: str = "lean",
+    fsdp_strategy: str = "optim_grads_params",
+    fsdp_bucket_size: int | None = None,
 ) -> CanzonaPlan:
     """The plan of a stage whose ``specs`` may hold expert-parallel parameters: expert buffers
     over expert DP x expert TP (``plan.experts``), dense ones over DP x TP, balanced together
@@ -97,7 +99,8 @@ def plan_with_experts(
     dense, experts = split_experts(specs)
     # Megatron sizes every buffer's buckets by the dense DP group, expert buffers included.
     bucket_size = default_bucket_size(dp_size) if bucket_size is None else bucket_size
-    common = dict(cost_model=cost_model, alpha=alpha, bucket_size=bucket_size, wire=wire, budget=budget, layout=layout)
+    common = dict(cost_model=cost_model, alpha=alpha, bucket_size=bucket_size, wire=wire, budget=budget, layout=layout,
+                  fsdp_strategy=fsdp_strategy, fsdp_bucket_size=fsdp_bucket_size)
 
     def plan_dense(base: list[list[float]] | None) -> CanzonaPlan:
         return plan_canzona(dense, dp_size=dp_size, tp_size=tp_size, base_loads=base,

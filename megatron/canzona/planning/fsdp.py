@@ -35,8 +35,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from megatron.canzona.planning.geometry import round_up
+from megatron.canzona.planning.plan import Bucket, BufferPlan, Placement
 from megatron.canzona.planning.specs import ParamSpec
 
+FSDP_LAYOUT = "fsdp"
+"""The layout name of a plan over Megatron-FSDP's buffers (``--use-megatron-fsdp``)."""
 SHARDING_STRATEGIES: tuple[str, ...] = ("optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's sharding strategies (``--data-parallel-sharding-strategy``) that shard a buffer."""
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -185,3 +188,30 @@ def _closed_at(params: list[ParamSpec], bucket_size: int | None) -> list[list[Pa
             runs.append(run)
             run = []
     return [*runs, run] if run else runs
+
+
+def fsdp_buffer(buckets: Sequence[FsdpBucket], mats: Sequence[ParamSpec], costs: Sequence[float]) -> BufferPlan:
+    """The matrices of Megatron-FSDP's ``buckets`` as the planner's :class:`BufferPlan`: the
+    buckets end to end in the order their gradients become ready in backward (a bucket is
+    reduced once its last parameter's gradient is in: the last layer's first, the one holding
+    the embedding last), each in its equal shards, every matrix of ``mats`` at its offset
+    (``costs``: its update's). The elementwise parameters keep their room in the buckets and are
+    not placed: AdamW updates them where they lie."""
+    order_of = {s.name: s.order for s in mats}
+    cost_of = {s.name: c for s, c in zip(mats, costs)}
+    ready = sorted(buckets, key=lambda b: max((order_of.get(item.name, -1) for item in b.items), default=-1))
+    placements: list[Placement] = []
+    out: list[Bucket] = []
+    offset = 0
+    for index, bucket in enumerate(b for b in ready if any(item.name in cost_of for item in b.items)):
+        shard = bucket.shard_size
+        for item in bucket.items:
+            if item.name not in cost_of:
+                continue
+            lo, hi = item.offset // shard, (item.end - 1) // shard
+            placements.append(Placement(name=item.name, start=offset + item.offset, end=offset + item.end, bucket=index,
+                                        host=lo if lo == hi else None, cost=cost_of[item.name]))
+        out.append(Bucket(start=offset, end=offset + bucket.size, numel_unpadded=sum(item.numel for item in bucket.items),
+                          shard_bounds=tuple(offset + r * shard for r in range(bucket.dp_size + 1))))
+        offset += bucket.size
+    return BufferPlan(placements=tuple(placements), buckets=tuple(out))

@@ -26,8 +26,14 @@ def make_plan(
     expert_tp_size: int = 1,
     joint_balance: bool = True,
     layout: str = "lean",
+    fsdp_strategy: str = "optim_grads_params",
+    fsdp_bucket_size: int | None = None,
 ) -> CanzonaPlan:
     """DP layouts (``layout``: ``whole`` or ``lean``, :data:`~megatron.canzona.planning.balance.LAYOUTS`) and one host (DP rank, TP rank) per matrix, in pipelined micro-groups.
+
+    ``layout="fsdp"``: the buffers are Megatron-FSDP's as it builds them (``fsdp_strategy``,
+    ``fsdp_bucket_size``: ``--data-parallel-sharding-strategy`` and ``--ddp-bucket-size``,
+    :mod:`~megatron.canzona.planning.fsdp`); the plan chooses the hosts and micro-groups only.
 
     Each matrix's update is computed once, by its host; ``tp_budget`` caps one host's cost per
     micro-group (default: about four groups on the busiest host, two at least wherever a host
@@ -41,5 +47,5 @@ def make_plan(
     return plan_with_experts(
         specs, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
         cost_model=cost_model or CostModel(), alpha=alpha, bucket_size=bucket_size, wire=wire, budget=tp_budget,
-        joint_balance=joint_balance, layout=layout,
+        joint_balance=joint_balance, layout=layout, fsdp_strategy=fsdp_strategy, fsdp_bucket_size=fsdp_bucket_size,
     )
