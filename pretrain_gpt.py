@@ -43,7 +43,7 @@ from canzona_patches.emulation.cpu import enable_cpu_training_mode
 from canzona_patches.integration.data_files import data_worker_died_words
 from canzona_patches.integration.megatron_checks import one_line as megatron_check_failed
 from canzona_patches.integration.megatron_checks import raised_in_set_up
-from canzona_patches.integration.preemption import exit_handler_of, stop_on_sigterm
+from canzona_patches.integration.preemption import exit_handler_of, sigterm_handler, stop_on_sigterm
 from canzona_patches.registry import ARGUMENTS as ARGUMENT_PATCHES
 from canzona_patches.registry import install as install_patches
 from canzona_patches.registry import install_group as install_patch_group
@@ -404,7 +404,7 @@ def main() -> int:
     # SIGTERM: torchrun's after a rank died (one line naming it), or a stop (scancel, preemption):
     # saved at the next iteration boundary under --exit-signal-handler, else one line saying so.
     watch_for_lost_peers(functools.partial(_print_lost_peer, args),
-                         functools.partial(stop_on_sigterm, args, exit_handler_of(args)))
+                         functools.partial(stop_on_sigterm, args, exit_handler_of(args), sigterm_handler()))
     try:
         pretrain(
             pretrain_cfg_container_from_args(args),

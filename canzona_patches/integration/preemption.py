@@ -24,6 +24,11 @@ from typing import Any
 from canzona_patches.checkpoints.recovery import last_complete_checkpoint
 
 
+def sigterm_handler() -> Any:
+    """What handles SIGTERM now (read before the lost-peer watch takes it over)."""
+    return signal.getsignal(signal.SIGTERM)
+
+
 def exit_handler_of(args: argparse.Namespace) -> Callable[[int, Any], Any] | None:
     """Megatron's handler of ``--exit-signal`` (installed as the flags are set), or ``None``
     without ``--exit-signal-handler``. Read before anything else takes SIGTERM over."""
@@ -33,10 +38,13 @@ def exit_handler_of(args: argparse.Namespace) -> Callable[[int, Any], Any] | Non
     return handler if callable(handler) else None
 
 
-def stop_on_sigterm(args: argparse.Namespace, exit_handler: Callable[[int, Any], Any] | None, first: bool) -> bool:
+def stop_on_sigterm(args: argparse.Namespace, exit_handler: Callable[[int, Any], Any] | None,
+                    previous: Any, first: bool) -> bool:
     """On a SIGTERM that tells the job to stop: hand it to Megatron's exit handler, which saves at
     the next iteration boundary (return ``True``: the rank goes on), or say in one line, on the
-    ``first`` rank only, that nothing is saved and which flag would have (``False``: it ends)."""
+    ``first`` rank only, that nothing is saved and which flag would have (``False``: it ends),
+    then hand it to the handler SIGTERM had before (``previous``: Megatron's orderly shutdown of
+    ``--exit-signal-handler-for-training``), if it had one."""
     # Megatron sets curr_iteration as a step begins: that many iterations are done at least (the
     # step under way, or just logged, is the next); "before training" while the model is built.
     iteration = getattr(args, "curr_iteration", None)
@@ -53,6 +61,8 @@ def stop_on_sigterm(args: argparse.Namespace, exit_handler: Callable[[int, Any],
         return True
     if first:
         print(f"pretrain_gpt.py: error: {_nothing_saved(args, at)}", file=sys.stderr, flush=True)
+    if callable(previous):
+        previous(signal.SIGTERM, None)
     return False
 
 
