@@ -322,7 +322,6 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
     check_dependent_flags(args)
     check_common_args(args)
     check_qk_clip_args(args)
-    hold_qk_clip_args(args)  # past Megatron's transformer-engine assert; finalize_canzona_args restores
     if args.optimizer in CANZONA_ONLY_OPTIMIZERS and not args.canzona:
         raise CanzonaArgumentError(
             f"--optimizer {args.optimizer} is implemented by Canzona only: add --canzona "
@@ -342,21 +341,23 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(
             f"--canzona needs a matrix optimizer: pass --optimizer {'|'.join(OPTIMIZERS)} "
             f"(not {args.optimizer})")
-    for flag in ("use_megatron_fsdp", "use_torch_fsdp2"):
-        if getattr(args, flag, False):
-            raise CanzonaArgumentError(
-                f"--canzona does not work with --{flag.replace('_', '-')} (FSDP shards matrices "
-                "itself): drop that flag and use --use-distributed-optimizer")
+    if getattr(args, "use_torch_fsdp2", False):
+        raise CanzonaArgumentError(
+            "--canzona does not work with --use-torch-fsdp2 (its per-parameter shards are not bound to a plan): "
+            "use --use-megatron-fsdp, or --use-distributed-optimizer")
     if args.optimizer_cpu_offload:
         raise CanzonaArgumentError(
             "--canzona does not work with --optimizer-cpu-offload (the matrix update runs on "
             "the owning rank's device): drop --optimizer-cpu-offload")
-    if not args.use_distributed_optimizer:
+    fsdp = getattr(args, "use_megatron_fsdp", False)
+    if fsdp:
+        _check_megatron_fsdp(args)
+    elif not args.use_distributed_optimizer:
         raise CanzonaArgumentError(
             "--canzona partitions the distributed optimizer: add --use-distributed-optimizer")
     _check_parallelism(args)
     _check_optimizer_flags(args)
-    if args.save and args.ckpt_format != "torch_dist":
+    if args.save and args.ckpt_format != "torch_dist" and not fsdp:
         raise CanzonaArgumentError(
             f"--ckpt-format {args.ckpt_format} cannot hold --canzona's optimizer state (a global tensor per "
             "parameter name, resharded at load), and the first save would stop the job: pass --ckpt-format "
@@ -364,6 +365,60 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
     _check_ranges(args)
     _check_optimizer_settings(args)
     _check_cluster(args)
+    hold_qk_clip_args(args)  # past Megatron's transformer-engine assert; finalize_canzona_args restores
+    if fsdp:  # past Megatron-FSDP's "sgd or adam" assert; finalize_canzona_args restores it
+        _HELD_OPTIMIZER[id(args)] = args.optimizer
+        args.optimizer = "adam"
+
+
+_HELD_OPTIMIZER: dict[int, str] = {}
+"""``--optimizer`` of a ``--canzona --use-megatron-fsdp`` run while Megatron's ``validate_args``
+runs (which allows only sgd and adam under Megatron-FSDP, for its own optimizers)."""
+
+
+FSDP_REFUSED = (
+    ("expert_model_parallel_size", lambda v: v > 1, "--expert-model-parallel-size {v}",
+     "expert buckets under Megatron-FSDP are not bound yet"),
+    ("num_experts", bool, "--num-experts {v}", "expert buckets under Megatron-FSDP are not bound yet"),
+    ("pipeline_model_parallel_size", lambda v: v > 1, "--pipeline-model-parallel-size {v}",
+     "pipeline stages under Megatron-FSDP are not planned yet"),
+    ("context_parallel_size", lambda v: v > 1, "--context-parallel-size {v}",
+     "context parallelism under Megatron-FSDP is not planned yet"),
+    ("qk_clip", bool, "--qk-clip", "QK-clip on the rows each FSDP shard holds is not built yet"),
+    ("log_max_attention_logit", bool, "--log-max-attention-logit",
+     "QK-clip on the rows each FSDP shard holds is not built yet"),
+    ("save", bool, "--save", "fsdp_dtensor checkpoints of the Canzona optimizer are not built yet"),
+    ("load", bool, "--load", "fsdp_dtensor checkpoints of the Canzona optimizer are not built yet"),
+    ("canzona_matrices_reduce_first", bool, "--canzona-matrices-reduce-first",
+     "Megatron-FSDP orders its own reduce-scatters"),
+)
+"""What ``--canzona --use-megatron-fsdp`` does not run yet: (flag's dest, when it is set, how it
+is written, why)."""
+
+
+def _check_megatron_fsdp(args: argparse.Namespace) -> None:
+    """``--canzona --use-megatron-fsdp``: the plan is bound to Megatron-FSDP's own buckets and shards
+    (every sharding strategy that shards), so the flags that choose or reorder Canzona's DDP layout
+    do not apply, and what is not built under it yet is refused in one line naming the flag."""
+    strategy = args.data_parallel_sharding_strategy
+    if strategy == "no_shard":
+        raise CanzonaArgumentError(
+            "--canzona --use-megatron-fsdp with --data-parallel-sharding-strategy no_shard has no shards to bind (every "
+            "rank holds every matrix): pass optim, optim_grads or optim_grads_params, or --use-distributed-optimizer")
+    if args.canzona_layout != "auto":
+        raise CanzonaArgumentError(
+            f"--canzona-layout {args.canzona_layout} lays out Megatron's DDP buffers; under --use-megatron-fsdp the "
+            "buckets and shards are Megatron-FSDP's: drop --canzona-layout")
+    if args.canzona_early_compute == "on":
+        raise CanzonaArgumentError(
+            "--canzona-early-compute on computes where DDP's early gathers land, which Megatron-FSDP has none of: "
+            "drop --canzona-early-compute, or --use-megatron-fsdp")
+    for dest, is_set, flag, why in FSDP_REFUSED:
+        value = getattr(args, dest, None)
+        if value is not None and is_set(value):
+            raise CanzonaArgumentError(
+                f"--canzona --use-megatron-fsdp does not run with {flag.format(v=value)} yet ({why}): drop "
+                f"{flag.split()[0]}, or use --use-distributed-optimizer")
 
 
 def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._Environ = os.environ) -> None:
@@ -688,6 +743,9 @@ def finalize_canzona_args(args: argparse.Namespace) -> None:
             print(f"> --rampup-batch-size {start} {increment} {samples} runs as --step-batch-size-schedule "
                   f"'{schedule}' (thresholds in tokens; Megatron-Core 0.19.2 ignores the ramp flag)", flush=True)
     restore_qk_clip_args(args)
+    held = _HELD_OPTIMIZER.pop(id(args), None)
+    if held is not None:
+        args.optimizer = held
     if not args.canzona:
         return
     args.use_layer_wise_distributed_optimizer = False

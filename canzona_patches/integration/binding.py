@@ -11,6 +11,10 @@ Hooks (megatron-core 0.19.2):
   the flat fp32 shard parameter the inner optimizer steps.
 * ``parallel_state``'s tensor-and-data-parallel group (with context parallelism): the ranks
   a plan's hosts range over.
+* Under Megatron-FSDP: ``ParamAndGradBuffer.optimizer_named_parameters`` (the ``DTensor``
+  parameters the optimizer steps, each with its model parameter as ``orig_param`` and this
+  rank's elements of it as its local tensor) and the buffers' indexes
+  (:mod:`canzona_patches.integration.fsdp_geometry`).
 
 Nothing here decides anything: the plan says who hosts what and where each piece lies; this
 module finds those pieces in the optimizer and checks that DDP built the layout promised.
@@ -18,6 +22,7 @@ module finds those pieces in the optimizer and checks that DDP built the layout 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from canzona_patches.integration.fsdp_geometry import read_fsdp_buckets, read_fsdp_shapes
 from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR
 from canzona_patches.params import global_param_names, shard_entries
 from megatron.canzona.optim.split import FusedLayout
@@ -74,8 +80,95 @@ def bind_plan(
     modules = [chunk.module for chunk in model_chunks]
     if len(modules) != len(plan.layouts):
         raise RuntimeError(f"the plan has {len(plan.layouts)} model chunks, the model {len(modules)}; re-plan")
-    global_names = global_param_names(model_chunks)
     params = {(c, n): p for c, m in enumerate(modules) for n, p in m.named_parameters()}
+    found = _plan_tasks(plan, params, global_param_names(model_chunks), fused_layouts, tp_strides)
+    where = {p: (c, n) for (c, n), p in params.items()}
+    refs: dict[torch.Tensor, tuple[PieceRef, ...]] = {}
+    shard_params, shard_starts = {}, {}
+    for model_param, shard, _, param_range in shard_entries(optimizer):
+        if not getattr(model_param, BUFFER_ROUTING_ATTR, False):
+            continue
+        shard_params[shard], shard_starts[shard] = model_param, param_range.start
+        refs[shard] = found.refs(where[model_param], coord[1], param_range.start, param_range.end, model_param.numel())
+    return found.binding(refs, shard_params, shard_starts)
+
+
+def bind_fsdp(
+    plan: CanzonaPlan, inner_params: list[torch.nn.Parameter], model_chunks: list, *, coord: Coord,
+    fused_layouts: dict[tuple[int, str], FusedLayout | None], tp_strides: dict[tuple[int, str], int],
+) -> Binding:
+    """The same as :func:`bind_plan`, for an optimizer over Megatron-FSDP-wrapped chunks: each of
+    ``inner_params`` (the optimizer's parameters: Megatron-FSDP's ``DTensor`` parameters, whose
+    local tensor is this rank's shard of the parameter in its main-weight buffer) is matched to
+    its model parameter (``orig_param``) and to the elements of it this rank holds, as read from
+    the buffers Megatron-FSDP built (:func:`~canzona_patches.integration.fsdp_geometry.read_fsdp_buckets`);
+    the plan, made from the prediction of the same buffers, must agree piece for piece."""
+    if len(model_chunks) != len(plan.layouts):
+        raise RuntimeError(f"the plan has {len(plan.layouts)} model chunks, the model {len(model_chunks)}; re-plan")
+    params, where, held, shapes = {}, {}, {}, {}
+    for c, chunk in enumerate(model_chunks):
+        buffer = fsdp_param_buffer(chunk)
+        for name, dist_param in buffer.optimizer_named_parameters:
+            params[(c, name)] = dist_param
+            where[dist_param.orig_param] = (c, name)
+        for bucket in read_fsdp_buckets(chunk):
+            for item in bucket.items:
+                held[(c, item.name)] = next(((lo, hi) for rank, lo, hi in bucket.pieces(item) if rank == coord[0]), None)
+        shapes.update({(c, name): shape for name, shape in read_fsdp_shapes(chunk).items()})
+    found = _plan_tasks(plan, params, global_param_names(model_chunks), fused_layouts, tp_strides, shapes)
+    refs: dict[torch.Tensor, tuple[PieceRef, ...]] = {}
+    shard_params, shard_starts = {}, {}
+    for param in inner_params:
+        orig = param.orig_param
+        if not getattr(orig, BUFFER_ROUTING_ATTR, False):
+            continue
+        span = held[where[orig]]
+        lo, hi = span if span is not None else (0, 0)
+        local = param.to_local().numel()
+        if local != hi - lo:
+            raise RuntimeError(f"{where[orig][1]}: Megatron-FSDP's shard holds {local} elements on DP rank {coord[0]}, "
+                               f"its buffer index [{lo}, {hi}); the geometry was read wrong")
+        shard_params[param], shard_starts[param] = param, lo
+        refs[param] = found.refs(where[orig], coord[1], lo, hi, math.prod(shapes[where[orig]])) if hi > lo else ()
+    return found.binding(refs, shard_params, shard_starts)
+
+
+def fsdp_param_buffer(chunk: Any) -> Any:
+    """The ``ParamAndGradBuffer`` of a Megatron-FSDP-wrapped model chunk."""
+    inner = getattr(chunk, "module", chunk)
+    return getattr(inner, "param_and_grad_buffer", None) or chunk.param_and_grad_buffer
+
+
+@dataclass(frozen=True)
+class _PlanTasks:
+    """The plan's tasks attached to the model's parameters, before the shards are looked at."""
+
+    tasks: list[MatrixTask]
+    layouts: dict[str, FusedLayout | None]
+    names: dict[str, str]
+    params: dict[str, torch.nn.Parameter]
+    parts: dict[str, tuple[int, int]]
+    keys_of: dict[tuple[int, str], list[tuple[int | None, tuple[int, int] | None, str]]]
+
+    def refs(self, where: tuple[int, str], tp_rank: int, start: int, end: int, numel: int) -> tuple[PieceRef, ...]:
+        """The task ranges that elements ``[start, end)`` of parameter ``where`` (chunk, name) are."""
+        keys = self.keys_of.get(where)
+        if keys is None:
+            raise RuntimeError(f"{where[1]} is a matrix the Canzona plan does not schedule; re-plan")
+        return _refs(keys, tp_rank, start, end, numel)
+
+    def binding(self, refs: dict[torch.Tensor, tuple[PieceRef, ...]], shard_params: dict, shard_starts: dict) -> Binding:
+        return Binding(tasks=tuple(self.tasks), pieces=refs, layouts=self.layouts, names=self.names,
+                       params=self.params, parts=self.parts, shard_params=shard_params, shard_starts=shard_starts)
+
+
+def _plan_tasks(plan: CanzonaPlan, params: dict[tuple[int, str], torch.nn.Parameter],
+                global_names: dict[torch.nn.Parameter, str], fused_layouts: dict[tuple[int, str], FusedLayout | None],
+                tp_strides: dict[tuple[int, str], int],
+                shapes: dict[tuple[int, str], tuple[int, ...]] | None = None) -> _PlanTasks:
+    """Every task of the plan's schedule with its local shape, TP dimension and stride, checked
+    against the model parameter it names (``params``, by chunk and name; ``shapes``: their local
+    shapes where the parameters do not have them, default their own)."""
     tasks, layouts, names, task_params, parts = [], {}, {}, {}, {}
     keys_of: dict[tuple[int, str], list[tuple[int | None, tuple[int, int] | None, str]]] = {}
     counts: dict[tuple[int, str], int] = {}
@@ -86,7 +179,7 @@ def bind_plan(
         if task.tp_sharded != (bool(getattr(param, "tensor_model_parallel", False)) and plan.tp_size > 1):
             raise RuntimeError(f"the plan treats {task.name} as {'' if task.tp_sharded else 'not '}TP-sharded, the "
                                f"model does not; re-plan with this model's tensor-parallel layout")
-        shape = tuple(param.shape)
+        shape = tuple(param.shape) if shapes is None else shapes[(task.chunk, task.name)]
         if task.span is not None:  # a part hosted apart: a block of whole rows of every TP shard
             rows, cols = shape
             lo, hi = task.span
@@ -104,19 +197,7 @@ def bind_plan(
     for task in tasks:
         if task.task.span is not None:
             parts[task.key] = (task.task.part, counts[(task.task.chunk, task.task.name)])
-    where = {p: (c, n) for (c, n), p in params.items()}
-    refs: dict[torch.Tensor, tuple[PieceRef, ...]] = {}
-    shard_params, shard_starts = {}, {}
-    for model_param, shard, _, param_range in shard_entries(optimizer):
-        if not getattr(model_param, BUFFER_ROUTING_ATTR, False):
-            continue
-        shard_params[shard], shard_starts[shard] = model_param, param_range.start
-        keys = keys_of.get(where[model_param])
-        if keys is None:
-            raise RuntimeError(f"{where[model_param][1]} is a matrix the Canzona plan does not schedule; re-plan")
-        refs[shard] = _refs(keys, coord[1], param_range.start, param_range.end, model_param.numel())
-    return Binding(tasks=tuple(tasks), pieces=refs, layouts=layouts, names=names, params=task_params, parts=parts,
-                   shard_params=shard_params, shard_starts=shard_starts)
+    return _PlanTasks(tasks=tasks, layouts=layouts, names=names, params=task_params, parts=parts, keys_of=keys_of)
 
 
 def _refs(keys: list[tuple[int | None, tuple[int, int] | None, str]], tp_rank: int, start: int, end: int,

@@ -34,6 +34,19 @@ def read_fsdp_buckets(fsdp_model: Any) -> tuple[FsdpBucket, ...]:
     return tuple(buckets)
 
 
+def read_fsdp_shapes(fsdp_model: Any) -> dict[str, tuple[int, ...]]:
+    """Each parameter's local shape (TP-sharded, before FSDP's sharding) as its buffer indexes
+    it: the ``DTensor`` parameters Megatron-FSDP hands the optimizer report the TP-global shape."""
+    inner = getattr(fsdp_model, "module", fsdp_model)
+    buffer = getattr(inner, "param_and_grad_buffer", None) or fsdp_model.param_and_grad_buffer
+    shapes = {}
+    for group in buffer.parameter_groups:
+        data = group.main_weight_buffer or group.model_weight_buffer or group.main_grad_buffer
+        for item_id, index in data.item_index_map.items():
+            shapes[buffer.param_to_name[group.params[item_id]]] = tuple(int(d) for d in index.shape)
+    return shapes
+
+
 def _row(shape: Any) -> int:
     row = 1
     for dim in tuple(shape)[1:]:

@@ -24,6 +24,7 @@ import torch
 from canzona_patches import registry
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.planning import LAYOUTS, CanzonaPlan, DPPlan, ParamSpec, WireConfig, make_plan
+from megatron.canzona.planning.fsdp import FSDP_LAYOUT
 from megatron.canzona.planning.geometry import default_bucket_size
 from megatron.canzona.planning.plan import BufferPlan
 from megatron.canzona.planning.speculation import EarlyComputeDecision, early_compute_decision
@@ -217,13 +218,15 @@ def build_canzona_plan(
         named_all += named
     wire = wire_config(named_all, ddp_config)
     cost_model = cfg.cost_model()
+    fsdp = {"fsdp_strategy": ddp_config.data_parallel_sharding_strategy, "fsdp_bucket_size": ddp_config.bucket_size}
+    layouts = (FSDP_LAYOUT,) if uses_megatron_fsdp(ddp_config) else LAYOUTS if cfg.layout == "auto" else (cfg.layout,)
     plans = {
         layout: make_plan(
             specs, dp_size=dp_size, tp_size=tp_size, cost_model=cost_model, alpha=cfg.alpha,
             bucket_size=plan_bucket_size(ddp_config, dp_size), tp_budget=cfg.tp_group_budget, wire=wire,
-            ep_size=ep_size, expert_tp_size=expert_tp_size, layout=layout,
+            ep_size=ep_size, expert_tp_size=expert_tp_size, layout=layout, **fsdp,
         )
-        for layout in (LAYOUTS if cfg.layout == "auto" else (cfg.layout,))
+        for layout in layouts
     }
     if len(plans) == 1:
         return next(iter(plans.values())), specs, None
@@ -235,6 +238,12 @@ def build_canzona_plan(
                               matrices_first=matrices_first_setting(cfg, workload, ddp_config.overlap_grad_reduce, dp_size))
     choice = faster_layout(results)
     return plans[choice], specs, layout_line(choice, results, cluster, iteration=workload is not None)
+
+
+def uses_megatron_fsdp(ddp_config: Any) -> bool:
+    """Whether the chunks are wrapped by Megatron-FSDP (``--use-megatron-fsdp``): the plan then
+    takes its buckets and shards as they are (:data:`~megatron.canzona.planning.fsdp.FSDP_LAYOUT`)."""
+    return bool(getattr(ddp_config, "use_megatron_fsdp", False))
 
 
 def projection_cluster(cfg: Any, world: int) -> Any:

@@ -41,10 +41,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from canzona_patches.checkpoints.state import common_state, load_optimizer_state_dict, optimizer_sharded_state_dict
 from canzona_patches.errors import CanzonaArgumentError
-from canzona_patches.integration.binding import bind_plan, group_coordinates
+from canzona_patches.integration.binding import bind_fsdp, bind_plan, group_coordinates
 from canzona_patches.integration.early_gather import EarlyCompute
 from canzona_patches.integration.early_gather import attach as attach_early_gathers
 from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, is_expert_param
@@ -94,14 +95,19 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         )
         self.grad_stats_parallel_group = ranks.grad_stats  # what get_megatron_optimizer sets on its own
         plan = setup.plan.experts if ranks.expert else setup.plan
-        binding = bind_plan(plan, self, model_chunks, coord=ranks.coord, fused_layouts=setup.fused_layouts,
-                            tp_strides=setup.tp_strides)
+        if self.fsdp:  # Megatron-FSDP's DTensor shards of its buffers, as it built them
+            binding = bind_fsdp(plan, [p for group in inner.param_groups for p in group["params"]], model_chunks,
+                                coord=ranks.coord, fused_layouts=setup.fused_layouts, tp_strides=setup.tp_strides)
+        else:
+            binding = bind_plan(plan, self, model_chunks, coord=ranks.coord, fused_layouts=setup.fused_layouts,
+                                tp_strides=setup.tp_strides)
         binding = dataclasses.replace(binding, tasks=narrow_updates(
             binding.tasks, math=inner.math, config=inner.config, layouts=binding.layouts, tp_size=plan.tp_size,
             mode=setup.config.tp_mode))
         engine = HostGroupEngine(binding.tasks, group=ranks.host, rank_of=ranks.rank_of, coord=ranks.coord,
                                  tp_size=plan.tp_size, mode=setup.config.tp_mode)
-        inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts)
+        inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts,
+                   local=local_elements if self.fsdp else None)
         compute = EarlyCompute(
             compute=inner.stage_compute, discard=inner.discard_staged, scale=self._early_scale,
             groups=early_groups(inner, setup.config.early_compute_bytes)) if setup.early_compute[ranks.expert] else None
@@ -118,6 +124,12 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         self._outcome = NO_CLIP
         """What this step's gradient norm decided (:func:`norm_outcome`), made by the norm phase
         of each step and read by the step."""
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether the chunks are Megatron-FSDP's (``--use-megatron-fsdp``): the optimizer's
+        parameters are its ``DTensor`` shards, its buffers and collectives its own."""
+        return bool(self.ddp_config.use_megatron_fsdp)
 
     qk_clip: Any = None
     """The run's :class:`~canzona_patches.integration.qk_clip.QkClip` (the dense optimizer of a
@@ -261,7 +273,11 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
                         self._copy_main_params_to_param_buffer()
                 else:
                     self._copy_main_params_to_model_params()
-        if not self.ddp_config.overlap_param_gather and not getattr(self, "_defer_param_sync", False):
+        if self.fsdp:  # Megatron's: start Megatron-FSDP's all-gather of the updated weights for the next forward
+            with _timed(timers, "params-all-gather", self.config):
+                for chunk in self.model_chunks:
+                    chunk.start_param_sync()
+        elif not self.ddp_config.overlap_param_gather and not getattr(self, "_defer_param_sync", False):
             with _timed(timers, "params-all-gather", self.config):
                 self.start_param_sync_for_bucket_group_subset()
         if self.canzona.early_gathers is not None:
@@ -298,7 +314,7 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
 
     def _local_nonfinite_flag(self) -> torch.Tensor:
         """1.0 where one of this rank's gradients holds inf or NaN, else 0.0 (on the device)."""
-        grads = [] if self.is_stub_optimizer else self._collect_main_grad_data_for_unscaling()
+        grads = [] if self.is_stub_optimizer else [local_elements(g) for g in self._collect_main_grad_data_for_unscaling()]
         if not grads:
             return torch.zeros(1, device=_collective_device())
         norms = torch.stack(torch._foreach_norm(grads))
@@ -453,6 +469,12 @@ class CanzonaChainedOptimizer(ChainedOptimizer):
         return {"canzona": common_state(self)}
 
 
+def local_elements(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of a parameter or gradient: a ``DTensor``'s local shard (Megatron-FSDP's
+    optimizer parameters and their gradients), else the tensor (no copy either way)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _collective_device() -> torch.device:
     """Where a rank's small collective tensors live: its CUDA device (NCCL) or the CPU (gloo)."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -468,11 +490,17 @@ def _route_groups(groups: list[dict], weight_decay: float) -> list[dict]:
     routed = []
     for group in groups:
         for matrix in (True, False):
-            params = [p for p in group["params"] if bool(getattr(p, BUFFER_ROUTING_ATTR)) == matrix]
+            params = [p for p in group["params"] if routed_to_matrices(p) == matrix]
             if params:
                 routed.append({**group, "params": params, "matrix": matrix,
                                "weight_decay": weight_decay * group.get("wd_mult", 1.0)})
     return routed
+
+
+def routed_to_matrices(param: torch.nn.Parameter) -> bool:
+    """Whether the plan updates ``param`` as a matrix (its tag, on the model parameter behind a
+    Megatron-FSDP ``DTensor`` parameter)."""
+    return bool(getattr(getattr(param, "orig_param", param), BUFFER_ROUTING_ATTR))
 
 
 def _grad_scaler(config: Any):

@@ -14,6 +14,7 @@ set on a Megatron object: each consumer gets the setup, or its part, as an argum
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from canzona_patches.integration.layout import (
     full_param_layouts,
     node_note,
     stacked_expert_blocks,
+    uses_megatron_fsdp,
     wire_config,
 )
 from canzona_patches.params import tp_stride
@@ -58,7 +60,8 @@ class CanzonaSetup:
     """Who hosts each matrix, the DP shards of every bucket, the micro-groups (``plan.experts``:
     the expert buffers' plan over the expert-data-parallel group)."""
     layouts: tuple[Any, ...]
-    """The ``FullParamLayout`` each (unwrapped) model chunk's DDP must be built with."""
+    """The ``FullParamLayout`` each (unwrapped) model chunk's DDP must be built with (none under
+    Megatron-FSDP, which lays out its own buckets)."""
     specs: tuple[Any, ...]
     """The parameter specs the plan was made from (the tools' accounting reads them)."""
     summary: dict | None
@@ -109,6 +112,9 @@ def make_setup(
     ``expert_tp_size`` defaults to what Canzona supports: 1 under expert parallelism, the TP
     size at EP 1 (experts are then dense parameters)."""
     expert_tp_size = (1 if ep_size > 1 else tp_size) if expert_tp_size is None else expert_tp_size
+    fsdp = uses_megatron_fsdp(ddp_config)
+    if fsdp:  # early gathers and compute hook DDP's buckets; Megatron-FSDP reduces its own
+        config = dataclasses.replace(config, early_gather=False, early_compute="off")
     if ep_size > 1 or any(getattr(chunk.config, "num_moe_experts", None) for chunk in model_chunks):
         check_expert_sizes(tp_size, ep_size, expert_tp_size)
     plan, specs, choice = build_canzona_plan(model_chunks, ddp_config, config, dp_size=dp_size, tp_size=tp_size,
@@ -118,11 +124,11 @@ def make_setup(
     summary = None
     named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
     wire = wire_config(named, ddp_config)
-    matrices_first, order = choose_matrices_first(plan, specs, config, wire=wire, workload=workload,
-                                                  overlap=ddp_config.overlap_grad_reduce)
+    matrices_first, order = (False, None) if fsdp else choose_matrices_first(
+        plan, specs, config, wire=wire, workload=workload, overlap=ddp_config.overlap_grad_reduce)
     overlap = ddp_config.overlap_grad_reduce
     expert_dp = plan.experts.dp_size if plan.experts is not None else None
-    early = early_compute_line(config, dp_size, overlap, expert_dp)
+    early = FSDP_EARLY_COMPUTE if fsdp else early_compute_line(config, dp_size, overlap, expert_dp)
     early_compute = (early_compute_choice(config, dp_size, overlap).on,
                      expert_dp is not None and early_compute_choice(config, expert_dp, overlap).on)
     if choice is not None or order is not None:
@@ -141,12 +147,17 @@ def make_setup(
     matrices = [(c, name, chunk) for c, chunk in enumerate(model_chunks) for name, p in chunk.named_parameters()
                  if getattr(p, BUFFER_ROUTING_ATTR, False)]
     return CanzonaSetup(
-        config=config, plan=plan, layouts=tuple(full_param_layouts(plan, model_chunks, ddp_config)),
+        config=config, plan=plan, layouts=() if fsdp else tuple(full_param_layouts(plan, model_chunks, ddp_config)),
         specs=tuple(specs), summary=summary, host_ranks=host_ranks, matrices_first=matrices_first,
         early_compute=early_compute,
         fused_layouts={(c, name): fused_layout(name, chunk, config) for c, name, chunk in matrices},
         tp_strides={(c, name): tp_stride(name, chunk.config.gated_linear_unit) for c, name, chunk in matrices},
     )
+
+
+FSDP_EARLY_COMPUTE = ("[canzona] early compute: off (under --use-megatron-fsdp the step gathers each matrix after "
+                      "Megatron-FSDP's own reduce-scatters; no early gathers to compute at)")
+"""The start-up line of early compute under Megatron-FSDP."""
 
 
 def check_same_choices(choices: dict[str, int], group: Any = None) -> None:

@@ -114,21 +114,27 @@ def with_canzona_layouts(wrap_model_chunks_with_ddp: Callable[..., Any], run: An
     each chunk in ``DP(config=, ddp_config=, module=, disable_bucketing=,
     full_param_layout=)``; here the setup of every chunk together is made once
     (``setup_from_args``, which also tags the parameters) and handed over for the
-    optimizer. FSDP variants are rejected by the flag validation, so ``DP`` is DDP.
+    optimizer. Under ``--use-megatron-fsdp`` (``DP`` is ``megatron.core.distributed.
+    FullyShardedDataParallel``) the setup plans over the buckets Megatron-FSDP will build, and
+    upstream wraps the chunks as it would (``--use-torch-fsdp2`` is refused by the flag checks).
     """
     handoff = _handoff(run)
 
     @functools.wraps(wrap_model_chunks_with_ddp)
     def wrap_with_canzona_layouts(model_chunks, config, ddp_config, *, DP=_training.DDP,
                                   bucket_sizes=None, disable_bucketing_per_chunk=None,
-                                  **unused: Any):
-        if DP is not _training.DDP:
-            raise RuntimeError("--canzona supports Megatron's DistributedDataParallel only")
+                                  **kwargs: Any):
         from canzona_patches.integration.layout import gather_in_forward_order
         from canzona_patches.integration.setup import setup_from_args
 
+        fsdp = DP is _training.megatron_FSDP
+        if DP is not _training.DDP and not fsdp:
+            raise RuntimeError("--canzona supports Megatron's DistributedDataParallel and Megatron-FSDP only")
         args = _training.get_args()
         handoff.setup = setup_from_args(model_chunks, ddp_config, args, summarize_here=_writes_logs(args))
+        if fsdp:
+            return wrap_model_chunks_with_ddp(model_chunks, config, ddp_config, DP=DP, bucket_sizes=bucket_sizes,
+                                              disable_bucketing_per_chunk=disable_bucketing_per_chunk, **kwargs)
         disable = disable_bucketing_per_chunk or [False] * len(model_chunks)
         wrapped = [
             DP(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=off,

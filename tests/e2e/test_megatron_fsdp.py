@@ -122,9 +122,13 @@ def test_the_planners_geometry_is_megatron_fsdps(runs: dict, layout: str, strate
 
 @pytest.mark.quick
 def test_a_megatron_fsdp_run_trains_and_its_buckets_are_the_planners(demo_data: DemoData, tmp_path: Path) -> None:
-    """The quick suite's one Megatron-FSDP launch: DP 2, optim_grads_params, through the geometry
-    trace; the loss falls and the planner's buckets are the ones read from the buffers."""
-    run = _train(demo_data, tmp_path, 2, *FSDP, "--data-parallel-sharding-strategy", "optim_grads_params")
+    """The quick suite's one Megatron-FSDP launch: ``--canzona --optimizer muon`` at DP 2 in
+    optim_grads_params, through the geometry trace; the plan is bound to Megatron-FSDP's shards
+    (tests/e2e/test_canzona_fsdp.py compares such runs with the distributed optimizer), the loss
+    falls, and the planner's buckets are the ones read from the buffers."""
+    run = _train(demo_data, tmp_path, 2, *FSDP, "--data-parallel-sharding-strategy", "optim_grads_params",
+                 "--canzona", "--optimizer", "muon")
+    assert "[canzona] plan: fsdp layout, 8 matrices over DP 2 x TP 1" in run["stdout"]
     assert run["metrics"][ITERS]["lm_loss"] < run["metrics"][1]["lm_loss"]
     for rank in run["geometry"]:
         specs = [ParamSpec.from_dict(spec) for spec in rank["specs"]]

@@ -438,6 +438,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         for view in stack.views:
             view["step"] = state.step
 
+    def _elements(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elements of a parameter or gradient this optimizer updates: the tensor itself
+        (a subclass whose parameters hold a shard of each tensor returns that shard)."""
+        return tensor
+
     def _step_elementwise(self, group: dict[str, Any]) -> None:
         """AdamW on every non-matrix parameter of the group that has a gradient, fused."""
         params = [p for p in group["params"] if p.grad is not None and not self._is_matrix(group, p)]
@@ -445,12 +450,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
         for param in params:
             stored = self.state[param]
             if not stored:
-                stored.update(AdamWState.create(param.shape, device=param.device, grad_dtype=param.grad.dtype).as_dict())
+                stored.update(AdamWState.create(self._elements(param).shape, device=param.device,
+                                                grad_dtype=param.grad.dtype).as_dict())
             states.append(AdamWState.from_dict(stored))
         if not params:
             return
-        adamw_foreach(params, [p.grad for p in params], states, group["adamw_config"], lr=group["lr"],
-                      weight_decay=group["weight_decay"])
+        adamw_foreach([self._elements(p) for p in params], [self._elements(p.grad) for p in params], states,
+                      group["adamw_config"], lr=group["lr"], weight_decay=group["weight_decay"])
         for param, state in zip(params, states):
             self.state[param]["step"] = state.step
 

@@ -90,19 +90,22 @@ class CanzonaOptimizer(MatrixOptimizer):
         self.last_step_updates: list[str] = []
         self._unscaled: MuonConfig | None = None
         """:func:`unscaled` of the config, made at the first step with a narrow task."""
+        self._local: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def bind(
         self, pieces: Mapping[torch.Tensor, Sequence[PieceRef]], engine: HostGroupEngine,
         layouts: Mapping[str, FusedLayout | None], names: Mapping[str, str] | None = None,
-        parts: Mapping[str, tuple[int, int]] | None = None,
+        parts: Mapping[str, tuple[int, int]] | None = None, local: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """Declare every matrix piece of the param groups and the engine that runs them.
 
-        ``pieces``: per flat shard parameter, the task ranges it holds (one, or one per part
-        of a parameter hosted in parts). ``layouts`` gives, per task key, how the host splits
-        the full matrix into separately optimized pieces (Q/K/V, gate/up) or ``None``;
-        ``names`` the parameter name reported for each task key (default: the key);
-        ``parts`` the ``(part, parts)`` of each task hosted in parts."""
+        ``pieces``: per shard parameter, the task ranges its elements hold (one, or one per part
+        of a parameter hosted in parts; none where this rank holds no element of it). ``layouts``
+        gives, per task key, how the host splits the full matrix into separately optimized pieces
+        (Q/K/V, gate/up) or ``None``; ``names`` the parameter name reported for each task key
+        (default: the key); ``parts`` the ``(part, parts)`` of each task hosted in parts;
+        ``local`` the tensor of this rank's elements of a parameter or gradient (Megatron-FSDP's
+        ``DTensor`` shards; default: the tensor itself, the distributed optimizer's flat shards)."""
         refs = {id(p): tuple(r) for p, r in pieces.items()}
         declared = {(ref.key, ref.lo) for rs in refs.values() for ref in rs}
         for group in self.param_groups:
@@ -118,6 +121,7 @@ class CanzonaOptimizer(MatrixOptimizer):
         if missing:
             raise ValueError(f"no fused layout given for {missing[:3]}")
         self._refs, self.engine, self._layouts = refs, engine, dict(layouts)
+        self._local = local
         self._names = dict(names or {})
         self._parts = dict(parts or {})
         self._tasks = {t.key: t for t in engine.tasks}
@@ -152,7 +156,8 @@ class CanzonaOptimizer(MatrixOptimizer):
                 continue
             for p in group["params"]:
                 if not self.state[p]:
-                    self.state[p].update(AdamWState.create(p.shape, device=p.device, grad_dtype=p.dtype).as_dict())
+                    self.state[p].update(AdamWState.create(self._elements(p).shape, device=p.device,
+                                                           grad_dtype=p.dtype).as_dict())
 
     def early_elements(self, key: str) -> int:
         """fp32 elements computing task ``key`` early keeps: its full direction (a narrow one in
@@ -222,6 +227,9 @@ class CanzonaOptimizer(MatrixOptimizer):
         for group in self.param_groups:
             self._step_elementwise(group)
 
+    def _elements(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self._local is None else self._local(tensor)
+
     def _local_pieces(self) -> dict[tuple[str, int], LocalPiece]:
         pieces = {}
         for group in self.param_groups:
@@ -229,14 +237,17 @@ class CanzonaOptimizer(MatrixOptimizer):
                 continue
             for p in group["params"]:
                 refs = self._refs[id(p)]
+                if not refs:
+                    continue  # none of its elements on this rank
                 if p.grad is None:
                     raise RuntimeError(f"a piece of {refs[0].key} has no gradient; every rank must step every piece it holds")
-                whole = len(refs) == 1 and refs[0].offset == 0 and refs[0].hi - refs[0].lo == p.numel()
+                flat, grad = self._elements(p).view(-1), self._elements(p.grad).view(-1)
+                whole = len(refs) == 1 and refs[0].offset == 0 and refs[0].hi - refs[0].lo == flat.numel()
                 for ref in refs:
                     size = ref.hi - ref.lo
                     pieces[(ref.key, ref.lo)] = LocalPiece(
-                        param=p if whole else p.narrow(0, ref.offset, size),
-                        grad=p.grad if whole else p.grad.narrow(0, ref.offset, size),
+                        param=flat if whole else flat.narrow(0, ref.offset, size),
+                        grad=grad if whole else grad.narrow(0, ref.offset, size),
                         lr=group["lr"], weight_decay=group["weight_decay"],
                     )
         return pieces

@@ -1,0 +1,72 @@
+"""``--canzona --use-megatron-fsdp`` at parse time: what is not built under it yet is refused in
+one line naming the flag (every entry of :data:`FSDP_REFUSED`), what it takes passes, and
+``--optimizer`` is held from Megatron's ``validate_args`` (which allows only sgd and adam under
+Megatron-FSDP) and given back after it."""
+
+from __future__ import annotations
+
+import pytest
+
+from canzona_patches.integration.arguments import (
+    FSDP_REFUSED,
+    CanzonaArgumentError,
+    finalize_canzona_args,
+    validate_canzona_args,
+)
+
+from test_flags_need_their_run import parse
+
+pytestmark = pytest.mark.quick
+
+FSDP = ["--canzona", "--optimizer", "muon", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+SET = {"expert_model_parallel_size": ["--expert-model-parallel-size", "2", "--num-experts", "4"],
+       "num_experts": ["--num-experts", "4"], "pipeline_model_parallel_size": ["--pipeline-model-parallel-size", "2"],
+       "context_parallel_size": ["--context-parallel-size", "2"], "qk_clip": ["--qk-clip"],
+       "log_max_attention_logit": ["--log-max-attention-logit"], "save": ["--save", "/nonexistent/ckpt"],
+       "load": ["--load", "/nonexistent/ckpt"],
+       "canzona_matrices_reduce_first": ["--canzona-matrices-reduce-first", "--overlap-grad-reduce"]}
+"""Command-line words that set each refused flag."""
+
+
+def test_every_refused_flag_has_words_that_set_it() -> None:
+    assert set(SET) == {dest for dest, *_ in FSDP_REFUSED}
+
+
+@pytest.mark.parametrize("dest", [dest for dest, *_ in FSDP_REFUSED])
+def test_what_is_not_built_under_fsdp_is_refused_naming_its_flag(dest: str) -> None:
+    flag = next(flag for d, _, flag, _ in FSDP_REFUSED if d == dest).split()[0]
+    with pytest.raises(CanzonaArgumentError) as refused:
+        validate_canzona_args(parse(*FSDP, *SET[dest]))
+    line = str(refused.value)
+    assert "\n" not in line and len(line) < 300, line
+    assert line.startswith("--canzona --use-megatron-fsdp does not run with ") and f"drop {flag}," in line, line
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+@pytest.mark.parametrize("optimizer", ["muon", "adaptive_muon", "shampoo", "soap"])
+def test_each_strategy_and_optimizer_passes_with_the_optimizer_held_from_megatron(strategy: str, optimizer: str) -> None:
+    args = parse(*FSDP, "--optimizer", optimizer, "--data-parallel-sharding-strategy", strategy,
+                 "--tensor-model-parallel-size", "2", "--sequence-parallel", "--canzona-tp-mode", "sync")
+    validate_canzona_args(args)
+    assert args.optimizer == "adam"  # what Megatron-FSDP's own check in validate_args allows
+    finalize_canzona_args(args)
+    assert args.optimizer == optimizer and args.use_distributed_optimizer
+    assert not args.use_layer_wise_distributed_optimizer
+
+
+@pytest.mark.parametrize(("words", "says"), [
+    (["--data-parallel-sharding-strategy", "no_shard"], "pass optim, optim_grads or optim_grads_params"),
+    (["--canzona-layout", "lean"], "drop --canzona-layout"),
+    (["--canzona-early-compute", "on"], "drop --canzona-early-compute, or --use-megatron-fsdp"),
+    (["--num-distributed-optimizer-instances", "2"], "drop --num-distributed-optimizer-instances"),
+])
+def test_what_the_fsdp_binding_does_not_take(words: list[str], says: str) -> None:
+    with pytest.raises(CanzonaArgumentError) as refused:
+        validate_canzona_args(parse(*FSDP, *words))
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_torch_fsdp2_is_pointed_to_megatron_fsdp() -> None:
+    with pytest.raises(CanzonaArgumentError) as refused:
+        validate_canzona_args(parse("--canzona", "--optimizer", "muon", "--use-torch-fsdp2"))
+    assert "use --use-megatron-fsdp, or --use-distributed-optimizer" in str(refused.value)
