@@ -498,10 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     built = time.perf_counter() - start
     matrix = canzona.matrix
-    state = StateLayout(optimizer=args.optimizer, max_precond_dim=getattr(matrix, "max_precond_dim", 10000),
-                        grafting=getattr(matrix, "grafting", "adam") == "adam",
-                        ns_dtype=getattr(matrix, "ns_dtype", "float32"),
-                        moment2_method=getattr(matrix, "moment2_method", "adamuon"))
+    state = StateLayout.of(args.optimizer, matrix)
     budget = canzona.early_compute_bytes if canzona.early_compute != "off" else 0
     measured = measure(ddp_model, optimizer, early_compute=budget)
     predicted = predict(args, plan, state, specs)

@@ -8,6 +8,7 @@
         --decoder-first-pipeline-num-layers 11 --decoder-last-pipeline-num-layers 11
     python tools/plan.py --cases --plot cases.png   # docs/planner.md's case matrix
     python tools/plan.py --moe-cases --split-qkv    # docs/planner.md's MoE table
+    python tools/plan.py --fsdp-cases               # docs/fsdp.md's memory table (Megatron-FSDP)
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ CASES = (
     ("qwen3-14b", 4, (8, 32, 64, 128)),
     ("qwen3-32b", 8, (8, 16, 32, 64, 128, 256)),
 )
+FSDP_CASES = (("qwen3-8b", 1, (64, 256)), ("qwen3-32b", 4, (64, 256)))
+"""Model, TP, FSDP sizes of docs/fsdp.md's memory table (``--fsdp-cases``)."""
 MOE_CASES = (  # model, TP, EP, expert TP, PP, first/last stage layers, DPs
     ("qwen3-30b-a3b", 1, 8, 1, 1, None, (32, 64, 256)),
     ("qwen3-235b-a22b", 4, 8, 1, 8, 11, (4, 8)),
@@ -110,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bar chart of per-GPU loads, one panel per strategy (with --cases: padding and bytes per case)")
     p.add_argument("--cases", action="store_true", help="run docs/planner.md's case matrix and print its table")
     p.add_argument("--moe-cases", action="store_true", help="run docs/planner.md's mixture-of-experts table")
+    p.add_argument("--fsdp-cases", action="store_true",
+                   help="docs/fsdp.md's table: Canzona's plan over Megatron-FSDP's buckets (optim_grads_params), each "
+                   "GPU's optimizer state against AdamW-FSDP's, every optimizer")
     args = p.parse_args(argv)
     args.data_parallel, args.dp = args.dp, args.dp * args.cp  # the plan's DP group is DP x CP
     return args
@@ -420,6 +426,52 @@ MOE_HEADER = (
 )
 
 
+FSDP_HEADER = ("| model | TP x FSDP | optimizer | makespan / LB | state per GPU, busiest (GiB) | mean (GiB) | "
+               "busiest / mean | AdamW-FSDP busiest (GiB) | busiest / AdamW's |")
+
+
+def run_fsdp_cases(args: argparse.Namespace) -> list[dict]:
+    """docs/fsdp.md's memory table: under Megatron-FSDP (``optim_grads_params``, one bucket per
+    layer) every GPU's optimizer state as the memory model predicts it
+    (:func:`~megatron.canzona.planning.memory.fsdp_state_elements`: Muon's momentum in FSDP's shard
+    layout, the rest of the matrix state on hosts), against AdamW-FSDP's two moments of the same
+    shards."""
+    from megatron.canzona.planning.fsdp import fsdp_buckets
+    from megatron.canzona.planning.memory import STATE_BYTES, StateLayout, fsdp_state_elements
+
+    rows = []
+    print(FSDP_HEADER)
+    print("|" + "---|" * (FSDP_HEADER.count("|") - 1))
+    for model, tp, dps in FSDP_CASES:
+        for dp in dps:
+            specs = qwen3_specs(model, tp_size=tp, split_qkv=args.split_qkv, split_gate_up=args.split_gate_up)
+            buckets = {0: fsdp_buckets(specs, dp_size=dp, strategy="optim_grads_params")}
+            for optimizer in OPTIMIZERS:
+                case = argparse.Namespace(**{**vars(args), "optimizer": optimizer})
+                cm, wire = cost_model(case), wire_config(case)
+                plan = make_plan(specs, dp_size=dp, tp_size=tp, cost_model=cm, alpha=args.alpha, wire=wire,
+                                 layout="fsdp", fsdp_strategy="optim_grads_params")
+                state = StateLayout(optimizer=optimizer, ns_dtype=args.muon_ns_dtype)
+                per_gpu, adamw = [], []
+                for d in range(dp):
+                    for t in range(tp):
+                        kinds = fsdp_state_elements(plan, specs, dp_rank=d, tp_rank=t, state=state, buckets=buckets)
+                        per_gpu.append(sum(kinds.values()) * STATE_BYTES)
+                        held = fsdp_state_elements(plan, specs, dp_rank=d, tp_rank=t, state=StateLayout(optimizer="muon"),
+                                                   buckets=buckets)
+                        adamw.append((2 * held["momentum"] + held["adam_moments"]) * STATE_BYTES)
+                summary = summarize_canzona(plan, specs, cm, wire)
+                busiest, mean = max(per_gpu), sum(per_gpu) / len(per_gpu)
+                row = {"model": model, "tp": tp, "dp": dp, "optimizer": optimizer,
+                       "makespan_over_lower_bound": summary["makespan_over_lower_bound"], "busiest_bytes": busiest,
+                       "mean_bytes": mean, "adamw_busiest_bytes": max(adamw)}
+                rows.append(row)
+                print(f"| {model} | {tp} x {dp} | {optimizer} | {row['makespan_over_lower_bound']:.3f} | "
+                      f"{busiest / 2**30:.3f} | {mean / 2**30:.3f} | {busiest / mean:.3f} | {max(adamw) / 2**30:.3f} | "
+                      f"{busiest / max(adamw):.2f} |", flush=True)
+    return rows
+
+
 def run_moe_cases(args: argparse.Namespace) -> list[dict]:
     """docs/planner.md's MoE table: Canzona beside Megatron's layer-wise layout (``a / b``) on the
     dense and the expert buffers of the busiest pipeline stage, and the combined balance per
@@ -454,6 +506,11 @@ def run_moe_cases(args: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.fsdp_cases:
+            rows = run_fsdp_cases(args)
+            if args.json:
+                print(json.dumps(rows))
+            return 0
         if args.cases or args.moe_cases:
             rows = run_cases(args) if args.cases else run_moe_cases(args)
             if args.plot:

@@ -52,6 +52,7 @@ from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, is_expert_pa
 from canzona_patches.integration.setup import CanzonaPart, CanzonaSetup
 from canzona_patches.integration.uneven import shard_bounds
 from canzona_patches.version import require_pinned_megatron
+from megatron.canzona.optim import MATRIX_OPTIMIZERS
 from megatron.canzona.planning.memory import STATE_BYTES, early_compute_groups
 from megatron.canzona.planning.schedule import Coord
 from megatron.canzona.planning.speculation import SpeculationPolicy
@@ -578,9 +579,13 @@ def _canzona_dist_optimizer(optimizer_config: Any, model_chunks: list, setup: Ca
         buffer_name="expert_parallel_buffers" if ranks.expert else "buffers",
     )
     cfg = setup.config
+    # Under Megatron-FSDP Muon's momentum stays in its shards, as AdamW's moments do: the hosts
+    # keep no copy of what the holders' bytes already are (docs/fsdp.md#memory).
+    fsdp = bool(model_chunks[0].ddp_config.use_megatron_fsdp)
     inner = CanzonaOptimizer(
         _route_groups(groups, optimizer_config.weight_decay), math=cfg.optimizer, lr=optimizer_config.lr,
         weight_decay=optimizer_config.weight_decay, config=cfg.matrix, adamw_config=cfg.adamw,
+        momentum_on_holders=fsdp and MATRIX_OPTIMIZERS[cfg.optimizer].from_source_fn is not None,
     )
     return CanzonaDistributedOptimizer(inner, optimizer_config, setup=setup, ranks=ranks, model_chunks=model_chunks,
                                        per_model_buffers=buffers)

@@ -3,7 +3,9 @@
 wrapped, the planner's descriptions of the chunk's parameters (taken before Megatron-FSDP shards
 them) and the buckets read from the buffers Megatron-FSDP built (``<dir>/rank<r>.json``). Launch it
 in place of the entry point with ``FSDP_GEOMETRY_TRACE=<dir>``; tests/e2e/test_megatron_fsdp.py
-predicts the buckets from the descriptions and compares."""
+predicts the buckets from the descriptions and compares. Under ``--canzona`` each rank also writes,
+after each step, the optimizer state it holds beside the memory model's prediction
+(``<dir>/state<r>.json``; tests/e2e/test_canzona_fsdp.py compares them)."""
 
 from __future__ import annotations
 
@@ -38,7 +40,55 @@ def main() -> int:
         }))
 
     mcore_fsdp_adapter.FullyShardedDataParallel.__init__ = traced
+    _trace_optimizer_state(out)
     return pretrain_gpt.main()
+
+
+def _trace_optimizer_state(out: Path) -> None:
+    """Under ``--canzona``: after each step, each rank writes the optimizer state it holds by kind
+    (``<dir>/state<r>.json``, measured from the tensors) beside the memory model's prediction for
+    its coordinates (``megatron.canzona.planning.memory.fsdp_state_elements``, from the run's plan)."""
+    import collections
+
+    import torch
+
+    from canzona_patches.integration import setup as setup_module
+    from megatron.canzona.planning.memory import FIELD_KINDS, StateLayout, fsdp_state_elements
+    from megatron.canzona.runtime.optimizer import CanzonaOptimizer
+
+    made = {}
+    setup_from_args = setup_module.setup_from_args
+
+    def recorded_setup(model_chunks, ddp_config, args, **kwargs):
+        made["setup"] = setup = setup_from_args(model_chunks, ddp_config, args, **kwargs)
+        made["strategy"], made["bucket_size"] = ddp_config.data_parallel_sharding_strategy, ddp_config.bucket_size
+        return setup
+
+    setup_module.setup_from_args = recorded_setup
+    run_step = CanzonaOptimizer._run_step
+
+    def measured_step(self, factors) -> None:
+        run_step(self, factors)
+        held: collections.Counter[str] = collections.Counter()
+        for stored in self.matrix_state.values():
+            for piece in stored.get("pieces") or ():
+                for name, value in (piece or {}).items():
+                    if isinstance(value, torch.Tensor):
+                        held[FIELD_KINDS[name]] += value.numel()
+        for group in self.param_groups:
+            for param in group["params"]:
+                for name, value in self.state[param].items():
+                    if name in ("momentum", "exp_avg", "exp_avg_sq"):  # a holder's momentum, AdamW's moments
+                        held["momentum" if name == "momentum" else "adam_moments"] += value.numel()
+        setup, (dp_rank, tp_rank) = made["setup"], self.engine.coord
+        predicted = fsdp_state_elements(setup.plan, setup.specs, dp_rank=dp_rank, tp_rank=tp_rank,
+                                        state=StateLayout.of(setup.config.optimizer, setup.config.matrix),
+                                        strategy=made["strategy"], bucket_size=made["bucket_size"])
+        (out / f"state{torch.distributed.get_rank()}.json").write_text(json.dumps({
+            "measured": {kind: n for kind, n in held.items() if n}, "predicted": {k: n for k, n in predicted.items() if n},
+            "momentum_on_holders": self.momentum_on_holders}))
+
+    CanzonaOptimizer._run_step = measured_step
 
 
 if __name__ == "__main__":

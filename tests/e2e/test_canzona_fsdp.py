@@ -21,6 +21,7 @@ layout whose own exactness against one process the other tests hold:
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -125,3 +126,23 @@ def test_sync_and_async_host_groups_are_bitwise_equal(runs: dict) -> None:
     first = runs[next(iter(CASES))]["metrics"]
     assert {i: (m["lm_loss"], m["grad_norm"]) for i, m in runs["sync"]["metrics"].items()} == \
         {i: (m["lm_loss"], m["grad_norm"]) for i, m in first.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_ranks_optimizer_state_is_the_memory_models(runs: dict, name: str) -> None:
+    """What every rank holds after its last step, by kind, is what
+    ``megatron.canzona.planning.memory.fsdp_state_elements`` predicts for it from the plan: Muon's
+    momentum (AdaMuon's too) in FSDP's shard layout on the holders, none on the hosts; AdamW's
+    moments for the elementwise elements each rank holds; the rest of the matrix state on hosts.
+    Under Muon no rank holds more than two fp32 elements per element of its shard (AdamW-FSDP's
+    two moments)."""
+    _, optimizer, _, _ = CASES[name]
+    states = [json.loads(p.read_text()) for p in sorted((runs[name]["dir"] / "geometry").glob("state*.json"))]
+    assert len(states) == CASES[name][0]
+    for state in states:
+        assert state["measured"] == state["predicted"]
+        assert state["momentum_on_holders"] == (optimizer in ("muon", "adaptive_muon"))
+    if optimizer == "muon":
+        totals = [sum(s["measured"].values()) for s in states]
+        assert all(set(s["measured"]) == {"momentum", "adam_moments"} for s in states)
+        assert max(totals) <= 1.10 * sum(totals) / len(totals)

@@ -55,7 +55,7 @@ def _train(data: DemoData, out: Path, nproc: int, *extra: str) -> dict:
     assert result.returncode == 0, result.stdout[-6000:]
     metrics = {m["iteration"]: m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     geometry = [json.loads(path.read_text()) for path in sorted((out / "geometry").glob("rank*.json"))] if fsdp else []
-    return {"metrics": metrics, "stdout": result.stdout, "geometry": geometry}
+    return {"metrics": metrics, "stdout": result.stdout, "geometry": geometry, "dir": out}
 
 
 @pytest.fixture(scope="module")

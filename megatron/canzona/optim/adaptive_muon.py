@@ -34,10 +34,9 @@ from typing import Literal
 
 import torch
 
-from megatron.canzona.optim.common import Refresh
-from megatron.canzona.optim.config import MuonConfig, resolve_dtype
-from megatron.canzona.optim.muon import MuonState, muon_advance, muon_scale
-from megatron.canzona.optim.newton_schulz import newton_schulz
+from megatron.canzona.optim.common import OptimizerState, Refresh, state_dtype_for
+from megatron.canzona.optim.config import MuonConfig
+from megatron.canzona.optim.muon import MuonState, muon_advance, muon_scale, orthogonalized
 
 Moment2Method = Literal["adamuon", "normuon"]
 MOMENT2_METHODS: tuple[str, ...] = typing.get_args(Moment2Method)
@@ -90,14 +89,43 @@ def adaptive_muon_update(
     assert state.momentum is not None and state.moment2 is not None
     grad = muon_advance(grad, state, config)
     source = grad.lerp(state.momentum, config.momentum) if config.nesterov else state.momentum
-    orthogonal = newton_schulz(
-        source, num_steps=config.num_ns_steps, coefficients=config.coefficients,
-        dtype=resolve_dtype(config.ns_dtype), eps=config.eps, method=config.ns_method, measured=config.ns_measured,
-    ).to(state.momentum.dtype)
-    update = normalized(orthogonal, state.moment2, config)
-    rows, cols = grad.shape[-2:]
+    return _from_source(source, state.moment2, config)
+
+
+def _from_source(source: torch.Tensor, moment2: torch.Tensor, config: AdaptiveMuonConfig) -> torch.Tensor:
+    """Steps 2-4 on Muon's Newton-Schulz input, ``moment2`` advanced in place."""
+    update = normalized(orthogonalized(source, config), moment2, config)
+    rows, cols = source.shape[-2:]
     # emerging-optimizers multiplies the shape scale, then the extra factor, in that order
     return update * muon_scale(rows, cols, config.scale_mode) * config.extra_scale_factor
+
+
+@dataclasses.dataclass
+class AdaptiveMuonSourceState(OptimizerState):
+    """AdaMuon's or NorMuon's state on a host whose holders keep Muon's momentum
+    (:func:`~megatron.canzona.optim.muon.muon_source_`): the second moment."""
+
+    moment2: torch.Tensor | None = None
+
+    @classmethod
+    def create(
+        cls, shape: torch.Size | tuple[int, ...], config: AdaptiveMuonConfig | None = None, *,
+        device: torch.device | str | None = None, grad_dtype: torch.dtype = torch.float32,
+    ) -> AdaptiveMuonSourceState:
+        config = config or AdaptiveMuonConfig()
+        return cls(moment2=torch.zeros(moment2_shape(shape, config.moment2_method), device=device,
+                                       dtype=state_dtype_for(grad_dtype)))
+
+
+@torch.no_grad()
+def adaptive_muon_from_source(
+    source: torch.Tensor, state: AdaptiveMuonSourceState, config: AdaptiveMuonConfig, refresh: Refresh | None = None,
+) -> torch.Tensor:
+    """:func:`adaptive_muon_update`'s direction from the Newton-Schulz input the holders made, on
+    a host that keeps only the second moment."""
+    assert state.moment2 is not None
+    state.step += 1
+    return _from_source(source, state.moment2, config)
 
 
 def normalized(orthogonal: torch.Tensor, moment2: torch.Tensor, config: AdaptiveMuonConfig) -> torch.Tensor:

@@ -121,14 +121,54 @@ def muon_direction(
 def _direction(grad: torch.Tensor, momentum: torch.Tensor, config: MuonConfig) -> torch.Tensor:
     """``scale * NS(M)`` (or of ``G.lerp(M, momentum)`` with Nesterov) for the new momentum ``M``."""
     source = grad.lerp(momentum, config.momentum) if config.nesterov else momentum
-    orthogonal = newton_schulz(
-        source,
-        num_steps=config.num_ns_steps,
-        coefficients=config.coefficients,
-        dtype=resolve_dtype(config.ns_dtype),
-        eps=config.eps,
-        method=config.ns_method,
-        measured=config.ns_measured,
-    )
-    rows, cols = grad.shape[-2:]
-    return orthogonal.to(momentum.dtype) * muon_scale(rows, cols, config.scale_mode, config.extra_scale_factor)
+    return _scaled(orthogonalized(source, config), config)
+
+
+def orthogonalized(source: torch.Tensor, config: MuonConfig) -> torch.Tensor:
+    """Newton-Schulz of Muon's ``source`` (a matrix or a stack), in ``source``'s dtype."""
+    return newton_schulz(
+        source, num_steps=config.num_ns_steps, coefficients=config.coefficients, dtype=resolve_dtype(config.ns_dtype),
+        eps=config.eps, method=config.ns_method, measured=config.ns_measured,
+    ).to(source.dtype)
+
+
+def _scaled(orthogonal: torch.Tensor, config: MuonConfig) -> torch.Tensor:
+    rows, cols = orthogonal.shape[-2:]
+    return orthogonal * muon_scale(rows, cols, config.scale_mode, config.extra_scale_factor)
+
+
+# --------------------------------------------------------------------------- momentum on the holders
+
+
+@torch.no_grad()
+def muon_source_(grad: torch.Tensor, momentum: torch.Tensor, config: MuonConfig) -> torch.Tensor:
+    """Muon's elementwise part, on any slice of a matrix and its momentum (the ranks holding the
+    rows of a matrix whose host computes the rest: Megatron-FSDP's shards): ``M <- momentum*M +
+    (1-momentum)*G`` in place, and the Newton-Schulz input (``G.lerp(M, momentum)`` with Nesterov,
+    else ``M``) written over ``grad`` (a copy of it where its dtype is not the momentum's), which
+    is returned. The same operations as :func:`muon_update` on the whole matrix, so the same bits."""
+    source = grad if grad.dtype == momentum.dtype else grad.to(momentum.dtype)
+    momentum.lerp_(source, 1 - config.momentum)
+    return source.lerp_(momentum, config.momentum) if config.nesterov else source.copy_(momentum)
+
+
+@dataclasses.dataclass
+class MuonSourceState(OptimizerState):
+    """Muon's state on a host whose holders keep the momentum (:func:`muon_source_`): the step."""
+
+    @classmethod
+    def create(
+        cls, shape: torch.Size | tuple[int, ...], config: MuonConfig | None = None, *,
+        device: torch.device | str | None = None, grad_dtype: torch.dtype = torch.float32,
+    ) -> MuonSourceState:
+        return cls()
+
+
+@torch.no_grad()
+def muon_from_source(
+    source: torch.Tensor, state: MuonSourceState, config: MuonConfig, refresh: Refresh | None = None,
+) -> torch.Tensor:
+    """:func:`muon_update`'s direction from the Newton-Schulz input its holders made
+    (:func:`muon_source_`), on a host that keeps no momentum."""
+    state.step += 1
+    return _scaled(orthogonalized(source, config), config)

@@ -36,10 +36,23 @@ from typing import Any, ClassVar
 import torch
 
 from megatron.canzona.optim.adamw import AdamWState, adamw_foreach
-from megatron.canzona.optim.adaptive_muon import AdaptiveMuonConfig, AdaptiveMuonState, adaptive_muon_update
+from megatron.canzona.optim.adaptive_muon import (
+    AdaptiveMuonConfig,
+    AdaptiveMuonSourceState,
+    AdaptiveMuonState,
+    adaptive_muon_from_source,
+    adaptive_muon_update,
+)
 from megatron.canzona.optim.common import OptimizerState, Refresh, apply_update, refresh_due, refresh_offset
 from megatron.canzona.optim.config import AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
-from megatron.canzona.optim.muon import MuonState, muon_advance, muon_direction, muon_update
+from megatron.canzona.optim.muon import (
+    MuonSourceState,
+    MuonState,
+    muon_advance,
+    muon_direction,
+    muon_from_source,
+    muon_update,
+)
 from megatron.canzona.optim.shampoo import ShampooState, shampoo_update
 from megatron.canzona.optim.soap import SOAPState, soap_update
 from megatron.canzona.optim.split import GateUpLayout, QKVLayout, merge_pieces, split_pieces
@@ -54,10 +67,10 @@ class _Stack:
     """A bucket's state stacked along a leading dimension, and its members' state dicts, whose
     tensors are views of it: the batched update runs on the stacked tensors in place."""
 
-    def __init__(self, state: OptimizerState) -> None:
+    def __init__(self, state: OptimizerState, count: int) -> None:
+        """``count`` members (a state may hold no tensor: a host's Muon state is its step)."""
         self.state = state
         self.tensors = state.tensors()
-        count = next(iter(self.tensors.values())).shape[0]
         self.views = [{"step": state.step, **{name: t[i] for name, t in self.tensors.items()}} for i in range(count)]
 
     def backs(self, stored: list[dict[str, Any] | None]) -> bool:
@@ -156,6 +169,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
     ``(grad, state, config)`` then updates as ``update_fn`` would: a staged update of such an
     optimizer keeps no copy of its state, and its commit takes the gradients again."""
     advance_fn: ClassVar[Callable[..., Any] | None] = None
+    from_source_fn: ClassVar[Callable[..., torch.Tensor] | None] = None
+    """Optional, for an optimizer whose state before Newton-Schulz is Muon's momentum: ``update_fn``
+    from the Newton-Schulz input ``(source, state, config, refresh) -> direction``, the momentum
+    kept by the ranks holding the matrix's rows (:func:`~megatron.canzona.optim.muon.muon_source_`)
+    and the rest of the state (``source_state_type``) by its host."""
+    source_state_type: ClassVar[type[Any] | None] = None
 
     def __init__(
         self,
@@ -410,7 +429,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 for name, value in self.state_type.from_dict(values).tensors().items():
                     getattr(state, name)[position].copy_(value)
                 state.step = values["step"]
-        stack = _Stack(state)
+        stack = _Stack(state, len(bucket))
         for (owner, index, _), view in zip(bucket, stack.views):
             self._state_of(owner)["pieces"][index] = view
         self._retire_stacks(members)
@@ -493,6 +512,8 @@ class Muon(MatrixOptimizer):
     update_fn = staticmethod(muon_update)
     direction_fn = staticmethod(muon_direction)
     advance_fn = staticmethod(muon_advance)
+    from_source_fn = staticmethod(muon_from_source)
+    source_state_type = MuonSourceState
 
 
 class Shampoo(MatrixOptimizer):
@@ -522,6 +543,8 @@ class AdaptiveMuon(MatrixOptimizer):
     config_type = AdaptiveMuonConfig
     state_type = AdaptiveMuonState
     update_fn = staticmethod(adaptive_muon_update)
+    from_source_fn = staticmethod(adaptive_muon_from_source)
+    source_state_type = AdaptiveMuonSourceState
 
 
 MATRIX_OPTIMIZERS: dict[str, type[MatrixOptimizer]] = {"muon": Muon, "shampoo": Shampoo, "soap": SOAP,

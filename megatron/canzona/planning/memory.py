@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from .comm import NARROW_DTYPE_BYTES
 from .cost import OPTIMIZERS
+from .fsdp import FsdpBucket, fsdp_buckets
 from .grid import expert_coordinates
 from .plan import BufferPlan, CanzonaPlan
 from .schedule import plan_schedule
@@ -61,6 +62,13 @@ class StateLayout:
     ns_dtype: str = "float32"
     """Muon's Newton-Schulz dtype: a narrower one (bf16) gives a whole matrix that moves its
     direction exactly in it, and early compute keeps it so (:meth:`direction_elements`)."""
+
+    @classmethod
+    def of(cls, optimizer: str, matrix: object) -> StateLayout:
+        """The layout of ``optimizer`` under its matrix config (``megatron.canzona.optim``'s)."""
+        return cls(optimizer=optimizer, max_precond_dim=getattr(matrix, "max_precond_dim", 10000),
+                   grafting=getattr(matrix, "grafting", "adam") == "adam", ns_dtype=getattr(matrix, "ns_dtype", "float32"),
+                   moment2_method=getattr(matrix, "moment2_method", "adamuon"))
 
     @property
     def staged(self) -> bool:
@@ -201,6 +209,47 @@ def rank_memory(
         early_direction_elements=staged[1],
         experts=experts,
     )
+
+
+HOLDER_MOMENTUM_OPTIMIZERS = ("muon", "adaptive_muon")
+"""The optimizers whose momentum the ranks holding a matrix's elements keep under Megatron-FSDP
+(``CanzonaOptimizer(momentum_on_holders=True)``); the rest of their state is their host's."""
+
+
+def fsdp_state_elements(plan: CanzonaPlan, specs: Sequence[ParamSpec], *, dp_rank: int, tp_rank: int,
+                        state: StateLayout, strategy: str = "optim_grads_params",
+                        bucket_size: int | None = None,
+                        buckets: dict[int, Sequence[FsdpBucket]] | None = None) -> dict[str, int]:
+    """Optimizer state by kind of rank ``(dp_rank, tp_rank)`` under Megatron-FSDP (``plan`` of the
+    ``fsdp`` layout, made over the buckets of ``strategy`` and ``bucket_size``): Muon's momentum
+    (Muon's, AdaMuon's) in FSDP's shard layout, one element per matrix element this rank holds;
+    AdamW's two moments per elementwise element it holds; the rest of each matrix's state
+    (AdaMuon's second moment, Shampoo's and SOAP's everything) on its host. ``buckets``: each
+    chunk's :func:`~megatron.canzona.planning.fsdp.fsdp_buckets`, where the caller has them
+    (every rank's are the same)."""
+    if plan.experts is not None:
+        raise ValueError("experts under Megatron-FSDP are not planned yet")
+    by_name = {(s.chunk, s.name): s for s in specs}
+    kinds = dict.fromkeys(STATE_KINDS, 0)
+    holders = state.optimizer in HOLDER_MOMENTUM_OPTIMIZERS
+    for h in plan.hosts:
+        if h.dp_rank == dp_rank and h.tp_rank in (tp_rank, None):
+            for rows, cols in by_name[(h.chunk, h.name)].part_matrices(h.part):
+                for kind, numel in state.numel(rows, cols).items():
+                    kinds[kind] += 0 if holders and kind == "momentum" else numel
+    family = {(s.chunk, s.name): s.family for s in specs}
+    if buckets is None:
+        buckets = {chunk: fsdp_buckets([s for s in specs if s.chunk == chunk], dp_size=plan.dp_size, strategy=strategy,
+                                       bucket_size=bucket_size) for chunk in sorted({s.chunk for s in specs})}
+    for chunk, chunk_buckets in buckets.items():
+        for bucket in chunk_buckets:
+            for item in bucket.items:
+                held = sum(hi - lo for rank, lo, hi in bucket.pieces(item) if rank == dp_rank)
+                if family[(chunk, item.name)] != "matrix":
+                    kinds["adam_moments"] += 2 * held
+                elif holders:
+                    kinds["momentum"] += held
+    return kinds
 
 
 def _early_compute(plan: CanzonaPlan, by_name: dict, me: tuple[int, int], state: StateLayout,

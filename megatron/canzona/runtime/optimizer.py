@@ -39,7 +39,7 @@ from megatron.canzona.optim import (
 )
 from megatron.canzona.optim.common import state_dtype_for
 from megatron.canzona.optim.config import resolve_dtype
-from megatron.canzona.optim.muon import muon_scale
+from megatron.canzona.optim.muon import muon_scale, muon_source_
 from megatron.canzona.optim.split import FusedLayout, GateUpLayout
 from megatron.canzona.planning.comm import NARROW_DTYPE_BYTES
 from megatron.canzona.runtime.host_groups import (
@@ -72,8 +72,13 @@ class CanzonaOptimizer(MatrixOptimizer):
 
     def __init__(
         self, params: Iterable[dict[str, Any]], *, math: str, lr: float, weight_decay: float, config: Any,
-        adamw_config: AdamWConfig = AdamWConfig(),
+        adamw_config: AdamWConfig = AdamWConfig(), momentum_on_holders: bool = False,
     ) -> None:
+        """``momentum_on_holders``: Muon's momentum (Muon's, AdaMuon's, NorMuon's) is kept by the
+        ranks holding each matrix's elements, in their layout, and updated there
+        (:func:`~megatron.canzona.optim.muon.muon_source_`); the hosts gather the Newton-Schulz
+        input instead of the gradient and keep only the rest of the state (none for Muon). The
+        same operations in the same order: the same bits."""
         if math not in MATRIX_OPTIMIZERS:
             raise ValueError(f"unknown matrix optimizer {math!r}; choose one of {tuple(MATRIX_OPTIMIZERS)}")
         kind = MATRIX_OPTIMIZERS[math]
@@ -81,6 +86,12 @@ class CanzonaOptimizer(MatrixOptimizer):
         self.config_type, self.state_type = kind.config_type, kind.state_type
         self.update_fn = kind.update_fn  # type: ignore[misc]  (a plain function on the instance)
         self.direction_fn, self.advance_fn = kind.direction_fn, kind.advance_fn  # type: ignore[misc]
+        self.momentum_on_holders = momentum_on_holders
+        if momentum_on_holders:
+            if kind.from_source_fn is None:
+                raise ValueError(f"{math} has no momentum before its matrix step for the holders to keep")
+            self.state_type, self.update_fn = kind.source_state_type, kind.from_source_fn  # type: ignore[misc]
+            self.direction_fn = self.advance_fn = None  # type: ignore[misc]
         super().__init__(params, lr=lr, weight_decay=weight_decay, config=config, adamw_config=adamw_config,
                          batch_same_shape=True)
         self.config = config
@@ -153,6 +164,9 @@ class CanzonaOptimizer(MatrixOptimizer):
                     self._bucket_state(bucket, self.config, device, dtype)
         for group in self.param_groups:
             if group["matrix"]:
+                for p in group["params"] if self.momentum_on_holders else ():
+                    if self._refs[id(p)]:
+                        self._holder_momentum(p)
                 continue
             for p in group["params"]:
                 if not self.state[p]:
@@ -243,14 +257,26 @@ class CanzonaOptimizer(MatrixOptimizer):
                     raise RuntimeError(f"a piece of {refs[0].key} has no gradient; every rank must step every piece it holds")
                 flat, grad = self._elements(p).view(-1), self._elements(p.grad).view(-1)
                 whole = len(refs) == 1 and refs[0].offset == 0 and refs[0].hi - refs[0].lo == flat.numel()
+                momentum = self._holder_momentum(p) if self.momentum_on_holders else None
                 for ref in refs:
                     size = ref.hi - ref.lo
+                    piece_grad = grad if whole else grad.narrow(0, ref.offset, size)
+                    if momentum is not None:  # the host gathers the Newton-Schulz input
+                        piece_grad = muon_source_(piece_grad, momentum.narrow(0, ref.offset, size), self.config)
                     pieces[(ref.key, ref.lo)] = LocalPiece(
-                        param=flat if whole else flat.narrow(0, ref.offset, size),
-                        grad=grad if whole else grad.narrow(0, ref.offset, size),
+                        param=flat if whole else flat.narrow(0, ref.offset, size), grad=piece_grad,
                         lr=group["lr"], weight_decay=group["weight_decay"],
                     )
         return pieces
+
+    def _holder_momentum(self, param: torch.Tensor) -> torch.Tensor:
+        """The momentum of this rank's elements of matrix shard ``param`` (flat, fp32), made at
+        first use: under ``momentum_on_holders`` the only matrix state a holder keeps."""
+        stored = self.state[param]
+        if "momentum" not in stored:
+            local = self._elements(param)
+            stored["momentum"] = torch.zeros(local.numel(), device=local.device, dtype=state_dtype_for(local.dtype))
+        return stored["momentum"]
 
     def _replay(self, keys: Sequence[str], full_grads: Sequence[torch.Tensor]) -> None:
         """Commit the staged updates of ``keys`` from their full gradients, given again (an
