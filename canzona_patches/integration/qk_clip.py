@@ -266,8 +266,17 @@ class QkClip:
 
 def _main_shards(optimizer: Any) -> dict[Any, tuple[torch.Tensor, int]]:
     """Model parameter -> (this rank's main shard of it, its first element) for a Megatron
-    ``DistributedOptimizer``: bf16 parameters' fp32 copies, fp32 parameters' own slices."""
+    ``DistributedOptimizer``: bf16 parameters' fp32 copies, fp32 parameters' own slices. Under
+    Megatron-FSDP: each matrix's ``DTensor`` parameter (and the model parameter behind it) -> its
+    local elements in the main-weight buffer, from where the binding found them."""
     shards = {}
+    if optimizer.fsdp:
+        starts = optimizer.canzona.binding.shard_starts
+        for group in optimizer.optimizer.param_groups:
+            for param in group["params"]:
+                if param in starts:
+                    shards[param] = shards[param.orig_param] = (param.to_local().view(-1), starts[param])
+        return shards
     pairs = ((optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups),
              (optimizer.model_fp32_groups, optimizer.shard_fp32_groups))
     for model_groups, main_groups in pairs:

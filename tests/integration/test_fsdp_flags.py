@@ -21,8 +21,7 @@ pytestmark = pytest.mark.quick
 FSDP = ["--canzona", "--optimizer", "muon", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
 SET = {"expert_model_parallel_size": ["--expert-model-parallel-size", "2", "--num-experts", "4"],
        "num_experts": ["--num-experts", "4"], "pipeline_model_parallel_size": ["--pipeline-model-parallel-size", "2"],
-       "context_parallel_size": ["--context-parallel-size", "2"], "qk_clip": ["--qk-clip"],
-       "log_max_attention_logit": ["--log-max-attention-logit"], "save": ["--save", "/nonexistent/ckpt"],
+       "context_parallel_size": ["--context-parallel-size", "2"], "save": ["--save", "/nonexistent/ckpt"],
        "load": ["--load", "/nonexistent/ckpt"],
        "canzona_matrices_reduce_first": ["--canzona-matrices-reduce-first", "--overlap-grad-reduce"]}
 """Command-line words that set each refused flag."""
