@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -152,6 +153,10 @@ class TinyRun:
     size: the step's inputs are then fixed, with no rounding of one step's forward fed into the
     next (needs ``early_gather=False``: gathers issued in backward would read the old ones).
     The result's ``initial_params`` are the parameters before the first step."""
+    fsdp: str | None = None
+    """Wrap the model in Megatron-FSDP with this sharding strategy (``optim``, ``optim_grads``,
+    ``optim_grads_params``) instead of DDP: the Canzona optimizer's FSDP binding (needs
+    ``layout="canzona"``, ``early_gather=False``)."""
     return_state: bool = False
     """Return this rank's optimizer state (``state``: every tensor of the Canzona inner
     optimizer by path), for bitwise comparisons of runs on the same layout."""
@@ -168,6 +173,10 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     enable_cpu_mode()
+    if run.fsdp:  # Megatron-FSDP's CPU rows are in the training group (it imports megatron.training)
+        from canzona_patches.emulation.cpu import enable_cpu_training_mode
+
+        enable_cpu_training_mode()
     from canzona_patches import registry
 
     registry.install(argparse.Namespace(), groups=(registry.NORM,))  # as pretrain_gpt.py: one read per norm
@@ -175,7 +184,8 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
     init_model_parallel(run)
     try:
         model, ddp_model, optimizer, plan = build(run)
-        initial = full_params(model) if run.replay_grads else None
+        params_of = (lambda: _fsdp_full_params(ddp_model)) if run.fsdp else (lambda: full_params(model))
+        initial = params_of() if run.replay_grads else None
         syncs: list[list[str]] = []
         fb_syncs: list[list[str]] = []
         losses, grad_norms, step_seconds, applied = map(list, zip(
@@ -184,7 +194,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
         if run.overlap_param_gather:  # the last step's all-gather waits for a next forward: force it, as
             ddp_model.disable_forward_pre_hook()  # Megatron does before evaluation and checkpoints
         return {
-            "params": full_params(model),
+            "params": params_of(),
             "losses": list(losses),
             "grad_norms": list(grad_norms),
             "whole_params_owned": _owned_ranges_are_whole(optimizer),
@@ -256,16 +266,28 @@ def build(run: TinyRun):
         overlap_param_gather=run.overlap_param_gather,
         grad_reduce_in_fp32=True,
         bucket_size=run.bucket_size,
+        **({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": run.fsdp,
+            "gradient_reduce_div_fusion": False} if run.fsdp else {}),
     )
     dp_size = parallel_state.get_data_parallel_world_size()
     setup, layout = _layout(run, model, dp_size, ddp_config)
-    ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
-    if setup is not None:  # as pretrain_gpt.py wraps a --canzona model
+    if run.fsdp:
+        if setup is None:
+            raise ValueError("TinyRun.fsdp runs the Canzona optimizer: layout='canzona'")
+        from canzona_patches.emulation.cpu import pretending_cuda
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        # as megatron.training builds it: inside get_model's pretend-CUDA window on CPU
+        ddp_model = pretending_cuda(FullyShardedDataParallel)(config=config, ddp_config=ddp_config, module=model)
+    else:
+        ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
+    if setup is not None and not run.fsdp:  # as pretrain_gpt.py wraps a --canzona model
         from canzona_patches.integration.layout import gather_in_forward_order
 
         gather_in_forward_order(ddp_model)
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp_model.no_sync
+    if not run.fsdp or run.overlap_grad_reduce:  # as megatron.training: Megatron-FSDP's no_sync without
+        config.no_sync_func = ddp_model.no_sync    # the overlap leaves all but the last micro-batch unreduced
     optimizer = _optimizer(run, ddp_model, OptimizerConfig, get_megatron_optimizer, setup)
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         early = getattr(getattr(part, "canzona", None), "early_gathers", None)
@@ -574,7 +596,7 @@ def _layout(run: TinyRun, model: torch.nn.Module, dp_size: int, ddp_config):
 
         setup = make_setup([model], ddp_config, canzona_config(run), dp_size=dp_size,
                            tp_size=parallel_state.get_tensor_model_parallel_world_size(), ep_size=run.ep_size)
-        return setup, setup.layouts[0]
+        return setup, setup.layouts[0] if setup.layouts else None  # none under Megatron-FSDP
     params = [p for p in model.parameters() if p.requires_grad]
     return None, layer_wise_layout(params, dp_size, ddp_config, bucket_size=run.bucket_size)
 
@@ -641,7 +663,10 @@ def train_step(run: TinyRun, ddp_model, optimizer, step: int, syncs: list | None
     if fb_syncs is not None and run.count_syncs:
         fb_syncs.append(fb_seen)
     if run.replay_grads:
-        _replay_grads(ddp_model.module, run, step)
+        if run.fsdp:
+            _replay_fsdp_grads(ddp_model, run, step)
+        else:
+            _replay_grads(ddp_model.module, run, step)
     if step == run.nan_grad_at_step and dist.get_rank() == 0:
         for buffer in ddp_model.buffers:
             buffer.grad_data.fill_(float("nan"))
@@ -719,8 +744,11 @@ def _init_by_global_name(model: torch.nn.Module, seed: int) -> None:
             param.copy_(_drawn_whole_then_sliced(param, generator))
 
 
-def _drawn_whole_then_sliced(param: torch.nn.Parameter, generator: torch.Generator) -> torch.Tensor:
-    """0.02 * a standard normal tensor of ``param``'s unsharded shape, cut to this rank's TP shard."""
+def _drawn_whole_then_sliced(param: torch.nn.Parameter, generator: torch.Generator,
+                             local_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """0.02 * a standard normal tensor of ``param``'s unsharded shape, cut to this rank's TP shard
+    (``local_shape``: the TP shard's shape, where ``param`` does not have it: a Megatron-FSDP
+    ``DTensor`` parameter reports the TP-global one)."""
     from megatron.core import parallel_state
 
     from canzona_patches.integration.layout import is_expert_param
@@ -729,7 +757,7 @@ def _drawn_whole_then_sliced(param: torch.nn.Parameter, generator: torch.Generat
         parallel_state.get_tensor_model_parallel_group()
     tp_size, tp_rank = dist.get_world_size(group), dist.get_rank(group)
     sharded = tp_size > 1 and getattr(param, "tensor_model_parallel", False)
-    shape = list(param.shape)
+    shape = list(param.shape if local_shape is None else local_shape)
     if sharded:
         shape[param.partition_dim] *= tp_size
     full = 0.02 * torch.randn(shape, generator=generator)
@@ -758,6 +786,50 @@ def _replay_grads(model: torch.nn.Module, run: TinyRun, step: int) -> None:
         for param in model.parameters():
             generator = torch.Generator().manual_seed(replayed_grad_seed(names[param], run.seed, step))
             param.main_grad.copy_(_drawn_whole_then_sliced(param, generator))
+
+
+def _fsdp_geometry(ddp_model) -> dict[str, tuple[Any, tuple[int, ...], tuple[tuple[int, int, int], ...]]]:
+    """Per parameter name: Megatron-FSDP's optimizer (``DTensor``) parameter, its TP-local shape and
+    every rank's ``(rank, lo, hi)`` of its flat elements."""
+    from canzona_patches.integration.binding import fsdp_param_buffer
+    from canzona_patches.integration.fsdp_geometry import read_fsdp_buckets, read_fsdp_shapes
+
+    shapes = read_fsdp_shapes(ddp_model)
+    pieces = {item.name: bucket.pieces(item) for bucket in read_fsdp_buckets(ddp_model) for item in bucket.items}
+    return {name: (param, shapes[name], pieces[name])
+            for name, param in fsdp_param_buffer(ddp_model).optimizer_named_parameters}
+
+
+def _replay_fsdp_grads(ddp_model, run: TinyRun, step: int) -> None:
+    """:func:`_replay_grads` under Megatron-FSDP: each rank's elements of the drawn gradient
+    written into the gradient Megatron-FSDP attached to its optimizer parameter."""
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    with torch.no_grad():
+        for name, (param, shape, pieces) in _fsdp_geometry(ddp_model).items():
+            generator = torch.Generator().manual_seed(replayed_grad_seed(name, run.seed, step))
+            full = _drawn_whole_then_sliced(param, generator, shape).view(-1)
+            for rank, lo, hi in pieces:
+                if rank == dp_rank:
+                    param.grad.to_local().view(-1).copy_(full[lo:hi])
+
+
+def _fsdp_full_params(ddp_model) -> dict[str, torch.Tensor]:
+    """:func:`full_params` under Megatron-FSDP: every parameter's elements gathered from the
+    ranks holding them (the main weights), TP-unsharded."""
+    from megatron.core import parallel_state
+
+    dp_group, tp_group = parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()
+    out = {}
+    for name, (param, shape, pieces) in _fsdp_geometry(ddp_model).items():
+        held: list[Any] = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(held, param.to_local().detach().float().reshape(-1).clone(), group=dp_group)
+        flat = torch.empty(math.prod(shape))
+        for rank, lo, hi in pieces:
+            flat[lo:hi] = held[rank]
+        out[name] = _unshard(flat.view(shape), param, tp_group)
+    return out
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

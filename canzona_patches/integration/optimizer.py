@@ -315,7 +315,13 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
 
     def _local_nonfinite_flag(self) -> torch.Tensor:
         """1.0 where one of this rank's gradients holds inf or NaN, else 0.0 (on the device)."""
-        grads = [] if self.is_stub_optimizer else [local_elements(g) for g in self._collect_main_grad_data_for_unscaling()]
+        if self.is_stub_optimizer:
+            grads = []
+        elif self.fsdp:  # a DTensor shard of no local element has no gradient
+            grads = [local_elements(p.grad) for group in self.optimizer.param_groups for p in group["params"]
+                     if p.grad is not None]
+        else:
+            grads = self._collect_main_grad_data_for_unscaling()
         if not grads:
             return torch.zeros(1, device=_collective_device())
         norms = torch.stack(torch._foreach_norm(grads))

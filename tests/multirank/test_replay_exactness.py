@@ -9,8 +9,9 @@ the step (``TinyRun.replay_grads``), so the distributed optimizer and
 :class:`~megatron.canzona.optim.Shampoo` / :class:`~megatron.canzona.optim.SOAP` on one device
 (``megatron/canzona/optim``, no runtime) see the same inputs. Over four steps (two
 preconditioner refreshes) at DP 4 with matrices split across shards (the lean layout, gathered
-to a host), at TP 2 x DP 2 in the whole layout (gathered over TP) and at DP 4 in the whole
-layout, every matrix must end within ``MAX_ULPS`` of the one-device result: Shampoo bitwise,
+to a host), at TP 2 x DP 2 in the whole layout (gathered over TP), at DP 4 in the whole
+layout (Megatron-FSDP's: test_replay_fsdp.py), every matrix must end within
+``MAX_ULPS`` of the one-device result: Shampoo bitwise,
 SOAP within a few units in the last place (bitwise through two steps, the first eigenbasis
 included; the runtime and the one-device class round differently after that).
 Context parallelism adds nothing here: the optimizer's group is DP x CP, a DP 4 group to the plan.
@@ -44,7 +45,7 @@ CASES = {
 }
 """Case -> the TinyRun fields that make it (4 ranks each, one launch for all)."""
 MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
-MAX_ULPS = {"shampoo": 1, "soap": 16, "adamuon": 1, "normuon": 1}
+MAX_ULPS = {"muon": 1, "shampoo": 1, "soap": 16, "adamuon": 1, "normuon": 1}
 """Largest difference allowed per optimizer, in units in the last place of the largest element of
 the one-device matrix (``ulps``). Measured (`pytest -s` prints it), the same in every case and
 layout, under this machine's default code paths (AVX-512, MKL), MKL_CBWR=COMPATIBLE,
@@ -55,9 +56,9 @@ matrix by ~lr (10^5 ulp)."""
 LAUNCH_TIMEOUT_S = 300.0
 
 
-def _run(optimizer: str, case: str) -> TinyRun:
+def _run(optimizer: str, case: str, cases: dict = CASES) -> TinyRun:
     return TinyRun(lr=LR, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1,
-                   global_batch=8, early_gather=False, replay_grads=True, **REPLAY_SPLITS[optimizer], **CASES[case])
+                   global_batch=8, early_gather=False, replay_grads=True, **REPLAY_SPLITS[optimizer], **cases[case])
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +100,11 @@ def ulps(got: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_distributed_step_equals_one_device_math(results, optimizer: str, case: str) -> None:
-    per_rank = results[(optimizer, case)]
-    run = _run(optimizer, case)
+    check_against_one_device(results[(optimizer, case)], _run(optimizer, case), optimizer, case)
+
+
+def check_against_one_device(per_rank: list[dict], run: TinyRun, optimizer: str, case: str) -> None:
+    """Every rank's matrices after the run within ``MAX_ULPS`` of :func:`one_device`'s."""
     initial = per_rank[0]["initial_params"]
     expected = one_device(run, initial)
     assert len(expected) == 4 * 2, sorted(expected)  # four matrices in each of two layers
