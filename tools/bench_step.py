@@ -6,6 +6,7 @@
     python tools/bench_step.py --tp 2 --dp 1 --gantt step_tp2.png    # tensor parallelism
     python tools/bench_step.py --moe --dp 4 --ep 2 --layers 2 --hidden 256   # mixture of experts
     python tools/bench_step.py --iteration --bucket-size 1000000   # exposed optimizer time per iteration
+    python tools/bench_step.py --fsdp optim_grads_params --dp 4   # under Megatron-FSDP, against its AdamW
 
 Every variant trains the same Qwen3-like GPT (QK-norm, SwiGLU, GQA) with Megatron-Core's
 DDP on gloo, one process and one torch thread per DP rank, and times ``optimizer.step()``
@@ -42,6 +43,10 @@ computes per step, and a JSON object with the configuration, git revision and ma
 (``round_step_ms``: the variants take turns round by round, so the k-th rounds of two
 variants ran minutes apart at most, and their difference survives the machine's drift).
 Ratios from one run only: the machine is shared and absolute times drift between runs.
+
+``--fsdp STRATEGY`` runs under Megatron-FSDP instead: Canzona's Muon over its shards against
+Megatron's own AdamW under FSDP (the step times and their ratio), and each rank's host-group bytes
+as measured beside the plan's; it exits 1 where they differ.
 
 ``--moe`` replaces every layer's MLP by ``--num-experts`` SwiGLU experts (top ``--moe-topk``,
 all-to-all dispatch, auxiliary load-balancing loss) over ``--ep`` expert-parallel ranks,
@@ -124,11 +129,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(distributed optimizers) --overlap-param-gather")
     parser.add_argument("--clip-grad", type=non_negative, default=0.0,
                         help="Megatron's global-norm clip (0: none); e.g. 1e-3 acts in every step, 1e9 in none")
+    parser.add_argument("--fsdp", choices=("optim", "optim_grads", "optim_grads_params"), default=None,
+                        help="under Megatron-FSDP with this sharding strategy: Canzona's Muon step against Megatron's "
+                        "AdamW-FSDP step, and each rank's host-group bytes against the plan's")
     parser.add_argument("--timeout", type=positive, default=900.0, help="seconds before a hung launch fails")
     parser.add_argument("--json", metavar="FILE", help="also write the JSON result here")
     args = parser.parse_args(argv)
     if args.dp < 1 or args.tp < 1:
         parser.error(f"--dp {args.dp} and --tp {args.tp} must be at least 1")
+    if args.fsdp and (args.iteration or args.gantt or args.moe):
+        parser.error("--fsdp times the optimizer step of the dense model: drop --iteration/--gantt/--moe")
     if args.iteration and (args.gantt or args.moe):
         parser.error("--iteration times the dense model without --gantt; drop --moe/--gantt")
     if args.gantt and (args.tp == 1 or args.moe):
@@ -352,12 +362,71 @@ def draw_gantt(per_rank: list[dict], path: str) -> None:
     print(f"wrote {path}")
 
 
+FSDP_VARIANTS = {"canzona": ("muon", "canzona"), "adamw": ("adam", "megatron")}
+"""With ``--fsdp``: variant -> (TinyRun optimizer, layout): Canzona's Muon over Megatron-FSDP's
+shards, Megatron's own Adam under Megatron-FSDP (what Megatron-Core 0.19.2 allows there)."""
+
+
+def fsdp_main(args: argparse.Namespace) -> int:
+    """``--fsdp``: the optimizer step of Canzona's Muon and of Megatron's AdamW under
+    Megatron-FSDP, variants taking turns round by round; each rank's host-group bytes (gathers and
+    scatters, measured by the engine) beside the plan's (``planning.comm.traffic``)."""
+    from megatron.canzona.planning.comm import WireConfig, rank_index, traffic
+    from megatron.canzona.planning.schedule import plan_schedule
+
+    runs = [TinyRun(optimizer=optimizer, layout=layout, fsdp=args.fsdp, early_gather=False, overlap_grad_reduce=True,
+                    num_steps=args.warmup + args.steps, global_batch=2 * args.dp * args.tp, micro_batch=2,
+                    tp_size=args.tp, lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
+                    ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha, clip_grad=args.clip_grad)
+            for _ in range(args.rounds) for optimizer, layout in FSDP_VARIANTS.values()]
+    print(f"bench_step: Megatron-FSDP {args.fsdp}, TP {args.tp} x DP {args.dp} on gloo, {args.layers} layers, hidden "
+          f"{args.hidden}; {args.rounds} rounds of {args.warmup} + {args.steps} steps per variant ...", flush=True)
+    start = time.perf_counter()
+    per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=args.dp * args.tp, timeout_s=args.timeout), runs)
+    names = list(FSDP_VARIANTS)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    last: dict[str, list[dict]] = {}
+    for i in range(len(runs)):
+        name = names[i % len(names)]
+        last[name] = [rank[i] for rank in per_rank]
+        times[name] += step_times(last[name], args.warmup)
+    medians = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    plan = CanzonaPlan.from_json(last["canzona"][0]["plan"])
+    wire = WireConfig(param_bytes=4, grad_bytes=4)  # the harness trains in fp32
+    predicted = traffic([dp.matrix for dp in plan.layouts], plan_schedule(plan).tasks, dp_size=plan.dp_size,
+                        tp_size=plan.tp_size, wire=wire)
+    measured = [r["tp_stats"]["bytes_sent"] for r in last["canzona"]]
+    planned = [predicted[rank_index(*r["host_coord"], plan.tp_size)].host_gather
+               + predicted[rank_index(*r["host_coord"], plan.tp_size)].host_scatter for r in last["canzona"]]
+    report = {"fsdp": args.fsdp, "dp_size": args.dp, "tp_size": args.tp,
+              "model": {"layers": args.layers, "hidden": args.hidden, "ffn_hidden": args.ffn_hidden},
+              "timed_steps_per_variant": args.rounds * args.steps, "median_step_ms": medians,
+              "canzona_over_adamw": medians["canzona"] / medians["adamw"],
+              "host_group_bytes_per_rank": measured, "planned_host_group_bytes_per_rank": planned,
+              "bytes_equal_plan": measured == planned, "wall_seconds": time.perf_counter() - start,
+              "git_revision": git_revision(), "machine": machine()}
+    print(f"{'variant':<10}{'step ms':>10}{'/ adamw':>9}")
+    for name in names:
+        print(f"{name:<10}{medians[name]:>10.2f}{medians[name] / medians['adamw']:>9.2f}")
+    print("host-group bytes per rank (measured | plan): " + ", ".join(
+        f"rank {k}: {m:,} | {p:,.0f}" for k, (m, p) in enumerate(zip(measured, planned)))
+        + ("  (equal)" if report["bytes_equal_plan"] else "  (DIFFER)"))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as stream:
+            stream.write(text + "\n")
+    return 0 if report["bytes_equal_plan"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The ranks inherit it: Megatron's and torch's notices (deprecations, CPU fallbacks) say
     # nothing about the timings printed below.
     os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning")
+    if args.fsdp:
+        return fsdp_main(args)
     runs = runs_for(args)
     moe = (f"; {args.num_experts} experts (ffn {args.moe_ffn_hidden}, top {args.moe_topk}) over EP {args.ep}"
            if args.moe else f", ffn {args.ffn_hidden}")

@@ -155,8 +155,8 @@ class TinyRun:
     The result's ``initial_params`` are the parameters before the first step."""
     fsdp: str | None = None
     """Wrap the model in Megatron-FSDP with this sharding strategy (``optim``, ``optim_grads``,
-    ``optim_grads_params``) instead of DDP: the Canzona optimizer's FSDP binding (needs
-    ``layout="canzona"``, ``early_gather=False``)."""
+    ``optim_grads_params``) instead of DDP: the Canzona optimizer's FSDP binding (``layout="canzona"``,
+    ``early_gather=False``), or Megatron's own Adam under FSDP (``optimizer="adam"``)."""
     return_state: bool = False
     """Return this rank's optimizer state (``state``: every tensor of the Canzona inner
     optimizer by path), for bitwise comparisons of runs on the same layout."""
@@ -202,6 +202,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "step_seconds": step_seconds,
             "skipped_steps": [step for step, ok in enumerate(applied) if not ok],
             "tp_stats": _tp_stats(optimizer),
+            "host_coord": _host_coord(optimizer),
             "plan": None if plan is None else plan.to_json(),
             "host_syncs": syncs,
             "forward_backward_syncs": fb_syncs,
@@ -272,8 +273,8 @@ def build(run: TinyRun):
     dp_size = parallel_state.get_data_parallel_world_size()
     setup, layout = _layout(run, model, dp_size, ddp_config)
     if run.fsdp:
-        if setup is None:
-            raise ValueError("TinyRun.fsdp runs the Canzona optimizer: layout='canzona'")
+        if setup is None and run.optimizer != "adam":
+            raise ValueError("TinyRun.fsdp runs the Canzona optimizer (layout='canzona') or Megatron's Adam")
         from canzona_patches.emulation.cpu import pretending_cuda
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
@@ -434,6 +435,12 @@ def canzona_config(run: TinyRun):
         matrices_first=run.matrices_first,
         **({} if run.early_compute_bytes is None else {"early_compute_bytes": run.early_compute_bytes}),
     )
+
+
+def _host_coord(optimizer) -> tuple[int, int] | None:
+    """This rank's (DP rank, TP rank) in the Canzona host group, if a Canzona optimizer runs."""
+    engine = getattr(_inner(optimizer), "engine", None)
+    return None if engine is None else tuple(engine.coord)
 
 
 def _tp_stats(optimizer) -> dict[str, Any] | None:

@@ -1,0 +1,40 @@
+"""tools/bench_step.py --fsdp: Canzona's Muon step and Megatron's AdamW step under Megatron-FSDP in
+one launch, and each rank's host-group bytes (measured by the engine) equal to the plan's
+(``planning.comm.traffic``): the tool exits 1 where they differ. Also the issue's bound: no rank
+sends more than twice its share of the matrices' fp32 elements (group size = DP x TP)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import CPU_RANKS
+
+pytestmark = [*CPU_RANKS]
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS, HIDDEN, FFN = 2, 128, 384
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("strategy", "dp", "tp"), [("optim_grads_params", 4, 1), ("optim_grads", 2, 2)])
+def test_bench_fsdp_sends_the_plans_bytes(strategy: str, dp: int, tp: int, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "tools/bench_step.py", "--fsdp", strategy, "--dp", str(dp), "--tp", str(tp), "--layers",
+         str(LAYERS), "--hidden", str(HIDDEN), "--ffn-hidden", str(FFN), "--steps", "1", "--warmup", "0",
+         "--rounds", "1", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=540)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["bytes_equal_plan"] and report["host_group_bytes_per_rank"] == report["planned_host_group_bytes_per_rank"]
+    assert set(report["median_step_ms"]) == {"canzona", "adamw"}
+    q, kv = HIDDEN, HIDDEN // 2  # 4 heads in 2 query groups
+    matrix_elements = LAYERS * ((q + 2 * kv) * HIDDEN + HIDDEN * HIDDEN + 2 * FFN * HIDDEN + HIDDEN * FFN)
+    bound = 2 * matrix_elements / (dp * tp) * 4
+    assert 0 < max(report["host_group_bytes_per_rank"]) <= bound
