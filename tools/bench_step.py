@@ -362,9 +362,12 @@ def draw_gantt(per_rank: list[dict], path: str) -> None:
     print(f"wrote {path}")
 
 
-FSDP_VARIANTS = {"canzona": ("muon", "canzona"), "adamw": ("adam", "megatron")}
+FSDP_VARIANTS = {"canzona": ("muon", "canzona"), "every_holder": ("every_holder", "megatron"),
+                 "adamw": ("adam", "megatron")}
 """With ``--fsdp``: variant -> (TinyRun optimizer, layout): Canzona's Muon over Megatron-FSDP's
-shards, Megatron's own Adam under Megatron-FSDP (what Megatron-Core 0.19.2 allows there)."""
+shards; the peer design that gathers each matrix to every rank holding a piece of it, each running
+Muon on it (#4486; TP 1 only); Megatron's own Adam under Megatron-FSDP (what Megatron-Core 0.19.2
+allows there)."""
 
 
 def fsdp_main(args: argparse.Namespace) -> int:
@@ -374,16 +377,17 @@ def fsdp_main(args: argparse.Namespace) -> int:
     from megatron.canzona.planning.comm import WireConfig, rank_index, traffic
     from megatron.canzona.planning.schedule import plan_schedule
 
+    variants = {k: v for k, v in FSDP_VARIANTS.items() if args.tp == 1 or k != "every_holder"}
     runs = [TinyRun(optimizer=optimizer, layout=layout, fsdp=args.fsdp, early_gather=False, overlap_grad_reduce=True,
                     num_steps=args.warmup + args.steps, global_batch=2 * args.dp * args.tp, micro_batch=2,
                     tp_size=args.tp, lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
                     ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha, clip_grad=args.clip_grad)
-            for _ in range(args.rounds) for optimizer, layout in FSDP_VARIANTS.values()]
+            for _ in range(args.rounds) for optimizer, layout in variants.values()]
     print(f"bench_step: Megatron-FSDP {args.fsdp}, TP {args.tp} x DP {args.dp} on gloo, {args.layers} layers, hidden "
           f"{args.hidden}; {args.rounds} rounds of {args.warmup} + {args.steps} steps per variant ...", flush=True)
     start = time.perf_counter()
     per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=args.dp * args.tp, timeout_s=args.timeout), runs)
-    names = list(FSDP_VARIANTS)
+    names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
     last: dict[str, list[dict]] = {}
     for i in range(len(runs)):
@@ -404,10 +408,16 @@ def fsdp_main(args: argparse.Namespace) -> int:
               "canzona_over_adamw": medians["canzona"] / medians["adamw"],
               "host_group_bytes_per_rank": measured, "planned_host_group_bytes_per_rank": planned,
               "bytes_equal_plan": measured == planned, "wall_seconds": time.perf_counter() - start,
+              "every_holder_bytes_per_rank": [r["tp_stats"]["bytes_sent"] for r in last["every_holder"]]
+              if "every_holder" in last else None,
               "git_revision": git_revision(), "machine": machine()}
-    print(f"{'variant':<10}{'step ms':>10}{'/ adamw':>9}")
+    print(f"{'variant':<14}{'step ms':>10}{'/ adamw':>9}{'/ canzona':>11}")
     for name in names:
-        print(f"{name:<10}{medians[name]:>10.2f}{medians[name] / medians['adamw']:>9.2f}")
+        print(f"{name:<14}{medians[name]:>10.2f}{medians[name] / medians['adamw']:>9.2f}"
+              f"{medians[name] / medians['canzona']:>11.2f}")
+    if report["every_holder_bytes_per_rank"] is not None:
+        print("every-holder all-gather bytes per rank: " + ", ".join(
+            f"rank {k}: {b:,}" for k, b in enumerate(report["every_holder_bytes_per_rank"])))
     print("host-group bytes per rank (measured | plan): " + ", ".join(
         f"rank {k}: {m:,} | {p:,.0f}" for k, (m, p) in enumerate(zip(measured, planned)))
         + ("  (equal)" if report["bytes_equal_plan"] else "  (DIFFER)"))

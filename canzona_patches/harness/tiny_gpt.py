@@ -45,12 +45,14 @@ LAYOUTS = ("megatron", "canzona", "layer_wise")
 (canzona_patches.integration.setup.make_setup); ``layer_wise``:
 LayerWiseDistributedOptimizer._compute_per_buffer_param_layout, called standalone. The
 last two put every parameter wholly inside one DP rank's shard."""
-OPTIMIZERS = ("adam", "megatron_muon", "sync_muon", "muon", "shampoo", "soap", "adamuon", "normuon")
+OPTIMIZERS = ("adam", "megatron_muon", "sync_muon", "muon", "shampoo", "soap", "adamuon", "normuon", "every_holder")
 """``adam``: Megatron's Adam DistributedOptimizer; ``megatron_muon``: Megatron's layer-wise
 Muon, wired as ``megatron.training`` wires it (its own layout; ``layout`` is ignored);
 ``sync_muon``: synchronous compute, gradients all-reduced and every rank running the whole
 Muon step (Canzona's Muon math, no distributed optimizer); ``muon``/``shampoo``/``soap``:
-the Canzona optimizer (needs ``layout="canzona"``)."""
+the Canzona optimizer (needs ``layout="canzona"``); ``every_holder``: under Megatron-FSDP, the peer
+design that gathers each matrix to every rank holding a piece of it
+(:mod:`canzona_patches.harness.every_holder`, TP 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,7 +275,7 @@ def build(run: TinyRun):
     dp_size = parallel_state.get_data_parallel_world_size()
     setup, layout = _layout(run, model, dp_size, ddp_config)
     if run.fsdp:
-        if setup is None and run.optimizer != "adam":
+        if setup is None and run.optimizer not in ("adam", "every_holder"):
             raise ValueError("TinyRun.fsdp runs the Canzona optimizer (layout='canzona') or Megatron's Adam")
         from canzona_patches.emulation.cpu import pretending_cuda
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
@@ -350,6 +352,16 @@ def _optimizer(run: TinyRun, ddp_model, OptimizerConfig, get_megatron_optimizer,
     )
     if run.optimizer == "sync_muon":
         return _sync_muon(run, ddp_model, optimizer_config)
+    if run.optimizer == "every_holder":
+        from megatron.core import parallel_state
+
+        from .every_holder import EveryHolderMuon
+
+        if not run.fsdp or run.tp_size != 1:
+            raise ValueError("TinyRun.optimizer='every_holder' runs under Megatron-FSDP (TinyRun.fsdp) at TP 1")
+        cfg = canzona_config(run)
+        return EveryHolderMuon(ddp_model, _fsdp_geometry(ddp_model), config=cfg.matrix, adamw=cfg.adamw, lr=run.lr,
+                               weight_decay=run.weight_decay, dp_group=parallel_state.get_data_parallel_group())
     if run.optimizer in ("adam", "megatron_muon"):
         from canzona_patches import registry
 
@@ -447,6 +459,8 @@ def _tp_stats(optimizer) -> dict[str, Any] | None:
     """The Canzona TP engine's record of the last step (bytes, timeline), if it ran one."""
     import dataclasses
 
+    if hasattr(optimizer, "bytes_sent"):  # the every-holder baseline's all-gathers
+        return {"bytes_sent": optimizer.bytes_sent}
     stats = getattr(_inner(optimizer), "last_stats", None)
     return dataclasses.asdict(stats) if stats is not None else None
 
