@@ -23,6 +23,12 @@ Hooks (megatron-core 0.19.2):
   ``_copy_main_params_to_model_params``, and the parameter all-gather unless it overlaps the next
   forward or ``_defer_param_sync`` is set).
 
+* Under ``--use-megatron-fsdp`` ``DistributedOptimizer`` leaves buffers, gradients and main weights
+  to Megatron-FSDP (``ddp_config.use_megatron_fsdp``): the inner optimizer steps its ``DTensor``
+  parameters, bound by :func:`~canzona_patches.integration.binding.bind_fsdp`, Muon's momentum kept
+  on the holders; after the step its ``copy_main_weights_to_model_weights`` and each chunk's
+  ``start_param_sync`` run, as in Megatron's own FSDP step.
+
 The step's path, once per iteration: ``prepare_grads`` (inf/NaN) -> ``clip_grad_norm`` (or, chained,
 ``get_grad_norm``) makes the step's :class:`NormOutcome` (:func:`norm_outcome`, one rule for the
 dense and the chained optimizers) -> ``step_with_ready_grads`` passes :func:`step_factors` of it to

@@ -10,7 +10,9 @@ across shards. Each matrix piece is declared once (:meth:`CanzonaOptimizer.bind`
 range of a host-group task; each step the engine gathers every matrix to its host, calls
 :meth:`CanzonaOptimizer._host_compute` there (fused matrices split into their pieces,
 same-shape pieces batched) and hands every piece its slice of the direction. Elementwise
-parameters take AdamW where they are. Matrix state lives only on the ranks that compute a
+parameters take AdamW where they are. Under Megatron-FSDP the parameters are ``DTensor`` shards of
+its buffers (``bind(local=...)`` gives their local elements) and Muon's momentum stays with them
+(``momentum_on_holders``). Matrix state lives only on the ranks that compute a
 matrix, at full size, keyed by task (:attr:`CanzonaOptimizer.matrix_state`).
 
 Muon iterated in bf16 gives a whole matrix's direction exactly in bf16 before its shape scale:
