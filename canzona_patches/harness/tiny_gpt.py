@@ -812,8 +812,7 @@ def _replay_grads(model: torch.nn.Module, run: TinyRun, step: int) -> None:
 def _fsdp_geometry(ddp_model) -> dict[str, tuple[Any, tuple[int, ...], tuple[tuple[int, int, int], ...]]]:
     """Per parameter name: Megatron-FSDP's optimizer (``DTensor``) parameter, its TP-local shape and
     every rank's ``(rank, lo, hi)`` of its flat elements."""
-    from canzona_patches.integration.binding import fsdp_param_buffer
-    from canzona_patches.integration.fsdp_geometry import read_fsdp_buckets, read_fsdp_shapes
+    from canzona_patches.integration.fsdp_geometry import fsdp_param_buffer, read_fsdp_buckets, read_fsdp_shapes
 
     shapes = read_fsdp_shapes(ddp_model)
     pieces = {item.name: bucket.pieces(item) for bucket in read_fsdp_buckets(ddp_model) for item in bucket.items}

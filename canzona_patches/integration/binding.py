@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from canzona_patches.integration.fsdp_geometry import read_fsdp_buckets, read_fsdp_shapes
+from canzona_patches.integration.fsdp_geometry import fsdp_param_buffer, read_fsdp_buckets, read_fsdp_shapes
 from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR
 from canzona_patches.params import global_param_names, shard_entries
 from megatron.canzona.optim.split import FusedLayout
@@ -131,12 +131,6 @@ def bind_fsdp(
         shard_params[param], shard_starts[param] = param, lo
         refs[param] = found.refs(where[orig], coord[1], lo, hi, math.prod(shapes[where[orig]])) if hi > lo else ()
     return found.binding(refs, shard_params, shard_starts)
-
-
-def fsdp_param_buffer(chunk: Any) -> Any:
-    """The ``ParamAndGradBuffer`` of a Megatron-FSDP-wrapped model chunk."""
-    inner = getattr(chunk, "module", chunk)
-    return getattr(inner, "param_and_grad_buffer", None) or chunk.param_and_grad_buffer
 
 
 @dataclass(frozen=True)

@@ -10,23 +10,39 @@ buffer where the weights are the main weights), so that nothing re-derives them;
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from typing import Any
 
 from megatron.canzona.planning.fsdp import FsdpBucket, FsdpItem, fsdp_unit
 
 
-def read_fsdp_buckets(fsdp_model: Any) -> tuple[FsdpBucket, ...]:
-    """The buckets of a Megatron-FSDP-wrapped model chunk (``megatron.core``'s
-    ``FullyShardedDataParallel``, or the ``MegatronFSDP`` it wraps), in bucket order."""
+def fsdp_param_buffer(fsdp_model: Any) -> Any:
+    """The ``ParamAndGradBuffer`` of a Megatron-FSDP-wrapped model chunk (``megatron.core``'s
+    ``FullyShardedDataParallel``, or the ``MegatronFSDP`` it wraps)."""
     inner = getattr(fsdp_model, "module", fsdp_model)
-    buffer = getattr(inner, "param_and_grad_buffer", None) or fsdp_model.param_and_grad_buffer
-    names = buffer.param_to_name
-    buckets = []
+    return getattr(inner, "param_and_grad_buffer", None) or fsdp_model.param_and_grad_buffer
+
+
+def _indexed(buffer: Any) -> Iterator[tuple[Any, Any, str, Any]]:
+    """``(group, its indexed buffer, parameter name, the parameter's index)`` for every parameter:
+    the main-weight buffer, or the model-weight one where the weights are the main weights."""
     for group in buffer.parameter_groups:
         data = group.main_weight_buffer or group.model_weight_buffer or group.main_grad_buffer
-        items = sorted((FsdpItem(name=names[group.params[item_id]], offset=index.global_data_index, numel=index.size,
-                                 row=_row(index.shape))
-                        for item_id, index in data.item_index_map.items()), key=lambda item: item.offset)
+        for item_id, index in data.item_index_map.items():
+            yield group, data, buffer.param_to_name[group.params[item_id]], index
+
+
+def read_fsdp_buckets(fsdp_model: Any) -> tuple[FsdpBucket, ...]:
+    """The buckets of a Megatron-FSDP-wrapped model chunk, in bucket order."""
+    found: dict[int, tuple[Any, Any, list[FsdpItem]]] = {}
+    for group, data, name, index in _indexed(fsdp_param_buffer(fsdp_model)):
+        item = FsdpItem(name=name, offset=index.global_data_index, numel=index.size,
+                        row=math.prod(int(d) for d in tuple(index.shape)[1:]))
+        found.setdefault(id(group), (group, data, []))[2].append(item)
+    buckets = []
+    for group, data, items in found.values():
+        items.sort(key=lambda item: item.offset)
         buckets.append(FsdpBucket(
             unit=None if group.fsdp_unit_id is None else fsdp_unit(items[0].name), expert=bool(group.is_expert_param),
             dtype=str(group.dtype).removeprefix("torch."), chunk=int(group.chunk_size_factor),
@@ -37,18 +53,4 @@ def read_fsdp_buckets(fsdp_model: Any) -> tuple[FsdpBucket, ...]:
 def read_fsdp_shapes(fsdp_model: Any) -> dict[str, tuple[int, ...]]:
     """Each parameter's local shape (TP-sharded, before FSDP's sharding) as its buffer indexes
     it: the ``DTensor`` parameters Megatron-FSDP hands the optimizer report the TP-global shape."""
-    inner = getattr(fsdp_model, "module", fsdp_model)
-    buffer = getattr(inner, "param_and_grad_buffer", None) or fsdp_model.param_and_grad_buffer
-    shapes = {}
-    for group in buffer.parameter_groups:
-        data = group.main_weight_buffer or group.model_weight_buffer or group.main_grad_buffer
-        for item_id, index in data.item_index_map.items():
-            shapes[buffer.param_to_name[group.params[item_id]]] = tuple(int(d) for d in index.shape)
-    return shapes
-
-
-def _row(shape: Any) -> int:
-    row = 1
-    for dim in tuple(shape)[1:]:
-        row *= int(dim)
-    return row
+    return {name: tuple(int(d) for d in index.shape) for _, _, name, index in _indexed(fsdp_param_buffer(fsdp_model))}

@@ -54,7 +54,7 @@ from canzona_patches.errors import CanzonaArgumentError
 from canzona_patches.integration.binding import bind_fsdp, bind_plan, group_coordinates
 from canzona_patches.integration.early_gather import EarlyCompute
 from canzona_patches.integration.early_gather import attach as attach_early_gathers
-from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, is_expert_param
+from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, is_expert_param, uses_megatron_fsdp
 from canzona_patches.integration.setup import CanzonaPart, CanzonaSetup
 from canzona_patches.integration.uneven import shard_bounds
 from canzona_patches.version import require_pinned_megatron
@@ -136,7 +136,7 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
     def fsdp(self) -> bool:
         """Whether the chunks are Megatron-FSDP's (``--use-megatron-fsdp``): the optimizer's
         parameters are its ``DTensor`` shards, its buffers and collectives its own."""
-        return bool(self.ddp_config.use_megatron_fsdp)
+        return uses_megatron_fsdp(self.ddp_config)
 
     qk_clip: Any = None
     """The run's :class:`~canzona_patches.integration.qk_clip.QkClip` (the dense optimizer of a
@@ -593,7 +593,7 @@ def _canzona_dist_optimizer(optimizer_config: Any, model_chunks: list, setup: Ca
     cfg = setup.config
     # Under Megatron-FSDP Muon's momentum stays in its shards, as AdamW's moments do: the hosts
     # keep no copy of what the holders' bytes already are (docs/fsdp.md#memory).
-    fsdp = bool(model_chunks[0].ddp_config.use_megatron_fsdp)
+    fsdp = uses_megatron_fsdp(model_chunks[0].ddp_config)
     inner = CanzonaOptimizer(
         _route_groups(groups, optimizer_config.weight_decay), math=cfg.optimizer, lr=optimizer_config.lr,
         weight_decay=optimizer_config.weight_decay, config=cfg.matrix, adamw_config=cfg.adamw,

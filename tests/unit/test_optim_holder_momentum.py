@@ -57,3 +57,11 @@ def test_a_gradient_of_another_dtype_is_copied_not_written() -> None:
     momentum = torch.zeros(4, 4)
     source = muon_source_(grad, momentum, MuonConfig())
     assert source.dtype == torch.float32 and source.data_ptr() != grad.data_ptr()
+
+
+def test_the_memory_model_knows_which_optimizers_keep_the_momentum_on_the_holders() -> None:
+    """planning (torch-free) names them itself; it must name the ones the optimizers define."""
+    from megatron.canzona.planning.memory import HOLDER_MOMENTUM_OPTIMIZERS
+
+    assert {name for name, kind in MATRIX_OPTIMIZERS.items() if kind.from_source_fn is not None} == \
+        set(HOLDER_MOMENTUM_OPTIMIZERS)
