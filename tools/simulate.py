@@ -6,6 +6,8 @@
     python tools/simulate.py --model qwen3-30b-a3b --gpus 256 --ep 8 --plot iteration.png
     python tools/simulate.py --model qwen3-32b --gpus 256 --calibration calib/muon.json --cluster my.toml
     python tools/simulate.py --cases          # docs/projection.md's table (H100, 64-256 GPUs)
+    python tools/simulate.py --model qwen3-8b --gpus 256 --tp 1 --fsdp     # under --use-megatron-fsdp
+    python tools/simulate.py --fsdp-cases     # docs/fsdp.md's projection table
 
 The plans are the ones the runtime executes (``make_plan`` for Canzona, Megatron-Core's own
 layer-wise layout, stock ZeRO-1); megatron.canzona.planning.sim turns them into per-rank
@@ -53,7 +55,9 @@ from megatron.canzona.planning.sim import (  # noqa: E402
     load_cluster,
     simulate,
 )
+from megatron.canzona.planning.fsdp import SHARDING_STRATEGIES  # noqa: E402
 from megatron.canzona.planning.sim.cluster import presets  # noqa: E402
+from megatron.canzona.planning.sim.fsdp import FSDP_PEERS, FSDP_STRATEGIES, simulate_fsdp  # noqa: E402
 from megatron.canzona.planning.sim.simulate import (  # noqa: E402
     NEEDS_LAYERWISE_PLAN,
     seconds_per_update,
@@ -152,8 +156,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases", action="store_true",
                    help="every model of docs/projection.md's table at 64, 128 and 256 GPUs (recipe sizes)")
     p.add_argument("--plot", metavar="FILE.png", help="Gantt of one iteration, two strategies side by side")
-    p.add_argument("--plot-strategies", nargs=2, default=("canzona", "megatron_layerwise"), choices=STRATEGIES)
+    p.add_argument("--plot-strategies", nargs=2, choices=sorted({*STRATEGIES, *FSDP_STRATEGIES}),
+                   help="the two strategies of --plot (default canzona and megatron_layerwise; with --fsdp, "
+                   "canzona and owner_uniform)")
+    p.add_argument("--fsdp", nargs="?", const="optim_grads_params", choices=SHARDING_STRATEGIES, metavar="STRATEGY",
+                   help="project under Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy STRATEGY, "
+                   "default optim_grads_params): Canzona, NVIDIA/Megatron-LM #4486's every-holder Muon, an owner per "
+                   f"matrix over FSDP2's uniform shards, AdamW ({', '.join(FSDP_STRATEGIES)}); FSDP's bucket "
+                   "collectives run every micro-batch beside forward and backward")
+    p.add_argument("--fsdp-cases", action="store_true",
+                   help="docs/fsdp.md's projection table: Qwen3-8B at FSDP 64 and 256, Qwen3-32B at TP 4 x FSDP 64, "
+                   "Qwen3-30B-A3B at EP 8 x FSDP 64 and 256 (optim_grads_params)")
     args = p.parse_args(argv)
+    if args.plot_strategies is None:
+        args.plot_strategies = ("canzona", "owner_uniform") if args.fsdp else ("canzona", "megatron_layerwise")
+    wrong = [n for n in args.plot_strategies if n not in (FSDP_STRATEGIES if args.fsdp else STRATEGIES)]
+    if args.plot and wrong:
+        p.error(f"--plot-strategies {' '.join(wrong)}: {'with' if args.fsdp else 'without'} --fsdp choose among "
+                f"{', '.join(FSDP_STRATEGIES if args.fsdp else STRATEGIES)}")
+    if args.fsdp and args.early_compute:
+        p.error("--early-compute is not built under --use-megatron-fsdp: the runtime computes every group in the step "
+                "there; drop --early-compute")
     if not 0.0 <= args.clip_rate <= 1.0:
         p.error(f"--clip-rate {args.clip_rate} is a probability: pick a value in [0, 1]")
     if args.clip_rate and not args.early_compute:
@@ -326,6 +349,76 @@ def project(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Strateg
     return report, results
 
 
+def step_bytes_bound(specs: list, run: dict[str, Any]) -> float:
+    """The most bytes a rank should send in an FSDP step: every matrix element of its shards out
+    once and its update back once, in fp32, ``2 x (matrix elements / group size) x 4``, the dense
+    matrices over DP and the experts over expert DP (issue target, docs/fsdp.md)."""
+    gpus = run["dp"] * run["tp"]
+    expert_dp = gpus // (run["ep"] * run["etp"])
+    return sum(2 * 4 * s.numel / (expert_dp if s.is_expert else run["dp"]) for s in matrix_specs(specs))
+
+
+def project_fsdp(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, StrategyResult]]:
+    """The report and results of every design of :data:`FSDP_STRATEGIES` under Megatron-FSDP's
+    ``args.fsdp`` sharding. Canzona runs the specs as planned (``--split-gate-up`` hosts fc1's
+    halves apart), the peers the fused matrices, as Megatron's optimizers keep them."""
+    cluster = resolve_cluster(args.cluster)
+    calibrations = ({method: load_calibration(args.calibration, args.optimizer, method if args.optimizer == "muon" else None)
+                     for method in {args.muon_ns_method, "standard"}} if args.calibration else None)
+    run = configure(args)
+    if run["pp"] > 1 or run["cp"] > 1:
+        raise ValueError(f"--fsdp projects PP 1 and CP 1, what --canzona runs under --use-megatron-fsdp (the recipe "
+                         f"has PP {run['pp']}, CP {run['cp']}): pass --pp 1 --cp 1")
+    run["fsdp"] = args.fsdp
+    specs = stage_specs(args, run, 0)
+    cfg = get_qwen3_config(run["model"])
+    activity = cfg.moe_router_topk * run["ep"] / cfg.num_experts if cfg.is_moe else 1.0
+    workload = Workload(global_batch=run["global_batch"], micro_batch=run["micro_batch"], seq_length=run["seq_length"],
+                        expert_activity=activity)
+    wire = WireConfig(grad_bytes=4 if run["grad_reduce_in_fp32"] else 2)
+    results = {name: simulate_fsdp(
+        specs if name == "canzona" else fused_gate_up(specs), strategy=name, cluster=cluster, dp_size=run["dp"],
+        tp_size=run["tp"], ep_size=run["ep"], expert_tp_size=run["etp"], sharding=args.fsdp, optimizer=run["optimizer"],
+        calibration=calibrations[strategy_ns_method(name, run["ns_method"])] if calibrations else None,
+        workload=workload, wire=wire, bucket_size=args.bucket_size, alpha=run["alpha"], ns_method=run["ns_method"],
+    ) for name in FSDP_STRATEGIES}
+    limit = physical_limit(specs, {**run, "dp_cp": run["dp"]}, cluster, calibrations)
+    report = {"config": {**run, "cluster": cluster.name, "gpus_per_node": cluster.gpus_per_node,
+                         "cost": "calibration" if calibrations else
+                         f"FLOP formula at {cluster.gpu.matmul_efficiency:.0%} of the {cluster.gpu.optimizer_dtype} peak",
+                         "machine": f"{platform.node()} python {platform.python_version()}"},
+              "cluster": cluster.to_dict(), "strategies": {}, "physical_limit_seconds": limit,
+              "step_bytes_bound": step_bytes_bound(specs, run)}
+    canzona, adamw = results["canzona"], results["adamw"]
+    for name, r in results.items():
+        report["strategies"][name] = {
+            **r.to_dict(), "step_ratio_to_canzona": r.optimizer_step_seconds / canzona.optimizer_step_seconds,
+            "iteration_ratio_to_adamw": r.iteration_seconds / adamw.iteration_seconds,
+            "step_over_limit": r.optimizer_step_seconds / limit,
+        }
+    return report, results
+
+
+def print_fsdp_report(report: dict[str, Any]) -> None:
+    c = report["config"]
+    moe = f" EP {c['ep']} ETP {c['etp']}" if c["ep"] > 1 else ""
+    print(f" [simulate] {c['model']} on {c['gpus']} x {c['cluster']} ({c['gpus_per_node']} per node) | Megatron-FSDP "
+          f"{c['fsdp']} | TP {c['tp']} FSDP {c['dp']}{moe} | global batch {c['global_batch']}, micro batch "
+          f"{c['micro_batch']}, seq {c['seq_length']} | {c['optimizer']}: {c['cost']} | MFU "
+          f"{report['cluster']['training']['mfu']:.2f}")
+    if c["note"]:
+        print(f" [simulate] note: {c['note']}")
+    print(f" [simulate] physical limit of the step (work spread perfectly, no communication): "
+          f"{ms(report['physical_limit_seconds']).strip()} ms; step bytes bound per rank "
+          f"{report['step_bytes_bound'] / 2**20:.1f} MiB")
+    for name, s in report["strategies"].items():
+        print(f" {name:<14}| iteration (ms): {ms(s['iteration_seconds'])} | optimizer step (ms): "
+              f"{ms(s['optimizer_step_seconds'])} | FSDP comm exposed (ms): "
+              f"{ms(s['param_gather_exposed_seconds'] + s['grad_reduce_exposed_seconds'])} | step MiB/rank: "
+              f"{s['step_bytes_per_rank'] / 2**20:8.1f} | step / canzona: {s['step_ratio_to_canzona']:6.2f} | "
+              f"iteration / adamw: {s['iteration_ratio_to_adamw']:6.3f} | step / limit: {s['step_over_limit']:6.2f} |")
+
+
 def print_report(report: dict[str, Any]) -> None:
     c = report["config"]
     moe = f" EP {c['ep']} ETP {c['etp']}" if c["ep"] > 1 else ""
@@ -469,22 +562,64 @@ def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+FSDP_CASES = (("qwen3-8b", 64, 1, 1), ("qwen3-8b", 256, 1, 1), ("qwen3-32b", 256, 4, 1), ("qwen3-30b-a3b", 64, 1, 8),
+              ("qwen3-30b-a3b", 256, 1, 8))
+"""``(model, GPUs, TP, EP)`` of docs/fsdp.md's projection table."""
+
+
+def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """docs/fsdp.md's projection table: per case, every design's step and iteration under
+    Megatron-FSDP (``optim_grads_params``), Canzona as the runtime's defaults plan it and with
+    ``--canzona-split-gate-up``, and the issue's targets: Canzona's step over the limit L and over
+    the best peer, its iteration over AdamW-FSDP's, #4486's iteration over AdamW's, Canzona's
+    bytes per rank over the bound."""
+    header = ("| model | GPUs | TP, EP, FSDP | optimizer step (ms): " + " / ".join(FSDP_STRATEGIES)
+              + " | iteration (ms): " + " / ".join(FSDP_STRATEGIES) + " | canzona split gate/up: step, iteration "
+              "(ms) | limit L (ms) | step / L | step / best peer | iteration / AdamW | #4486 iteration / AdamW "
+              "| bytes / bound |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    rows = []
+    for model, gpus, tp, ep in FSDP_CASES:
+        base = {**vars(args), "model": model, "gpus": gpus, "tp": tp, "ep": ep, "pp": 1, "cp": 1, "global_batch": None,
+                "fsdp": args.fsdp or "optim_grads_params", "plot": None}
+        report, _ = project_fsdp(argparse.Namespace(**{**base, "split_gate_up": False}))
+        split, _ = project_fsdp(argparse.Namespace(**{**base, "split_gate_up": True}))
+        report["canzona_split_gate_up"] = split["strategies"]["canzona"]
+        s, c = report["strategies"], report["config"]
+        # the variant whose iteration is shorter, against the limit of the matrices it runs
+        best, limit = min(((s["canzona"], report["physical_limit_seconds"]),
+                           (split["strategies"]["canzona"], split["physical_limit_seconds"])),
+                          key=lambda pair: pair[0]["iteration_seconds"])
+        peer = min(s[n]["optimizer_step_seconds"] for n in FSDP_PEERS)
+        adamw = s["adamw"]["iteration_seconds"]
+        print(f"| {model} | {gpus} | {c['tp']}, {c['ep']}, {c['dp']} | "
+              + " / ".join(short_ms(s[n]["optimizer_step_seconds"]) for n in FSDP_STRATEGIES) + " | "
+              + " / ".join(f"{1e3 * s[n]['iteration_seconds']:.0f}" for n in FSDP_STRATEGIES) + " | "
+              f"{short_ms(best['optimizer_step_seconds'])}, {1e3 * best['iteration_seconds']:.0f} | {short_ms(limit)} | "
+              f"{best['optimizer_step_seconds'] / limit:.2f} | {best['optimizer_step_seconds'] / peer:.2f} | "
+              f"{best['iteration_seconds'] / adamw:.3f} | {s['every_holder']['iteration_seconds'] / adamw:.2f} | "
+              f"{best['step_bytes_per_rank'] / report['step_bytes_bound']:.2f} |", flush=True)
+        rows.append(report)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.cases:
-            rows = run_cases(args)
+        if args.cases or args.fsdp_cases:
+            rows = run_fsdp_cases(args) if args.fsdp_cases else run_cases(args)
             if args.json:
                 print(json.dumps(rows))
             return 0
-        report, results = project(args)
+        report, results = project_fsdp(args) if args.fsdp else project(args)
     except (ValueError, TypeError, OSError) as exc:
         print(f"simulate.py: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report))
     else:
-        print_report(report)
+        (print_fsdp_report if args.fsdp else print_report)(report)
     if args.plot:
         plot(report, results, tuple(args.plot_strategies), args.plot)
     return 0

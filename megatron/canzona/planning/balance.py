@@ -110,13 +110,15 @@ class _Stage:
         return [c * (1 if s.tp_sharded else self.tp_size) for chunk, costs in zip(self.mats, self.costs)
                 for s, c in zip(chunk, costs)]
 
-    def hosts(self, buffers: list[BufferPlan]) -> tuple[float, list[HostItem], list[tuple[int, int | None]], list[float]]:
-        """Hosts for the layouts ``buffers`` and the plan's score (lower is better)."""
+    def hosts(self, buffers: list[BufferPlan], prefer_holders: bool = False) \
+            -> tuple[float, list[HostItem], list[tuple[int, int | None]], list[float]]:
+        """Hosts for the layouts ``buffers`` and the plan's score (lower is better); ``prefer_holders``:
+        a split matrix is hosted by a rank holding some of it."""
         items = _host_items(buffers, self.mats, self.parts, self.cost_model)
         rs, ag, messages = collective_bytes(buffers, self.dp_size, self.wire)
         hosts, ranks = assign_hosts(
             items, dp_size=self.dp_size, tp_size=self.tp_size, alpha=self.alpha, wire=self.wire, base_bytes=rs + ag,
-            byte_scale=self.byte_scale, load_scale=self.bound, base_loads=self.base,
+            byte_scale=self.byte_scale, load_scale=self.bound, base_loads=self.base, prefer_holders=prefer_holders,
         )
         latency = self.wire.latency_bytes
         busiest_wire = max(b + latency * (m + messages) for b, m in zip(ranks.bytes, ranks.messages))
@@ -166,7 +168,7 @@ def plan_canzona(
         buffers = [fsdp_buffer(fsdp_buckets([s for s in specs if s.chunk == c], dp_size=dp_size, strategy=fsdp_strategy,
                                             bucket_size=fsdp_bucket_size), chunk, chunk_costs)
                    for c, chunk, chunk_costs in zip(chunks, mats, stage.costs)]
-        _, items, hosts, loads = stage.hosts(buffers)
+        _, items, hosts, loads = stage.hosts(buffers, prefer_holders=True)
     else:
         ranges = [lean_bucket_ranges([s.numel for s in chunk], bucket_size) for chunk in mats]
         _, buffers, items, hosts, loads = _best_fill(stage, ranges)

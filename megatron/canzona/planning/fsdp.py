@@ -24,6 +24,11 @@ The rules, in registration order (``named_parameters``):
   partial chunk fits beside it (placed so that its partial chunk ends the shared one), and with
   parameters smaller than a chunk, in order. The small ones left over go at the end. The bucket is
   padded to a multiple of ``dp_size * chunk`` and cut into ``dp_size`` equal shards.
+
+PyTorch FSDP2 (``fully_shard``, Megatron's ``--use-torch-fsdp2``) shards every parameter on its
+own along its first dimension, ``ceil(rows / dp_size)`` rows a rank: :data:`PER_PARAMETER`, a
+bucket per parameter whose chunk is its row. The runtime refuses it; the planner and the
+simulator price it (``tools/simulate.py --fsdp``'s ``owner_uniform``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ FSDP_LAYOUT = "fsdp"
 """The layout name of a plan over Megatron-FSDP's buffers (``--use-megatron-fsdp``)."""
 SHARDING_STRATEGIES: tuple[str, ...] = ("optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's sharding strategies (``--data-parallel-sharding-strategy``) that shard a buffer."""
+PER_PARAMETER = "per_parameter"
+"""PyTorch FSDP2's geometry (module docstring), given as :func:`fsdp_buckets`' ``strategy``."""
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -162,11 +169,16 @@ def fsdp_buckets(specs: Iterable[ParamSpec], *, dp_size: int, strategy: str = "o
     """Megatron-FSDP's buckets of one model chunk's ``specs`` (any order: registration order is
     the reverse of :attr:`ParamSpec.order`), sharded over ``dp_size`` ranks (expert buckets over
     ``expert_dp_size``, default the same); ``bucket_size`` is ``--ddp-bucket-size`` (``None``:
-    unbounded)."""
-    if strategy not in SHARDING_STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {strategy!r}")
+    unbounded). ``strategy`` :data:`PER_PARAMETER`: PyTorch FSDP2's, a bucket per parameter."""
+    if strategy not in (*SHARDING_STRATEGIES, PER_PARAMETER):
+        raise ValueError(f"strategy must be one of {', '.join(SHARDING_STRATEGIES)} (or {PER_PARAMETER}), "
+                         f"got {strategy!r}")
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if strategy == PER_PARAMETER:
+        return tuple(bucket_of([spec], dp_size=(expert_dp_size or dp_size) if spec.is_expert else dp_size,
+                               unit=fsdp_unit(spec.name), expert=spec.is_expert)
+                     for spec in sorted(specs, key=lambda s: -s.order))
     units = strategy == "optim_grads_params"
     groups: dict[tuple[str, bool, int | None], list[ParamSpec]] = {}
     for spec in sorted(specs, key=lambda s: -s.order):

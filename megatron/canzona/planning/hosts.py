@@ -136,6 +136,7 @@ class _Ranks:
 def assign_hosts(
     items: Sequence[HostItem], *, dp_size: int, tp_size: int, alpha: float, wire: WireConfig,
     base_bytes: float, byte_scale: float, load_scale: float, base_loads: Sequence[float] | None = None,
+    prefer_holders: bool = False,
 ) -> tuple[list[tuple[int, int | None]], _Ranks]:
     """``(dp_rank, tp_rank)`` per item (``tp_rank`` None: every TP rank computes it), and the
     per-rank totals. ``base_bytes``: what every rank sends for the stock collectives;
@@ -154,7 +155,7 @@ def assign_hosts(
     hosts: list[tuple[int, int | None]] = [(0, None)] * len(items)
     order = sorted(range(len(items)), key=lambda i: (items[i].dp_rank is None, -items[i].cost, i))
     for i in order:
-        hosts[i] = _place(items[i], ranks)
+        hosts[i] = _place(items[i], ranks, prefer_holders)
     return hosts, ranks
 
 
@@ -166,7 +167,7 @@ def _holders(item: HostItem, tp_size: int, every_copy: bool = False) -> list[tup
     return [(d, n, t) for d, n in item.pieces for t in columns]
 
 
-def _place(item: HostItem, ranks: _Ranks) -> tuple[int, int | None]:
+def _place(item: HostItem, ranks: _Ranks, prefer_holders: bool = False) -> tuple[int, int | None]:
     """Choose the item's host and account for it."""
     tp_size, wire = ranks.tp_size, ranks.wire
     holders = _holders(item, tp_size)
@@ -184,15 +185,18 @@ def _place(item: HostItem, ranks: _Ranks) -> tuple[int, int | None]:
         columns = range(tp_size) if item.tp_sharded else (0,)
         candidates = [item.dp_rank * tp_size + t for t in columns]
     else:
-        best_holders = sorted(piece_at, key=lambda r: (-piece_at[r], r))[:HOLDER_CANDIDATES]
+        best_holders = sorted(piece_at, key=lambda r: (-piece_at[r], r))
+        best_holders = best_holders if prefer_holders else best_holders[:HOLDER_CANDIDATES]
         candidates = sorted(set(best_holders) | {ranks.least_loaded(), ranks.best_scored()})
         if not item.tp_sharded:  # TP rank 0's copy stands for every TP rank's
             candidates = sorted({(r // tp_size) * tp_size for r in candidates})
     scored = []
     for rank in candidates:  # least growth of the objective, then least α-weighted total
         sent, messages = delta(rank)
-        scored.append((ranks.increase(rank, item.cost, sent, messages), ranks.score(rank, item.cost, sent, messages), rank))
-    host = min(scored)[2]
+        away = prefer_holders and rank not in piece_at
+        scored.append((ranks.increase(rank, item.cost, sent, messages), away, ranks.score(rank, item.cost, sent, messages),
+                       rank))
+    host = min(scored)[-1]
     sent, messages = delta(host)
     d = host // tp_size
     for t in range(tp_size) if not item.tp_sharded else (host % tp_size,):

@@ -417,10 +417,10 @@ def simulate(
     if early_inline and early is not None:  # all of it inside the (measured) backward, every bucket reduced then
         phases, reduced = dataclasses.replace(phases, rs_exposed=0.0), {key: -INLINE_SECONDS for key in reduced}
         early = EarlyCompute(backward_end=-INLINE_SECONDS, budget_elements=budget)
-    step_end, run = _run_step(work, grid, cluster, wire, slowdown, reduced, early)
+    step_end, run = run_step(work, grid, cluster, wire, slowdown, reduced, early)
     rates = expected_rates(clip_rate) if early is not None else None
     if rates is not None and rates.committed < 1.0:  # recomputed or not speculated: the step without early compute
-        full = _run_step(work, grid, cluster, wire, slowdown, reduced)[0]
+        full = run_step(work, grid, cluster, wire, slowdown, reduced)[0]
         step_end = rates.committed * step_end + (1.0 - rates.committed) * full
     result = _assemble(strategy, ctx, work, phases, slowdown, step_end, run)
     if rates is not None:
@@ -430,7 +430,7 @@ def simulate(
     return result
 
 
-def _run_step(work: Work, grid: Grid, cluster: ClusterSpec, wire: WireConfig, slowdown: float,
+def run_step(work: Work, grid: Grid, cluster: ClusterSpec, wire: WireConfig, slowdown: float,
               reduced_at: dict[tuple, float] | None = None,
               early: EarlyCompute | None = None) -> tuple[float, StepRun]:
     """Dense matrices, dense AdamW, then (a chained optimizer) the expert matrices per EP group.

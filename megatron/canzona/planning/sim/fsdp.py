@@ -1,0 +1,354 @@
+"""One iteration under fully sharded data parallelism: FSDP's own collectives, then each design's step.
+
+    from megatron.canzona.planning.sim.fsdp import FSDP_STRATEGIES, simulate_fsdp
+
+    result = simulate_fsdp(specs, strategy="canzona", cluster=cluster, dp_size=64, tp_size=1,
+                           sharding="optim_grads_params", workload=Workload(global_batch=128))
+
+The buckets are Megatron-FSDP's as it builds them (:func:`~megatron.canzona.planning.fsdp.fsdp_buckets`:
+one per transformer layer under ``optim_grads_params``), sharded over the DP group (the expert
+buckets over expert DP, one copy per EP rank). Every strategy pays the same forward and backward:
+
+* **Per micro-batch.** Forward walks the buckets in forward order and backward in reverse, each
+  bucket's share of a micro-batch's compute its parameters' matmul work. Under
+  ``optim_grads_params`` a bucket is all-gathered (``param_bytes``) before its forward and again
+  before its backward, the next one prefetched while the current one computes; its gradient is
+  reduce-scattered (``grad_bytes``) after its backward, every micro-batch (``optim_grads`` too;
+  ``optim`` only in the last micro-batch, as DDP). Under ``optim`` and ``optim_grads`` the
+  parameters stay whole between steps, gathered once after the step, before the first forward of
+  the next iteration needs them. The collectives run one at a time in the order they are issued
+  (the links are one), compute beside them; compute waits for a bucket's gather.
+* **The step** starts once the last reduce-scatter ends, with what each design does with the shards:
+
+  - ``canzona`` -- one host per matrix (:func:`~megatron.canzona.planning.planner.make_plan`,
+    ``layout="fsdp"``), its pieces gathered to it by one fused all-to-all per micro-group and the
+    update scattered back, pipelined (gather k+1 | compute k | scatter k | apply k−1), as the
+    runtime's ``bind_fsdp`` runs it; no gather before the step (Megatron-FSDP's reduce-scatters
+    report no per-bucket completion the runtime waits on). The host's seconds include the
+    momentum, which under FSDP its holders advance (a few hundred microseconds at most);
+  - ``every_holder`` -- NVIDIA/Megatron-LM #4486: every rank holding a piece of a matrix
+    all-gathers it whole and runs Newton-Schulz on it, one matrix at a time (TP shards too);
+  - ``owner_uniform`` -- an owner per matrix over uniform per-parameter row shards (PyTorch
+    FSDP2's geometry, :data:`~megatron.canzona.planning.fsdp.PER_PARAMETER`: torchtitan's
+    DistMuon, microsoft/dion, FSDP-Canzona): every matrix lies in ``1/DP`` of its rows on every
+    DP rank. Its owners and micro-groups are Canzona's planner's over that geometry, pipelined
+    as ``canzona``: the best this geometry allows (torchtitan and Dion pick owners round-robin),
+    so what differs from ``canzona`` is where the pieces lie;
+  - ``adamw`` -- Megatron's AdamW on each rank's shard of every bucket.
+
+  AdamW of the elementwise parameters runs on each rank's shard of them in every design.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..comm import WireConfig
+from ..cost import OPTIMIZERS, Calibration, CostModel
+from ..experts import split_experts
+from ..fsdp import FSDP_LAYOUT, PER_PARAMETER, SHARDING_STRATEGIES, FsdpBucket, fsdp_buckets
+from ..partition import DEFAULT_ALPHA
+from ..planner import make_plan
+from ..specs import ParamSpec
+from .cluster import ClusterSpec
+from .iteration import BACKWARD_SHARE
+from .layouts import Grid, RankOf, Seconds, Work, merge, plan_tasks
+from .network import Topology
+from .result import Segment, StrategyResult
+from .simulate import CANZONA_STRATEGIES, Workload, matmul_weight, run_step, seconds_per_update, stage_flops_per_token
+from .step import SimTask
+
+FSDP_STRATEGIES: tuple[str, ...] = ("canzona", "every_holder", "owner_uniform", "adamw")
+"""The designs :func:`simulate_fsdp` prices (module docstring)."""
+FSDP_PEERS: tuple[str, ...] = ("every_holder", "owner_uniform")
+"""The Muon designs under FSDP that Canzona's step is held against."""
+
+
+@dataclass(frozen=True)
+class FsdpUnit:
+    """One bucket as the iteration sees it: its share of compute and its collectives."""
+
+    label: str
+    share: float
+    """Fraction of a micro-batch's forward and backward compute spent on its parameters."""
+    gather: float
+    """Seconds of its parameter all-gather."""
+    reduce: float
+    """Seconds of its gradient reduce-scatter."""
+
+
+@dataclass(frozen=True)
+class FsdpPhases:
+    """Forward and backward of every micro-batch with FSDP's collectives beside them."""
+
+    compute: float
+    """Forward and backward compute of every micro-batch."""
+    backward_end: float
+    """When the last backward ends (compute plus every wait on a gather)."""
+    reduced: float
+    """When the last reduce-scatter ends: the step's start."""
+    gather_seconds: float
+    reduce_seconds: float
+    segments: list[Segment]
+    """Of one rank (every rank of the group does the same)."""
+
+    @property
+    def gather_exposed(self) -> float:
+        """Compute waiting for the gathers."""
+        return self.backward_end - self.compute
+
+    @property
+    def reduce_exposed(self) -> float:
+        """The reduce-scatters' tail after the last backward."""
+        return self.reduced - self.backward_end
+
+
+def fsdp_phases(units: Sequence[FsdpUnit], *, micro: float, count: int, sharding: str) -> FsdpPhases:
+    """The micro-batches of one iteration over ``units`` (forward order) under ``sharding``
+    (module docstring): every gather and reduce-scatter on one queue, compute beside it."""
+    if sharding not in SHARDING_STRATEGIES:
+        raise ValueError(f"sharding must be one of {', '.join(SHARDING_STRATEGIES)}, got {sharding!r}")
+    clock = comm_free = 0.0
+    gathered = reduced = 0.0
+    segments: list[Segment] = []
+
+    def collective(at: float, seconds: float, kind: str, label: str) -> float:
+        nonlocal comm_free, gathered, reduced
+        if seconds <= 0:
+            return at
+        start = max(comm_free, at)
+        comm_free = start + seconds
+        segments.append(Segment(0, "comm", kind, start, comm_free, label))
+        if kind == "param_gather":
+            gathered += seconds
+        else:
+            reduced += seconds
+        return comm_free
+
+    def compute(seconds: float, label: str) -> None:
+        nonlocal clock
+        if seconds > 0:
+            segments.append(Segment(0, "compute", "forward_backward", clock, clock + seconds, label))
+            clock += seconds
+
+    def walk(order: Sequence[FsdpUnit], share: float, gathers: bool, reduces: bool) -> None:
+        nonlocal clock
+        ready = {0: collective(clock, order[0].gather, "param_gather", order[0].label)} if gathers and order else {}
+        for i, unit in enumerate(order):
+            if gathers:
+                clock = max(clock, ready[i])
+                if i + 1 < len(order):  # the next bucket's gather is in flight while this one computes
+                    ready[i + 1] = collective(clock, order[i + 1].gather, "param_gather", order[i + 1].label)
+            compute(share * micro * unit.share, unit.label)
+            if reduces:
+                collective(clock, unit.reduce, "grad_reduce", unit.label)
+
+    every_micro_batch = sharding == "optim_grads_params"
+    for mb in range(count):
+        walk(units, 1.0 - BACKWARD_SHARE, gathers=every_micro_batch or mb == 0, reduces=False)
+        walk(units[::-1], BACKWARD_SHARE, gathers=every_micro_batch, reduces=sharding != "optim" or mb == count - 1)
+    return FsdpPhases(compute=count * micro, backward_end=clock, reduced=max(clock, comm_free), gather_seconds=gathered,
+                      reduce_seconds=reduced, segments=segments)
+
+
+@dataclass(frozen=True)
+class _Stage:
+    specs: list[ParamSpec]
+    grid: Grid
+    seconds: Seconds
+    cost_model: CostModel
+    sharding: str
+    bucket_size: int | None
+    alpha: float
+    wire: WireConfig
+
+    def buckets(self, specs: Sequence[ParamSpec], dp_size: int, geometry: str | None = None) -> tuple[FsdpBucket, ...]:
+        """Megatron-FSDP's buckets of the stage's sharding (or of ``geometry``: :data:`PER_PARAMETER`)."""
+        return fsdp_buckets(specs, dp_size=dp_size, strategy=geometry or self.sharding, bucket_size=self.bucket_size)
+
+    def kinds(self) -> list[tuple[list[ParamSpec], int, int, list[list[int]], list[RankOf]]]:
+        """``(specs, DP size, TP size, one DP group per copy, rank of (dp, tp) per copy)`` of the
+        dense parameters and (one copy per EP rank) of the experts."""
+        g = self.grid
+        dense, experts = split_experts(self.specs)
+        out = [(dense, g.dp_size, g.tp_size, [g.dp_group()], [g.rank])]
+        if experts:
+            ranks: list[RankOf] = [lambda d, t, e=e: g.expert_rank(d, t, e) for e in range(g.ep_size)]
+            out.append((experts, g.expert_dp_size, g.expert_tp_size,
+                        [[g.expert_rank(d, 0, e) for d in range(g.expert_dp_size)] for e in range(g.ep_size)], ranks))
+        return out
+
+
+def shard_elements(buckets: Sequence[FsdpBucket], rank: RankOf, tp_size: int,
+                   names: set[str] | None = None) -> dict[int, float]:
+    """Elements of each rank's shards of ``buckets`` (of the parameters in ``names``; ``None``:
+    all), every TP rank its own."""
+    out: dict[int, float] = {}
+    for bucket in buckets:
+        for item in bucket.items:
+            if names is not None and item.name not in names:
+                continue
+            for d, lo, hi in bucket.pieces(item):
+                for t in range(tp_size):
+                    out[rank(d, t)] = out.get(rank(d, t), 0.0) + (hi - lo)
+    return out
+
+
+def _elementwise_names(specs: Sequence[ParamSpec]) -> set[str]:
+    return {s.name for s in specs if s.family != "matrix"}
+
+
+def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
+    """Hosts and micro-groups of Canzona's planner over the shards of ``geometry`` (``None``:
+    Megatron-FSDP's of the stage's sharding), pipelined."""
+    g = stage.grid
+    geometry = geometry or stage.sharding
+    plan = make_plan(stage.specs, dp_size=g.dp_size, tp_size=g.tp_size, cost_model=stage.cost_model,
+                     alpha=stage.alpha, wire=stage.wire, ep_size=g.ep_size, expert_tp_size=g.expert_tp_size,
+                     layout=FSDP_LAYOUT, fsdp_strategy=geometry, fsdp_bucket_size=stage.bucket_size)
+    work = Work(mode="pipelined", dense=plan_tasks(plan, split_experts(stage.specs)[0], stage.seconds, g.rank,
+                                                   cost_model=stage.cost_model))
+    for k, (specs, dp, tp, _, ranks) in enumerate(stage.kinds()):
+        buckets = stage.buckets(specs, dp, geometry)
+        for rank in ranks:
+            work.adamw = merge(work.adamw, shard_elements(buckets, rank, tp, _elementwise_names(specs)))
+            if k:
+                assert plan.experts is not None
+                members = sorted({rank(d, t) for d in range(dp) for t in range(tp)})
+                work.experts.append((members, plan_tasks(plan.experts, specs, stage.seconds, rank,
+                                                         cost_model=stage.cost_model)))
+    return work
+
+
+def _every_holder(stage: _Stage) -> Work:
+    """#4486: every holder of a piece gathers the matrix whole and computes it (``per_matrix``)."""
+    work = Work(mode="per_matrix")
+    for k, (specs, dp, tp, _, ranks) in enumerate(stage.kinds()):
+        by_name = {s.name: s for s in specs}
+        buckets = stage.buckets(specs, dp)
+        for rank in ranks:
+            tasks = []
+            for bucket in buckets:
+                for item in bucket.items:
+                    spec = by_name[item.name]
+                    if spec.family != "matrix":
+                        continue
+                    pieces = bucket.pieces(item)
+                    copies = [list(range(tp))] if spec.tp_sharded else [[t] for t in range(tp)]
+                    for tps in copies:
+                        holders = tuple((rank(d, t), hi - lo) for t in tps for d, lo, hi in pieces)
+                        tasks.append(SimTask(item.name, holders, None, stage.seconds(spec)))
+            if k:
+                work.experts.append((sorted({rank(d, t) for d in range(dp) for t in range(tp)}), tasks))
+            else:
+                work.dense = tasks
+            work.adamw = merge(work.adamw, shard_elements(buckets, rank, tp, _elementwise_names(specs)))
+    return work
+
+
+def _adamw(stage: _Stage) -> Work:
+    work = Work(mode="per_matrix")
+    for specs, dp, tp, _, ranks in stage.kinds():
+        buckets = stage.buckets(specs, dp)
+        for rank in ranks:
+            work.adamw = merge(work.adamw, shard_elements(buckets, rank, tp))
+    return work
+
+
+BUILDERS = {"canzona": _canzona, "every_holder": _every_holder,
+            "owner_uniform": lambda stage: _canzona(stage, PER_PARAMETER), "adamw": _adamw}
+
+
+def fsdp_units(stage: _Stage, topology: Topology, workload: Workload | None) -> list[FsdpUnit]:
+    """Every bucket of the stage (dense, then experts: both walked as one), in forward order,
+    with its share of compute and its collectives over its DP group (the experts' over expert DP)."""
+    activity = workload.expert_activity if workload else 1.0
+    weights = {s.name: matmul_weight(s, activity) for s in stage.specs}
+    order = {s.name: s.order for s in stage.specs}
+    total = sum(weights.values()) or 1.0
+    units = []
+    for specs, dp, _, groups, _ in stage.kinds():
+        for index, bucket in enumerate(stage.buckets(specs, dp)):
+            share = sum(weights[i.name] for i in bucket.items) / total
+            gather = topology.ring(bucket.size * stage.wire.param_bytes, groups[0])
+            reduce = topology.ring(bucket.size * stage.wire.grad_bytes, groups[0])
+            first = max(order[i.name] for i in bucket.items)
+            units.append((-first, FsdpUnit(f"{'e' if bucket.expert else ''}{index}", share, gather, reduce)))
+    return [u for _, u in sorted(units, key=lambda pair: pair[0])]
+
+
+def simulate_fsdp(
+    specs: Sequence[ParamSpec],
+    *,
+    strategy: str,
+    cluster: ClusterSpec,
+    dp_size: int,
+    tp_size: int = 1,
+    ep_size: int = 1,
+    expert_tp_size: int = 1,
+    sharding: str = "optim_grads_params",
+    optimizer: str = "muon",
+    calibration: Calibration | None = None,
+    workload: Workload | None = None,
+    wire: WireConfig | None = None,
+    bucket_size: int | None = None,
+    alpha: float = DEFAULT_ALPHA,
+    ns_method: str = "standard",
+) -> StrategyResult:
+    """One iteration of ``specs`` (one pipeline stage) under Megatron-FSDP's ``sharding`` with
+    the design ``strategy`` (:data:`FSDP_STRATEGIES`, module docstring); ``bucket_size`` is
+    ``--ddp-bucket-size`` (``None``: Megatron-FSDP's, unbounded); ``ns_method`` is Canzona's
+    Newton-Schulz (the peers run the standard one); ``workload`` ``None``: no forward and backward
+    (every collective of the micro-batch is then exposed)."""
+    if strategy not in BUILDERS:
+        raise ValueError(f"unknown FSDP strategy {strategy!r}; choose one of: {', '.join(FSDP_STRATEGIES)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    grid = Grid(dp_size, tp_size, ep_size, expert_tp_size)
+    if grid.size % (ep_size * expert_tp_size):
+        raise ValueError(f"EP {ep_size} x expert TP {expert_tp_size} must divide DP {dp_size} x TP {tp_size}")
+    wire = wire or WireConfig()
+    method = ns_method if strategy in CANZONA_STRATEGIES else "standard"
+    planning_cost = CostModel(kind=optimizer, ns_method=method, ns_dtype=cluster.gpu.ns_dtype)
+    timing_cost = dataclasses.replace(planning_cost, calibration=calibration) if calibration else planning_cost
+    stage = _Stage(list(specs), grid, seconds_per_update(timing_cost, cluster), planning_cost, sharding, bucket_size,
+                   alpha, wire)
+    work = BUILDERS[strategy](stage)
+    slowdown = cluster.contention(grid.size)
+    topology = Topology(cluster)
+    micro, count, details = 0.0, 1, {"sharding": sharding}
+    if workload is not None:
+        count = workload.microbatches(dp_size)
+        per_token = workload.flops_per_token
+        if per_token is None:
+            per_token = stage_flops_per_token(stage.specs, workload.seq_length, workload.expert_activity)
+        micro = per_token * workload.micro_batch * workload.seq_length / (cluster.gpu.bf16_tflops * 1e12 * cluster.mfu)
+        micro *= slowdown
+        details.update(microbatches=count, flops_per_token=per_token, micro_batch_seconds=micro, mfu=cluster.mfu)
+    units = fsdp_units(stage, topology, workload)
+    phases = fsdp_phases(units, micro=micro, count=count, sharding=sharding)
+    step_end, run = run_step(work, grid, cluster, wire, slowdown)
+    busiest = max(run.busy.values(), default=0.0)
+    details.update(mode=work.mode, num_tasks=len(work.dense) + sum(len(t) for _, t in work.experts),
+                   num_groups=len({t.group for t in work.dense}), buckets=len(units), compute_slowdown=slowdown)
+    timeline = [dataclasses.replace(s, rank=r) for r in range(grid.size) for s in phases.segments]
+    timeline += [dataclasses.replace(s, start=s.start + phases.reduced, end=s.end + phases.reduced)
+                 for s in run.segments]
+    return StrategyResult(
+        strategy=strategy,
+        optimizer_step_seconds=step_end,
+        iteration_seconds=phases.reduced + step_end,
+        exposed_comm_seconds=phases.gather_exposed + phases.reduce_exposed + (step_end - busiest),
+        forward_backward_seconds=phases.compute,
+        grad_reduce_seconds=phases.reduce_seconds,
+        grad_reduce_exposed_seconds=phases.reduce_exposed,
+        param_gather_seconds=phases.gather_seconds,
+        param_gather_exposed_seconds=phases.gather_exposed,
+        step_compute_seconds=busiest,
+        step_comm_exposed_seconds=step_end - busiest,
+        step_bytes_per_rank=max(run.sent.values(), default=0.0),
+        details=details,
+        timeline=tuple(timeline),
+    )

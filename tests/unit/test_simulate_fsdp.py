@@ -1,0 +1,192 @@
+"""The FSDP projection (``tools/simulate.py --fsdp``): FSDP's own collectives by hand, each design's
+step on toy shards, the ordering and bounds at Qwen3 scale, PyTorch FSDP2's geometry, the CLI."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from megatron.canzona.planning import CostModel, ParamSpec, WireConfig, make_plan, qwen3_specs
+from megatron.canzona.planning.fsdp import PER_PARAMETER, fsdp_buckets
+from megatron.canzona.planning.sim import ClusterSpec, Workload, load_cluster
+from megatron.canzona.planning.sim.fsdp import FSDP_STRATEGIES, FsdpUnit, fsdp_phases, simulate_fsdp
+from megatron.canzona.planning.sim.step import ADAMW_BYTES_PER_ELEMENT
+
+pytestmark = pytest.mark.quick
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOY = ClusterSpec.from_dict({
+    "name": "toy", "gpus_per_node": 8,
+    "gpu": {"bf16_tflops": 100.0, "fp32_tflops": 10.0, "memory_gb_per_s": 1000.0, "matmul_efficiency": 0.5,
+            "memory_efficiency": 1.0},
+    "training": {"mfu": 0.5},
+    "intra_node": {"bandwidth_gb_per_s": 100.0, "latency_us": 10.0},
+    "collectives": {"ring_efficiency": 1.0, "alltoall_efficiency": 0.5},
+})
+
+
+# ------------------------------------------------------------------------------ FSDP's collectives
+
+
+def test_per_micro_batch_gathers_and_reduces_by_hand():
+    """Two units, 3 s of compute a micro-batch (forward 1 s, backward 2 s, split 1:3 between
+    them), gathers of 0.5 s, reduce-scatters of 0.2 s, two micro-batches, optim_grads_params."""
+    units = [FsdpUnit("0", 0.25, 0.5, 0.2), FsdpUnit("1", 0.75, 0.5, 0.2)]
+    p = fsdp_phases(units, micro=3.0, count=2, sharding="optim_grads_params")
+    # forward: gather 0 [0, .5], compute 0 [.5, .75] beside gather 1 [.5, 1]; compute 1 [1, 1.75]
+    # backward: gather 1 [1.75, 2.25], compute 1 [2.25, 3.75] beside gather 0 [2.25, 2.75];
+    # reduce 1 [3.75, 3.95]; compute 0 [3.75, 4.25]; reduce 0 [4.25, 4.45]: 4.45 s a micro-batch,
+    # whose backward ends at 4.25 (the second micro-batch starts its forward gather at 4.25, after
+    # reduce 0 ends on the one queue at 4.45).
+    assert p.compute == pytest.approx(6.0)
+    # second micro-batch: forward gather 0 waits for reduce 0: [4.45, 4.95], the rest as before
+    assert p.backward_end == pytest.approx(4.95 + 4.25 - 0.5)
+    assert p.reduced == pytest.approx(p.backward_end + 0.2)
+    assert p.reduce_exposed == pytest.approx(0.2)
+    assert p.gather_exposed == pytest.approx(p.backward_end - 6.0)
+    assert p.gather_seconds == pytest.approx(8 * 0.5) and p.reduce_seconds == pytest.approx(4 * 0.2)
+
+
+@pytest.mark.parametrize("sharding, gathers, reduces", [("optim", 2, 2), ("optim_grads", 2, 4),
+                                                        ("optim_grads_params", 8, 4)])
+def test_what_each_sharding_strategy_moves(sharding, gathers, reduces):
+    """optim: parameters gathered once (the first forward), gradients reduced once (the last
+    backward); optim_grads: reduced every micro-batch; optim_grads_params: gathered for every
+    forward and backward too."""
+    units = [FsdpUnit("0", 0.5, 1.0, 1.0), FsdpUnit("1", 0.5, 1.0, 1.0)]
+    p = fsdp_phases(units, micro=0.0, count=2, sharding=sharding)
+    assert p.gather_seconds == pytest.approx(gathers) and p.reduce_seconds == pytest.approx(reduces)
+    assert p.reduced == pytest.approx(gathers + reduces)  # nothing to hide behind: all on the queue
+
+
+def test_fsdp_phases_refuses_an_unknown_sharding():
+    with pytest.raises(ValueError, match="optim_grads_params"):
+        fsdp_phases([], micro=1.0, count=1, sharding="no_shard")
+
+
+# ------------------------------------------------------------------------------ the step, on toy shards
+
+
+def _toy_specs() -> list[ParamSpec]:
+    """Two layers of a 256 x 512 and a 512 x 256 matrix and a norm each, in registration order."""
+    names = [(f"decoder.layers.{layer}.{name}", shape) for layer in range(2)
+             for name, shape in (("w0", (256, 512)), ("w1", (512, 256)), ("norm", (512,)))]
+    return [ParamSpec(name=name, global_shape=shape, order=len(names) - 1 - i,
+                      family="elementwise" if name.endswith("norm") else "matrix")
+            for i, (name, shape) in enumerate(names)]
+
+
+def test_adamw_step_is_each_ranks_shard_at_memory_speed():
+    specs = _toy_specs()
+    r = simulate_fsdp(specs, strategy="adamw", cluster=TOY, dp_size=4)
+    shard = max(sum(hi - lo for bucket in fsdp_buckets(specs, dp_size=4) for item in bucket.items
+                    for d, lo, hi in bucket.pieces(item) if d == rank) for rank in range(4))
+    assert r.optimizer_step_seconds == pytest.approx(shard * ADAMW_BYTES_PER_ELEMENT / 1e12, rel=1e-12)
+    assert r.step_bytes_per_rank == 0
+
+
+@pytest.mark.parametrize("dp_size", [2, 4])
+def test_every_design_computes_every_matrix_and_canzona_once(dp_size):
+    """Canzona and the uniform-owner peer compute each matrix once; #4486 on every holder; the
+    bytes a Canzona rank sends stay within 2 x its matrix elements x 4 bytes."""
+    specs = _toy_specs()
+    results = {name: simulate_fsdp(specs, strategy=name, cluster=TOY, dp_size=dp_size) for name in FSDP_STRATEGIES}
+    matrices = sum(s.family == "matrix" for s in specs)
+    assert results["canzona"].details["num_tasks"] == matrices
+    assert results["owner_uniform"].details["num_tasks"] == matrices
+    holders = sum(len(b.pieces(i)) for b in fsdp_buckets(specs, dp_size=dp_size) for i in b.items
+                  if not i.name.endswith("norm"))
+    assert results["every_holder"].details["num_tasks"] == matrices  # one task, computed by each of its holders
+    assert holders > matrices  # every matrix crosses a shard boundary here
+    assert results["every_holder"].step_compute_seconds > results["canzona"].step_compute_seconds
+    bound = 2 * 4 * sum(s.numel for s in specs if s.family == "matrix") / dp_size
+    assert 0 < results["canzona"].step_bytes_per_rank <= bound
+    # every design pays the same forward and backward
+    assert len({round(r.iteration_seconds - r.optimizer_step_seconds, 12) for r in results.values()}) == 1
+
+
+def test_unknown_strategy_and_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="every_holder"):
+        simulate_fsdp(_toy_specs(), strategy="zero1", cluster=TOY, dp_size=2)
+    with pytest.raises(ValueError, match="must divide"):
+        simulate_fsdp(_toy_specs(), strategy="adamw", cluster=TOY, dp_size=3, ep_size=2)
+
+
+# ------------------------------------------------------------------------------ PyTorch FSDP2's geometry
+
+
+def test_per_parameter_geometry_shards_every_parameter_alone_by_rows():
+    specs = [ParamSpec(name="a", global_shape=(10, 6), order=1), ParamSpec(name="b", global_shape=(7,), order=0,
+                                                                           family="elementwise")]
+    buckets = fsdp_buckets(specs, dp_size=4, strategy=PER_PARAMETER)
+    assert [[i.name for i in b.items] for b in buckets] == [["a"], ["b"]]
+    a = buckets[0]
+    assert a.chunk == 6 and a.shard_size == math.ceil(10 / 4) * 6  # torch.chunk's ceil(rows / dp) rows a rank
+    assert [hi - lo for _, lo, hi in a.pieces(a.items[0])] == [18, 18, 18, 6]
+
+
+# ------------------------------------------------------------------------------ at scale
+
+
+@pytest.fixture(scope="module")
+def qwen3_8b_fsdp64():
+    cluster = load_cluster("h100-ib400")
+    workload = Workload(global_batch=128)
+    wire = WireConfig(grad_bytes=4)
+    fused = qwen3_specs("qwen3-8b", split_qkv=True)
+    split = qwen3_specs("qwen3-8b", split_qkv=True, split_gate_up=True)
+    out = {name: simulate_fsdp(fused, strategy=name, cluster=cluster, dp_size=64, workload=workload, wire=wire)
+           for name in FSDP_STRATEGIES}
+    out["canzona_split"] = simulate_fsdp(split, strategy="canzona", cluster=cluster, dp_size=64, workload=workload,
+                                         wire=wire)
+    return out, fused
+
+
+def test_qwen3_8b_at_fsdp_64_canzona_beats_both_peers_and_stays_within_its_bytes(qwen3_8b_fsdp64):
+    r, specs = qwen3_8b_fsdp64
+    canzona = r["canzona_split"]
+    assert canzona.optimizer_step_seconds < r["owner_uniform"].optimizer_step_seconds
+    assert canzona.optimizer_step_seconds < r["every_holder"].optimizer_step_seconds / 10
+    bound = 2 * 4 * sum(s.numel for s in specs if s.family == "matrix") / 64
+    assert canzona.step_bytes_per_rank <= bound and r["canzona"].step_bytes_per_rank <= bound
+    # #4486 sends each piece to every other holder: many times the bound
+    assert r["every_holder"].step_bytes_per_rank > 10 * bound
+    # the iteration: within 1.5% of AdamW-FSDP's (the issue's 1.01 is not met: docs/fsdp.md)
+    assert canzona.iteration_seconds / r["adamw"].iteration_seconds < 1.015
+    assert r["every_holder"].iteration_seconds / r["adamw"].iteration_seconds > 1.3
+
+
+def test_fsdp_hosts_prefer_a_rank_holding_rows():
+    """Under the fsdp layout a split matrix goes to one of its holders wherever that does not grow
+    the plan's objective: at Qwen3-8B FSDP 256 nearly all of them (without the preference, 75 of 180)."""
+    specs = qwen3_specs("qwen3-8b", split_qkv=True, split_gate_up=True)
+    plan = make_plan(specs, dp_size=256, cost_model=CostModel(kind="muon"), layout="fsdp")
+    buffer = plan.layouts[0].matrix
+    placed = {p.name: p for p in buffer.placements}
+    split = [h for h in plan.hosts if placed[h.name].host is None]
+    held = sum(h.dp_rank in {d for d, _, _ in buffer.pieces(placed[h.name])} for h in split)
+    assert held >= 0.9 * len(split)
+
+
+# ------------------------------------------------------------------------------ the CLI
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "simulate.py"), *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_cli_prints_every_design_and_refuses_what_fsdp_does_not_run():
+    out = _cli("--model", "qwen3-1.7b", "--gpus", "64", "--fsdp")
+    assert out.returncode == 0, out.stderr
+    assert "Megatron-FSDP optim_grads_params" in out.stdout
+    for name in FSDP_STRATEGIES:
+        assert f" {name} " in out.stdout
+    bad = _cli("--model", "qwen3-1.7b", "--gpus", "64", "--fsdp", "--pp", "2")
+    assert bad.returncode == 2 and "pass --pp 1 --cp 1" in bad.stderr
+    early = _cli("--fsdp", "--early-compute")
+    assert early.returncode == 2 and "drop --early-compute" in early.stderr
