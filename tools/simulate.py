@@ -570,13 +570,13 @@ FSDP_CASES = (("qwen3-8b", 64, 1, 1), ("qwen3-8b", 256, 1, 1), ("qwen3-32b", 256
 def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     """docs/fsdp.md's projection table: per case, every design's step and iteration under
     Megatron-FSDP (``optim_grads_params``), Canzona as the runtime's defaults plan it and with
-    ``--canzona-split-gate-up``, and the issue's targets: Canzona's step over the limit L and over
-    the best peer, its iteration over AdamW-FSDP's, #4486's iteration over AdamW's, Canzona's
+    ``--canzona-split-gate-up``, and the issue's targets: Canzona's step over the limit L (and the
+    time its busiest rank's bytes take on the link, which L leaves out) and over the best peer, its iteration over AdamW-FSDP's, #4486's iteration over AdamW's, Canzona's
     bytes per rank over the bound."""
     header = ("| model | GPUs | TP, EP, FSDP | optimizer step (ms): " + " / ".join(FSDP_STRATEGIES)
               + " | iteration (ms): " + " / ".join(FSDP_STRATEGIES) + " | canzona split gate/up: step, iteration "
-              "(ms) | limit L (ms) | step / L | step / best peer | iteration / AdamW | #4486 iteration / AdamW "
-              "| bytes / bound |")
+              "(ms) | limit L (ms) | step / L | its bytes over the link (ms) | step / best peer | iteration / AdamW "
+              "| #4486 iteration / AdamW | bytes / bound |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     rows = []
@@ -593,11 +593,15 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                           key=lambda pair: pair[0]["iteration_seconds"])
         peer = min(s[n]["optimizer_step_seconds"] for n in FSDP_PEERS)
         adamw = s["adamw"]["iteration_seconds"]
+        cluster = resolve_cluster(args.cluster)  # the bytes a rank sends, at the inter-node all-to-all's speed
+        link = cluster.link(c["dp"] * c["tp"] > cluster.gpus_per_node).bytes_per_s * cluster.collectives.alltoall_efficiency
+        wire = best["step_bytes_per_rank"] / link
         print(f"| {model} | {gpus} | {c['tp']}, {c['ep']}, {c['dp']} | "
               + " / ".join(short_ms(s[n]["optimizer_step_seconds"]) for n in FSDP_STRATEGIES) + " | "
               + " / ".join(f"{1e3 * s[n]['iteration_seconds']:.0f}" for n in FSDP_STRATEGIES) + " | "
               f"{short_ms(best['optimizer_step_seconds'])}, {1e3 * best['iteration_seconds']:.0f} | {short_ms(limit)} | "
-              f"{best['optimizer_step_seconds'] / limit:.2f} | {best['optimizer_step_seconds'] / peer:.2f} | "
+              f"{best['optimizer_step_seconds'] / limit:.2f} | {short_ms(wire)} | "
+              f"{best['optimizer_step_seconds'] / peer:.2f} | "
               f"{best['iteration_seconds'] / adamw:.3f} | {s['every_holder']['iteration_seconds'] / adamw:.2f} | "
               f"{best['step_bytes_per_rank'] / report['step_bytes_bound']:.2f} |", flush=True)
         rows.append(report)

@@ -52,6 +52,7 @@ CASES = {
     "muon-dp2-optim-clipped": (2, "muon", "optim", CLIPPED),
     "muon-dp4-optim_grads_params": (4, "muon", "optim_grads_params", ()),
     "muon-dp2-optim-qk_clip": (2, "muon", "optim", QK_CLIP),
+    "muon-dp2-optim-split_gate_up": (2, "muon", "optim", ("--canzona-split-gate-up",)),
     "muon-tp2_dp2-optim_grads_params": (4, "muon", "optim_grads_params", TP2),
     "muon-tp2_dp2-optim-qk_clip": (4, "muon", "optim", (*TP2, *QK_CLIP)),
     "adaptive_muon-dp2-optim": (2, "adaptive_muon", "optim", ()),
@@ -59,7 +60,8 @@ CASES = {
     "soap-dp2-optim": (2, "soap", "optim", ()),
 }
 """The FSDP runs: DP 2 and 4, TP 2 x DP 2, every optimizer, several buckets without units
-(``optim`` with 20,000-element buckets); ``optim_grads`` is held to the one-device math by
+(``optim`` with 20,000-element buckets), gate and up hosted apart (what docs/fsdp.md's projection
+recommends at scale); ``optim_grads`` is held to the one-device math by
 tests/multirank/test_replay_fsdp.py and to the plan's bytes by test_bench_fsdp.py. AdaMuon's normalisation by its second
 moment, Shampoo's inverse roots and SOAP's eigenbases amplify the reduction order's last bits
 (under ``optim_grads_params`` AdaMuon's third loss moves by 1.7e-5, Shampoo's third gradient norm
@@ -129,14 +131,15 @@ def test_canzona_under_megatron_fsdp_trains_as_under_the_distributed_optimizer(r
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_plan_is_over_megatron_fsdps_buckets(runs: dict, name: str) -> None:
     """The start-up lines: the plan is the fsdp layout over DP x TP (every matrix of the tiny
-    model: 2 layers of 4, per TP rank), early compute is off and says why; the binding found
+    model: 2 layers of 4, per TP rank; 5 with gate and up apart), early compute is off and says why; the binding found
     every planned piece where Megatron-FSDP put it (it refuses to build otherwise)."""
     nproc, _, _, extra = CASES[name]
     tp = 2 if "--tensor-model-parallel-size" in extra else 1
     out = runs[name]["stdout"]
     plan = re.search(r"\[canzona\] plan: fsdp layout, (\d+) matrices over DP (\d+) x TP (\d+), (\d+) bucket\(s\)", out)
     assert plan is not None, out[-4000:]
-    assert (int(plan[1]), int(plan[2]), int(plan[3])) == (8, nproc // tp, tp)
+    matrices = 10 if "--canzona-split-gate-up" in extra else 8
+    assert (int(plan[1]), int(plan[2]), int(plan[3])) == (matrices, nproc // tp, tp)
     assert "[canzona] early compute: off (under --use-megatron-fsdp" in out
     assert "Traceback" not in out
 
