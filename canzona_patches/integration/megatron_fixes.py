@@ -170,3 +170,48 @@ def one_read_l2_norm(l2_norm: Callable[..., Any], run: Any = None) -> Callable[.
         return total.reshape(1).to(norms[0].device), None
 
     return l2_norm_one_read
+
+
+def state_on_every_rank(preprocess: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """``checkpointing.preprocess_fsdp_dtensor_state_dict`` whose optimizer state names the same
+    parameters, in the same order, on every rank. Megatron-FSDP's optimizer keeps no state for a
+    parameter of which a rank's shard holds no element (torch's Adam never steps it), and the
+    preprocessing runs collectives per state entry (``handle_swiglu_in_state_dict`` splits each
+    fc1's moments, ``preprocess_state_dict_for_uneven_dtensor`` gathers every ``DTensor``'s chunk
+    bounds): a rank without some entry skips those collectives and the save (or load) hangs.
+    Here the ranks agree on the union of their entries (one ``all_gather_object``); an entry a
+    rank lacks gets zero-element moments (``zeros_like`` of its ``DTensor`` parameter) and the
+    others' step, for the preprocessing only: the optimizer's own state is unchanged."""
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import expert_param_local_key
+
+    @functools.wraps(preprocess)
+    def preprocess_on_every_rank(args: Any, raw_state_dict: dict, model: Any) -> dict:
+        optimizer = raw_state_dict.get("optimizer")
+        if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
+                and torch.distributed.is_initialized()):
+            return preprocess(args, raw_state_dict, model)
+        state = optimizer["state"]
+        mine = {key: {sub: torch.is_tensor(value) and value.dim() > 0 for sub, value in entry.items()}
+                for key, entry in state.items() if isinstance(entry, dict)}
+        everyone: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+        union: dict[str, dict[str, bool]] = {}
+        for theirs in everyone:
+            for key, subs in theirs.items():
+                union.setdefault(key, {}).update(subs)
+        if set(union) == set(state) and list(state) == sorted(state):
+            return preprocess(args, raw_state_dict, model)
+        experts = getattr(getattr(model, "config", None), "num_moe_experts", None)
+        filled = {}
+        for key in sorted(union):
+            if key in state:
+                filled[key] = state[key]
+                continue
+            param = model.get_parameter(expert_param_local_key(key[len("module."):], experts))
+            step = next((e["step"] for e in state.values() if isinstance(e, dict) and "step" in e), None)
+            filled[key] = {sub: torch.zeros_like(param) if shaped else step if sub == "step" else None
+                           for sub, shaped in union[key].items()}
+        filled.update({key: value for key, value in state.items() if key not in filled})
+        return preprocess(args, {**raw_state_dict, "optimizer": {**optimizer, "state": filled}}, model)
+
+    return preprocess_on_every_rank
