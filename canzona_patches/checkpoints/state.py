@@ -28,6 +28,7 @@ Which attribute each hook replaces, and when, is :data:`canzona_patches.registry
 from __future__ import annotations
 
 import functools
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,9 @@ STATE_PREFIX = "optimizer.canzona."
 STATE_FORMAT = 2
 """Version of the layout below (2: parameter groups keyed by :func:`group_signature`); stored in the checkpoint's content metadata and common state."""
 
+FSDP_STATE = "canzona_state"
+"""Where an ``fsdp_dtensor`` checkpoint keeps the Canzona state tensors in the optimizer's state dict."""
+
 # --------------------------------------------------------------------------- optimizer state
 
 
@@ -89,6 +93,11 @@ def optimizer_sharded_state_dict(optimizer: Any, *, is_loading: bool, metadata: 
             "pass --no-load-optim to load the model weights only"
         )
     chunks = state_chunks(optimizer, find_main=not is_loading)
+    if _under_fsdp(optimizer):  # --ckpt-format fsdp_dtensor: torch's DCP saves it, not Megatron's dist_checkpointing
+        # The common state as one pickled value (DCP would store a dict key by key), "state" empty for
+        # Megatron's SwiGLU split of Adam's moments.
+        return {"canzona": pickle.dumps(common_state(optimizer)), "state": {},
+                FSDP_STATE: dcp_tensors(chunks, is_loading=is_loading)}
     tensors: dict[str, list[ShardedTensor]] = {}
     for chunk in chunks:
         if is_loading:
@@ -105,13 +114,22 @@ def optimizer_sharded_state_dict(optimizer: Any, *, is_loading: bool, metadata: 
 def load_optimizer_state_dict(optimizer: Any, state_dict: dict) -> None:
     """Copy a loaded :func:`optimizer_sharded_state_dict` into the live optimizer state."""
     common = state_dict.get("canzona")
+    if isinstance(common, bytes):  # an fsdp_dtensor checkpoint's (optimizer_sharded_state_dict)
+        common = pickle.loads(common)
     if common is None:
         raise CanzonaCheckpointError("the optimizer state has no 'canzona' section; it was not saved by Canzona")
     _check_common(common, common_state(optimizer))
+    chunks = state_chunks(optimizer, find_main=False)
+    if _under_fsdp(optimizer):
+        if FSDP_STATE not in state_dict:
+            raise CanzonaCheckpointError("the optimizer state has no Canzona tensors (saved without --canzona under "
+                                         "--use-megatron-fsdp); pass --no-load-optim to load the model weights only")
+        restore_dcp_tensors(chunks, state_dict[FSDP_STATE])
+        _restore_common(optimizer, common)
+        return
     loaded = state_dict.get("state")
     if loaded is None:
         raise CanzonaCheckpointError("the optimizer state has no tensors; Canzona checkpoints need --ckpt-format torch_dist")
-    chunks = state_chunks(optimizer, find_main=False)
     by_key: dict[str, list[StateChunk]] = {}
     for chunk in chunks:
         by_key.setdefault(chunk.key, []).append(chunk)
@@ -127,6 +145,11 @@ def load_optimizer_state_dict(optimizer: Any, state_dict: dict) -> None:
             if tuple(value.shape) != tuple(chunk.data.shape):
                 raise CanzonaCheckpointError(f"{key}: loaded shape {tuple(value.shape)}, expected {tuple(chunk.data.shape)}")
             chunk.restore(value)
+    _restore_common(optimizer, common)
+
+
+def _restore_common(optimizer: Any, common: dict) -> None:
+    """The group scalars, the loss scale and the speculation record of a loaded checkpoint."""
     for part in canzona_parts(optimizer):
         for group in part.optimizer.param_groups:
             group.update(common["param_groups"][group_signature(group)])
@@ -225,7 +248,9 @@ def state_chunks(optimizer: Any, *, find_main: bool = True) -> list[StateChunk]:
 
 
 def _part_chunks(optimizer: Any) -> list[StateChunk]:
-    """:func:`state_chunks` of one Canzona DistributedOptimizer (dense or expert buffers)."""
+    """:func:`state_chunks` of one Canzona DistributedOptimizer (dense or expert buffers).
+    Under Megatron-FSDP the shards are its ``DTensor`` parameters' local elements (the main
+    weights), and Muon's momentum kept by the holders is a flat slice of each matrix too."""
     inner = optimizer.optimizer
     inner.init_state()  # zeros where there is no state yet; what a first step would create
     names = global_param_names(optimizer.model_chunks)
@@ -233,12 +258,15 @@ def _part_chunks(optimizer: Any) -> list[StateChunk]:
     tp_rank, tp_size = _rank_and_size(part.tp_group)
     gated = optimizer.model_chunks[0].config.gated_linear_unit
     chunks: list[StateChunk] = []
-    for model_param, shard, group, param_range in shard_entries(optimizer):
-        name = names[model_param]
-        placement = _placement(model_param, tp_stride(name, gated), param_range, tp_rank, tp_size)
-        chunks.extend(flat_chunks(f"{STATE_PREFIX}{name}.main_param", shard.detach(), placement))
+    for model_param, shard, group, (start, end) in _shards(optimizer):
+        name = names[shard if _under_fsdp(optimizer) else model_param]
+        placement = _placement(model_param, tp_stride(name, gated), start, end, tp_rank, tp_size)
+        local = shard.to_local().view(-1) if _under_fsdp(optimizer) else shard
+        chunks.extend(flat_chunks(f"{STATE_PREFIX}{name}.main_param", local.detach(), placement))
         if not group["matrix"]:
             chunks.extend(elementwise_chunks(STATE_PREFIX, name, inner.state[shard], placement))
+        elif "momentum" in inner.state[shard]:  # momentum_on_holders
+            chunks.extend(flat_chunks(f"{STATE_PREFIX}{name}.holder_momentum", inner.state[shard]["momentum"], placement))
     binding, engine = part.binding, part.engine
     for task in inner.computed_tasks():
         writer = engine.writes(task) and task.column == 0
@@ -249,10 +277,25 @@ def _part_chunks(optimizer: Any) -> list[StateChunk]:
     return chunks
 
 
-def _placement(param: torch.nn.Parameter, stride: int, param_range: Any, tp_rank: int, tp_size: int) -> Placement:
+def _shards(optimizer: Any) -> list[tuple[torch.nn.Parameter, torch.Tensor, dict, tuple[int, int]]]:
+    """``(model param, shard, inner group, (start, end) in the flattened local param)`` of every
+    shard this rank holds elements of: the distributed optimizer's flat main params, or
+    Megatron-FSDP's ``DTensor`` parameters (their ``orig_param`` the model's)."""
+    if not _under_fsdp(optimizer):
+        return [(p, shard, group, (r.start, r.end)) for p, shard, group, r in shard_entries(optimizer)]
+    spans = optimizer.canzona.binding.spans
+    return [(param.orig_param, param, group, spans[param]) for group in optimizer.optimizer.param_groups
+            for param in group["params"] if param in spans]
+
+
+def _under_fsdp(optimizer: Any) -> bool:
+    return any(getattr(part, "fsdp", False) for part in canzona_parts(optimizer))
+
+
+def _placement(param: torch.nn.Parameter, stride: int, start: int, end: int, tp_rank: int, tp_size: int) -> Placement:
     sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
     return Placement(
-        local_shape=tuple(param.shape), flat_start=param_range.start, flat_end=param_range.end,
+        local_shape=tuple(param.shape), flat_start=start, flat_end=end,
         tp_dim=param.partition_dim if sharded else None,
         tp_stride=stride if sharded else 1,
         tp_rank=tp_rank, tp_size=tp_size,
@@ -329,9 +372,25 @@ def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimi
     if mismatch:
         way = decided_on_rank_zero(lambda: way_on(load_dir, damaged=Path(found)), group=group)
         raise CanzonaCheckpointError(f"{mismatch}; {way}")
-    if optimizer is not None and (Path(found) / "metadata.json").is_file():
+    if optimizer is not None and ((Path(found) / "metadata.json").is_file() or (Path(found) / ".metadata").is_file()):
         decided_on_rank_zero(lambda: check_optimizer_compatible(Path(found), optimizer), group=group)
     return Path(found)
+
+
+def _fsdp_common_state(path: Path) -> dict:
+    """``{"optimizer": {"canzona": common state or None}}`` of an ``fsdp_dtensor`` checkpoint (torch
+    DCP), read by this rank alone; ``{}`` when it holds no optimizer state."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if not any(key.startswith("optimizer.") for key in keys):
+        return {}
+    if "optimizer.canzona" not in keys:
+        return {"optimizer": {"canzona": None}}
+    wanted: dict = {"optimizer": {"canzona": b""}}
+    load(wanted, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    return {"optimizer": {"canzona": pickle.loads(wanted["optimizer"]["canzona"])}}
 
 
 def is_canzona_optimizer(optimizer: Any) -> bool:
@@ -344,7 +403,8 @@ def is_canzona_optimizer(optimizer: Any) -> bool:
 def check_optimizer_compatible(path: Path, optimizer: Any) -> None:
     """The optimizer state in ``path`` is the kind this run's optimizer reads."""
     with one_line_errors(path):
-        common = dist_checkpointing.load_common_state_dict(str(path))
+        common = dist_checkpointing.load_common_state_dict(str(path)) if (path / "metadata.json").is_file() \
+            else _fsdp_common_state(path)
     if not isinstance(common.get("optimizer"), dict):
         if path.name == "release":
             return  # a release checkpoint (tools/convert_hf.py import): Megatron loads its model only
@@ -445,3 +505,58 @@ def with_canzona_metadata(build: Callable[..., dict], run: Any = None) -> Callab
 def canzona_content_metadata() -> dict:
     """What a checkpoint with Canzona optimizer state declares in its content metadata."""
     return {"distrib_optim_sharding_type": "fully_reshardable", "canzona_state_format": STATE_FORMAT}
+
+
+# --------------------------------------------------------------------------- fsdp_dtensor (torch DCP)
+
+
+def dcp_tensors(chunks: list[StateChunk], *, is_loading: bool) -> dict[str, torch.Tensor]:
+    """The chunks as torch DCP saves and loads them (``--ckpt-format fsdp_dtensor``): per global
+    tensor one local tensor holding this rank's blocks of it stacked along the first dimension
+    (padded to the widest), marked with DCP's ``CheckpointableTensor`` fields (the global shape,
+    each block's global offset, its place and size in the local tensor), so that a load at any
+    layout reads each block from wherever it was written. Saving keeps the blocks this rank
+    writes (``main``); loading requests every block this rank holds, into zeros that
+    :func:`restore_dcp_tensors` copies into the live state."""
+    by_key: dict[str, list[StateChunk]] = {}
+    for chunk in chunks:
+        if is_loading or chunk.main:
+            by_key.setdefault(chunk.key, []).append(chunk)
+    out = {}
+    for key, blocks in by_key.items():
+        shapes = [tuple(b.data.shape) for b in blocks]
+        if any(len(shape) != len(blocks[0].global_shape) or not shape for shape in shapes):
+            raise RuntimeError(f"{key}: a block of shape {shapes[0]} of a {blocks[0].global_shape} tensor; "
+                               "fsdp_dtensor checkpoints need blocks of the global tensor's rank")
+        width = tuple(max(shape[d] for shape in shapes) for d in range(1, len(shapes[0])))
+        local = torch.zeros((sum(shape[0] for shape in shapes), *width), dtype=blocks[0].data.dtype,
+                            device=blocks[0].data.device)
+        places, row = [], 0
+        for block, shape in zip(blocks, shapes):
+            places.append((row, *(0 for _ in width)))
+            if not is_loading:
+                local[_slices(places[-1], shape)] = block.data
+            row += shape[0]
+        local.global_shape = tuple(blocks[0].global_shape)
+        local.global_offsets = tuple(tuple(b.global_offset) for b in blocks)
+        local.local_offsets = tuple(places)
+        local.local_sizes = tuple(shapes)
+        out[key] = local
+    return out
+
+
+def restore_dcp_tensors(chunks: list[StateChunk], loaded: dict[str, torch.Tensor]) -> None:
+    """Copy what DCP loaded into the tensors of :func:`dcp_tensors` back into the live state."""
+    for chunk in chunks:
+        local = loaded.get(chunk.key)
+        if local is None:
+            raise CanzonaCheckpointError(f"the optimizer state lacks {chunk.key}; it was saved by another optimizer "
+                                         "or model (pass --no-load-optim to load the model weights only)")
+        where = {tuple(g): (tuple(o), tuple(z)) for g, o, z in
+                 zip(local.global_offsets, local.local_offsets, local.local_sizes)}
+        place, size = where[tuple(chunk.global_offset)]
+        chunk.restore(local[_slices(place, size)])
+
+
+def _slices(offset: tuple[int, ...], size: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offset, size))

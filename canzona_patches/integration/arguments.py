@@ -384,8 +384,6 @@ FSDP_REFUSED = (
      "pipeline stages under Megatron-FSDP are not planned yet"),
     ("context_parallel_size", lambda v: v > 1, "--context-parallel-size {v}",
      "context parallelism under Megatron-FSDP is not planned yet"),
-    ("save", bool, "--save", "fsdp_dtensor checkpoints of the Canzona optimizer are not built yet"),
-    ("load", bool, "--load", "fsdp_dtensor checkpoints of the Canzona optimizer are not built yet"),
     ("canzona_matrices_reduce_first", bool, "--canzona-matrices-reduce-first",
      "Megatron-FSDP orders its own reduce-scatters"),
 )

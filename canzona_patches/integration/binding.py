@@ -22,6 +22,7 @@ module finds those pieces in the optimizer and checks that DDP built the layout 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from canzona_patches.integration.fsdp_geometry import fsdp_param_buffer, read_fsdp_buckets, read_fsdp_shapes
+from canzona_patches.integration.fsdp_geometry import local_spans, read_fsdp_shapes
 from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR
 from canzona_patches.params import global_param_names, shard_entries
 from megatron.canzona.optim.split import FusedLayout
@@ -65,6 +66,9 @@ class Binding:
     parts: dict[str, tuple[int, int]]
     """Per task of a parameter hosted in parts: ``(its part, how many parts)``; its state is
     that piece of the parameter's matrix state (as when one host splits the fused matrix)."""
+    spans: dict[torch.nn.Parameter, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Under Megatron-FSDP, every optimizer parameter (matrix or not) whose shard holds elements on
+    this rank -> those elements ``[lo, hi)`` of its flattened local tensor (what checkpoints name)."""
 
 
 def bind_plan(
@@ -105,15 +109,12 @@ def bind_fsdp(
     the plan, made from the prediction of the same buffers, must agree piece for piece."""
     if len(model_chunks) != len(plan.layouts):
         raise RuntimeError(f"the plan has {len(plan.layouts)} model chunks, the model {len(model_chunks)}; re-plan")
-    params, where, held, shapes = {}, {}, {}, {}
+    params, where, held, shapes, spans = {}, {}, {}, {}, {}
+    for dist_param, (key, span) in local_spans(model_chunks, coord[0]).items():
+        params[key], where[dist_param.orig_param], held[key] = dist_param, key, span
+        if span is not None:
+            spans[dist_param] = span
     for c, chunk in enumerate(model_chunks):
-        buffer = fsdp_param_buffer(chunk)
-        for name, dist_param in buffer.optimizer_named_parameters:
-            params[(c, name)] = dist_param
-            where[dist_param.orig_param] = (c, name)
-        for bucket in read_fsdp_buckets(chunk):
-            for item in bucket.items:
-                held[(c, item.name)] = next(((lo, hi) for rank, lo, hi in bucket.pieces(item) if rank == coord[0]), None)
         shapes.update({(c, name): shape for name, shape in read_fsdp_shapes(chunk).items()})
     found = _plan_tasks(plan, params, global_param_names(model_chunks), fused_layouts, tp_strides, shapes)
     refs: dict[torch.Tensor, tuple[PieceRef, ...]] = {}
@@ -130,7 +131,7 @@ def bind_fsdp(
                                f"its buffer index [{lo}, {hi}); the geometry was read wrong")
         shard_params[param], shard_starts[param] = param, lo
         refs[param] = found.refs(where[orig], coord[1], lo, hi, math.prod(shapes[where[orig]])) if hi > lo else ()
-    return found.binding(refs, shard_params, shard_starts)
+    return dataclasses.replace(found.binding(refs, shard_params, shard_starts), spans=spans)
 
 
 @dataclass(frozen=True)

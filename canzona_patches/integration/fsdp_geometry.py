@@ -54,3 +54,16 @@ def read_fsdp_shapes(fsdp_model: Any) -> dict[str, tuple[int, ...]]:
     """Each parameter's local shape (TP-sharded, before FSDP's sharding) as its buffer indexes
     it: the ``DTensor`` parameters Megatron-FSDP hands the optimizer report the TP-global shape."""
     return {name: tuple(int(d) for d in index.shape) for _, _, name, index in _indexed(fsdp_param_buffer(fsdp_model))}
+
+
+def local_spans(model_chunks: list, dp_rank: int) -> dict[Any, tuple[tuple[int, str], tuple[int, int] | None]]:
+    """Every ``DTensor`` parameter Megatron-FSDP hands the optimizer -> ``((chunk, name), span)``:
+    the elements ``[lo, hi)`` of its local (TP-sharded) tensor, flattened, that DP rank
+    ``dp_rank``'s shard holds (``None``: none)."""
+    out = {}
+    for c, chunk in enumerate(model_chunks):
+        held = {item.name: next(((lo, hi) for rank, lo, hi in bucket.pieces(item) if rank == dp_rank), None)
+                for bucket in read_fsdp_buckets(chunk) for item in bucket.items}
+        for name, dist_param in fsdp_param_buffer(chunk).optimizer_named_parameters:
+            out[dist_param] = ((c, name), held[name])
+    return out

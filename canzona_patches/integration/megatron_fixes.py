@@ -215,3 +215,35 @@ def state_on_every_rank(preprocess: Callable[..., Any], run: Any = None) -> Call
         return preprocess(args, {**raw_state_dict, "optimizer": {**optimizer, "state": filled}}, model)
 
     return preprocess_on_every_rank
+
+
+class _UnwrappedLookup:
+    """A model whose ``get_parameter`` also finds ``module.<name>`` as ``<name>``: the model
+    :func:`finding_unwrapped_params` hands Megatron's SwiGLU split."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def get_parameter(self, target: str) -> torch.nn.Parameter:
+        try:
+            return self._model.get_parameter(target)
+        except AttributeError:
+            if not target.startswith("module."):
+                raise
+            return self._model.get_parameter(target[len("module."):])
+
+
+def finding_unwrapped_params(handle: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """``handle_swiglu_in_state_dict`` for fp32 models too. It asks the model for
+    ``module.<key>`` of each fc1 key of the model state dict, which names the parameter only when
+    a ``Float16Module`` sits between Megatron-FSDP and the model (``--bf16``, ``--fp16``); in fp32
+    the key already carries that ``module.`` and the lookup fails. The model it gets answers both."""
+
+    @functools.wraps(handle)
+    def handle_fp32_too(model: Any, *args: Any, **kwargs: Any) -> Any:
+        return handle(_UnwrappedLookup(model), *args, **kwargs)
+
+    return handle_fp32_too

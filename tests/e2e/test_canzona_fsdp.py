@@ -28,8 +28,9 @@ import re
 
 import pytest
 
-from .support import DemoData
-from .test_megatron_fsdp import FSDP, ITERS
+from .support import DemoData, launch_ranks
+from .test_megatron_fsdp import FSDP, ITERS, RUN_TIMEOUT_S
+from .test_megatron_fsdp import _args as train_args
 from .test_megatron_fsdp import _train as train
 
 pytestmark = pytest.mark.slow
@@ -67,6 +68,22 @@ moment, Shampoo's inverse roots and SOAP's eigenbases amplify the reduction orde
 (under ``optim_grads_params`` AdaMuon's third loss moves by 1.7e-5, Shampoo's third gradient norm
 by 1.6e-4; SOAP's third loss by 4e-3, as much as the distributed optimizer's own DP 1 against DP 2
 on this tiny model): they run where the order is DDP's, and are bitwise."""
+SAVED = ("muon-dp2-optim_grads_params", "muon-dp4-optim_grads_params", "muon-tp2_dp2-optim_grads_params",
+         "shampoo-dp2-optim-buckets")
+"""The cases that also save ``fsdp_dtensor`` checkpoints at iterations 2 and 4."""
+RESUMES = {
+    # name: (the saved case, ranks of the resumed run, its layout flags)
+    "muon-dp2-to-dp2": ("muon-dp2-optim_grads_params", 2, ()),
+    "muon-dp2-to-dp4": ("muon-dp2-optim_grads_params", 4, ()),
+    "muon-dp4-to-dp2": ("muon-dp4-optim_grads_params", 2, ()),
+    "muon-tp2_dp2-to-dp2": ("muon-tp2_dp2-optim_grads_params", 2, ()),
+    "shampoo-dp2-to-dp2": ("shampoo-dp2-optim-buckets", 2, SMALL_BUCKETS),
+}
+"""Resumes from iteration 2 of a saved case: at the same layout bitwise; at another FSDP or TP size
+(the plan, the hosts and the shards all change; the state tensors are name-keyed global tensors
+read block by block) within the tolerances of the ``optim_grads_params`` comparisons (the
+gradients are reduce-scattered over other shards: measured 9.6e-8 in the losses, 1.3e-5 in the
+grad norms)."""
 BITWISE = "optim"
 """The strategy whose gradients are reduced as DDP reduces them: bitwise, unless the clip acts
 (its factor is computed from the norm, whose summation over other shards differs in the last
@@ -88,12 +105,22 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
         if reference not in out:
             out[reference] = train(demo_data, root / f"{name}-distopt", nproc,
                                    *_canzona(optimizer, "--use-distributed-optimizer", *extra))
+        save = ("--save", str(root / name / "ckpt"), "--save-interval", "2") if name in SAVED else ()
         out[name] = train(demo_data, root / name, nproc, *_canzona(optimizer, *FSDP, *extra),
-                          "--data-parallel-sharding-strategy", strategy)
+                          "--data-parallel-sharding-strategy", strategy, *save)
     first = next(iter(CASES))
     nproc, optimizer, strategy, extra = CASES[first]
     out["sync"] = train(demo_data, root / "sync", nproc, *_canzona(optimizer, *FSDP, *extra),
                         "--data-parallel-sharding-strategy", strategy, "--canzona-tp-mode", "sync")
+    for name, (saved, nproc, extra) in RESUMES.items():
+        _, optimizer, strategy, _ = CASES[saved]
+        out[name] = train(demo_data, root / name, nproc, *_canzona(optimizer, *FSDP, *extra),
+                          "--data-parallel-sharding-strategy", strategy, "--load", str(root / saved / "ckpt"),
+                          "--ckpt-step", "2")
+    first = next(iter(RESUMES.values()))[0]
+    out["wrong_optimizer"] = launch_ranks(2, "pretrain_gpt.py", *train_args(
+        demo_data, root / "wrong_optimizer", *_canzona("shampoo", *FSDP), "--data-parallel-sharding-strategy",
+        CASES[first][2], "--load", str(root / first / "ckpt"), "--ckpt-step", "2"), timeout_s=RUN_TIMEOUT_S)
     return out
 
 
@@ -167,3 +194,32 @@ def test_each_ranks_optimizer_state_is_the_memory_models(runs: dict, name: str) 
         assert state["momentum_on_holders"] == (optimizer in ("muon", "adaptive_muon"))
     if optimizer == "muon":  # nothing on the hosts: AdamW-FSDP's two moments of a shard at most
         assert all(set(s["measured"]) == {"momentum", "adam_moments"} for s in states)
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_canzona_under_megatron_fsdp_resumes_from_its_fsdp_dtensor_checkpoints(runs: dict, name: str) -> None:
+    """Iterations 3 and 4 resumed from iteration 2's ``fsdp_dtensor`` checkpoint against the
+    uninterrupted run (RESUMES: bitwise at the same layout, within tolerance at another)."""
+    saved, nproc, extra = RESUMES[name]
+    same = (nproc, extra) == (CASES[saved][0], CASES[saved][3])
+    straight, resumed = runs[saved]["metrics"], runs[name]["metrics"]
+    assert sorted(resumed) == [3, 4]
+    largest = max(abs(m["lm_loss"]) for m in straight.values())
+    for iteration, got in resumed.items():
+        want = straight[iteration]
+        if same:
+            assert (got["lm_loss"], got["grad_norm"]) == (want["lm_loss"], want["grad_norm"]), (name, iteration)
+        else:
+            assert abs(got["lm_loss"] - want["lm_loss"]) <= LOSS_RTOL["muon"] * largest, (name, iteration)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=GRAD_NORM_RTOL), (name, iteration)
+    assert "[canzona] plan: fsdp layout" in runs[name]["stdout"]
+
+
+def test_a_checkpoint_of_another_optimizer_is_named_in_one_line(runs: dict) -> None:
+    """Muon's checkpoint resumed with --optimizer shampoo: every rank stops with one line naming the
+    saved optimizer and the two ways on, before anything is read."""
+    result = runs["wrong_optimizer"]
+    assert result.returncode != 0
+    line = "the checkpoint holds muon state, this run uses --optimizer shampoo: resume with --optimizer muon"
+    assert line in result.stdout, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout

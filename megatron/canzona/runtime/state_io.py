@@ -209,11 +209,12 @@ def flat_chunks(key: str, flat: torch.Tensor, placement: Placement) -> list[Stat
 
 
 def elementwise_chunks(prefix: str, name: str, state: dict, placement: Placement) -> list[StateChunk]:
-    """Chunks of one parameter's AdamW state (``{"step": int, "exp_avg": t, ...}``)."""
+    """Chunks of one parameter's AdamW state (``{"step": int, "exp_avg": t, ...}``; moments
+    shaped like the rank's shard, flat or in whole rows as Megatron-FSDP's shards are)."""
     chunks = []
     for field, value in sorted(state.items()):
         if isinstance(value, torch.Tensor):
-            chunks.extend(flat_chunks(f"{prefix}{name}.{field}", value, placement))
+            chunks.extend(flat_chunks(f"{prefix}{name}.{field}", value.view(-1), placement))
     # One writer for the whole parameter's counter: TP rank 0's shard holding element 0.
     chunks.append(_step_chunk(f"{prefix}{name}.step", [state], main=placement.tp_rank == 0 and placement.flat_start == 0))
     return chunks
