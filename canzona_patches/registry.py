@@ -155,14 +155,9 @@ def _megatron_distributed_optimizer_legacy_format(args: Any) -> bool:
     return _megatron_distributed_optimizer(args) and args.ckpt_format == "torch"
 
 
-def _fsdp_checkpoints(args: Any) -> bool:
-    """Megatron-FSDP saving or loading ``fsdp_dtensor`` checkpoints (any optimizer)."""
-    return bool(getattr(args, "use_megatron_fsdp", False)) and args.ckpt_format == "fsdp_dtensor"
-
-
 def _megatron_fsdp_checkpoints(args: Any) -> bool:
     """Megatron's own optimizers under Megatron-FSDP, saving or loading ``fsdp_dtensor``."""
-    return not args.canzona and _fsdp_checkpoints(args)
+    return not args.canzona and bool(getattr(args, "use_megatron_fsdp", False)) and args.ckpt_format == "fsdp_dtensor"
 
 
 # --------------------------------------------------------------------------- the table
@@ -171,8 +166,7 @@ CONDITIONS: dict[str, Callable[[Any], bool]] = {
     predicate.__name__.removeprefix("_"): predicate for predicate in (
         _always, _never, _no_cuda, _checksums, _synchronous_saves_on_cpu, _canzona, _layer_wise_muon,
         _megatron_distributed_optimizer, _megatron_distributed_optimizer_on_torch,
-        _megatron_distributed_optimizer_legacy_format, _fsdp_checkpoints, _megatron_fsdp_checkpoints,
-        _local_norm_fallback,
+        _megatron_distributed_optimizer_legacy_format, _megatron_fsdp_checkpoints, _local_norm_fallback,
         _context_parallel_without_te,
     )
 }
