@@ -19,6 +19,11 @@
 #                  contexts (pretrain_qwen3_8b_32k.sh); SEQ_LENGTH must be a multiple of 2 x CP
 #   PP_FIRST_LAYERS PP_LAST_LAYERS   layers of the first / last pipeline stage when the layers
 #                  do not split evenly (the other stages share the rest equally)
+#   FSDP           a Megatron-FSDP sharding strategy (optim | optim_grads | optim_grads_params):
+#                  --use-megatron-fsdp --data-parallel-sharding-strategy $FSDP instead of the
+#                  distributed optimizer, fsdp_dtensor checkpoints (pretrain_qwen3_8b_fsdp.sh;
+#                  variants canzona, sync and adamw: Megatron's layer-wise Muon refuses FSDP;
+#                  with canzona and sync PP, CP and EP stay 1)
 #   EP ETP         MoE recipes (NUM_EXPERTS set) only: expert-parallel size (default 1) and
 #                  expert-tensor-parallel size (default 1, the only size canzona and sync take:
 #                  Canzona does not split expert matrices over TP ranks)
@@ -33,7 +38,7 @@
 #                  a directory every node sees (default: cache/ beside the DATA_PATH files)
 #   CKPT_DIR       --save and --load directory: a requeued job resumes from its latest checkpoint
 #                  (CKPT_DIR=none: no checkpoints)
-#   SAVE_INTERVAL CKPT_FORMAT(torch_dist|torch) LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS
+#   SAVE_INTERVAL CKPT_FORMAT(torch_dist|torch; fsdp_dtensor with FSDP) LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS
 #   LOG_DIR        metrics.jsonl (default build/<model>-<variant>; checkpoints go to its
 #                  checkpoints/ unless CKPT_DIR is set)
 #   DIST_TIMEOUT_MINUTES  how long a collective waits for its peers (default 30)
@@ -185,7 +190,7 @@ qwen3_training_args() {
         --train-iters "$TRAIN_ITERS"
         --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-iters "$WARMUP_ITERS"
         --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8
-        --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+        --overlap-grad-reduce --overlap-param-gather
         --seed 1234
         # A NaN or Inf in the loss or the gradients stops the job at once, the error naming
         # the rank and iteration. (Megatron's default re-runs the step, then saves and exits
@@ -200,6 +205,22 @@ qwen3_training_args() {
         # collective waiting for it, and at hundreds of ranks one of them is always collecting.
         --manual-gc --manual-gc-interval "$GC_INTERVAL"
     )
+    # The distributed optimizer (ZeRO-1), or Megatron-FSDP's shards of weights, gradients and
+    # optimizer state (docs/fsdp.md).
+    if [[ -z "$FSDP" ]]; then
+        TRAINING_ARGS+=(--use-distributed-optimizer)
+    else
+        case "$FSDP" in
+            optim | optim_grads | optim_grads_params) ;;
+            *) qwen3_die "FSDP=$FSDP is not one of optim, optim_grads, optim_grads_params" ;;
+        esac
+        [[ "$VARIANT" == layerwise ]] && qwen3_die "FSDP=$FSDP: Megatron's layer-wise Muon does not run under" \
+            "Megatron-FSDP; pass VARIANT=canzona, sync or adamw, or leave FSDP unset"
+        if [[ "$VARIANT" == canzona || "$VARIANT" == sync ]] && (( PP > 1 || CP > 1 || EP > 1 )); then
+            qwen3_die "FSDP=$FSDP: --canzona under Megatron-FSDP runs PP 1, CP 1 and EP 1 (PP=$PP CP=$CP EP=$EP)"
+        fi
+        TRAINING_ARGS+=(--use-megatron-fsdp --data-parallel-sharding-strategy "$FSDP")
+    fi
     # SIGUSR1 makes every rank finish its iteration, save a checkpoint and exit with status 0
     # (slurm_pretrain.sbatch sends it before the time limit, torchrun relays it: see
     # qwen3_launcher), and so does SIGTERM, which scancel and preemption send (pretrain_gpt.py
@@ -366,7 +387,8 @@ qwen3_defaults() {
     LOG_DIR="${LOG_DIR:-$QWEN3_ROOT/build/$MODEL-$VARIANT}"
     CKPT_DIR="${CKPT_DIR:-$LOG_DIR/checkpoints}"
     SAVE_INTERVAL="${SAVE_INTERVAL:-500}"
-    CKPT_FORMAT="${CKPT_FORMAT:-torch_dist}"
+    FSDP="${FSDP:-}"
+    if [[ -n "$FSDP" ]]; then CKPT_FORMAT="${CKPT_FORMAT:-fsdp_dtensor}"; else CKPT_FORMAT="${CKPT_FORMAT:-torch_dist}"; fi
     LOG_INTERVAL="${LOG_INTERVAL:-10}"
     EVAL_INTERVAL="${EVAL_INTERVAL:-1000}"
     EVAL_ITERS="${EVAL_ITERS:-10}"
@@ -432,7 +454,8 @@ qwen3_cpu_main() {
     TOKENIZER_MODEL="${TOKENIZER_MODEL:-$QWEN3_ROOT/data/demo/tokenizer.model}"
     DATA_PATH="${DATA_PATH:-$QWEN3_ROOT/data/demo/demo_text_document}"
     SPLIT="${SPLIT:-949,50,1}"
-    CKPT_FORMAT="${CKPT_FORMAT:-torch_dist}"
+    FSDP="${FSDP:-}"
+    if [[ -n "$FSDP" ]]; then CKPT_FORMAT="${CKPT_FORMAT:-fsdp_dtensor}"; else CKPT_FORMAT="${CKPT_FORMAT:-torch_dist}"; fi
     SAVE_INTERVAL="${SAVE_INTERVAL:-50}"
     LOG_INTERVAL="${LOG_INTERVAL:-10}"
     EVAL_INTERVAL="${EVAL_INTERVAL:-50}"

@@ -51,6 +51,9 @@ RECIPES = {
 }
 LONG_CONTEXT = {"qwen3-8b-32k": ("qwen3-8b", "pretrain_qwen3_8b_32k.sh")}
 """Recipes of a catalog model at a longer context (name -> model, recipe): context parallelism."""
+FSDP_RECIPES = {"qwen3-8b-fsdp": ("qwen3-8b", "pretrain_qwen3_8b_fsdp.sh")}
+"""Recipes under Megatron-FSDP (name -> model, recipe); their variants are FSDP_VARIANTS."""
+FSDP_VARIANTS = ("canzona", "sync", "adamw")
 CPU_RECIPES = ("qwen3-tiny", "qwen3-moe-tiny")
 GPU_RECIPES = [model for model in RECIPES if model not in CPU_RECIPES]
 VARIANTS = ("canzona", "sync", "layerwise", "adamw")
@@ -82,7 +85,8 @@ QWEN3_TOKENIZER_VOCAB = 151669
 # 8 nodes one GPU would hold its experts' whole optimizer state). The tiny recipes run 2 CPU
 # ranks.
 WORLD_SIZES = {model: (8, 64) for model in GPU_RECIPES} | {"qwen3-235b-a22b": (128, 256)} \
-    | {model: (2,) for model in CPU_RECIPES} | {name: (64, 256) for name in LONG_CONTEXT}
+    | {model: (2,) for model in CPU_RECIPES} | {name: (64, 256) for name in LONG_CONTEXT} \
+    | {name: (64, 128) for name in FSDP_RECIPES}
 CHECK_TIMEOUT_S = 240
 TINY_RUN_TIMEOUT_S = 240
 
@@ -154,7 +158,8 @@ def test_scripts_pass_shellcheck() -> None:
     if _shellcheck() is None:
         pytest.skip("shellcheck is not installed and apt-get could not install it (not root, or offline)")
     ours = [*(RECIPES_DIR / name for name in RECIPES.values()),
-            *(RECIPES_DIR / recipe for _, recipe in LONG_CONTEXT.values()), RECIPES_DIR / "common.sh",
+            *(RECIPES_DIR / recipe for _, recipe in (*LONG_CONTEXT.values(), *FSDP_RECIPES.values())),
+            RECIPES_DIR / "common.sh",
             RECIPES_DIR / "slurm_pretrain.sbatch", ROOT / "tools" / "slurm_local.sh"]
     result = subprocess.run(["shellcheck", "-x", *map(str, ours)], cwd=ROOT, capture_output=True,
                             text=True, check=False)
@@ -539,9 +544,10 @@ def validated(demo_data) -> dict[str, dict]:
     """``"<model>/<variant>/<world size>"`` -> the validated arguments (or the error). The CPU
     recipes read the demo tokenizer, which the parse checks look for on disk: the session's."""
     cases = []
-    for model, recipe in {**RECIPES, **{name: recipe for name, (_, recipe) in LONG_CONTEXT.items()}}.items():
+    recipes = {**RECIPES, **{name: recipe for name, (_, recipe) in (*LONG_CONTEXT.items(), *FSDP_RECIPES.items())}}
+    for model, recipe in recipes.items():
         local = {"TOKENIZER_MODEL": str(demo_data.tokenizer_model)} if model in CPU_RECIPES else {}
-        for variant in VARIANTS:
+        for variant in FSDP_VARIANTS if model in FSDP_RECIPES else VARIANTS:
             words = dry_run(recipe, VARIANT=variant, **local)
             _, flags = split_command(words)
             for world_size in WORLD_SIZES[model]:
@@ -592,6 +598,27 @@ def test_long_context_recipe_cuts_each_sequence_over_cp_ranks(validated: dict[st
     assert (args["num_layers"], args["hidden_size"], args["num_query_groups"]) == \
         (catalog.num_layers, catalog.hidden_size, catalog.num_query_groups)
     assert args["canzona"] == (variant in ("canzona", "sync"))
+
+
+@pytest.mark.parametrize("case", [f"{m}/{v}/{w}" for m in FSDP_RECIPES for v in FSDP_VARIANTS for w in WORLD_SIZES[m]])
+def test_fsdp_recipe_shards_over_every_gpu_with_megatron_fsdp(validated: dict[str, dict], case: str) -> None:
+    """Qwen3-8B under Megatron-FSDP: optim_grads_params over all GPUs at TP 1, fsdp_dtensor
+    checkpoints, gate and up hosted apart under --canzona (what the projection found fastest)."""
+    args = validated[case]
+    assert "error" not in args, f"{case}: {args.get('error')}"
+    _, variant, world_size = case.split("/")
+    assert args["use_megatron_fsdp"] and args["data_parallel_sharding_strategy"] == "optim_grads_params"
+    assert args["ckpt_format"] == "fsdp_dtensor"
+    assert (args["tensor_model_parallel_size"], args["data_parallel_size"]) == (1, int(world_size))
+    assert args["canzona"] == (variant != "adamw")
+    assert args["canzona_split_gate_up"] == (variant != "adamw")
+    assert args["num_layers"] == 36 and args["global_batch_size"] == 128
+
+
+def test_fsdp_recipe_refuses_the_layer_wise_variant() -> None:
+    result = subprocess.run(["bash", str(RECIPES_DIR / FSDP_RECIPES["qwen3-8b-fsdp"][1])], capture_output=True,
+                            text=True, timeout=30, env={**os.environ, "DRY_RUN": "1", "VARIANT": "layerwise"})
+    assert result.returncode == 2 and "layer-wise Muon does not run under Megatron-FSDP" in result.stderr
 
 
 @pytest.mark.parametrize("model", list(RECIPES))
@@ -704,7 +731,8 @@ _REPORTED = (
     "group_query_attention", "qk_layernorm", "swiglu", "normalization", "layernorm_epsilon", "position_embedding_type",
     "rotary_base", "add_bias_linear", "untie_embeddings_and_output_weights", "seq_length",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "max_position_embeddings",
-    "data_parallel_size", "sequence_parallel",
+    "data_parallel_size", "sequence_parallel", "use_megatron_fsdp", "data_parallel_sharding_strategy",
+    "canzona_split_gate_up",
     "optimizer", "canzona", "canzona_tp_mode", "use_distributed_optimizer", "use_layer_wise_distributed_optimizer",
     "muon_tp_mode", "muon_momentum", "muon_scale_mode", "muon_extra_scale_factor",
     "lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "global_batch_size", "micro_batch_size", "clip_grad",
