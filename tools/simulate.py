@@ -579,6 +579,7 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
               "| #4486 iteration / AdamW | bytes / bound |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
+    cluster = resolve_cluster(args.cluster)
     rows = []
     for model, gpus, tp, ep in FSDP_CASES:
         base = {**vars(args), "model": model, "gpus": gpus, "tp": tp, "ep": ep, "pp": 1, "cp": 1, "global_batch": None,
@@ -593,7 +594,7 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                           key=lambda pair: pair[0]["iteration_seconds"])
         peer = min(s[n]["optimizer_step_seconds"] for n in FSDP_PEERS)
         adamw = s["adamw"]["iteration_seconds"]
-        cluster = resolve_cluster(args.cluster)  # the bytes a rank sends, at the inter-node all-to-all's speed
+        # the bytes a rank sends, at the all-to-all's speed on the link its group spans
         link = cluster.link(c["dp"] * c["tp"] > cluster.gpus_per_node).bytes_per_s * cluster.collectives.alltoall_efficiency
         wire = best["step_bytes_per_rank"] / link
         print(f"| {model} | {gpus} | {c['tp']}, {c['ep']}, {c['dp']} | "

@@ -258,10 +258,11 @@ def _part_chunks(optimizer: Any) -> list[StateChunk]:
     tp_rank, tp_size = _rank_and_size(part.tp_group)
     gated = optimizer.model_chunks[0].config.gated_linear_unit
     chunks: list[StateChunk] = []
-    for model_param, shard, group, (start, end) in _shards(optimizer):
-        name = names[shard if _under_fsdp(optimizer) else model_param]
+    fsdp = getattr(optimizer, "fsdp", False)
+    for model_param, shard, group, (start, end) in _shards(optimizer, fsdp):
+        name = names[shard if fsdp else model_param]
         placement = _placement(model_param, tp_stride(name, gated), start, end, tp_rank, tp_size)
-        local = shard.to_local().view(-1) if _under_fsdp(optimizer) else shard
+        local = shard.to_local().view(-1) if fsdp else shard
         chunks.extend(flat_chunks(f"{STATE_PREFIX}{name}.main_param", local.detach(), placement))
         if not group["matrix"]:
             chunks.extend(elementwise_chunks(STATE_PREFIX, name, inner.state[shard], placement))
@@ -277,11 +278,11 @@ def _part_chunks(optimizer: Any) -> list[StateChunk]:
     return chunks
 
 
-def _shards(optimizer: Any) -> list[tuple[torch.nn.Parameter, torch.Tensor, dict, tuple[int, int]]]:
+def _shards(optimizer: Any, fsdp: bool) -> list[tuple[torch.nn.Parameter, torch.Tensor, dict, tuple[int, int]]]:
     """``(model param, shard, inner group, (start, end) in the flattened local param)`` of every
-    shard this rank holds elements of: the distributed optimizer's flat main params, or
+    shard this rank holds elements of: the distributed optimizer's flat main params, or (``fsdp``)
     Megatron-FSDP's ``DTensor`` parameters (their ``orig_param`` the model's)."""
-    if not _under_fsdp(optimizer):
+    if not fsdp:
         return [(p, shard, group, (r.start, r.end)) for p, shard, group, r in shard_entries(optimizer)]
     spans = optimizer.canzona.binding.spans
     return [(param.orig_param, param, group, spans[param]) for group in optimizer.optimizer.param_groups

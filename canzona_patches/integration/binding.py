@@ -109,9 +109,9 @@ def bind_fsdp(
     the plan, made from the prediction of the same buffers, must agree piece for piece."""
     if len(model_chunks) != len(plan.layouts):
         raise RuntimeError(f"the plan has {len(plan.layouts)} model chunks, the model {len(model_chunks)}; re-plan")
-    params, where, held, shapes, spans = {}, {}, {}, {}, {}
+    params, where, shapes, spans = {}, {}, {}, {}
     for dist_param, (key, span) in local_spans(model_chunks, coord[0]).items():
-        params[key], where[dist_param.orig_param], held[key] = dist_param, key, span
+        params[key], where[dist_param.orig_param] = dist_param, key
         if span is not None:
             spans[dist_param] = span
     for c, chunk in enumerate(model_chunks):
@@ -123,8 +123,7 @@ def bind_fsdp(
         orig = param.orig_param
         if not getattr(orig, BUFFER_ROUTING_ATTR, False):
             continue
-        span = held[where[orig]]
-        lo, hi = span if span is not None else (0, 0)
+        lo, hi = spans.get(param, (0, 0))
         local = param.to_local().numel()
         if local != hi - lo:
             raise RuntimeError(f"{where[orig][1]}: Megatron-FSDP's shard holds {local} elements on DP rank {coord[0]}, "

@@ -202,13 +202,13 @@ def state_on_every_rank(preprocess: Callable[..., Any], run: Any = None) -> Call
         if set(union) == set(state) and list(state) == sorted(state):
             return preprocess(args, raw_state_dict, model)
         experts = getattr(getattr(model, "config", None), "num_moe_experts", None)
+        step = next((e["step"] for e in state.values() if isinstance(e, dict) and "step" in e), None)
         filled = {}
         for key in sorted(union):
             if key in state:
                 filled[key] = state[key]
                 continue
             param = model.get_parameter(expert_param_local_key(key[len("module."):], experts))
-            step = next((e["step"] for e in state.values() if isinstance(e, dict) and "step" in e), None)
             filled[key] = {sub: torch.zeros_like(param) if shaped else step if sub == "step" else None
                            for sub, shaped in union[key].items()}
         filled.update({key: value for key, value in state.items() if key not in filled})

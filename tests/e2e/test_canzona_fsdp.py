@@ -82,8 +82,8 @@ RESUMES = {
 """Resumes from iteration 2 of a saved case: at the same layout bitwise; at another FSDP or TP size
 (the plan, the hosts and the shards all change; the state tensors are name-keyed global tensors
 read block by block) within the tolerances of the ``optim_grads_params`` comparisons (the
-gradients are reduce-scattered over other shards: measured 9.6e-8 in the losses, 1.3e-5 in the
-grad norms)."""
+gradients are reduce-scattered over other shards: measured at most 7.8e-8 in the losses, 9.0e-6
+in the grad norms, both TP 2 x DP 2 -> DP 2)."""
 BITWISE = "optim"
 """The strategy whose gradients are reduced as DDP reduces them: bitwise, unless the clip acts
 (its factor is computed from the norm, whose summation over other shards differs in the last
@@ -205,6 +205,7 @@ def test_canzona_under_megatron_fsdp_resumes_from_its_fsdp_dtensor_checkpoints(r
     straight, resumed = runs[saved]["metrics"], runs[name]["metrics"]
     assert sorted(resumed) == [3, 4]
     largest = max(abs(m["lm_loss"]) for m in straight.values())
+    worst_loss = worst_norm = 0.0
     for iteration, got in resumed.items():
         want = straight[iteration]
         if same:
@@ -212,6 +213,10 @@ def test_canzona_under_megatron_fsdp_resumes_from_its_fsdp_dtensor_checkpoints(r
         else:
             assert abs(got["lm_loss"] - want["lm_loss"]) <= LOSS_RTOL["muon"] * largest, (name, iteration)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=GRAD_NORM_RTOL), (name, iteration)
+        worst_loss = max(worst_loss, abs(got["lm_loss"] / want["lm_loss"] - 1))
+        worst_norm = max(worst_norm, abs(got["grad_norm"] / want["grad_norm"] - 1))
+    print(f"[canzona-fsdp] resume {name}: largest relative difference, losses {worst_loss:.1e}, "
+          f"grad norms {worst_norm:.1e}")
     assert "[canzona] plan: fsdp layout" in runs[name]["stdout"]
 
 

@@ -162,7 +162,7 @@ def test_qwen3_8b_at_fsdp_64_canzona_beats_both_peers_and_stays_within_its_bytes
 
 def test_fsdp_hosts_prefer_a_rank_holding_rows():
     """Under the fsdp layout a split matrix goes to one of its holders wherever that does not grow
-    the plan's objective: at Qwen3-8B FSDP 256 nearly all of them (without the preference, 75 of 180)."""
+    the plan's objective: at Qwen3-8B FSDP 256 nearly all of them (measured with the preference turned off: 75 of 180)."""
     specs = qwen3_specs("qwen3-8b", split_qkv=True, split_gate_up=True)
     plan = make_plan(specs, dp_size=256, cost_model=CostModel(kind="muon"), layout="fsdp")
     buffer = plan.layouts[0].matrix

@@ -57,7 +57,8 @@ from .iteration import BACKWARD_SHARE
 from .layouts import Grid, RankOf, Seconds, Work, merge, plan_tasks
 from .network import Topology
 from .result import Segment, StrategyResult
-from .simulate import CANZONA_STRATEGIES, Workload, matmul_weight, run_step, seconds_per_update, stage_flops_per_token
+from .simulate import (CANZONA_STRATEGIES, Workload, checked_grid, matmul_weight, micro_batches, run_step,
+                       seconds_per_update)
 from .step import SimTask
 
 FSDP_STRATEGIES: tuple[str, ...] = ("canzona", "every_holder", "owner_uniform", "adamw")
@@ -168,17 +169,28 @@ class _Stage:
         """Megatron-FSDP's buckets of the stage's sharding (or of ``geometry``: :data:`PER_PARAMETER`)."""
         return fsdp_buckets(specs, dp_size=dp_size, strategy=geometry or self.sharding, bucket_size=self.bucket_size)
 
-    def kinds(self) -> list[tuple[list[ParamSpec], int, int, list[list[int]], list[RankOf]]]:
-        """``(specs, DP size, TP size, one DP group per copy, rank of (dp, tp) per copy)`` of the
-        dense parameters and (one copy per EP rank) of the experts."""
+    def kinds(self) -> list[_Kind]:
+        """The dense parameters, and (one copy per EP rank) the experts."""
         g = self.grid
         dense, experts = split_experts(self.specs)
-        out = [(dense, g.dp_size, g.tp_size, [g.dp_group()], [g.rank])]
+        out = [_Kind(dense, g.dp_size, g.tp_size, g.dp_group(), [(g.rank, list(range(g.size)))])]
         if experts:
-            ranks: list[RankOf] = [lambda d, t, e=e: g.expert_rank(d, t, e) for e in range(g.ep_size)]
-            out.append((experts, g.expert_dp_size, g.expert_tp_size,
-                        [[g.expert_rank(d, 0, e) for d in range(g.expert_dp_size)] for e in range(g.ep_size)], ranks))
+            copies: list[tuple[RankOf, list[int]]] = [(lambda d, t, e=e: g.expert_rank(d, t, e), g.expert_members(e))
+                                                      for e in range(g.ep_size)]
+            out.append(_Kind(experts, g.expert_dp_size, g.expert_tp_size, g.expert_dp_group(), copies))
         return out
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """Dense or expert parameters: their DP and TP sizes, one DP group reducing them, and per copy
+    (one per EP rank for the experts) the stage rank of each (dp, tp) and its ranks."""
+
+    specs: list[ParamSpec]
+    dp: int
+    tp: int
+    group: list[int]
+    copies: list[tuple[RankOf, list[int]]]
 
 
 def shard_elements(buckets: Sequence[FsdpBucket], rank: RankOf, tp_size: int,
@@ -210,14 +222,13 @@ def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
                      layout=FSDP_LAYOUT, fsdp_strategy=geometry, fsdp_bucket_size=stage.bucket_size)
     work = Work(mode="pipelined", dense=plan_tasks(plan, split_experts(stage.specs)[0], stage.seconds, g.rank,
                                                    cost_model=stage.cost_model))
-    for k, (specs, dp, tp, _, ranks) in enumerate(stage.kinds()):
-        buckets = stage.buckets(specs, dp, geometry)
-        for rank in ranks:
-            work.adamw = merge(work.adamw, shard_elements(buckets, rank, tp, _elementwise_names(specs)))
+    for k, kind in enumerate(stage.kinds()):
+        buckets = stage.buckets(kind.specs, kind.dp, geometry)
+        for rank, members in kind.copies:
+            work.adamw = merge(work.adamw, shard_elements(buckets, rank, kind.tp, _elementwise_names(kind.specs)))
             if k:
                 assert plan.experts is not None
-                members = sorted({rank(d, t) for d in range(dp) for t in range(tp)})
-                work.experts.append((members, plan_tasks(plan.experts, specs, stage.seconds, rank,
+                work.experts.append((members, plan_tasks(plan.experts, kind.specs, stage.seconds, rank,
                                                          cost_model=stage.cost_model)))
     return work
 
@@ -225,10 +236,10 @@ def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
 def _every_holder(stage: _Stage) -> Work:
     """#4486: every holder of a piece gathers the matrix whole and computes it (``per_matrix``)."""
     work = Work(mode="per_matrix")
-    for k, (specs, dp, tp, _, ranks) in enumerate(stage.kinds()):
-        by_name = {s.name: s for s in specs}
-        buckets = stage.buckets(specs, dp)
-        for rank in ranks:
+    for k, kind in enumerate(stage.kinds()):
+        by_name = {s.name: s for s in kind.specs}
+        buckets = stage.buckets(kind.specs, kind.dp)
+        for rank, members in kind.copies:
             tasks = []
             for bucket in buckets:
                 for item in bucket.items:
@@ -236,24 +247,24 @@ def _every_holder(stage: _Stage) -> Work:
                     if spec.family != "matrix":
                         continue
                     pieces = bucket.pieces(item)
-                    copies = [list(range(tp))] if spec.tp_sharded else [[t] for t in range(tp)]
+                    copies = [list(range(kind.tp))] if spec.tp_sharded else [[t] for t in range(kind.tp)]
                     for tps in copies:
                         holders = tuple((rank(d, t), hi - lo) for t in tps for d, lo, hi in pieces)
                         tasks.append(SimTask(item.name, holders, None, stage.seconds(spec)))
             if k:
-                work.experts.append((sorted({rank(d, t) for d in range(dp) for t in range(tp)}), tasks))
+                work.experts.append((members, tasks))
             else:
                 work.dense = tasks
-            work.adamw = merge(work.adamw, shard_elements(buckets, rank, tp, _elementwise_names(specs)))
+            work.adamw = merge(work.adamw, shard_elements(buckets, rank, kind.tp, _elementwise_names(kind.specs)))
     return work
 
 
 def _adamw(stage: _Stage) -> Work:
     work = Work(mode="per_matrix")
-    for specs, dp, tp, _, ranks in stage.kinds():
-        buckets = stage.buckets(specs, dp)
-        for rank in ranks:
-            work.adamw = merge(work.adamw, shard_elements(buckets, rank, tp))
+    for kind in stage.kinds():
+        buckets = stage.buckets(kind.specs, kind.dp)
+        for rank, _ in kind.copies:
+            work.adamw = merge(work.adamw, shard_elements(buckets, rank, kind.tp))
     return work
 
 
@@ -269,11 +280,11 @@ def fsdp_units(stage: _Stage, topology: Topology, workload: Workload | None) -> 
     order = {s.name: s.order for s in stage.specs}
     total = sum(weights.values()) or 1.0
     units = []
-    for specs, dp, _, groups, _ in stage.kinds():
-        for index, bucket in enumerate(stage.buckets(specs, dp)):
+    for kind in stage.kinds():
+        for index, bucket in enumerate(stage.buckets(kind.specs, kind.dp)):
             share = sum(weights[i.name] for i in bucket.items) / total
-            gather = topology.ring(bucket.size * stage.wire.param_bytes, groups[0])
-            reduce = topology.ring(bucket.size * stage.wire.grad_bytes, groups[0])
+            gather = topology.ring(bucket.size * stage.wire.param_bytes, kind.group)
+            reduce = topology.ring(bucket.size * stage.wire.grad_bytes, kind.group)
             first = max(order[i.name] for i in bucket.items)
             units.append((-first, FsdpUnit(f"{'e' if bucket.expert else ''}{index}", share, gather, reduce)))
     return [u for _, u in sorted(units, key=lambda pair: pair[0])]
@@ -306,9 +317,7 @@ def simulate_fsdp(
         raise ValueError(f"unknown FSDP strategy {strategy!r}; choose one of: {', '.join(FSDP_STRATEGIES)}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    grid = Grid(dp_size, tp_size, ep_size, expert_tp_size)
-    if grid.size % (ep_size * expert_tp_size):
-        raise ValueError(f"EP {ep_size} x expert TP {expert_tp_size} must divide DP {dp_size} x TP {tp_size}")
+    grid = checked_grid(dp_size, tp_size, ep_size, expert_tp_size)
     wire = wire or WireConfig()
     method = ns_method if strategy in CANZONA_STRATEGIES else "standard"
     planning_cost = CostModel(kind=optimizer, ns_method=method, ns_dtype=cluster.gpu.ns_dtype)
@@ -318,15 +327,9 @@ def simulate_fsdp(
     work = BUILDERS[strategy](stage)
     slowdown = cluster.contention(grid.size)
     topology = Topology(cluster)
-    micro, count, details = 0.0, 1, {"sharding": sharding}
-    if workload is not None:
-        count = workload.microbatches(dp_size)
-        per_token = workload.flops_per_token
-        if per_token is None:
-            per_token = stage_flops_per_token(stage.specs, workload.seq_length, workload.expert_activity)
-        micro = per_token * workload.micro_batch * workload.seq_length / (cluster.gpu.bf16_tflops * 1e12 * cluster.mfu)
-        micro *= slowdown
-        details.update(microbatches=count, flops_per_token=per_token, micro_batch_seconds=micro, mfu=cluster.mfu)
+    count, micro, details = micro_batches(workload, stage.specs, dp_size, cluster, slowdown) if workload \
+        else (1, 0.0, {})
+    details["sharding"] = sharding
     units = fsdp_units(stage, topology, workload)
     phases = fsdp_phases(units, micro=micro, count=count, sharding=sharding)
     step_end, run = run_step(work, grid, cluster, wire, slowdown)

@@ -330,6 +330,11 @@ def seconds_per_update(cost_model: CostModel, cluster: ClusterSpec) -> Seconds:
 def _check(strategy: str, dp_size: int, tp_size: int, ep_size: int, expert_tp_size: int, pp_size: int) -> Grid:
     if strategy not in BUILDERS:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+    return checked_grid(dp_size, tp_size, ep_size, expert_tp_size, pp_size)
+
+
+def checked_grid(dp_size: int, tp_size: int = 1, ep_size: int = 1, expert_tp_size: int = 1, pp_size: int = 1) -> Grid:
+    """The stage's :class:`~.layouts.Grid`, its sizes checked."""
     for name, value in (("dp_size", dp_size), ("tp_size", tp_size), ("ep_size", ep_size),
                         ("expert_tp_size", expert_tp_size), ("pp_size", pp_size)):
         if not isinstance(value, int) or value < 1:
@@ -337,6 +342,20 @@ def _check(strategy: str, dp_size: int, tp_size: int, ep_size: int, expert_tp_si
     if (dp_size * tp_size) % (ep_size * expert_tp_size):
         raise ValueError(f"EP {ep_size} x expert TP {expert_tp_size} must divide DP {dp_size} x TP {tp_size}")
     return Grid(dp_size, tp_size, ep_size, expert_tp_size)
+
+
+def micro_batches(workload: Workload, specs: Sequence[ParamSpec], dp_size: int, cluster: ClusterSpec,
+                  slowdown: float) -> tuple[int, float, dict]:
+    """``(micro-batches of the iteration, seconds of one's forward and backward on a GPU, details)``
+    for a DP (x CP) group of ``dp_size`` ranks at the cluster's MFU."""
+    count = workload.microbatches(dp_size)
+    per_token = workload.flops_per_token
+    if per_token is None:
+        per_token = stage_flops_per_token(specs, workload.seq_length, workload.expert_activity)
+    tokens = workload.micro_batch * workload.seq_length / workload.context_parallel
+    micro = per_token * tokens / (cluster.gpu.bf16_tflops * 1e12 * cluster.mfu) * slowdown
+    return count, micro, {"microbatches": count, "flops_per_token": per_token, "micro_batch_seconds": micro,
+                          "mfu": cluster.mfu}
 
 
 def simulate(
@@ -554,14 +573,8 @@ def _phases(ctx: _Context, work: Work, cluster: ClusterSpec, workload: Workload 
     micro = fwd_bwd = 0.0
     details: dict = {}
     if workload is not None:
-        count = workload.microbatches(ctx.grid.dp_size)
-        per_token = workload.flops_per_token
-        if per_token is None:
-            per_token = stage_flops_per_token(ctx.specs, workload.seq_length, workload.expert_activity)
-        tokens = workload.micro_batch * workload.seq_length / workload.context_parallel
-        micro = per_token * tokens / (cluster.gpu.bf16_tflops * 1e12 * cluster.mfu) * slowdown
+        count, micro, details = micro_batches(workload, ctx.specs, ctx.grid.dp_size, cluster, slowdown)
         fwd_bwd = count * micro
-        details.update(microbatches=count, flops_per_token=per_token, micro_batch_seconds=micro, mfu=cluster.mfu)
     bubble = (pp_size - 1) * micro
     backward = BACKWARD_SHARE * micro
     ag_exposed, ag_segments = overlap_forward(gather, micro - backward, origin=bubble)
