@@ -377,9 +377,6 @@ runs (which allows only sgd and adam under Megatron-FSDP, for its own optimizers
 
 
 FSDP_REFUSED = (
-    ("expert_model_parallel_size", lambda v: v > 1, "--expert-model-parallel-size {v}",
-     "expert buckets under Megatron-FSDP are not bound yet"),
-    ("num_experts", bool, "--num-experts {v}", "expert buckets under Megatron-FSDP are not bound yet"),
     ("pipeline_model_parallel_size", lambda v: v > 1, "--pipeline-model-parallel-size {v}",
      "pipeline stages under Megatron-FSDP are not planned yet"),
     ("context_parallel_size", lambda v: v > 1, "--context-parallel-size {v}",
@@ -738,6 +735,9 @@ def finalize_canzona_args(args: argparse.Namespace) -> None:
             print(f"> --rampup-batch-size {start} {increment} {samples} runs as --step-batch-size-schedule "
                   f"'{schedule}' (thresholds in tokens; Megatron-Core 0.19.2 ignores the ramp flag)", flush=True)
     restore_qk_clip_args(args)
+    line = fsdp_expert_accumulation_line(args)
+    if line is not None and args.rank == 0:
+        print(line, flush=True)
     held = _HELD_OPTIMIZER.pop(id(args), None)
     if held is not None:
         args.optimizer = held
@@ -745,6 +745,31 @@ def finalize_canzona_args(args: argparse.Namespace) -> None:
         return
     args.use_layer_wise_distributed_optimizer = False
     args.use_distributed_optimizer = True
+
+
+def fsdp_expert_accumulation_line(args: argparse.Namespace) -> str | None:
+    """A start-up warning (every run, Megatron's optimizers too) where Megatron-FSDP shards the
+    expert buckets over one rank (expert-DP 1: EP x expert TP x PP spans the world) and reduces
+    every micro-batch (``optim_grads``, ``optim_grads_params``) with several micro-batches a step.
+    Its reduce then scales such a bucket, which is not sharded and accumulates the micro-batches
+    in place, at each micro-batch: the earlier micro-batches' expert gradients are scaled again
+    (on 2 ranks at EP 2, two micro-batches: Megatron's own AdamW's first gradient norm is 0.66667,
+    DDP's 0.66699; with one micro-batch, or under ``optim``, they agree). ``None`` elsewhere."""
+    if not getattr(args, "use_megatron_fsdp", False) or not getattr(args, "num_experts", None):
+        return None
+    strategy = args.data_parallel_sharding_strategy
+    if strategy not in ("optim_grads", "optim_grads_params") or args.expert_model_parallel_size <= 1 \
+            or getattr(args, "world_size", None) is None:  # (set by Megatron's validate_args)
+        return None
+    expert_tp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    expert_dp = args.world_size // (args.expert_model_parallel_size * expert_tp * args.pipeline_model_parallel_size)
+    micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    if expert_dp != 1 or micro_batches <= 1:
+        return None
+    return (f"> warning: Megatron-FSDP (megatron-core 0.19.2) scales the expert buckets' gradients again at each of "
+            f"the {micro_batches} micro-batches of a step where it shards them over expert-DP 1 under "
+            f"--data-parallel-sharding-strategy {strategy}: pass --data-parallel-sharding-strategy optim, "
+            "one micro-batch a step, or an --expert-model-parallel-size that leaves expert-DP 2 or more")
 
 
 def rampup_as_step_schedule(args: argparse.Namespace) -> str | None:

@@ -110,7 +110,7 @@ def bind_fsdp(
     if len(model_chunks) != len(plan.layouts):
         raise RuntimeError(f"the plan has {len(plan.layouts)} model chunks, the model {len(model_chunks)}; re-plan")
     params, where, shapes, spans = {}, {}, {}, {}
-    for dist_param, (key, span) in local_spans(model_chunks, coord[0]).items():
+    for dist_param, (key, span) in local_spans(model_chunks).items():
         params[key], where[dist_param.orig_param] = dist_param, key
         if span is not None:
             spans[dist_param] = span

@@ -56,14 +56,18 @@ def read_fsdp_shapes(fsdp_model: Any) -> dict[str, tuple[int, ...]]:
     return {name: tuple(int(d) for d in index.shape) for _, _, name, index in _indexed(fsdp_param_buffer(fsdp_model))}
 
 
-def local_spans(model_chunks: list, dp_rank: int) -> dict[Any, tuple[tuple[int, str], tuple[int, int] | None]]:
+def local_spans(model_chunks: list) -> dict[Any, tuple[tuple[int, str], tuple[int, int] | None]]:
     """Every ``DTensor`` parameter Megatron-FSDP hands the optimizer -> ``((chunk, name), span)``:
-    the elements ``[lo, hi)`` of its local (TP-sharded) tensor, flattened, that DP rank
-    ``dp_rank``'s shard holds (``None``: none)."""
+    the elements ``[lo, hi)`` of its local (TP-sharded) tensor, flattened, that this rank's shard
+    of its bucket holds (``None``: none). The rank is the one the bucket's buffer is sharded by:
+    this rank's place in the data-parallel group, or in the expert-data-parallel group for an
+    expert bucket."""
     out = {}
     for c, chunk in enumerate(model_chunks):
-        held = {item.name: next(((lo, hi) for rank, lo, hi in bucket.pieces(item) if rank == dp_rank), None)
+        buffer = fsdp_param_buffer(chunk)
+        rank_of = {name: int(data.dp_rank) for _, data, name, _ in _indexed(buffer)}
+        held = {item.name: next(((lo, hi) for rank, lo, hi in bucket.pieces(item) if rank == rank_of[item.name]), None)
                 for bucket in read_fsdp_buckets(chunk) for item in bucket.items}
-        for name, dist_param in fsdp_param_buffer(chunk).optimizer_named_parameters:
+        for name, dist_param in buffer.optimizer_named_parameters:
             out[dist_param] = ((c, name), held[name])
     return out

@@ -146,6 +146,15 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
     canzona: CanzonaPart
     """This optimizer's part of the run's :class:`~canzona_patches.integration.setup.CanzonaSetup`."""
 
+    syncs_fsdp_model: bool = True
+    """Under Megatron-FSDP, whether this optimizer runs the steps Megatron-FSDP takes for the whole
+    model (zeroing its gradient buffers; after the update, main weights to model weights and the
+    weights' all-gather): the expert optimizer of a chain, stepped last, does them once for both."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not self.fsdp or self.syncs_fsdp_model:
+            super().zero_grad(set_to_none)
+
     def _early_scale(self) -> tuple[Any, ...]:
         """The factors of the gradients known before the step: the loss scale's inverse."""
         return () if self.grad_scaler is None else (self.grad_scaler.inv_scale,)
@@ -273,14 +282,14 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
                 self.optimizer.step(factors=factors)
         if self.qk_clip is not None:  # every rank: its all-reduce; then the main rows this rank holds
             self.qk_clip.clip()
-        if not self.is_stub_optimizer:
+        if not self.is_stub_optimizer and (not self.fsdp or self.syncs_fsdp_model):
             with _timed(timers, "optimizer-copy-main-to-model-params", self.config):
                 if self.config.reuse_grad_buf_for_mxfp8_param_ag:  # the param all-gather reads the grad buffer
                     if not self.config.overlap_param_gather:
                         self._copy_main_params_to_param_buffer()
                 else:
                     self._copy_main_params_to_model_params()
-        if self.fsdp:  # Megatron's: start Megatron-FSDP's all-gather of the updated weights for the next forward
+        if self.fsdp and self.syncs_fsdp_model:  # Megatron's: start Megatron-FSDP's all-gather of the new weights
             with _timed(timers, "params-all-gather", self.config):
                 for chunk in self.model_chunks:
                     chunk.start_param_sync()
@@ -551,10 +560,13 @@ def build_canzona_optimizer(optimizer_config: Any, model_chunks: list, setup: Ca
 
     With expert parallelism, as in Megatron, a second one over the expert buffers and the
     expert-data-parallel group (its host group; expert TP is 1) is chained after it
-    (:class:`CanzonaChainedOptimizer`)."""
+    (:class:`CanzonaChainedOptimizer`). Under Megatron-FSDP, which shards the expert buckets over
+    the expert-data-parallel group, the same two; the expert one, stepped last, runs
+    Megatron-FSDP's whole-model steps (:attr:`CanzonaDistributedOptimizer.syncs_fsdp_model`)."""
     if not optimizer_config.use_distributed_optimizer:
         raise ValueError("--canzona needs the distributed optimizer: pass --use-distributed-optimizer")
-    experts = [n for chunk in model_chunks for n, p in chunk.named_parameters() if is_expert_param(p)]
+    experts = [n for chunk in model_chunks for n, p in chunk.named_parameters()
+               if is_expert_param(getattr(p, "orig_param", p))]  # (Megatron-FSDP's DTensors: their model parameters)
     if experts and setup.plan.experts is None:
         raise ValueError(
             f"the model has expert-parallel parameters ({experts[0]} and {len(experts) - 1} more) but the Canzona "
@@ -576,6 +588,7 @@ def build_canzona_optimizer(optimizer_config: Any, model_chunks: list, setup: Ca
         grad_stats=pgs["intra_dist_opt_group"],
         # Expert TP 1: a host (expert-DP rank, 0) is that rank of the expert-DP group.
         rank_of={(d, 0): d for d in range(setup.plan.experts.dp_size)}))
+    dense.syncs_fsdp_model = False
     # The chained optimizer gives both the joint clip factor (get_grad_norm).
     return CanzonaChainedOptimizer([dense, expert])
 
@@ -584,16 +597,21 @@ def _canzona_dist_optimizer(optimizer_config: Any, model_chunks: list, setup: Ca
                             ranks: _Ranks) -> CanzonaDistributedOptimizer:
     """One DistributedOptimizer around a :class:`CanzonaOptimizer`: the dense buffers over the
     data-parallel group, or (``ranks.expert``) the expert buffers over the expert-data-parallel one."""
+    fsdp = uses_megatron_fsdp(model_chunks[0].ddp_config)
     groups, buffers = _get_param_groups_and_buffers(
         model_chunks, model_chunk_offset=0, config=optimizer_config,
         config_overrides=get_standard_config_overrides(optimizer_config),
-        filter_fn=lambda g: g["is_expert_parallel"] == ranks.expert,
-        buffer_name="expert_parallel_buffers" if ranks.expert else "buffers",
+        # Megatron-FSDP's DTensor parameters do not carry the expert tag (split below, by their model
+        # parameters'), and it keeps every bucket in one buffer, which DistributedOptimizer does not read.
+        filter_fn=lambda g: fsdp or g["is_expert_parallel"] == ranks.expert,
+        buffer_name="expert_parallel_buffers" if ranks.expert and not fsdp else "buffers",
     )
+    if fsdp:
+        groups = [{**group, "params": params} for group in groups
+                  if (params := [p for p in group["params"] if is_expert_param(p.orig_param) == ranks.expert])]
     cfg = setup.config
     # Under Megatron-FSDP Muon's momentum stays in its shards, as AdamW's moments do: the hosts
     # keep no copy of what the holders' bytes already are (docs/fsdp.md#memory).
-    fsdp = uses_megatron_fsdp(model_chunks[0].ddp_config)
     inner = CanzonaOptimizer(
         _route_groups(groups, optimizer_config.weight_decay), math=cfg.optimizer, lr=optimizer_config.lr,
         weight_decay=optimizer_config.weight_decay, config=cfg.matrix, adamw_config=cfg.adamw,

@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """``pretrain_gpt.py`` recording Megatron-FSDP's geometry: each rank writes, once its model chunk is
 wrapped, the planner's descriptions of the chunk's parameters (taken before Megatron-FSDP shards
-them) and the buckets read from the buffers Megatron-FSDP built (``<dir>/rank<r>.json``). Launch it
+them), the buckets read from the buffers Megatron-FSDP built and the DP sizes they are sharded over
+(``<dir>/rank<r>.json``). Launch it
 in place of the entry point with ``FSDP_GEOMETRY_TRACE=<dir>``; tests/e2e/test_megatron_fsdp.py
 predicts the buckets from the descriptions and compares. Under ``--canzona`` each rank also writes,
 after each step, the optimizer state it holds beside the memory model's prediction
-(``<dir>/state<r>.json``; tests/e2e/test_canzona_fsdp.py compares them)."""
+(``<dir>/state<r>.json``, and ``state<r>-experts.json`` for the expert optimizer of an
+expert-parallel run; tests/e2e/test_canzona_fsdp.py compares them)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def main() -> int:
             "specs": [spec.to_dict() for spec in specs],
             "buckets": [bucket.to_dict() for bucket in read_fsdp_buckets(self)],
             "dp_size": parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+            "expert_dp_size": parallel_state.get_expert_data_parallel_world_size(),
             "strategy": ddp_config.data_parallel_sharding_strategy, "bucket_size": ddp_config.bucket_size,
         }))
 
@@ -53,6 +56,7 @@ def _trace_optimizer_state(out: Path) -> None:
     import torch
 
     from canzona_patches.integration import setup as setup_module
+    from canzona_patches.integration.layout import is_expert_param
     from megatron.canzona.planning.memory import FIELD_KINDS, StateLayout, fsdp_state_elements
     from megatron.canzona.runtime.optimizer import CanzonaOptimizer
 
@@ -81,10 +85,12 @@ def _trace_optimizer_state(out: Path) -> None:
                     if name in ("momentum", "exp_avg", "exp_avg_sq"):  # a holder's momentum, AdamW's moments
                         held["momentum" if name == "momentum" else "adam_moments"] += value.numel()
         setup, (dp_rank, tp_rank) = made["setup"], self.engine.coord
+        experts = any(is_expert_param(p.orig_param) for group in self.param_groups for p in group["params"])
         predicted = fsdp_state_elements(setup.plan, setup.specs, dp_rank=dp_rank, tp_rank=tp_rank,
                                         state=StateLayout.of(setup.config.optimizer, setup.config.matrix),
-                                        strategy=made["strategy"], bucket_size=made["bucket_size"])
-        (out / f"state{torch.distributed.get_rank()}.json").write_text(json.dumps({
+                                        strategy=made["strategy"], bucket_size=made["bucket_size"], experts=experts)
+        name = f"state{torch.distributed.get_rank()}{'-experts' if experts else ''}.json"
+        (out / name).write_text(json.dumps({
             "measured": {kind: n for kind, n in held.items() if n}, "predicted": {k: n for k, n in predicted.items() if n},
             "momentum_on_holders": self.momentum_on_holders}))
 

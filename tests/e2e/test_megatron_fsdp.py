@@ -1,8 +1,9 @@
 """Megatron-Core's own Megatron-FSDP trains on CPU with gloo through ``pretrain_gpt.py``, as
 Megatron has it (``--use-megatron-fsdp --ckpt-format fsdp_dtensor --optimizer adam``), in each of
-its three sharding strategies, at DP 2, DP 4 and TP 2 x DP 2 (and with small buckets); its losses
-and gradient norms are the ``--use-distributed-optimizer`` run's (``canzona_patches/emulation/fsdp.py``);
-and the planner predicts the buckets it builds (``megatron.canzona.planning.fsdp``).
+its three sharding strategies, at DP 2, DP 4 with experts over EP 2, and TP 2 x DP 2 (and with
+small buckets); its losses and gradient norms are the ``--use-distributed-optimizer`` run's
+(``canzona_patches/emulation/fsdp.py``); and the planner predicts the buckets it builds
+(``megatron.canzona.planning.fsdp``), expert buckets over the expert-data-parallel group.
 
 Measured: every logged loss and gradient norm agrees within 8.6e-8 relative (fp32 sums in another
 order); the bound is 1e-6.
@@ -28,9 +29,22 @@ RUN_TIMEOUT_S = 240
 REL = 1e-6
 STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 FSDP = ("--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor")
-LAYOUTS = {"dp2": (2, ()), "dp4": (4, ()), "tp2_dp2": (4, ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
+MOE = ("--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2", "--moe-router-score-function",
+       "softmax", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3",
+       "--moe-token-dispatcher-type", "alltoall", "--expert-tensor-parallel-size", "1")
+"""Every layer a mixture of 4 experts (top 2); with ``--expert-model-parallel-size`` (``moe(ep)``)."""
+
+
+def moe(ep: int) -> tuple[str, ...]:
+    return (*MOE, "--expert-model-parallel-size", str(ep))
+
+
+LAYOUTS = {"dp2": (2, ()), "dp4_ep2": (4, moe(2)),
+           "tp2_dp2": (4, ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
            "dp2_buckets": (2, ("--ddp-bucket-size", "20000"))}
-"""Ranks and flags per layout; ``dp2_buckets`` closes buckets at 20,000 elements (``optim``: no units)."""
+"""Ranks and flags per layout; ``dp4_ep2``: dense buckets over DP 4, each layer's 4 experts over EP 2,
+their buckets sharded over expert-DP 2; ``dp2_buckets`` closes buckets at 20,000 elements
+(``optim``: no units)."""
 
 
 def _args(data: DemoData, out: Path, *extra: str) -> list[str]:
@@ -45,13 +59,13 @@ def _args(data: DemoData, out: Path, *extra: str) -> list[str]:
             *extra]
 
 
-def _train(data: DemoData, out: Path, nproc: int, *extra: str) -> dict:
-    """One run (Megatron-FSDP ones through ``fsdp_geometry_traced.py``): its metrics, output and
-    each rank's recorded geometry."""
+def _train(data: DemoData, out: Path, nproc: int, *extra: str, env: dict[str, str] | None = None) -> dict:
+    """One run (Megatron-FSDP ones through ``fsdp_geometry_traced.py``; ``env``: more environment
+    for its ranks): its metrics, output and each rank's recorded geometry."""
     fsdp = "--use-megatron-fsdp" in extra
     script = "tests/e2e/fsdp_geometry_traced.py" if fsdp else "pretrain_gpt.py"
-    result = launch_ranks(nproc, script, *_args(data, out, *extra), timeout_s=RUN_TIMEOUT_S,
-                          env={"FSDP_GEOMETRY_TRACE": str(out / "geometry")} if fsdp else None)
+    env = {**(env or {}), **({"FSDP_GEOMETRY_TRACE": str(out / "geometry")} if fsdp else {})}
+    result = launch_ranks(nproc, script, *_args(data, out, *extra), timeout_s=RUN_TIMEOUT_S, env=env or None)
     assert result.returncode == 0, result.stdout[-6000:]
     metrics = {m["iteration"]: m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     geometry = [json.loads(path.read_text()) for path in sorted((out / "geometry").glob("rank*.json"))] if fsdp else []
@@ -61,7 +75,7 @@ def _train(data: DemoData, out: Path, nproc: int, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Per layout, the distributed optimizer's run and Megatron-FSDP's (every strategy at DP 2,
-    optim_grads_params at DP 4 and TP 2 x DP 2)."""
+    optim_grads_params at DP 4 x EP 2 and TP 2 x DP 2)."""
     root = tmp_path_factory.mktemp("megatron_fsdp")
     out = {}
     for layout, (nproc, extra) in LAYOUTS.items():
@@ -83,7 +97,7 @@ SAVED = ("dp2", "optim_grads_params")
 """The run that also saves ``fsdp_dtensor`` checkpoints at iterations 2 and 4."""
 
 
-CASES = [("dp2", s) for s in STRATEGIES] + [("dp4", "optim_grads_params"), ("tp2_dp2", "optim_grads_params"),
+CASES = [("dp2", s) for s in STRATEGIES] + [("dp4_ep2", "optim_grads_params"), ("tp2_dp2", "optim_grads_params"),
                                             ("dp2_buckets", "optim")]
 
 
@@ -120,13 +134,15 @@ def test_the_planners_geometry_is_megatron_fsdps(runs: dict, layout: str, strate
         specs = [ParamSpec.from_dict(spec) for spec in rank["specs"]]
         read = tuple(FsdpBucket.from_dict(bucket) for bucket in rank["buckets"])
         predicted = fsdp_buckets(specs, dp_size=rank["dp_size"], strategy=rank["strategy"],
-                                 bucket_size=rank["bucket_size"])
+                                 bucket_size=rank["bucket_size"], expert_dp_size=rank["expert_dp_size"])
         assert predicted == read
         matrices = {spec.name for spec in specs if spec.family == "matrix"}
         for bucket in read:
             for item in bucket.items:
                 if item.name in matrices and item.numel >= bucket.chunk:
                     assert all(lo % item.row == 0 and hi % item.row == 0 for _, lo, hi in bucket.pieces(item)), item
+        if "--num-experts" in LAYOUTS[layout][1]:  # a bucket of each layer's experts, over expert-DP 2
+            assert [b.unit for b in read if b.expert] == [0, 1] and {b.dp_size for b in read if b.expert} == {2}
     split = sum(len(b.pieces(i)) > 1 for b in read for i in b.items)
     print(f"[fsdp] {layout} {strategy}: {len(read)} buckets, {split} parameters across shards")
 

@@ -19,8 +19,7 @@ from test_flags_need_their_run import parse
 pytestmark = pytest.mark.quick
 
 FSDP = ["--canzona", "--optimizer", "muon", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
-SET = {"expert_model_parallel_size": ["--expert-model-parallel-size", "2", "--num-experts", "4"],
-       "num_experts": ["--num-experts", "4"], "pipeline_model_parallel_size": ["--pipeline-model-parallel-size", "2"],
+SET = {"pipeline_model_parallel_size": ["--pipeline-model-parallel-size", "2"],
        "context_parallel_size": ["--context-parallel-size", "2"],
        "canzona_matrices_reduce_first": ["--canzona-matrices-reduce-first", "--overlap-grad-reduce"]}
 """Command-line words that set each refused flag."""
@@ -38,6 +37,17 @@ def test_what_is_not_built_under_fsdp_is_refused_naming_its_flag(dest: str) -> N
     line = str(refused.value)
     assert "\n" not in line and len(line) < 300, line
     assert line.startswith("--canzona --use-megatron-fsdp does not run with ") and f"drop {flag}," in line, line
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_experts_pass_at_any_ep_size(ep: int) -> None:
+    """Experts under Megatron-FSDP: a dense and an expert Canzona optimizer, the expert buckets over
+    the expert-data-parallel group (tests/e2e/test_canzona_fsdp.py runs them)."""
+    args = parse(*FSDP, "--num-experts", "4", "--expert-model-parallel-size", str(ep),
+                 "--expert-tensor-parallel-size", "1")
+    validate_canzona_args(args)
+    finalize_canzona_args(args)
+    assert args.optimizer == "muon"
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
@@ -73,3 +83,28 @@ def test_torch_fsdp2_is_pointed_to_megatron_fsdp() -> None:
 def test_fsdp_dtensor_checkpoints_are_accepted() -> None:
     """--save and --load with --ckpt-format fsdp_dtensor pass the flag checks (docs/fsdp.md#checkpoints)."""
     validate_canzona_args(parse(*FSDP, "--save", "/nonexistent/ckpt", "--load", "/nonexistent/ckpt"))
+
+
+@pytest.mark.parametrize(("world", "ep", "strategy", "global_batch", "warned"), [
+    (2, 2, "optim_grads_params", 8, True),  # expert-DP 1, two micro-batches a step
+    (2, 2, "optim_grads", 8, True),
+    (2, 2, "optim", 8, False),  # reduced once a step
+    (2, 2, "optim_grads_params", 4, False),  # one micro-batch
+    (4, 2, "optim_grads_params", 8, False),  # expert-DP 2
+])
+def test_megatron_fsdps_expert_accumulation_at_expert_dp_1_is_named_at_start_up(
+        world: int, ep: int, strategy: str, global_batch: int, warned: bool) -> None:
+    """Every run under Megatron-FSDP (Megatron's own optimizers too) whose expert buckets are sharded
+    over one rank and reduced at every micro-batch of several: one warning line (docs/fsdp.md#experts)."""
+    from argparse import Namespace
+
+    from canzona_patches.integration.arguments import fsdp_expert_accumulation_line
+
+    args = Namespace(use_megatron_fsdp=True, num_experts=4, data_parallel_sharding_strategy=strategy,
+                     expert_model_parallel_size=ep, expert_tensor_parallel_size=1, tensor_model_parallel_size=1,
+                     pipeline_model_parallel_size=1, world_size=world, global_batch_size=global_batch,
+                     micro_batch_size=2, data_parallel_size=world)
+    line = fsdp_expert_accumulation_line(args)
+    assert (line is not None) == warned, line
+    if warned:
+        assert "\n" not in line and f"--data-parallel-sharding-strategy {strategy}" in line and "expert-DP 1" in line

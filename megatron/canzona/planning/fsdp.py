@@ -10,7 +10,10 @@ other (``tests/e2e/test_megatron_fsdp.py``).
 
 The rules, in registration order (``named_parameters``):
 
-* **Buckets.** Parameters are grouped by (dtype, expert or not, FSDP unit). Under
+* **Buckets.** Parameters are grouped by (dtype, expert or not, FSDP unit); a parameter is an
+  expert one by its name (``.experts.``, :func:`fsdp_expert`), at any EP size, and its bucket is
+  sharded over the expert-data-parallel group where EP > 1 (the data-parallel one at EP 1, where
+  the two are the same ranks). Under
   ``optim_grads_params`` each transformer layer is a unit: its parameters of one kind are one
   bucket. Parameters outside a unit (or every parameter, under ``optim`` and ``optim_grads``,
   which have no units) share a group per kind, closed into buckets of at least the suggested
@@ -104,6 +107,13 @@ class FsdpBucket:
         return cls(**{**data, "items": tuple(FsdpItem(**item) for item in data["items"])})
 
 
+def fsdp_expert(name: str) -> bool:
+    """Whether Megatron-FSDP puts a parameter in an expert bucket: by its name, whatever the EP
+    size (at EP 1 the experts are dense parameters to Megatron's DDP and to the planner, yet in
+    buckets of their own here)."""
+    return ".experts." in name
+
+
 def fsdp_unit(name: str) -> int | None:
     """The transformer layer a parameter belongs to by its name, or ``None`` (embedding, final
     norm, output layer)."""
@@ -177,15 +187,15 @@ def fsdp_buckets(specs: Iterable[ParamSpec], *, dp_size: int, strategy: str = "o
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
     if strategy == PER_PARAMETER:
         return tuple(bucket_of([spec], dp_size=(expert_dp_size or dp_size) if spec.is_expert else dp_size,
-                               unit=fsdp_unit(spec.name), expert=spec.is_expert)
+                               unit=fsdp_unit(spec.name), expert=fsdp_expert(spec.name))
                      for spec in sorted(specs, key=lambda s: -s.order))
     units = strategy == "optim_grads_params"
     groups: dict[tuple[str, bool, int | None], list[ParamSpec]] = {}
     for spec in sorted(specs, key=lambda s: -s.order):
-        groups.setdefault((spec.dtype, spec.is_expert, fsdp_unit(spec.name) if units else None), []).append(spec)
+        groups.setdefault((spec.dtype, fsdp_expert(spec.name), fsdp_unit(spec.name) if units else None), []).append(spec)
     buckets = []
     for (_, expert, unit), params in groups.items():
-        size = (expert_dp_size or dp_size) if expert else dp_size
+        size = (expert_dp_size or dp_size) if params[0].is_expert else dp_size
         for run in ([params] if unit is not None else _closed_at(params, bucket_size)):
             buckets.append(bucket_of(run, dp_size=size, unit=unit, expert=expert))
     return tuple(buckets)

@@ -219,16 +219,23 @@ HOLDER_MOMENTUM_OPTIMIZERS = ("muon", "adaptive_muon")
 def fsdp_state_elements(plan: CanzonaPlan, specs: Sequence[ParamSpec], *, dp_rank: int, tp_rank: int,
                         state: StateLayout, strategy: str = "optim_grads_params",
                         bucket_size: int | None = None,
-                        buckets: dict[int, Sequence[FsdpBucket]] | None = None) -> dict[str, int]:
+                        buckets: dict[int, Sequence[FsdpBucket]] | None = None,
+                        experts: bool = False) -> dict[str, int]:
     """Optimizer state by kind of rank ``(dp_rank, tp_rank)`` under Megatron-FSDP (``plan`` of the
     ``fsdp`` layout, made over the buckets of ``strategy`` and ``bucket_size``): Muon's momentum
     (Muon's, AdaMuon's) in FSDP's shard layout, one element per matrix element this rank holds;
     AdamW's two moments per elementwise element it holds; the rest of each matrix's state
     (AdaMuon's second moment, Shampoo's and SOAP's everything) on its host. ``buckets``: each
     chunk's :func:`~megatron.canzona.planning.fsdp.fsdp_buckets`, where the caller has them
-    (every rank's are the same)."""
-    if plan.experts is not None:
-        raise ValueError("experts under Megatron-FSDP are not planned yet")
+    (every rank's are the same).
+
+    ``experts``: the expert optimizer's instead (``plan.experts``, the expert buckets over the
+    expert-data-parallel group, ``(dp_rank, tp_rank)`` that group's rank and expert TP rank); a
+    rank of an expert-parallel run holds the sum of the two."""
+    if experts and plan.experts is None:
+        raise ValueError("experts=True needs a plan with experts (plan.experts)")
+    plan = plan.experts if experts else plan
+    specs = [s for s in specs if s.is_expert == experts]
     by_name = {(s.chunk, s.name): s for s in specs}
     kinds = dict.fromkeys(STATE_KINDS, 0)
     holders = state.optimizer in HOLDER_MOMENTUM_OPTIMIZERS
@@ -244,6 +251,8 @@ def fsdp_state_elements(plan: CanzonaPlan, specs: Sequence[ParamSpec], *, dp_ran
     for chunk, chunk_buckets in buckets.items():
         for bucket in chunk_buckets:
             for item in bucket.items:
+                if (chunk, item.name) not in family:  # the other optimizer's (dense, or experts)
+                    continue
                 held = sum(hi - lo for rank, lo, hi in bucket.pieces(item) if rank == dp_rank)
                 if family[(chunk, item.name)] != "matrix":
                     kinds["adam_moments"] += 2 * held
