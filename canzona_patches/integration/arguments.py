@@ -379,8 +379,6 @@ runs (which allows only sgd and adam under Megatron-FSDP, for its own optimizers
 FSDP_REFUSED = (
     ("pipeline_model_parallel_size", lambda v: v > 1, "--pipeline-model-parallel-size {v}",
      "pipeline stages under Megatron-FSDP are not planned yet"),
-    ("context_parallel_size", lambda v: v > 1, "--context-parallel-size {v}",
-     "context parallelism under Megatron-FSDP is not planned yet"),
     ("canzona_matrices_reduce_first", bool, "--canzona-matrices-reduce-first",
      "Megatron-FSDP orders its own reduce-scatters"),
 )

@@ -23,7 +23,7 @@
 #                  --use-megatron-fsdp --data-parallel-sharding-strategy $FSDP instead of the
 #                  distributed optimizer, fsdp_dtensor checkpoints (pretrain_qwen3_8b_fsdp.sh;
 #                  variants canzona, sync and adamw: Megatron's layer-wise Muon refuses FSDP;
-#                  with canzona and sync PP and CP stay 1; EP any, ETP 1)
+#                  with canzona and sync PP stays 1; CP and EP any, ETP 1)
 #   EP ETP         MoE recipes (NUM_EXPERTS set) only: expert-parallel size (default 1) and
 #                  expert-tensor-parallel size (default 1, the only size canzona and sync take:
 #                  Canzona does not split expert matrices over TP ranks)
@@ -216,8 +216,8 @@ qwen3_training_args() {
         esac
         [[ "$VARIANT" == layerwise ]] && qwen3_die "FSDP=$FSDP: Megatron's layer-wise Muon does not run under" \
             "Megatron-FSDP; pass VARIANT=canzona, sync or adamw, or leave FSDP unset"
-        if [[ "$VARIANT" == canzona || "$VARIANT" == sync ]] && (( PP > 1 || CP > 1 )); then
-            qwen3_die "FSDP=$FSDP: --canzona under Megatron-FSDP runs PP 1 and CP 1 (PP=$PP CP=$CP)"
+        if [[ "$VARIANT" == canzona || "$VARIANT" == sync ]] && (( PP > 1 )); then
+            qwen3_die "FSDP=$FSDP: --canzona under Megatron-FSDP runs PP 1 (PP=$PP)"
         fi
         TRAINING_ARGS+=(--use-megatron-fsdp --data-parallel-sharding-strategy "$FSDP")
     fi

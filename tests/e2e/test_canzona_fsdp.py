@@ -64,13 +64,15 @@ CASES = {
     "muon-dp2-optim-qk_clip": (2, "muon", "optim", QK_CLIP),
     "muon-dp2-optim-split_gate_up": (2, "muon", "optim", ("--canzona-split-gate-up",)),
     "muon-tp2_dp2-optim_grads_params": (4, "muon", "optim_grads_params", TP2),
+    "muon-cp2_dp2-optim_grads_params": (4, "muon", "optim_grads_params", ("--context-parallel-size", "2")),
     "muon-tp2_dp2-optim-qk_clip": (4, "muon", "optim", (*TP2, *QK_CLIP)),
     "adaptive_muon-dp2-optim": (2, "adaptive_muon", "optim", ()),
     "shampoo-dp2-optim-buckets": (2, "shampoo", "optim", SMALL_BUCKETS),
     "soap-dp2-optim": (2, "soap", "optim", ()),
 }
 """The FSDP runs: DP 2, DP 4 with experts over EP 2 (a dense and an expert Canzona optimizer, the
-experts' buckets over expert-DP 2), TP 2 x DP 2, every optimizer, several buckets without units
+experts' buckets over expert-DP 2), TP 2 x DP 2, CP 2 x DP 2 (the plan over DP x CP, as Megatron-FSDP
+shards over it), every optimizer, several buckets without units
 (``optim`` with 20,000-element buckets), gate and up hosted apart (what docs/fsdp.md's projection
 recommends at scale); ``optim_grads`` is held to the one-device math by
 tests/multirank/test_replay_fsdp.py and to the plan's bytes by test_bench_fsdp.py. AdaMuon's normalisation by its second
@@ -79,7 +81,7 @@ moment, Shampoo's inverse roots and SOAP's eigenbases amplify the reduction orde
 by 1.6e-4; SOAP's third loss by 4e-3, as much as the distributed optimizer's own DP 1 against DP 2
 on this tiny model): they run where the order is DDP's, and are bitwise."""
 SAVED = ("muon-dp2-optim_grads_params", "muon-dp4_ep2-optim_grads_params", "muon-tp2_dp2-optim_grads_params",
-         "shampoo-dp2-optim-buckets")
+         "muon-cp2_dp2-optim_grads_params", "shampoo-dp2-optim-buckets")
 """The cases that also save ``fsdp_dtensor`` checkpoints at iterations 2 and 4."""
 RESUMES = {
     # name: (the saved case, ranks of the resumed run, its layout flags)
@@ -88,6 +90,7 @@ RESUMES = {
     "muon-dp4_ep2-to-dp4_ep2": ("muon-dp4_ep2-optim_grads_params", 4, moe(2)),
     "muon-dp4_ep2-to-dp2_ep1": ("muon-dp4_ep2-optim_grads_params", 2, moe(1)),
     "muon-tp2_dp2-to-dp2": ("muon-tp2_dp2-optim_grads_params", 2, ()),
+    "muon-cp2_dp2-to-dp2": ("muon-cp2_dp2-optim_grads_params", 2, ()),
     "shampoo-dp2-to-dp2": ("shampoo-dp2-optim-buckets", 2, SMALL_BUCKETS),
 }
 """Resumes from iteration 2 of a saved case: at the same layout bitwise; at another FSDP, TP or EP
@@ -178,10 +181,12 @@ def test_the_plan_is_over_megatron_fsdps_buckets(runs: dict, name: str) -> None:
     nproc, _, _, extra = CASES[name]
     tp = 2 if "--tensor-model-parallel-size" in extra else 1
     out = runs[name]["stdout"]
-    plan = re.search(r"\[canzona\] plan: fsdp layout, (\d+) matrices over DP (\d+) x TP (\d+), (\d+) bucket\(s\)", out)
+    plan = re.search(r"\[canzona\] plan: fsdp layout, (\d+) matrices over DP (\d+)(?: x CP (\d+))? x TP (\d+), "
+                     r"(\d+) bucket\(s\)", out)
     assert plan is not None, out[-4000:]
     matrices = 4 if "--num-experts" in extra else 10 if "--canzona-split-gate-up" in extra else 8
-    assert (int(plan[1]), int(plan[2]), int(plan[3])) == (matrices, nproc // tp, tp)
+    cp = 2 if "--context-parallel-size" in extra else 1
+    assert (int(plan[1]), int(plan[2]), int(plan[3] or 1), int(plan[4])) == (matrices, nproc // tp // cp, cp, tp)
     if "--num-experts" in extra:  # each EP rank's 2 experts of 2 layers, fc1 and fc2, hosted over expert-DP 2
         assert "[canzona] experts: 8 matrices per EP rank over expert-DP 2 x EP 2, 2 bucket(s)" in out, out[-4000:]
     assert "[canzona] early compute: off (under --use-megatron-fsdp" in out

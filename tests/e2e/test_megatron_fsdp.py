@@ -1,7 +1,7 @@
 """Megatron-Core's own Megatron-FSDP trains on CPU with gloo through ``pretrain_gpt.py``, as
 Megatron has it (``--use-megatron-fsdp --ckpt-format fsdp_dtensor --optimizer adam``), in each of
-its three sharding strategies, at DP 2, DP 4 with experts over EP 2, and TP 2 x DP 2 (and with
-small buckets); its losses and gradient norms are the ``--use-distributed-optimizer`` run's
+its three sharding strategies, at DP 2, DP 4 with experts over EP 2, TP 2 x DP 2 and CP 2 x DP 2
+(and with small buckets); its losses and gradient norms are the ``--use-distributed-optimizer`` run's
 (``canzona_patches/emulation/fsdp.py``); and the planner predicts the buckets it builds
 (``megatron.canzona.planning.fsdp``), expert buckets over the expert-data-parallel group.
 
@@ -41,9 +41,10 @@ def moe(ep: int) -> tuple[str, ...]:
 
 LAYOUTS = {"dp2": (2, ()), "dp4_ep2": (4, moe(2)),
            "tp2_dp2": (4, ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
+           "cp2_dp2": (4, ("--context-parallel-size", "2")),
            "dp2_buckets": (2, ("--ddp-bucket-size", "20000"))}
 """Ranks and flags per layout; ``dp4_ep2``: dense buckets over DP 4, each layer's 4 experts over EP 2,
-their buckets sharded over expert-DP 2; ``dp2_buckets`` closes buckets at 20,000 elements
+their buckets sharded over expert-DP 2; ``cp2_dp2``: every bucket over DP 2 x CP 2; ``dp2_buckets`` closes buckets at 20,000 elements
 (``optim``: no units)."""
 
 
@@ -98,6 +99,7 @@ SAVED = ("dp2", "optim_grads_params")
 
 
 CASES = [("dp2", s) for s in STRATEGIES] + [("dp4_ep2", "optim_grads_params"), ("tp2_dp2", "optim_grads_params"),
+                                            ("cp2_dp2", "optim_grads_params"),
                                             ("dp2_buckets", "optim")]
 
 

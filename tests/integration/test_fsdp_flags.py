@@ -20,7 +20,6 @@ pytestmark = pytest.mark.quick
 
 FSDP = ["--canzona", "--optimizer", "muon", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
 SET = {"pipeline_model_parallel_size": ["--pipeline-model-parallel-size", "2"],
-       "context_parallel_size": ["--context-parallel-size", "2"],
        "canzona_matrices_reduce_first": ["--canzona-matrices-reduce-first", "--overlap-grad-reduce"]}
 """Command-line words that set each refused flag."""
 
@@ -37,6 +36,14 @@ def test_what_is_not_built_under_fsdp_is_refused_naming_its_flag(dest: str) -> N
     line = str(refused.value)
     assert "\n" not in line and len(line) < 300, line
     assert line.startswith("--canzona --use-megatron-fsdp does not run with ") and f"drop {flag}," in line, line
+
+
+def test_context_parallelism_passes() -> None:
+    """CP under Megatron-FSDP: the plan over DP x CP, as Megatron-FSDP shards over dp_cp."""
+    args = parse(*FSDP, "--context-parallel-size", "2")
+    validate_canzona_args(args)
+    finalize_canzona_args(args)
+    assert args.context_parallel_size == 2
 
 
 @pytest.mark.parametrize("ep", [1, 2])
