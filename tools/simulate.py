@@ -367,8 +367,8 @@ def project_fsdp(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, St
                      for method in {args.muon_ns_method, "standard"}} if args.calibration else None)
     run = configure(args)
     if run["pp"] > 1 or run["cp"] > 1:
-        raise ValueError(f"--fsdp projects PP 1 and CP 1, what --canzona runs under --use-megatron-fsdp (the recipe "
-                         f"has PP {run['pp']}, CP {run['cp']}): pass --pp 1 --cp 1")
+        raise ValueError(f"--fsdp projects PP 1 (Megatron-FSDP has no pipeline stages) and CP 1 (CP under FSDP is "
+                         f"not projected yet; it runs) (the recipe has PP {run['pp']}, CP {run['cp']}): pass --pp 1 --cp 1")
     run["fsdp"] = args.fsdp
     specs = stage_specs(args, run, 0)
     cfg = get_qwen3_config(run["model"])

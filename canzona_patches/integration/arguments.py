@@ -377,8 +377,6 @@ runs (which allows only sgd and adam under Megatron-FSDP, for its own optimizers
 
 
 FSDP_REFUSED = (
-    ("pipeline_model_parallel_size", lambda v: v > 1, "--pipeline-model-parallel-size {v}",
-     "pipeline stages under Megatron-FSDP are not planned yet"),
     ("canzona_matrices_reduce_first", bool, "--canzona-matrices-reduce-first",
      "Megatron-FSDP orders its own reduce-scatters"),
 )
@@ -439,6 +437,11 @@ def check_common_args(args: argparse.Namespace, environ: dict[str, str] | os._En
                 f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
                 f"{args.micro_batch_size} x data-parallel size {dp}: pick a global batch that is "
                 f"(e.g. {args.micro_batch_size * dp * max(1, args.global_batch_size // (args.micro_batch_size * dp))})")
+    if getattr(args, "use_megatron_fsdp", False) and args.pipeline_model_parallel_size > 1:
+        raise CanzonaArgumentError(
+            f"--use-megatron-fsdp with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: megatron-core "
+            "0.19.2's Megatron-FSDP builds its device mesh over the whole world, without pipeline stages (an einops "
+            "error when it wraps the model): use --use-distributed-optimizer with pipeline stages, or PP 1")
     _check_context_parallel(args)
     _check_cp_comm_type(args)
     check_megatron_optimizer_ranges(args)

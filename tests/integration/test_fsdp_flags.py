@@ -19,8 +19,7 @@ from test_flags_need_their_run import parse
 pytestmark = pytest.mark.quick
 
 FSDP = ["--canzona", "--optimizer", "muon", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
-SET = {"pipeline_model_parallel_size": ["--pipeline-model-parallel-size", "2"],
-       "canzona_matrices_reduce_first": ["--canzona-matrices-reduce-first", "--overlap-grad-reduce"]}
+SET = {"canzona_matrices_reduce_first": ["--canzona-matrices-reduce-first", "--overlap-grad-reduce"]}
 """Command-line words that set each refused flag."""
 
 
@@ -36,6 +35,17 @@ def test_what_is_not_built_under_fsdp_is_refused_naming_its_flag(dest: str) -> N
     line = str(refused.value)
     assert "\n" not in line and len(line) < 300, line
     assert line.startswith("--canzona --use-megatron-fsdp does not run with ") and f"drop {flag}," in line, line
+
+
+@pytest.mark.parametrize("canzona", [True, False])
+def test_pipeline_stages_under_megatron_fsdp_are_refused_in_one_line(canzona: bool) -> None:
+    """Megatron-FSDP (megatron-core 0.19.2) has no pipeline stages, for Megatron's own optimizers too:
+    one line instead of an einops error at wrapping."""
+    words = FSDP if canzona else ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+    with pytest.raises(CanzonaArgumentError) as refused:
+        validate_canzona_args(parse(*words, "--pipeline-model-parallel-size", "2"))
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("--use-megatron-fsdp with --pipeline-model-parallel-size 2:"), line
 
 
 def test_context_parallelism_passes() -> None:
