@@ -6,7 +6,9 @@ closed by peer"; neither names the file. So:
 
 * **At save**, each rank hashes the bytes of its ``__<rank>_<n>.distcp`` files *as it writes
   them* (``_write_item``'s stream is wrapped: no second read) and writes
-  ``checksums/<file>.sha256`` beside them before the write is reported done. The first rank
+  ``checksums/<file>.sha256`` beside them before the write is reported done: ``torch_dist``
+  through Megatron's writer, ``fsdp_dtensor`` through torch DCP's ``FileSystemWriter`` (its
+  ``_write_files_from_queue`` threads record theirs when they are done with the queue). The first rank
   hashes the small files it wrote itself (``.metadata``, ``common.pt``, ``metadata.json``)
   when it commits. The lines are ``sha256sum``'s: ``cd iter_N && sha256sum -c checksums/*``
   checks a checkpoint by hand.
@@ -23,7 +25,8 @@ once more. ``--canzona-no-checksums`` turns both off (the save rows are not inst
 load skips the check); checkpoints saved without checksums load without it. ``--ckpt-format torch`` checkpoints are not covered.
 
 Hooks (rows of :data:`canzona_patches.registry.PATCHES`): ``filesystem_async._write_item`` and
-``FileSystemWriterAsync.write_preloaded_data`` (megatron-core 0.19.2).
+``FileSystemWriterAsync.write_preloaded_data`` (megatron-core 0.19.2); torch's
+``torch.distributed.checkpoint.filesystem._write_item`` and ``_write_files_from_queue``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ _pending: dict[str, list[Any]] = {}
 _pending_lock = threading.Lock()
 _write_failures: list[tuple[str, OSError]] = []
 """(data file, error) of writes that failed in this process, for :func:`take_write_failure`."""
+_queue_files = threading.local()
+"""In a thread of torch DCP's ``FileSystemWriter`` (:func:`hashing_queue_writes`): ``files``, each
+data file it writes -> its running hash."""
 
 
 def sidecar(data_file: Path) -> Path:
@@ -109,10 +115,16 @@ def hashing_write_item(write_item: Any, run: Any = None) -> Any:
         # (transforms, stream, data, write_item, storage_key, ...): the stream is the first
         # positional argument that has a name (the transforms object has none).
         position = next((i for i, arg in enumerate(args) if hasattr(arg, "write") and hasattr(arg, "name")), None)
-        entry = None if position is None else _pending.get(str(args[position].name))
-        if entry is None:
+        if position is None or isinstance(args[position], _HashingStream):  # (hashed by an outer wrapper)
             return write_item(*args, **kwargs)
         stream = args[position]
+        entry = _pending.get(str(stream.name))
+        files = getattr(_queue_files, "files", None)
+        if entry is None and files is not None:  # torch DCP's writer: recorded when its thread is done
+            digest = files.setdefault(str(stream.name), hashlib.sha256())
+            return write_item(*args[:position], _HashingStream(stream, digest), *args[position + 1:], **kwargs)
+        if entry is None:
+            return write_item(*args, **kwargs)
         args = (*args[:position], _HashingStream(stream, entry[1]), *args[position + 1:])
         result = write_item(*args, **kwargs)
         entry[0] -= 1
@@ -123,6 +135,26 @@ def hashing_write_item(write_item: Any, run: Any = None) -> Any:
         return result
 
     return write_item_hashed
+
+
+def hashing_queue_writes(write_files_from_queue: Any, run: Any = None) -> Any:
+    """torch DCP's ``_write_files_from_queue`` (what ``FileSystemWriter`` runs in each of its
+    threads: ``fsdp_dtensor`` saves): every file the thread writes is hashed as written (the
+    hashing ``_write_item``), and once the queue is drained each one's checksum is recorded,
+    before the writer joins its threads and reports the save's results."""
+
+    @functools.wraps(write_files_from_queue)
+    def write_files_hashed(*args: Any, **kwargs: Any) -> Any:
+        _queue_files.files = files = {}
+        try:
+            result = write_files_from_queue(*args, **kwargs)
+        finally:
+            _queue_files.files = None
+        for name, digest in files.items():
+            record(Path(name), digest.hexdigest())
+        return result
+
+    return write_files_hashed
 
 
 def hashing_preloaded_writes(write_preloaded_data: Any, run: Any = None) -> Any:

@@ -24,8 +24,10 @@ layout whose own exactness against one process the other tests hold:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import shutil
 
 import pytest
 
@@ -252,4 +254,71 @@ def test_a_checkpoint_of_another_optimizer_is_named_in_one_line(runs: dict) -> N
     assert result.returncode != 0
     line = "the checkpoint holds muon state, this run uses --optimizer shampoo: resume with --optimizer muon"
     assert line in result.stdout, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
+
+
+FAULTY_ENTRY = "canzona_patches/harness/pretrain_with_fault.py"
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@pytest.fixture(scope="module")
+def killed_save(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Muon at DP 2 (``optim_grads_params``) saving every 2 iterations, rank 0 SIGKILLed while it
+    commits iteration 4 (everything written, before the rename: ``CANZONA_CKPT_FAULT=commit@4``);
+    the job resumed from the same directory; then iteration 4's checkpoint, one byte flipped in a
+    data file, loaded by 2 ranks."""
+    root = tmp_path_factory.mktemp("fsdp_killed")
+    ckpt = root / "ckpt"
+    flags = (*_canzona("muon", *FSDP), "--data-parallel-sharding-strategy", "optim_grads_params",
+             "--save", str(ckpt), "--save-interval", "2")
+    out = {"killed": launch_ranks(2, FAULTY_ENTRY, *train_args(demo_data, root / "killed", *flags),
+                                  timeout_s=RUN_TIMEOUT_S, env={"CANZONA_CKPT_FAULT": f"commit@{ITERS}"})}
+    out["after_kill"] = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".staging"))
+    out["tracker_after_kill"] = (ckpt / TRACKER).read_text()
+    out["reference"] = {m["iteration"]: m for m in map(json.loads, (root / "killed" / "metrics.jsonl").read_text().splitlines())}
+    out["resumed"] = train(demo_data, root / "resumed", 2, *flags, "--load", str(ckpt))
+    out["after_resume"] = sorted(p.name for p in ckpt.iterdir())
+    final = ckpt / f"iter_{ITERS:07d}"
+    out["files"] = sorted(p.name for p in final.iterdir() if p.is_file())
+    out["listed"] = sorted(p.name.removesuffix(".sha256") for p in (final / "checksums").glob("*.sha256"))
+    out["checksums_hold"] = all(
+        line.split()[0] == hashlib.sha256((final / line.split()[1]).read_bytes()).hexdigest()
+        for listing in (final / "checksums").glob("*.sha256") for line in listing.read_text().splitlines())
+    bad = root / "bad"
+    shutil.copytree(ckpt, bad)
+    victim = bad / final.name / "__1_0.distcp"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    out["victim"] = victim
+    out["corrupt"] = launch_ranks(2, "pretrain_gpt.py", *train_args(
+        demo_data, root / "corrupt", *_canzona("muon", *FSDP), "--data-parallel-sharding-strategy",
+        "optim_grads_params", "--load", str(bad)), timeout_s=RUN_TIMEOUT_S)
+    return out
+
+
+def test_a_save_killed_under_fsdp_never_tears_the_tracked_checkpoint(killed_save: dict) -> None:
+    """The torn attempt is never tracked (the tracker still names iteration 2, no ``iter_0000004``);
+    the resumed job continues from iteration 2 bitwise the killed one's own curve and saves
+    iteration 4 in place of the torn attempt, its staging gone."""
+    assert killed_save["killed"].returncode != 0
+    assert killed_save["after_kill"] == ["canzona.lock", "iter_0000002", TRACKER]
+    assert killed_save["tracker_after_kill"].strip() == "2"
+    resumed, reference = killed_save["resumed"]["metrics"], killed_save["reference"]
+    assert sorted(resumed) == [3, 4]
+    for iteration, got in resumed.items():
+        assert (got["lm_loss"], got["grad_norm"]) == (reference[iteration]["lm_loss"], reference[iteration]["grad_norm"])
+    assert killed_save["after_resume"] == ["iter_0000002", f"iter_{ITERS:07d}", TRACKER]
+
+
+def test_fsdp_dtensor_checkpoints_carry_checksums_that_name_a_flipped_byte(killed_save: dict) -> None:
+    """Every file of an ``fsdp_dtensor`` checkpoint (each rank's data file, the index) has its SHA-256,
+    recorded as torch DCP wrote it; a byte flipped in a data file stops every rank with one line
+    naming the file and the way on, before anything is read."""
+    assert killed_save["listed"] == killed_save["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert killed_save["checksums_hold"]
+    result = killed_save["corrupt"]
+    assert result.returncode != 0
+    line = f"{killed_save['victim']} is corrupt: its SHA-256 is "
+    assert line in result.stdout and "resume from it with --ckpt-step 2" in result.stdout, result.stdout[-3000:]
     assert "Traceback" not in result.stdout
