@@ -61,8 +61,9 @@ CASES = (
     ("qwen3-14b", 4, (8, 32, 64, 128)),
     ("qwen3-32b", 8, (8, 16, 32, 64, 128, 256)),
 )
-FSDP_CASES = (("qwen3-8b", 1, (64, 256)), ("qwen3-32b", 4, (64, 256)))
-"""Model, TP, FSDP sizes of docs/fsdp.md's memory table (``--fsdp-cases``)."""
+FSDP_CASES = (("qwen3-8b", 1, 1, (64, 256)), ("qwen3-32b", 4, 1, (64, 256)), ("qwen3-30b-a3b", 1, 8, (64, 256)))
+"""Model, TP, EP, FSDP sizes of docs/fsdp.md's memory table (``--fsdp-cases``; experts over
+expert-DP = FSDP / EP, expert TP 1)."""
 MOE_CASES = (  # model, TP, EP, expert TP, PP, first/last stage layers, DPs
     ("qwen3-30b-a3b", 1, 8, 1, 1, None, (32, 64, 256)),
     ("qwen3-235b-a22b", 4, 8, 1, 8, 11, (4, 8)),
@@ -426,7 +427,7 @@ MOE_HEADER = (
 )
 
 
-FSDP_HEADER = ("| model | TP x FSDP | optimizer | makespan / LB | state per GPU, busiest (GiB) | mean (GiB) | "
+FSDP_HEADER = ("| model | TP x FSDP (x EP) | optimizer | makespan / LB | state per GPU, busiest (GiB) | mean (GiB) | "
                "busiest / mean | AdamW-FSDP busiest (GiB) | busiest / AdamW's |")
 
 
@@ -437,36 +438,47 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict]:
     layout, the rest of the matrix state on hosts), against AdamW-FSDP's two moments of the same
     shards."""
     from megatron.canzona.planning.fsdp import fsdp_buckets
+    from megatron.canzona.planning.grid import dense_to_expert
     from megatron.canzona.planning.memory import STATE_BYTES, StateLayout, fsdp_state_elements
 
     rows = []
     print(FSDP_HEADER)
     print("|" + "---|" * (FSDP_HEADER.count("|") - 1))
-    for model, tp, dps in FSDP_CASES:
+    for model, tp, ep, dps in FSDP_CASES:
         for dp in dps:
-            specs = qwen3_specs(model, tp_size=tp, split_qkv=args.split_qkv, split_gate_up=args.split_gate_up)
-            buckets = {0: fsdp_buckets(specs, dp_size=dp, strategy="optim_grads_params")}
+            specs = qwen3_specs(model, tp_size=tp, ep_size=ep, split_qkv=args.split_qkv, split_gate_up=args.split_gate_up)
+            coords = dense_to_expert(dp_size=dp, tp_size=tp, ep_size=ep, expert_tp_size=1) if ep > 1 else None
+            expert_dp = dp * tp // ep if ep > 1 else None
+            buckets = {0: fsdp_buckets(specs, dp_size=dp, strategy="optim_grads_params", expert_dp_size=expert_dp)}
             for optimizer in OPTIMIZERS:
                 case = argparse.Namespace(**{**vars(args), "optimizer": optimizer})
                 cm, wire = cost_model(case), wire_config(case)
                 plan = make_plan(specs, dp_size=dp, tp_size=tp, cost_model=cm, alpha=args.alpha, wire=wire,
-                                 layout="fsdp", fsdp_strategy="optim_grads_params")
+                                 ep_size=ep, layout="fsdp", fsdp_strategy="optim_grads_params")
                 state = StateLayout(optimizer=optimizer, ns_dtype=args.muon_ns_dtype)
                 per_gpu, adamw = [], []
                 for d in range(dp):
                     for t in range(tp):
-                        kinds = fsdp_state_elements(plan, specs, dp_rank=d, tp_rank=t, state=state, buckets=buckets)
-                        per_gpu.append(sum(kinds.values()) * STATE_BYTES)
-                        held = fsdp_state_elements(plan, specs, dp_rank=d, tp_rank=t, state=StateLayout(optimizer="muon"),
-                                                   buckets=buckets)
-                        adamw.append((2 * held["momentum"] + held["adam_moments"]) * STATE_BYTES)
+                        # a GPU's dense state, and its expert rank's where the model has expert parallelism
+                        parts = [(False, d, t)] + ([(True, *coords[t + tp * d])] if coords else [])
+                        mine = adam_total = 0
+                        for experts, dd, tt in parts:
+                            kinds = fsdp_state_elements(plan, specs, dp_rank=dd, tp_rank=tt, state=state,
+                                                        buckets=buckets, experts=experts)
+                            held = fsdp_state_elements(plan, specs, dp_rank=dd, tp_rank=tt, buckets=buckets,
+                                                       state=StateLayout(optimizer="muon"), experts=experts)
+                            mine += sum(kinds.values())
+                            adam_total += 2 * held["momentum"] + held["adam_moments"]
+                        per_gpu.append(mine * STATE_BYTES)
+                        adamw.append(adam_total * STATE_BYTES)
                 summary = summarize_canzona(plan, specs, cm, wire)
                 busiest, mean = max(per_gpu), sum(per_gpu) / len(per_gpu)
-                row = {"model": model, "tp": tp, "dp": dp, "optimizer": optimizer,
-                       "makespan_over_lower_bound": summary["makespan_over_lower_bound"], "busiest_bytes": busiest,
+                row = {"model": model, "tp": tp, "ep": ep, "dp": dp, "optimizer": optimizer,
+                       "makespan_over_lower_bound": summary.get("combined_makespan_over_lower_bound",  # dense + experts per GPU
+                                                                summary["makespan_over_lower_bound"]), "busiest_bytes": busiest,
                        "mean_bytes": mean, "adamw_busiest_bytes": max(adamw)}
                 rows.append(row)
-                print(f"| {model} | {tp} x {dp} | {optimizer} | {row['makespan_over_lower_bound']:.3f} | "
+                print(f"| {model} | {tp} x {dp}{f' x {ep}' if ep > 1 else ''} | {optimizer} | {row['makespan_over_lower_bound']:.3f} | "
                       f"{busiest / 2**30:.3f} | {mean / 2**30:.3f} | {busiest / mean:.3f} | {max(adamw) / 2**30:.3f} | "
                       f"{busiest / max(adamw):.2f} |", flush=True)
     return rows

@@ -19,6 +19,9 @@ layout whose own exactness against one process the other tests hold:
   the losses and 7.1e-5 in the gradient norms (TP 2 x DP 2), as for the distributed optimizer's own DP 1 against
   DP 2 (2.6e-6, 3.5e-5).
 
+Under ``--bf16`` (Muon, DP 2, ``optim``) Megatron-FSDP's own bf16 gradients depart from the first
+step: the losses within :data:`BF16_LOSS_RTOL`.
+
 ``async`` and ``sync`` (``--canzona-tp-mode``) are bitwise equal.
 """
 
@@ -55,6 +58,14 @@ scales every head's query and key rows by about 0.17 a step, and makes the gradi
 the clip (1.0) from iteration 2; on an AVX-512 machine's default MKL path the two layouts' fourth
 losses then part by 7.7e-8 and the largest logits by 3.2e-5 (bitwise on another machine), while
 under ``MKL_CBWR=COMPATIBLE`` every loss is bitwise and the fourth largest logit within 7.3e-8."""
+BF16_LOSS_RTOL = 5e-5
+"""``--bf16``: losses within this of the largest loss. Megatron-FSDP's bf16 gradients depart from the
+distributed optimizer's from the first step (its first gradient norm by 5.8e-6 relative), as its
+own AdamW's do: its third loss by 9.3e-6 relative; Canzona's Muon's by 1.4e-5 (measured on an AVX-512
+machine)."""
+BF16_GRAD_NORM_RTOL = 1e-3
+"""``--bf16``: gradient norms within this, relative. Measured: Canzona's Muon's fourth by 2.3e-4;
+Megatron's own AdamW under FSDP departs from its distributed optimizer's by 1.0e-4 there."""
 QK_LOGIT_RTOL = 1e-5
 """The largest logits after a clipped step: ``tests/e2e/test_qk_clip.py``'s bound against one process."""
 
@@ -65,6 +76,7 @@ CASES = {
     "muon-dp4_ep2-optim_grads_params": (4, "muon", "optim_grads_params", moe(2)),
     "muon-dp2-optim-qk_clip": (2, "muon", "optim", QK_CLIP),
     "muon-dp2-optim-split_gate_up": (2, "muon", "optim", ("--canzona-split-gate-up",)),
+    "muon-dp2-optim-bf16": (2, "muon", "optim", ("--bf16",)),
     "muon-tp2_dp2-optim_grads_params": (4, "muon", "optim_grads_params", TP2),
     "muon-cp2_dp2-optim_grads_params": (4, "muon", "optim_grads_params", ("--context-parallel-size", "2")),
     "muon-tp2_dp2-optim-qk_clip": (4, "muon", "optim", (*TP2, *QK_CLIP)),
@@ -148,15 +160,18 @@ def test_canzona_under_megatron_fsdp_trains_as_under_the_distributed_optimizer(r
     fsdp, reference = runs[name]["metrics"], runs[(nproc, optimizer, extra)]["metrics"]
     assert sorted(fsdp) == sorted(reference) == list(range(1, ITERS + 1))
     largest = max(abs(m["lm_loss"]) for m in reference.values())
-    bitwise = CASES[name][2] == BITWISE and extra != CLIPPED
+    bf16 = "--bf16" in extra
+    bitwise = CASES[name][2] == BITWISE and extra != CLIPPED and not bf16
+    loss_rtol = BF16_LOSS_RTOL if bf16 else LOSS_RTOL.get(optimizer)  # (bitwise cases need none)
+    norm_rtol = 1e-6 if bitwise else BF16_GRAD_NORM_RTOL if bf16 else GRAD_NORM_RTOL
     worst_loss = worst_norm = 0.0
     for iteration, want in reference.items():
         got = fsdp[iteration]
         loss_diff = abs(got["lm_loss"] - want["lm_loss"])
         bound = 0.0 if bitwise else FIRST_LOSS_RTOL * abs(want["lm_loss"]) if iteration == 1 else \
-            LOSS_RTOL[optimizer] * largest
+            loss_rtol * largest
         assert loss_diff <= bound, (name, iteration, got["lm_loss"], want["lm_loss"])
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6 if bitwise else GRAD_NORM_RTOL), \
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=norm_rtol), \
             (name, iteration)
         worst_loss = max(worst_loss, loss_diff / abs(want["lm_loss"]))
         worst_norm = max(worst_norm, abs(got["grad_norm"] / want["grad_norm"] - 1))
