@@ -26,7 +26,7 @@ import contextlib
 hold = sys.argv[1] == "hold"
 with signal_held(signal.SIGTERM) if hold and os.environ["RANK"] == "0" else contextlib.nullcontext():
     if os.environ["RANK"] == "0":
-        time.sleep(1.0)  # later than torchrun's monitor interval after rank 1's exit
+        time.sleep(3.0)  # well after rank 1's exit and torchrun's next look at it, on a loaded machine too
         print("late.py: error: the one line", file=sys.stderr, flush=True)
         print("rank 0 still here after its line", flush=True)
 sys.exit(2)
