@@ -190,7 +190,7 @@ ReturnToService=2
 SlurmctldTimeout=30
 SlurmdTimeout=30
 MessageTimeout=10
-KillWait=5
+KillWait=15
 MinJobAge=600
 NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus State=UNKNOWN
 PartitionName=local Nodes=$node Default=YES MaxTime=INFINITE State=UP
