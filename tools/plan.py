@@ -438,7 +438,7 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict]:
     layout, the rest of the matrix state on hosts), against AdamW-FSDP's two moments of the same
     shards."""
     from megatron.canzona.planning.fsdp import fsdp_buckets
-    from megatron.canzona.planning.grid import dense_to_expert
+    from megatron.canzona.planning.grid import dense_to_expert, expert_dp_size
     from megatron.canzona.planning.memory import STATE_BYTES, StateLayout, fsdp_state_elements
 
     rows = []
@@ -448,7 +448,7 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict]:
         for dp in dps:
             specs = qwen3_specs(model, tp_size=tp, ep_size=ep, split_qkv=args.split_qkv, split_gate_up=args.split_gate_up)
             coords = dense_to_expert(dp_size=dp, tp_size=tp, ep_size=ep, expert_tp_size=1) if ep > 1 else None
-            expert_dp = dp * tp // ep if ep > 1 else None
+            expert_dp = expert_dp_size(dp_size=dp, tp_size=tp, ep_size=ep, expert_tp_size=1) if ep > 1 else None
             buckets = {0: fsdp_buckets(specs, dp_size=dp, strategy="optim_grads_params", expert_dp_size=expert_dp)}
             for optimizer in OPTIMIZERS:
                 case = argparse.Namespace(**{**vars(args), "optimizer": optimizer})
