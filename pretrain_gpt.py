@@ -94,6 +94,22 @@ _CPU_FLAG_VALUES = (
 )
 
 
+_PEER_WATCH: list = []
+"""``watch_for_lost_peers``' report and stop handlers, made by :func:`main` (empty: no watch)."""
+
+
+def start_peer_watch() -> None:
+    """The lost-peer watch takes SIGTERM, once per process, when the model is first built: after
+    the process group exists. Before, a rank waits for its peers inside torch's rendezvous and
+    Megatron's start-up collectives, in C++, where no Python handler runs; under SIGTERM's default
+    it ends at once when torchrun stops the job (a peer's start-up error, e.g. --save locked by
+    another job, which only rank 0 checks), where a handler that cannot run held it until
+    torchrun's SIGKILL, 30 s later."""
+    if _PEER_WATCH:
+        watch_for_lost_peers(*_PEER_WATCH)
+        _PEER_WATCH.clear()
+
+
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
                    config: Any = None, pg_collection: Any = None) -> GPTModel:
     """The GPT of the flags: a Qwen3 block is RMSNorm, SwiGLU, QK-RMSNorm, GQA and RoPE.
@@ -102,6 +118,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     imports), Megatron-Core's local layers otherwise (always on CPU).
     """
     args = get_args()
+    start_peer_watch()
     print_rank_0("building GPT model ...")
     if config is None:
         config = core_transformer_config_from_args(args)
@@ -403,8 +420,9 @@ def main() -> int:
     install_patches(args)  # every Megatron patch whose condition holds (python -m canzona_patches.registry)
     # SIGTERM: torchrun's after a rank died (one line naming it), or a stop (scancel, preemption):
     # saved at the next iteration boundary under --exit-signal-handler, else one line saying so.
-    watch_for_lost_peers(functools.partial(_print_lost_peer, args),
-                         functools.partial(stop_on_sigterm, args, exit_handler_of(args), sigterm_handler()))
+    # The handlers are read now; the watch takes SIGTERM once the process group exists (model_provider).
+    _PEER_WATCH[:] = [functools.partial(_print_lost_peer, args),
+                      functools.partial(stop_on_sigterm, args, exit_handler_of(args), sigterm_handler())]
     try:
         pretrain(
             pretrain_cfg_container_from_args(args),

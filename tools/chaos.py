@@ -20,7 +20,7 @@ saved), printed once, in at most 300 characters.
 
 Each scenario (``muon``, ``muon-async``, ``shampoo``, ``shampoo-async``: the optimizer, with or
 without ``--async-save``) trains the tiny Qwen3 recipe (``examples/qwen3/pretrain_qwen3_tiny.sh``,
-``--canzona``, TP 2 x DP 2: four gloo ranks) twice from the same data:
+``--canzona``, TP 2 x DP 2 by default: four gloo ranks; ``--tp``/``--dp`` choose) twice from the same data:
 
 1. **reference**: once, uninterrupted, to ``--train-iters``;
 2. **chaos**: launched again and again on one ``--save``/``--load`` directory (the requeue
@@ -76,7 +76,6 @@ KINDS = ("rank", "rank-in-step", "launcher", "rank-in-save", "launcher-in-save",
 ARMED_ENTRY = ROOT / "canzona_patches" / "harness" / "pretrain_with_fault.py"
 """``pretrain_gpt.py`` with the ``CANZONA_CKPT_FAULT`` of its environment armed (``rank-in-step``)."""
 FIRED = "[test fault]"
-RANKS = 4  # TP 2 x DP 2
 SCENARIOS = {"muon": ("muon", False), "muon-async": ("muon", True),
              "shampoo": ("shampoo", False), "shampoo-async": ("shampoo", True)}
 ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \|")
@@ -89,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-iters", type=at_least(1), default=300)
     parser.add_argument("--save-interval", type=at_least(1), default=10)
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated fault kinds, of {', '.join(KINDS)}")
+    parser.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=at_least(1), default=2,
+                        help="tensor-parallel size of every launch")
+    parser.add_argument("--dp", "--data-parallel-size", dest="dp", type=at_least(1), default=2,
+                        help="data-parallel size: TP x DP gloo ranks a launch")
     parser.add_argument("--seed", type=int, default=0, help="seeds the choice of faults, ranks and moments")
     parser.add_argument("--data-path", help="dataset prefix (default: the recipe's demo data, made if missing)")
     parser.add_argument("--tokenizer-model", help="SentencePiece model of --data-path")
@@ -192,7 +195,8 @@ class Scenario:
 
     def env(self, run: str) -> dict[str, str]:
         args = self.args
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TP": "2", "NPROC_PER_NODE": str(RANKS),
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TP": str(args.tp),
+               "NPROC_PER_NODE": str(args.tp * args.dp),
                "OPTIMIZER": self.optimizer, "TRAIN_ITERS": str(args.train_iters),
                "SAVE_INTERVAL": str(args.save_interval), "LOG_INTERVAL": "1", "EVAL_INTERVAL": "100000",
                "EVAL_ITERS": "0", "WARMUP_ITERS": "2", "LOG_DIR": str(self.root / run),
@@ -252,7 +256,7 @@ class Scenario:
         if kind != "rank-in-step":
             return None
         iteration = self._moment(_tracked_iteration(ckpt) + 1, left)
-        return f"step@{iteration}:{self.rng.randrange(RANKS)}"
+        return f"step@{iteration}:{self.rng.randrange(self.args.tp * self.args.dp)}"
 
     def _inject(self, launch: Launch, kind: str, ckpt: Path, left: int) -> int | None:
         """Wait for the fault's moment and fire it; the iteration reached, or None if the run ended first."""
@@ -260,7 +264,7 @@ class Scenario:
         target = None
         committed_at = stale = None
         while time.monotonic() < deadline:
-            if kind == "rank-in-step" and len(launch.ranks) < RANKS:
+            if kind == "rank-in-step" and len(launch.ranks) < self.args.tp * self.args.dp:
                 launch.ranks = launch.rank_pids()  # the launch's ranks, to see that they all end
             if not launch.running():
                 launch.kill_all()  # reads the log to its end
@@ -427,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     root = Path(args.dir or tempfile.mkdtemp(prefix="chaos_"))
     dealt = plan_faults(args.faults, args.scenario_names, args.kind_names, rng)
-    print(f"chaos: {args.faults} faults over {', '.join(args.scenario_names)}; TP 2 x DP 2, {args.train_iters} "
+    print(f"chaos: {args.faults} faults over {', '.join(args.scenario_names)}; TP {args.tp} x DP {args.dp}, "
+          f"{args.train_iters} "
           f"iterations, a save every {args.save_interval}; runs in {root}", flush=True)
     started = time.perf_counter()
     results: dict[str, Tally] = {}

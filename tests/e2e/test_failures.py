@@ -170,7 +170,8 @@ def test_ranks_end_when_their_launcher_is_killed(demo_data: DemoData, tmp_path: 
     """SIGKILL torchrun itself mid-training: its ranks, re-parented, must not train on
     (megatron.canzona.runtime.lifetime: each rank asks for a signal at its parent's death).
 
-    Meanwhile a second job given the same --save stops at start naming the first
+    Meanwhile (its ranks paused, as by a busy node) a second job given the same --save stops at start
+    naming the first, and ends at once (its rank 1 waits in the rendezvous for rank 0, which stopped)
     (megatron.canzona.runtime.save_lock); the first, whose --load is its --save and empty,
     said it starts from iteration 0."""
     ckpt = tmp_path / "ckpt"
@@ -184,12 +185,20 @@ def test_ranks_end_when_their_launcher_is_killed(demo_data: DemoData, tmp_path: 
         ranks = list(by_local_rank.values())
         assert len(ranks) == 2, f"ranks of torchrun {job.process.pid}: {by_local_rank}"
         first = by_local_rank["0"]
-        code, second = Job({**env, "LOG_DIR": str(tmp_path / "second")}, "--train-iters", "2").finish(START_TIMEOUT_S)
+        for pid in ranks:  # paused while the second job starts: it gets both cores (its lock stays held)
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            code, second = Job({**env, "LOG_DIR": str(tmp_path / "second")}, "--train-iters", "2").finish(START_TIMEOUT_S)
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
         assert code != 0, second[-6000:]
         assert re.search(rf"pretrain_gpt.py: error: --save {re.escape(str(ckpt))} is in use by another job "
                          rf"\(PID {first} on [^;]+; lock file {re.escape(str(ckpt))}/canzona.lock\): wait for it",
                          second), second[-6000:]
         assert not RANK_TRACEBACK.search(second) and "iteration        1/" not in second, second[-6000:]
+        # its other rank ended by torchrun's SIGTERM, not by the SIGKILL that follows when it is ignored
+        assert "(SIGTERM)" in second and "(SIGKILL)" not in second, second[-3000:]
         os.kill(job.process.pid, signal.SIGKILL)
         deadline = time.monotonic() + LAUNCHER_GONE_S
         while time.monotonic() < deadline and any(running(pid) for pid in ranks):
