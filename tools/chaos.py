@@ -112,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in args.scenario_names if s not in SCENARIOS]
     if unknown or not args.scenario_names:
         parser.error(f"--scenarios {args.scenarios!r}: choose from {', '.join(SCENARIOS)}")
+    args.ranks = args.tp * args.dp
     args.kind_names = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not args.kind_names or any(k not in KINDS for k in args.kind_names):
         parser.error(f"--kinds {args.kinds!r}: choose from {', '.join(KINDS)}")
@@ -196,7 +197,7 @@ class Scenario:
     def env(self, run: str) -> dict[str, str]:
         args = self.args
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TP": str(args.tp),
-               "NPROC_PER_NODE": str(args.tp * args.dp),
+               "NPROC_PER_NODE": str(args.ranks),
                "OPTIMIZER": self.optimizer, "TRAIN_ITERS": str(args.train_iters),
                "SAVE_INTERVAL": str(args.save_interval), "LOG_INTERVAL": "1", "EVAL_INTERVAL": "100000",
                "EVAL_ITERS": "0", "WARMUP_ITERS": "2", "LOG_DIR": str(self.root / run),
@@ -256,7 +257,7 @@ class Scenario:
         if kind != "rank-in-step":
             return None
         iteration = self._moment(_tracked_iteration(ckpt) + 1, left)
-        return f"step@{iteration}:{self.rng.randrange(self.args.tp * self.args.dp)}"
+        return f"step@{iteration}:{self.rng.randrange(self.args.ranks)}"
 
     def _inject(self, launch: Launch, kind: str, ckpt: Path, left: int) -> int | None:
         """Wait for the fault's moment and fire it; the iteration reached, or None if the run ended first."""
@@ -264,7 +265,7 @@ class Scenario:
         target = None
         committed_at = stale = None
         while time.monotonic() < deadline:
-            if kind == "rank-in-step" and len(launch.ranks) < self.args.tp * self.args.dp:
+            if kind == "rank-in-step" and len(launch.ranks) < self.args.ranks:
                 launch.ranks = launch.rank_pids()  # the launch's ranks, to see that they all end
             if not launch.running():
                 launch.kill_all()  # reads the log to its end
@@ -432,8 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.dir or tempfile.mkdtemp(prefix="chaos_"))
     dealt = plan_faults(args.faults, args.scenario_names, args.kind_names, rng)
     print(f"chaos: {args.faults} faults over {', '.join(args.scenario_names)}; TP {args.tp} x DP {args.dp}, "
-          f"{args.train_iters} "
-          f"iterations, a save every {args.save_interval}; runs in {root}", flush=True)
+          f"{args.train_iters} iterations, a save every {args.save_interval}; runs in {root}", flush=True)
     started = time.perf_counter()
     results: dict[str, Tally] = {}
     try:

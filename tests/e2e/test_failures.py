@@ -188,7 +188,11 @@ def test_ranks_end_when_their_launcher_is_killed(demo_data: DemoData, tmp_path: 
         for pid in ranks:  # paused while the second job starts: it gets both cores (its lock stays held)
             os.kill(pid, signal.SIGSTOP)
         try:
-            code, second = Job({**env, "LOG_DIR": str(tmp_path / "second")}, "--train-iters", "2").finish(START_TIMEOUT_S)
+            # its rank 0 starts 3 s late, so that rank 1 waits for it in the rendezvous when it stops
+            late = {"ENTRY": str(ROOT / "canzona_patches" / "harness" / "pretrain_with_fault.py"),
+                    "CANZONA_START_DELAY": "0:3"}
+            code, second = Job({**env, **late, "LOG_DIR": str(tmp_path / "second")}, "--train-iters", "2").finish(
+                START_TIMEOUT_S)
         finally:
             for pid in ranks:
                 os.kill(pid, signal.SIGCONT)
@@ -197,7 +201,8 @@ def test_ranks_end_when_their_launcher_is_killed(demo_data: DemoData, tmp_path: 
                          rf"\(PID {first} on [^;]+; lock file {re.escape(str(ckpt))}/canzona.lock\): wait for it",
                          second), second[-6000:]
         assert not RANK_TRACEBACK.search(second) and "iteration        1/" not in second, second[-6000:]
-        # its other rank ended by torchrun's SIGTERM, not by the SIGKILL that follows when it is ignored
+        # its rank 1, blocked in the rendezvous, ended by torchrun's SIGTERM, not by the SIGKILL that
+        # follows 30 s later when a Python handler that cannot run there has taken SIGTERM
         assert "(SIGTERM)" in second and "(SIGKILL)" not in second, second[-3000:]
         os.kill(job.process.pid, signal.SIGKILL)
         deadline = time.monotonic() + LAUNCHER_GONE_S
