@@ -338,7 +338,7 @@ def load_distributed(sharded_state_dict: dict, load_dir: str | Path, *, optimize
 
 
 def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimizer: Any = None,
-                        group: Any = None, checksums: bool = True) -> Path | None:
+                        group: Any = None, checksums: bool = True, ckpt_format: str | None = None) -> Path | None:
     """The checkpoint ``--load`` resumes from, checked by one rank for all of them.
 
     The first rank of ``group`` (default: every rank) undoes a re-save killed between its
@@ -346,8 +346,10 @@ def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimi
     ``checksums`` the ranks then re-hash the files, each its share, and agree on the first
     mismatch (:func:`canzona_patches.checkpoints.checksums.agreed_mismatch`); with
     ``optimizer``, the first rank checks that a ``torch_dist`` checkpoint's optimizer state is
-    the kind this run reads. Every rank returns the same answer (``None``: nothing was saved)
-    or raises the same line (:func:`canzona_patches.checkpoints.files.decided_on_rank_zero`)."""
+    the kind this run reads; with ``ckpt_format`` (this run's ``--ckpt-format``), that it is a
+    checkpoint of that format (the other layout's is converted once: ``tools/convert_checkpoint.py``).
+    Every rank returns the same answer (``None``: nothing was saved) or raises the same line
+    (:func:`canzona_patches.checkpoints.files.decided_on_rank_zero`)."""
 
     def find() -> str | None:
         recover_replaced(Path(load_dir))
@@ -361,6 +363,8 @@ def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimi
             check_checkpoint_files(path)
         except CanzonaCheckpointError as error:  # the checkpoints that are there, and how to go on
             raise CanzonaCheckpointError(f"{error}; {way_on(load_dir, damaged=path)}") from None
+        if ckpt_format is not None:
+            check_format(path, ckpt_format)
         return str(path)
 
     found = decided_on_rank_zero(find, group=group)
@@ -376,6 +380,23 @@ def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimi
     if optimizer is not None and ((Path(found) / "metadata.json").is_file() or (Path(found) / ".metadata").is_file()):
         decided_on_rank_zero(lambda: check_optimizer_compatible(Path(found), optimizer), group=group)
     return Path(found)
+
+
+LAYOUT_OF_FORMAT = {"torch_dist": "--use-distributed-optimizer", "fsdp_dtensor": "--use-megatron-fsdp"}
+
+
+def check_format(path: Path, ckpt_format: str) -> None:
+    """``path`` is a checkpoint of ``ckpt_format``, or one line says how to convert it (a
+    ``torch_dist`` checkpoint under ``--use-megatron-fsdp``, an ``fsdp_dtensor`` one under the
+    distributed optimizer: Megatron would fail deep in its load)."""
+    saved = "torch_dist" if (path / "metadata.json").is_file() else "fsdp_dtensor" if (path / ".metadata").is_file() else None
+    if saved is None or ckpt_format not in LAYOUT_OF_FORMAT or saved == ckpt_format:
+        return
+    step = f" --ckpt-step {int(path.name[len('iter_'):])}" if path.name.startswith("iter_") else ""
+    raise CanzonaCheckpointError(
+        f"{path} is a {saved} checkpoint (saved under {LAYOUT_OF_FORMAT[saved]}), this run reads {ckpt_format} "
+        f"({LAYOUT_OF_FORMAT[ckpt_format]}): convert it once with python tools/convert_checkpoint.py --load "
+        f"{path.parent}{step} --save NEW_DIR --to {ckpt_format}, then --load NEW_DIR")
 
 
 def _fsdp_common_state(path: Path) -> dict:
@@ -447,7 +468,7 @@ def checked_load_checkpoint(load_checkpoint: Callable[..., Any], run: Any = None
         loads_optimizer = optimizer is not None and not megatron_args.no_load_optim and not megatron_args.finetune
         path = None if load_dir is None else verified_checkpoint(
             load_dir, step=getattr(megatron_args, "ckpt_step", None), optimizer=optimizer if loads_optimizer else None,
-            checksums=getattr(megatron_args, "canzona_checksums", True))
+            checksums=getattr(megatron_args, "canzona_checksums", True), ckpt_format=megatron_args.ckpt_format)
         if path is None:
             if load_dir is not None and load_arg == "load":
                 _check_nothing_to_resume(load_dir, megatron_args.save)

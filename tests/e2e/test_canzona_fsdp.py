@@ -94,8 +94,14 @@ moment, Shampoo's inverse roots and SOAP's eigenbases amplify the reduction orde
 (under ``optim_grads_params`` AdaMuon's third loss moves by 1.7e-5, Shampoo's third gradient norm
 by 1.6e-4; SOAP's third loss by 4e-3, as much as the distributed optimizer's own DP 1 against DP 2
 on this tiny model): they run where the order is DDP's, and are bitwise."""
+CONVERTED = "muon-dp2-optim-split_gate_up"
+"""The case whose checkpoints move between the layouts (``tools/convert_checkpoint.py``): its
+distributed-optimizer reference saves ``torch_dist`` checkpoints too, and each layout resumes from
+the other's iteration 2 converted. Under ``optim`` the two layouts train bitwise alike, so both
+resumes are held bitwise to the uninterrupted runs (gate and up hosted apart: Muon's momentum
+pieces are Q, K, V and gate, up, merged into and split from Megatron-FSDP's holders' layout)."""
 SAVED = ("muon-dp2-optim_grads_params", "muon-dp4_ep2-optim_grads_params", "muon-tp2_dp2-optim_grads_params",
-         "muon-cp2_dp2-optim_grads_params", "shampoo-dp2-optim-buckets")
+         "muon-cp2_dp2-optim_grads_params", "shampoo-dp2-optim-buckets", CONVERTED)
 """The cases that also save ``fsdp_dtensor`` checkpoints at iterations 2 and 4."""
 RESUMES = {
     # name: (the saved case, ranks of the resumed run, its layout flags)
@@ -133,8 +139,9 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
         reference = (nproc, optimizer, extra)
         env = QK_CLIP_ENV if "--qk-clip" in extra else None
         if reference not in out:
+            saved = ("--save", str(root / f"{name}-distopt" / "ckpt"), "--save-interval", "2") if name == CONVERTED else ()
             out[reference] = train(demo_data, root / f"{name}-distopt", nproc,
-                                   *_canzona(optimizer, "--use-distributed-optimizer", *extra), env=env)
+                                   *_canzona(optimizer, "--use-distributed-optimizer", *extra), *saved, env=env)
         save = ("--save", str(root / name / "ckpt"), "--save-interval", "2") if name in SAVED else ()
         out[name] = train(demo_data, root / name, nproc, *_canzona(optimizer, *FSDP, *extra),
                           "--data-parallel-sharding-strategy", strategy, *save, env=env)
@@ -147,11 +154,61 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
         out[name] = train(demo_data, root / name, nproc, *_canzona(optimizer, *FSDP, *extra),
                           "--data-parallel-sharding-strategy", strategy, "--load", str(root / saved / "ckpt"),
                           "--ckpt-step", "2")
+    out.update(_converted_resumes(demo_data, root))
     first = next(iter(RESUMES.values()))[0]
     out["wrong_optimizer"] = launch_ranks(2, "pretrain_gpt.py", *train_args(
         demo_data, root / "wrong_optimizer", *_canzona("shampoo", *FSDP), "--data-parallel-sharding-strategy",
         CASES[first][2], "--load", str(root / first / "ckpt"), "--ckpt-step", "2"), timeout_s=RUN_TIMEOUT_S)
     return out
+
+
+def _converted_resumes(demo_data: DemoData, root) -> dict:
+    """:data:`CONVERTED`'s iteration 2 converted each way and resumed in the other layout; and the
+    distributed optimizer's checkpoint given as it is to a Megatron-FSDP run."""
+    nproc, optimizer, strategy, extra = CASES[CONVERTED]
+    layouts = {"fsdp_dtensor": (*FSDP, "--data-parallel-sharding-strategy", strategy),
+               "torch_dist": ("--use-distributed-optimizer",)}
+    sources = {"fsdp_dtensor": root / f"{CONVERTED}-distopt" / "ckpt", "torch_dist": root / CONVERTED / "ckpt"}
+    out: dict = {}
+    for to, source in sources.items():
+        converted = root / f"converted-{to}"
+        out[f"convert-{to}"] = launch_ranks(1, "tools/convert_checkpoint.py", "--load", str(source), "--ckpt-step", "2",
+                                            "--save", str(converted), "--to", to, timeout_s=RUN_TIMEOUT_S)
+        assert out[f"convert-{to}"].returncode == 0, out[f"convert-{to}"].stdout[-3000:]
+        out[f"resume-{to}"] = train(demo_data, root / f"resume-{to}", nproc, *_canzona(optimizer, *layouts[to], *extra),
+                                    "--load", str(converted))
+    out["wrong_format"] = launch_ranks(nproc, "pretrain_gpt.py", *train_args(
+        demo_data, root / "wrong_format", *_canzona(optimizer, *layouts["fsdp_dtensor"], *extra),
+        "--load", str(sources["fsdp_dtensor"]), "--ckpt-step", "2"), timeout_s=RUN_TIMEOUT_S)
+    return out
+
+
+@pytest.mark.parametrize("to", ["fsdp_dtensor", "torch_dist"])
+def test_a_checkpoint_moves_between_the_distributed_optimizer_and_megatron_fsdp(runs: dict, to: str) -> None:
+    """Iteration 2 of one layout, converted by tools/convert_checkpoint.py, resumed in the other:
+    iterations 3 and 4 are bitwise the other layout's uninterrupted run (under ``optim`` the two
+    layouts train alike: :data:`CONVERTED`)."""
+    nproc, optimizer, _, extra = CASES[CONVERTED]
+    straight = runs[CONVERTED if to == "fsdp_dtensor" else (nproc, optimizer, extra)]["metrics"]
+    resumed = runs[f"resume-{to}"]["metrics"]
+    assert sorted(resumed) == [3, 4]
+    for iteration, got in resumed.items():
+        want = straight[iteration]
+        assert (got["lm_loss"], got["grad_norm"]) == (want["lm_loss"], want["grad_norm"]), (to, iteration)
+    assert f"-> {to}: " in runs[f"convert-{to}"].stdout and "[convert] done in" in runs[f"convert-{to}"].stdout
+    assert "Traceback" not in runs[f"resume-{to}"]["stdout"]
+
+
+def test_a_checkpoint_of_the_other_layout_is_named_in_one_line_with_its_conversion(runs: dict) -> None:
+    """A ``torch_dist`` checkpoint given to a Megatron-FSDP run: one line on every rank naming the
+    format, the layout it came from and the command that converts it, before anything is read."""
+    result = runs["wrong_format"]
+    assert result.returncode != 0
+    line = ("is a torch_dist checkpoint (saved under --use-distributed-optimizer), this run reads fsdp_dtensor "
+            "(--use-megatron-fsdp): convert it once with python tools/convert_checkpoint.py --load ")
+    assert result.stdout.count(line) >= 1 and "--ckpt-step 2 --save NEW_DIR --to fsdp_dtensor" in result.stdout, \
+        result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -312,17 +369,20 @@ def killed_save(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
-def test_a_save_killed_under_fsdp_never_tears_the_tracked_checkpoint(killed_save: dict) -> None:
+def test_a_save_killed_under_fsdp_never_tears_the_tracked_checkpoint(killed_save: dict, runs: dict) -> None:
     """The torn attempt is never tracked (the tracker still names iteration 2, no ``iter_0000004``);
-    the resumed job continues from iteration 2 bitwise the killed one's own curve and saves
-    iteration 4 in place of the torn attempt, its staging gone."""
+    the resumed job continues from iteration 2 bitwise the uninterrupted run of the same flags
+    (``muon-dp2-optim_grads_params``, which the killed one follows while it lives: its last rank
+    may be stopped before it logs iteration 4, as its rank 0 dies committing) and saves iteration 4
+    in place of the torn attempt, its staging gone."""
     assert killed_save["killed"].returncode != 0
     assert killed_save["after_kill"] == ["canzona.lock", "iter_0000002", TRACKER]
     assert killed_save["tracker_after_kill"].strip() == "2"
-    resumed, reference = killed_save["resumed"]["metrics"], killed_save["reference"]
-    assert sorted(resumed) == [3, 4]
-    for iteration, got in resumed.items():
-        assert (got["lm_loss"], got["grad_norm"]) == (reference[iteration]["lm_loss"], reference[iteration]["grad_norm"])
+    resumed, killed = killed_save["resumed"]["metrics"], killed_save["reference"]
+    straight = runs["muon-dp2-optim_grads_params"]["metrics"]
+    assert sorted(resumed) == [3, 4] and set(range(1, ITERS)) <= set(killed)
+    for iteration, got in (*killed.items(), *resumed.items()):
+        assert (got["lm_loss"], got["grad_norm"]) == (straight[iteration]["lm_loss"], straight[iteration]["grad_norm"])
     assert killed_save["after_resume"] == ["iter_0000002", f"iter_{ITERS:07d}", TRACKER]
 
 
