@@ -21,6 +21,8 @@ and vectors take AdamW in every run. All use one learning rate, 3e-3 (the demo's
   it takes Adam's learning rate;
 * ``soap``: ``--canzona`` SOAP, Adam in Shampoo's eigenbasis, again Adam's learning rate;
 * ``normuon``: ``--optimizer adaptive_muon --adaptive-muon-moment2-method normuon``, Muon's scale;
+* ``muon_per_head``: Muon with ``--canzona-split-qkv-per-head`` (every head's query, key and value
+  block its own matrix; ``muon`` splits Q, K and V only);
 * ``muon_qk_clip``: Muon with ``--qk-clip --qk-clip-threshold 3``, under the demo's largest logits
   (3.6-3.8 in its first 30 iterations), so the clip acts; the demo's Qwen3 has QK norms, which
   undo the scaling in the forward, so only the weights' scale and their gradients change;
@@ -93,6 +95,9 @@ RUNS: dict[str, RunSpec] = {
                                 "--muon-ns-method", "gram")),
     "muon_seed": RunSpec(label="Muon, seed 1235", optimizer="muon", canzona=True,
                          flags=("--muon-scale-mode", "spectral", "--muon-extra-scale-factor", "0.2", "--seed", "1235")),
+    "muon_per_head": RunSpec(label="Muon, per-head Q/K/V", optimizer="muon", canzona=True,
+                             flags=("--muon-scale-mode", "spectral", "--muon-extra-scale-factor", "0.2",
+                                    "--canzona-split-qkv-per-head")),
     "normuon": RunSpec(label="NorMuon", optimizer="adaptive_muon", canzona=True,
                        flags=("--adaptive-muon-moment2-method", "normuon", "--muon-scale-mode", "spectral",
                               "--muon-extra-scale-factor", "0.2")),

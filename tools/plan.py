@@ -107,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--params-dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (bytes all-gathered)")
     p.add_argument("--grad-reduce-in-fp32", action="store_true", help="gradients reduce-scattered in fp32 (else in the parameter dtype)")
     p.add_argument("--split-qkv", action="store_true", help="optimize Q, K and V as separate matrices")
+    p.add_argument("--split-qkv-per-head", action="store_true",
+                   help="optimize every attention head's query, key and value block as its own matrix "
+                   "(--canzona-split-qkv-per-head)")
     p.add_argument("--split-gate-up", action="store_true", help="optimize gate and up projections as separate matrices")
     p.add_argument("--compare", action="store_true", help="also plan eq1, megatron_layerwise and zero1")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -222,7 +225,8 @@ def stage_specs(args: argparse.Namespace, pp_rank: int) -> list:
     return qwen3_specs(
         args.model, tp_size=args.tp, ep_size=args.ep, expert_tp_size=args.etp, pp_size=args.pp, pp_rank=pp_rank,
         first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
-        split_qkv=args.split_qkv, split_gate_up=args.split_gate_up, expert_layout=args.expert_layout,
+        split_qkv=args.split_qkv, split_qkv_per_head=args.split_qkv_per_head, split_gate_up=args.split_gate_up,
+        expert_layout=args.expert_layout,
     )
 
 
@@ -257,7 +261,8 @@ def report(args: argparse.Namespace) -> dict:
             "optimizer": args.optimizer, "cost": cm.kind if cm.kind != "muon" else f"muon, {cm.ns_method} Newton-Schulz in {cm.ns_dtype}",
             "cost_unit": cm.unit, "alpha": args.alpha, "bucket_size": plan.dp.bucket_size,
             "params_dtype": args.params_dtype, "grad_reduce_in_fp32": args.grad_reduce_in_fp32,
-            "split_qkv": args.split_qkv, "split_gate_up": args.split_gate_up,
+            "split_qkv": args.split_qkv, "split_qkv_per_head": args.split_qkv_per_head,
+            "split_gate_up": args.split_gate_up,
             "num_matrices": sum(s.family == "matrix" for s in dense),
             "num_expert_matrices": sum(len(s.matrices) for s in experts if s.family == "matrix"),
             "git": git_revision(),

@@ -132,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce gradients in bf16 (the recipes reduce in fp32: --accumulate-allreduce-grads-in-fp32)")
     p.add_argument("--no-split-qkv", dest="split_qkv", action="store_false", help="one matrix per fused QKV")
+    p.add_argument("--split-qkv-per-head", action="store_true",
+                   help="one matrix per attention head's query, key and value block (--canzona-split-qkv-per-head)")
     p.add_argument("--split-gate-up", action="store_true",
                    help="Canzona hosts gate and up of every SwiGLU fc1 apart (--canzona-split-gate-up); the "
                    "other strategies keep the fused fc1, as Megatron's optimizers do")
@@ -223,7 +225,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": cfg.name, "gpus": args.gpus, "dp": dp, "dp_cp": dp * sizes["cp"], **sizes,
             "global_batch": global_batch, "note": note,
             "optimizer": args.optimizer, "ns_method": args.muon_ns_method, "split_qkv": args.split_qkv,
-            "split_gate_up": getattr(args, "split_gate_up", False), "alpha": args.alpha,
+            "split_qkv_per_head": getattr(args, "split_qkv_per_head", False), "split_gate_up": getattr(args, "split_gate_up", False), "alpha": args.alpha,
             "grad_reduce_in_fp32": not args.grad_reduce_in_bf16, "overlap": args.overlap,
             "bucket_size": args.bucket_size or default_bucket_size(dp * sizes["cp"]),
             "early_compute": getattr(args, "early_compute", False), "clip_rate": getattr(args, "clip_rate", 0.0),
@@ -240,6 +242,7 @@ def stage_specs(args: argparse.Namespace, run: dict[str, Any], pp_rank: int) -> 
     return qwen3_specs(run["model"], tp_size=run["tp"], ep_size=run["ep"], expert_tp_size=run["etp"],
                        pp_size=run["pp"], pp_rank=pp_rank, first_stage_layers=run["first_stage_layers"],
                        last_stage_layers=run["last_stage_layers"], split_qkv=run["split_qkv"],
+                       split_qkv_per_head=run.get("split_qkv_per_head", False),
                        split_gate_up=run.get("split_gate_up", False))
 
 

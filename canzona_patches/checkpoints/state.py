@@ -52,7 +52,6 @@ from canzona_patches.checkpoints.files import (
 )
 from canzona_patches.checkpoints.recovery import way_on
 from canzona_patches.version import require_pinned_megatron
-from megatron.canzona.optim.split import GateUpLayout, QKVLayout
 from megatron.canzona.runtime.optimizer import CanzonaOptimizer
 from megatron.canzona.runtime.state_io import (
     Placement,
@@ -204,8 +203,7 @@ def optimizer_name(inner: Any) -> str:
 
 def pieces_signature(inner: Any) -> list[str]:
     """Which fused matrices are optimized as separate pieces (the matrix state's structure)."""
-    kinds = inner.split_kinds()
-    return sorted(name for name, cls in (("qkv", QKVLayout), ("gate_up", GateUpLayout)) if cls in kinds)
+    return sorted(inner.split_kinds())
 
 
 def _check_common(saved: dict, current: dict) -> None:
@@ -225,7 +223,7 @@ def _check_common(saved: dict, current: dict) -> None:
     if saved["pieces"] != current["pieces"]:
         raise CanzonaCheckpointError(
             f"the checkpoint optimizes fused matrices split as {', '.join(saved['pieces']) or 'none'}, this run as "
-            f"{', '.join(current['pieces']) or 'none'}; match --canzona-split-qkv/--canzona-split-gate-up to the saved run"
+            f"{', '.join(current['pieces']) or 'none'}; match --canzona-split-qkv/--canzona-split-qkv-per-head/--canzona-split-gate-up to the saved run"
         )
     missing = sorted(set(current["param_groups"]) - set(saved["param_groups"]))
     if missing:

@@ -90,6 +90,8 @@ class TinyRun:
     """Decoupled weight decay (Megatron skips vectors and biases)."""
     split_qkv: bool = True
     """Canzona and Megatron Muon: optimize Q, K, V as separate matrices."""
+    split_qkv_per_head: bool = False
+    """Canzona: optimize every head's query, key and value block as its own matrix."""
     split_gate_up: bool = False
     """Canzona: optimize gate and up of fc1 as separate matrices."""
     alpha: float = 0.5
@@ -440,7 +442,8 @@ def canzona_config(run: TinyRun):
     }
     name = run.optimizer if run.optimizer in matrix else "muon"  # sync_muon: Muon's math
     return CanzonaConfig(
-        optimizer="adaptive_muon" if name in ("adamuon", "normuon") else name, matrix=matrix[name], alpha=run.alpha, split_qkv=run.split_qkv, split_gate_up=run.split_gate_up,
+        optimizer="adaptive_muon" if name in ("adamuon", "normuon") else name, matrix=matrix[name], alpha=run.alpha, split_qkv=run.split_qkv,
+        split_qkv_per_head=run.split_qkv_per_head, split_gate_up=run.split_gate_up,
         tp_mode=run.tp_mode, layout=run.canzona_layout, early_gather=run.early_gather,
         early_compute=(run.early_compute if isinstance(run.early_compute, str) else "on" if run.early_compute else "off")
         if run.early_gather else "off", speculation=run.speculation,

@@ -52,7 +52,7 @@ from megatron.training.argument_utils import ArgumentGroupFactory  # noqa: E402
 CANZONA_ONLY_OPTIMIZERS = ("shampoo",)
 """Choices of ``--optimizer`` that only Canzona implements (Megatron 0.19.2 has no Shampoo)."""
 
-CANZONA_FLAG_FIELDS = ("alpha", "cost", "split_qkv", "split_gate_up", "tp_mode", "tp_group_budget", "early_gather",
+CANZONA_FLAG_FIELDS = ("alpha", "cost", "split_qkv", "split_qkv_per_head", "split_gate_up", "tp_mode", "tp_group_budget", "early_gather",
                        "layout", "cluster")
 """The fields of ``CanzonaConfig`` that a ``--canzona-<field>`` flag sets (``dest`` ``canzona_<field>``)."""
 
@@ -121,6 +121,9 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
     switch("split-qkv", defaults.split_qkv,
            on="Treat Q, K and V of the fused QKV weight as separate matrices (default, as Megatron's Muon).",
            off="Treat the fused QKV weight as one matrix.")
+    group.add_argument("--canzona-split-qkv-per-head", action="store_true", default=defaults.split_qkv_per_head,
+                       help="Treat every attention head's query, key and value block of the fused QKV weight as "
+                       "its own matrix (Megatron's --muon-split-qkv splits Q, K and V only).")
     switch("split-gate-up", defaults.split_gate_up,
            on="Treat gate and up halves of the fused SwiGLU fc1 weight as separate matrices, each its own "
            "task with its own host (under TP, two TP ranks of the owner compute them side by side).",
@@ -341,6 +344,10 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(
             f"--canzona needs a matrix optimizer: pass --optimizer {'|'.join(OPTIMIZERS)} "
             f"(not {args.optimizer})")
+    if args.canzona_split_qkv_per_head and not args.canzona_split_qkv:
+        raise CanzonaArgumentError(
+            "--canzona-split-qkv-per-head splits Q, K and V into their heads, and --canzona-no-split-qkv keeps "
+            "the fused QKV weight one matrix: drop one")
     if getattr(args, "use_torch_fsdp2", False):
         raise CanzonaArgumentError(
             "--canzona does not work with --use-torch-fsdp2 (its per-parameter shards are not bound to a plan): "

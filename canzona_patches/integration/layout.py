@@ -25,6 +25,7 @@ from canzona_patches import registry
 from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.planning import LAYOUTS, CanzonaPlan, DPPlan, ParamSpec, WireConfig, make_plan
 from megatron.canzona.planning.fsdp import FSDP_LAYOUT
+from megatron.canzona.planning.specs import qkv_blocks
 from megatron.canzona.planning.geometry import default_bucket_size
 from megatron.canzona.planning.plan import BufferPlan
 from megatron.canzona.planning.speculation import EarlyComputeDecision, early_compute_decision
@@ -92,6 +93,7 @@ def specs_from_model(
     kv_channels: int | None = None,
     gated_linear_unit: bool = True,
     split_qkv: bool = False,
+    split_qkv_per_head: bool = False,
     split_gate_up: bool = False,
     chunk: int = 0,
     expert_tp_size: int = 1,
@@ -113,11 +115,11 @@ def specs_from_model(
             shape[tp_dim] *= group_size
         fused = _fused_kind(name, gated_linear_unit)
         blocks: tuple[tuple[int, int], ...] = ()
-        if fused == "qkv" and split_qkv:
+        if fused == "qkv" and (split_qkv or split_qkv_per_head):
             if None in (num_attention_heads, num_query_groups, kv_channels):
                 raise ValueError("splitting QKV needs num_attention_heads, num_query_groups and kv_channels")
-            q, kv = num_attention_heads * kv_channels, num_query_groups * kv_channels
-            blocks = ((q, shape[1]), (kv, shape[1]), (kv, shape[1]))
+            blocks = qkv_blocks(num_attention_heads, num_query_groups, kv_channels, shape[1],
+                                per_head=split_qkv_per_head)
         elif fused == "gate_up" and split_gate_up:
             blocks = ((shape[0] // 2, shape[1]), (shape[0] // 2, shape[1]))
         elif fused == "experts":
@@ -209,8 +211,8 @@ def build_canzona_plan(
         chunk_specs = specs_from_model(
             named, tp_size=tp_size, num_attention_heads=tc.num_attention_heads,
             num_query_groups=tc.num_query_groups or tc.num_attention_heads, kv_channels=tc.kv_channels,
-            gated_linear_unit=tc.gated_linear_unit, split_qkv=cfg.split_qkv, split_gate_up=cfg.split_gate_up,
-            chunk=index, expert_tp_size=expert_tp_size,
+            gated_linear_unit=tc.gated_linear_unit, split_qkv=cfg.split_qkv,
+            split_qkv_per_head=cfg.split_qkv_per_head, split_gate_up=cfg.split_gate_up, chunk=index, expert_tp_size=expert_tp_size,
             num_local_experts=(getattr(tc, "num_moe_experts", None) or 0) // ep_size,
         )
         tag_params_for_buffers(named, chunk_specs)

@@ -137,7 +137,7 @@ def make_setup(
     if first or summarize_here:
         summary = summarize_canzona(plan, specs, config.cost_model(), wire)
     if first:
-        for line in (choice, early, order):
+        for line in (choice, early, order, qkv_line(config, model_chunks[0].config)):
             if line is not None:
                 print(line if stage is None else line.replace("[canzona]", f"[canzona] stage {stage}:"), flush=True)
         _log_plan(plan, summary, stage)
@@ -186,12 +186,22 @@ def check_same_choices(choices: dict[str, int], group: Any = None) -> None:
             "give the choice explicitly, or --canzona-cluster with the node size of every node")
 
 
+def qkv_line(cfg: CanzonaConfig, tc: Any) -> str | None:
+    """The start-up line of ``--canzona-split-qkv-per-head`` (none without it)."""
+    if not cfg.split_qkv_per_head:
+        return None
+    heads, groups = tc.num_attention_heads, tc.num_query_groups or tc.num_attention_heads
+    return (f"[canzona] QKV: each head its own matrix, {heads} query + {groups} key + {groups} value heads of "
+            f"{tc.kv_channels} rows per linear_qkv (Megatron's --muon-split-qkv splits only Q, K and V)")
+
+
 def fused_layout(name: str, module: torch.nn.Module, cfg: CanzonaConfig) -> FusedLayout | None:
     """How a full (TP-global) fused weight splits into the matrices optimized separately."""
     tc = module.config
     groups = tc.num_query_groups or tc.num_attention_heads
-    if cfg.split_qkv and name.endswith("linear_qkv.weight"):
-        return QKVLayout(num_query_groups=groups, heads_per_group=tc.num_attention_heads // groups, head_dim=tc.kv_channels)
+    if (cfg.split_qkv or cfg.split_qkv_per_head) and name.endswith("linear_qkv.weight"):
+        return QKVLayout(num_query_groups=groups, heads_per_group=tc.num_attention_heads // groups,
+                         head_dim=tc.kv_channels, split_heads=cfg.split_qkv_per_head)
     if cfg.split_gate_up and tc.gated_linear_unit and name.endswith("linear_fc1.weight"):
         return GateUpLayout(num_partitions=1)
     if name.endswith(("experts.weight1", "experts.weight2")):  # legacy GroupedMLP: one matrix per expert

@@ -131,6 +131,8 @@ def test_an_optimizers_flag_needs_that_optimizer(optimizer: str, flag: str) -> N
      "--canzona-early-compute-budget 2.0 bounds what early compute keeps, and --canzona-no-early-compute turns"),
     (["--canzona-no-early-gather", "--canzona-early-compute-budget", "0"], "--canzona-no-early-gather turns"),
     (["--canzona-no-stagger-refresh"], "--canzona-no-stagger-refresh times Shampoo's and SOAP's"),
+    (["--canzona-split-qkv-per-head", "--canzona-no-split-qkv"],
+     "--canzona-split-qkv-per-head splits Q, K and V into their heads, and --canzona-no-split-qkv keeps"),
     (["--canzona-calibration", SHIPPED_CALIBRATION],
      "serves --optimizer muon --muon-ns-method auto \\(this run: --optimizer muon --muon-ns-method standard\\)"),
     (["--canzona-calibration", "none", "--muon-ns-method", "gram"], "serves --optimizer muon --muon-ns-method auto"),

@@ -19,6 +19,8 @@ Context parallelism adds nothing here: the optimizer's group is DP x CP, a DP 4 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -44,8 +46,16 @@ CASES = {
     "tp2_dp2_whole": dict(tp_size=2, canzona_layout="whole", bucket_size=10_000, overlap_grad_reduce=True),
 }
 """Case -> the TinyRun fields that make it (4 ranks each, one launch for all)."""
+PER_HEAD = {"muon-heads": ("muon", "tp2_dp2_whole"), "muon-heads-lean": ("muon", "tp2_dp2_lean"),
+            "normuon-heads": ("normuon", "tp2_dp2_whole"), "shampoo-heads": ("shampoo", "tp2_dp2_whole"),
+            "soap-heads": ("soap", "tp2_dp2_whole")}
+"""``--canzona-split-qkv-per-head``: name -> (optimizer, case). Each QKV weight is 8 matrices of
+one head's 16 rows (4 query heads, 2 key, 2 value); at TP 2 each rank holds one KV group's heads,
+gathered to the matrix's host and split there."""
+HEAD_CASES = CASES | {"tp2_dp2_lean": dict(tp_size=2, canzona_layout="lean", bucket_size=20_000, alpha=1.0)}
 MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 MAX_ULPS = {"muon": 1, "shampoo": 1, "soap": 16, "adamuon": 1, "normuon": 1}
+MAX_ULPS |= {name: MAX_ULPS[optimizer] for name, (optimizer, _) in PER_HEAD.items()}
 """Largest difference allowed per optimizer, in units in the last place of the largest element of
 the one-device matrix (``ulps``). Measured (`pytest -s` prints it), the same in every case and
 layout, under this machine's default code paths (AVX-512, MKL), MKL_CBWR=COMPATIBLE,
@@ -57,6 +67,11 @@ LAUNCH_TIMEOUT_S = 300.0
 
 
 def _run(optimizer: str, case: str, cases: dict = CASES) -> TinyRun:
+    if optimizer in PER_HEAD:
+        optimizer, case = PER_HEAD[optimizer]
+        return TinyRun(lr=LR, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1,
+                       global_batch=8, early_gather=False, replay_grads=True, split_qkv_per_head=True,
+                       **HEAD_CASES[case])
     return TinyRun(lr=LR, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1,
                    global_batch=8, early_gather=False, replay_grads=True, **REPLAY_SPLITS[optimizer], **cases[case])
 
@@ -64,7 +79,7 @@ def _run(optimizer: str, case: str, cases: dict = CASES) -> TinyRun:
 @pytest.fixture(scope="module")
 def results() -> dict[tuple[str, str], list[dict]]:
     """(optimizer, case) -> per-rank results of one 4-rank launch."""
-    cases = [(optimizer, case) for optimizer in OPTIMIZERS for case in CASES]
+    cases = [(optimizer, case) for optimizer in OPTIMIZERS for case in CASES] + [(name, "") for name in PER_HEAD]
     per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=4, timeout_s=LAUNCH_TIMEOUT_S),
                       [_run(*key) for key in cases])
     return {key: [rank[i] for rank in per_rank] for i, key in enumerate(cases)}
@@ -76,7 +91,7 @@ def one_device(run: TinyRun, initial: dict[str, torch.Tensor]) -> dict[str, torc
     params = {name: torch.nn.Parameter(value.clone()) for name, value in initial.items()
               if name.endswith(MATRIX_SUFFIXES)}
     qkv = QKVLayout(num_query_groups=NUM_QUERY_GROUPS, heads_per_group=NUM_HEADS // NUM_QUERY_GROUPS,
-                    head_dim=HIDDEN // NUM_HEADS) if run.split_qkv else None
+                    head_dim=HIDDEN // NUM_HEADS, split_heads=run.split_qkv_per_head) if run.split_qkv else None
     groups = build_param_groups(params.items(), qkv_layout=qkv,
                                 gate_up_layout=GateUpLayout() if run.split_gate_up else None)
     optimizer = MATRIX_OPTIMIZERS.get(run.optimizer, MATRIX_OPTIMIZERS["adaptive_muon"])(groups, lr=run.lr, weight_decay=run.weight_decay,
@@ -101,6 +116,22 @@ def ulps(got: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_distributed_step_equals_one_device_math(results, optimizer: str, case: str) -> None:
     check_against_one_device(results[(optimizer, case)], _run(optimizer, case), optimizer, case)
+
+
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(PER_HEAD))
+def test_per_head_matrices_equal_one_device_math(results, name: str) -> None:
+    """``--canzona-split-qkv-per-head`` at TP 2 x DP 2 (heads split over the TP ranks), in both layouts:
+    every matrix within the optimizer's bound of the one-device class stepping each head apart."""
+    run = _run(name, "")
+    assert run.split_qkv_per_head and run.split_qkv
+    check_against_one_device(results[(name, "")], run, name, PER_HEAD[name][1])
+    # the heads are stepped apart: Q, K and V stepped whole land far from what the run computed
+    initial = results[(name, "")][0]["initial_params"]
+    whole_qkv = one_device(dataclasses.replace(run, split_qkv_per_head=False), initial)
+    for key, value in whole_qkv.items():
+        if key.endswith("linear_qkv.weight"):
+            assert ulps(results[(name, "")][0]["params"][key], value) > 1000 * MAX_ULPS[name], key
 
 
 def check_against_one_device(per_rank: list[dict], run: TinyRun, optimizer: str, case: str) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .geometry import round_up
 from .pipeline import stage_layer_counts
 from .qwen3_moe import EXPERT_LAYOUTS, check_experts, moe_rows
-from .specs import ParamSpec
+from .specs import ParamSpec, qkv_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +177,7 @@ def qwen3_specs(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     split_qkv: bool = False,
+    split_qkv_per_head: bool = False,
     split_gate_up: bool = False,
     dtype: str = "bfloat16",
     expert_layout: str = "sequential",
@@ -185,7 +186,8 @@ def qwen3_specs(
     registration order.
 
     ``split_qkv`` / ``split_gate_up`` make the optimizer treat the fused QKV and gate/up
-    weights as separate Q, K, V and gate, up matrices (the buffer still holds one tensor).
+    weights as separate Q, K, V and gate, up matrices (the buffer still holds one tensor);
+    ``split_qkv_per_head`` makes every attention head's query, key and value block its own matrix.
     MoE models: ``ep_size`` experts-parallel ranks hold ``num_experts / ep_size`` local
     experts each, sharded over ``expert_tp_size``; ``expert_layout`` is Megatron's module
     holding them (:data:`~megatron.canzona.planning.qwen3_moe.EXPERT_LAYOUTS`).
@@ -208,7 +210,7 @@ def qwen3_specs(
                           family="elementwise"))
     for i in range(counts[pp_rank]):
         rows += _layer_rows(cfg, f"decoder.layers.{i}.", tp_size=tp_size, split_qkv=split_qkv,
-                            split_gate_up=split_gate_up, ep_size=ep_size, expert_tp_size=expert_tp_size,
+                            per_head=split_qkv_per_head, split_gate_up=split_gate_up, ep_size=ep_size, expert_tp_size=expert_tp_size,
                             expert_layout=expert_layout)
     if last:
         rows.append(_spec("decoder.final_layernorm.weight", (h,), tp_size=tp_size, family="elementwise"))
@@ -226,7 +228,8 @@ def _spec(name: str, shape: tuple[int, ...], *, tp_size: int, tp_dim: int | None
                      family=family, blocks=blocks, fused=fused)  # type: ignore[arg-type]
 
 
-def _layer_rows(cfg: Qwen3Config, p: str, *, tp_size: int, split_qkv: bool, split_gate_up: bool, ep_size: int,
+def _layer_rows(cfg: Qwen3Config, p: str, *, tp_size: int, split_qkv: bool, per_head: bool, split_gate_up: bool,
+                ep_size: int,
                 expert_tp_size: int, expert_layout: str) -> list[ParamSpec]:
     """One transformer layer's parameters in registration order."""
     h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.kv_channels
@@ -235,7 +238,8 @@ def _layer_rows(cfg: Qwen3Config, p: str, *, tp_size: int, split_qkv: bool, spli
         _spec(p + "input_layernorm.weight", (h,), tp_size=tp_size, family="elementwise"),
         _spec(p + "self_attention.linear_proj.weight", (h, q), tp_size=tp_size, tp_dim=1),
         _spec(p + "self_attention.linear_qkv.weight", (q + 2 * kv, h), tp_size=tp_size, tp_dim=0,
-              blocks=((q, h), (kv, h), (kv, h)) if split_qkv else (), fused="qkv"),
+              blocks=qkv_blocks(cfg.num_attention_heads, cfg.num_query_groups, d, h, per_head=per_head)
+              if split_qkv or per_head else (), fused="qkv"),
         _spec(p + "self_attention.q_layernorm.weight", (d,), tp_size=tp_size, family="elementwise"),
         _spec(p + "self_attention.k_layernorm.weight", (d,), tp_size=tp_size, family="elementwise"),
         _spec(p + "pre_mlp_layernorm.weight", (h,), tp_size=tp_size, family="elementwise"),

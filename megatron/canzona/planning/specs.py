@@ -13,6 +13,16 @@ FUSED_LAYOUTS: tuple[str, ...] = ("qkv", "gate_up", "experts")
 per TP shard), and the legacy ``GroupedMLP``'s stacked experts (``blocks`` are its experts)."""
 
 
+def qkv_blocks(num_heads: int, num_query_groups: int, head_dim: int, cols: int, *,
+               per_head: bool = False) -> tuple[tuple[int, int], ...]:
+    """The matrices the optimizer makes of a fused QKV weight with ``cols`` columns: Q, K and V;
+    or, ``per_head``, every query head, then every key head, then every value head, each
+    ``(head_dim, cols)`` (the order of :class:`~megatron.canzona.optim.split.QKVLayout`)."""
+    if per_head:
+        return ((head_dim, cols),) * (num_heads + 2 * num_query_groups)
+    return ((num_heads * head_dim, cols), (num_query_groups * head_dim, cols), (num_query_groups * head_dim, cols))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParamSpec:
     """One parameter as the planner sees it: shapes, sharding, optimizer family and order."""

@@ -39,6 +39,9 @@ class CanzonaConfig:
     """Balance the optimizer's FLOPs or plain element counts."""
     split_qkv: bool = True
     """Optimize Q, K and V of the fused QKV weight as separate matrices."""
+    split_qkv_per_head: bool = False
+    """Optimize every attention head's query, key and value block as its own matrix
+    (``num_heads + 2 * num_query_groups`` matrices of ``kv_channels`` rows per QKV weight)."""
     split_gate_up: bool = False
     """Optimize gate and up of the fused SwiGLU fc1 weight as separate matrices."""
     tp_mode: Literal["async", "sync"] = "async"

@@ -42,7 +42,7 @@ from megatron.canzona.optim import (
 from megatron.canzona.optim.common import state_dtype_for
 from megatron.canzona.optim.config import resolve_dtype
 from megatron.canzona.optim.muon import muon_scale, muon_source_
-from megatron.canzona.optim.split import FusedLayout, GateUpLayout
+from megatron.canzona.optim.split import FusedLayout, GateUpLayout, QKVLayout
 from megatron.canzona.planning.comm import NARROW_DTYPE_BYTES
 from megatron.canzona.runtime.host_groups import (
     HostGroupEngine,
@@ -189,15 +189,15 @@ class CanzonaOptimizer(MatrixOptimizer):
         shape = self._tasks[key].full_shape(self._engine().tp_size)
         return [p.shape for p in split_pieces(torch.empty(shape, device="meta"), self._layouts[key])]
 
-    def split_kinds(self) -> frozenset[type]:
-        """The kinds of fused layout (:class:`~megatron.canzona.optim.split.FusedLayout` subclasses)
-        this optimizer splits matrices by, counting a fused matrix hosted in parts as split
-        (its parts are the pieces one host splitting it would optimize): the matrix state's
-        structure, which a checkpoint must match."""
-        kinds = {type(layout) for layout in self._layouts.values() if layout is not None}
+    def split_kinds(self) -> frozenset[str]:
+        """The fused matrices this optimizer splits (``qkv``, ``qkv_heads`` where every head is its
+        own matrix, ``gate_up``), counting a fused matrix hosted in parts as split (its parts are
+        the pieces one host splitting it would optimize): the matrix state's structure, which a
+        checkpoint must match."""
+        kinds = {_split_kind(layout) for layout in self._layouts.values() if layout is not None}
         if self._parts:
-            kinds.add(GateUpLayout)
-        return frozenset(kinds)
+            kinds.add("gate_up")
+        return frozenset(kinds - {None})
 
     def report_name(self, key: str) -> str:
         """The parameter name of task ``key``, with ``#part<k>`` for a part hosted apart."""
@@ -338,3 +338,10 @@ def narrow_updates(tasks: Sequence[MatrixTask], *, math: str, config: Any, layou
                 rows, cols, config.scale_mode, config.extra_scale_factor))
         out.append(task)
     return tuple(out)
+
+
+def _split_kind(layout: object) -> str | None:
+    """The name a checkpoint records for a fused layout (:meth:`CanzonaOptimizer.split_kinds`)."""
+    if isinstance(layout, QKVLayout):
+        return "qkv_heads" if layout.split_heads else "qkv"
+    return "gate_up" if isinstance(layout, GateUpLayout) else None
