@@ -69,6 +69,8 @@ class TinyRun:
     """Sequences per micro-batch; each DP rank accumulates global/(dp*micro) of them."""
     overlap_grad_reduce: bool = False
     """Megatron DDP's overlap of bucket reduce-scatters with backward."""
+    reduce_scatter_with_fp32_accumulation: bool = False
+    """Megatron DDP's reduce-scatter as an all-to-all summed in fp32 (--ddp-reduce-scatter-with-fp32-accumulation)."""
     overlap_param_gather: bool = False
     """Megatron DDP's overlap of bucket parameter all-gathers with the next forward
     (distributed optimizers only: Canzona's and Megatron's Adam)."""
@@ -270,6 +272,7 @@ def build(run: TinyRun):
         overlap_grad_reduce=run.overlap_grad_reduce,
         overlap_param_gather=run.overlap_param_gather,
         grad_reduce_in_fp32=True,
+        reduce_scatter_with_fp32_accumulation=run.reduce_scatter_with_fp32_accumulation,
         bucket_size=run.bucket_size,
         **({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": run.fsdp,
             "gradient_reduce_div_fusion": False} if run.fsdp else {}),

@@ -660,11 +660,6 @@ def _check_parallelism(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(
             "--canzona-matrices-reduce-first reorders the reduce-scatters that overlap backward: add "
             "--overlap-grad-reduce, or drop --canzona-matrices-reduce-first")
-    if getattr(args, "ddp_reduce_scatter_with_fp32_accumulation", False) and args.canzona_layout != "lean":
-        raise CanzonaArgumentError(
-            "--ddp-reduce-scatter-with-fp32-accumulation replaces the reduce-scatter that runs the whole layout's "
-            "variable-size shards: drop it (gradients reduce in fp32 unless --grad-reduce-in-bf16) or pass "
-            "--canzona-layout lean")
     if not getattr(args, "use_gloo_process_groups", True):  # --disable-gloo-process-groups
         raise CanzonaArgumentError(
             "--canzona needs Megatron's gloo process groups (its distributed optimizer builds on them): "

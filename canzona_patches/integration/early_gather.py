@@ -10,8 +10,7 @@ Hooks (megatron-core 0.19.2):
 * ``_ParamAndGradBucketGroup.finish_grad_sync`` (a registry row): once a bucket group's
   reduce-scatter has completed, its listeners are told. Megatron calls it in the loop that
   ends backward (``finalize_model_grads``); only with ``--ddp-reduce-scatter-with-fp32-
-  accumulation``, which Canzona's whole layout refuses, does a later bucket group drain its
-  predecessor earlier. A repeated call within an iteration (upstream makes it idempotent)
+  accumulation`` does a later bucket group drain its predecessor earlier. A repeated call within an iteration (upstream makes it idempotent)
   tells nobody again.
 * ``DistributedDataParallel.param_to_bucket_group``: which bucket group reduces a parameter.
 * ``param.main_grad``: the parameter's gradient in the bucket's buffer; after the

@@ -141,6 +141,52 @@ def uneven_reduce_scatter(original, run):
     return reduce_scatter
 
 
+def uneven_fp32_reduce_scatter(original, run):
+    """Megatron's ``reduce_scatter_with_fp32_accumulation`` (an all-to-all of every rank's shards,
+    then each rank sums what it received in fp32) for a tagged bucket: the all-to-all's splits are
+    the planned shards, so rank r receives every rank's shard r and sums it over the ranks as
+    Megatron does (the same sum of each element, in the same rank order). Received per rank and
+    step: ``DP x`` its shard (Megatron's equal shards: the bucket), allocated per call as Megatron
+    allocates its own; one all-to-all per bucket, no host synchronisation."""
+
+    def reduce_scatter_with_fp32_accumulation(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        sizes = shard_sizes(input)
+        if sizes is None:
+            return original(output, input, op, group, async_op)
+        assert op == dist.ReduceOp.SUM, op
+        rank, world = dist.get_rank(group), len(sizes)
+        received = torch.empty(world * sizes[rank], dtype=input.dtype, device=input.device)
+        work = dist.all_to_all_single(received, input, output_split_sizes=[sizes[rank]] * world,
+                                      input_split_sizes=list(sizes), group=group, async_op=async_op)
+        handle = _SummedInFp32(work, received.view(world, sizes[rank]), output)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    return reduce_scatter_with_fp32_accumulation
+
+
+@dataclass
+class _SummedInFp32:
+    """The handle of :func:`uneven_fp32_reduce_scatter`: the first ``wait`` waits for the
+    all-to-all and writes the fp32 sum over the ranks into this rank's shard (on CUDA on the
+    stream current then: the early gathers' side stream, where they wait first); a later one
+    (Megatron's ``finish_grad_sync``) finds it done."""
+
+    work: Any
+    received: torch.Tensor | None
+    output: torch.Tensor
+
+    def wait(self) -> None:
+        if self.received is None:
+            return
+        if self.work is not None:
+            self.work.wait()
+        self.output.copy_(torch.sum(self.received, dim=0, dtype=torch.float32))
+        self.work = self.received = None
+
+
 def uneven_all_gather(original, run):
     def all_gather(output, input, group=None, async_op=False):
         sizes = shard_sizes(output)
