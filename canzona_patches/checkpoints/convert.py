@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import pickle
 import re
 from collections.abc import Callable, Iterable
@@ -47,7 +48,13 @@ from canzona_patches.checkpoints.files import (
     prepare_staging,
 )
 from canzona_patches.checkpoints.checksums import record_checksums
-from canzona_patches.checkpoints.state import FSDP_STATE, STATE_PREFIX, canzona_content_metadata, verified_checkpoint
+from canzona_patches.checkpoints.state import (
+    FSDP_STATE,
+    STATE_PREFIX,
+    canzona_content_metadata,
+    saved_format,
+    verified_checkpoint,
+)
 from megatron.canzona.optim.split import GateUpLayout, QKVLayout, merge_pieces, split_pieces
 
 FORMATS = ("torch_dist", "fsdp_dtensor")
@@ -70,13 +77,12 @@ HOLDER_MOMENTUM = ".holder_momentum"
 
 
 def checkpoint_format(path: Path) -> str:
-    """``torch_dist`` (Megatron's distributed checkpoint: ``metadata.json``) or ``fsdp_dtensor`` (torch DCP alone)."""
-    if (path / "metadata.json").is_file():
-        return "torch_dist"
-    if (path / ".metadata").is_file():
-        return "fsdp_dtensor"
-    raise CanzonaCheckpointError(f"{path} is neither a torch_dist nor an fsdp_dtensor checkpoint (no metadata.json, "
-                                 "no .metadata)")
+    """:func:`~canzona_patches.checkpoints.state.saved_format`, which must be one of the two."""
+    found = saved_format(path)
+    if found is None:
+        raise CanzonaCheckpointError(f"{path} is neither a torch_dist nor an fsdp_dtensor checkpoint (no metadata.json, "
+                                     "no .metadata)")
+    return found
 
 
 # --------------------------------------------------------------------------- the plan of a conversion
@@ -228,9 +234,9 @@ def model_units(contents: Contents, args: Any, to: str) -> list[Unit]:
     for stacked, members in stacks.items():
         indices = sorted(members)
         extent = tuple(max(i[d] for i in indices) + 1 for d in range(len(indices[0])))
-        if len(indices) != _prod(extent):
+        if len(indices) != math.prod(extent):
             raise CanzonaCheckpointError(f"{stacked}: the fsdp_dtensor checkpoint holds {len(indices)} of its "
-                                         f"{_prod(extent)} layers (experts); it is incomplete")
+                                         f"{math.prod(extent)} layers (experts); it is incomplete")
         sources = tuple(s for i in indices for s in members[i])
 
         def stack(loaded: dict, stacked: str = stacked, members: dict = members, indices: list = indices,
@@ -301,13 +307,24 @@ def optimizer_units(contents: Contents, layout_of: Callable[[str], Any], to: str
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return _prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
-def _prod(values: Iterable[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
+READ_BATCH_BYTES = 1 << 30
+"""Bytes of source tensors read by one torch DCP ``load`` (each reads the checkpoint's whole index:
+one per tensor would be quadratic in the tensors, ~10^5 of them in Qwen3-235B's fsdp_dtensor)."""
+
+
+def batches(units: list[Unit], limit: int) -> list[list[Unit]]:
+    """``units`` in order, cut into runs of at most ``limit`` bytes (a larger unit alone)."""
+    out: list[list[Unit]] = []
+    size = limit
+    for unit in units:
+        if size + unit.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(unit)
+        size += unit.nbytes
     return out
 
 
@@ -444,11 +461,13 @@ def convert(load_dir: str | Path, save_dir: str | Path, *, to: str, step: int | 
     say(f"{path} ({contents.format}, iteration {objects['iteration']}) -> {to}: {len(units)} tensors, "
         f"{sum(u.nbytes for u in units) / 2**20:.1f} MiB; this process {len(mine)}")
     tensors: dict[str, torch.Tensor] = {}
-    for done, unit in enumerate(mine, start=1):
-        loaded = load_keys(path, {s: contents.tensors[s] for s in unit.sources})
-        tensors.update(unit.transform(loaded))
-        if done % 200 == 0 or done == len(mine):
-            say(f"  read {done}/{len(mine)}")
+    done = 0
+    for batch in batches(mine, READ_BATCH_BYTES):
+        loaded = load_keys(path, {s: contents.tensors[s] for unit in batch for s in unit.sources})
+        for unit in batch:
+            tensors.update(unit.transform({s: loaded.pop(s) for s in unit.sources}))
+        done += len(batch)
+        say(f"  read {done}/{len(mine)}")
     iteration = int(objects["iteration"])
     enable_cpu_checkpointing()
     record_checksums()

@@ -383,11 +383,19 @@ def verified_checkpoint(load_dir: str | Path, *, step: int | None = None, optimi
 LAYOUT_OF_FORMAT = {"torch_dist": "--use-distributed-optimizer", "fsdp_dtensor": "--use-megatron-fsdp"}
 
 
+def saved_format(path: Path) -> str | None:
+    """``torch_dist`` (Megatron's distributed checkpoint: ``metadata.json``), ``fsdp_dtensor``
+    (torch DCP alone: ``.metadata``), or ``None`` for neither."""
+    if (path / "metadata.json").is_file():
+        return "torch_dist"
+    return "fsdp_dtensor" if (path / ".metadata").is_file() else None
+
+
 def check_format(path: Path, ckpt_format: str) -> None:
     """``path`` is a checkpoint of ``ckpt_format``, or one line says how to convert it (a
     ``torch_dist`` checkpoint under ``--use-megatron-fsdp``, an ``fsdp_dtensor`` one under the
     distributed optimizer: Megatron would fail deep in its load)."""
-    saved = "torch_dist" if (path / "metadata.json").is_file() else "fsdp_dtensor" if (path / ".metadata").is_file() else None
+    saved = saved_format(path)
     if saved is None or ckpt_format not in LAYOUT_OF_FORMAT or saved == ckpt_format:
         return
     step = f" --ckpt-step {int(path.name[len('iter_'):])}" if path.name.startswith("iter_") else ""

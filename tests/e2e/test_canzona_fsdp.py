@@ -33,6 +33,9 @@ import re
 import shutil
 
 import pytest
+import torch
+
+from canzona_patches.checkpoints.convert import load_keys, read_contents
 
 from .support import DemoData, launch_ranks
 from .test_megatron_fsdp import FSDP, ITERS, RUN_TIMEOUT_S, moe
@@ -177,10 +180,18 @@ def _converted_resumes(demo_data: DemoData, root) -> dict:
         assert out[f"convert-{to}"].returncode == 0, out[f"convert-{to}"].stdout[-3000:]
         out[f"resume-{to}"] = train(demo_data, root / f"resume-{to}", nproc, *_canzona(optimizer, *layouts[to], *extra),
                                     "--load", str(converted))
+        own = sources["torch_dist" if to == "fsdp_dtensor" else "fsdp_dtensor"] / "iter_0000002"
+        out[f"tensors-{to}"] = [_tensors(converted / "iter_0000002"), _tensors(own)]
     out["wrong_format"] = launch_ranks(nproc, "pretrain_gpt.py", *train_args(
         demo_data, root / "wrong_format", *_canzona(optimizer, *layouts["fsdp_dtensor"], *extra),
         "--load", str(sources["fsdp_dtensor"]), "--ckpt-step", "2"), timeout_s=RUN_TIMEOUT_S)
     return out
+
+
+def _tensors(path) -> dict:
+    """Every tensor of a checkpoint (torch DCP, either format), read whole by this process."""
+    contents = read_contents(path)
+    return load_keys(path, contents.tensors)
 
 
 @pytest.mark.parametrize("to", ["fsdp_dtensor", "torch_dist"])
@@ -196,6 +207,9 @@ def test_a_checkpoint_moves_between_the_distributed_optimizer_and_megatron_fsdp(
         want = straight[iteration]
         assert (got["lm_loss"], got["grad_norm"]) == (want["lm_loss"], want["grad_norm"]), (to, iteration)
     assert f"-> {to}: " in runs[f"convert-{to}"].stdout and "[convert] done in" in runs[f"convert-{to}"].stdout
+    converted, own = runs[f"tensors-{to}"]  # the converted checkpoint is the target layout's own, tensor for tensor
+    assert sorted(converted) == sorted(own) and len(own) > 50
+    assert [key for key in own if not torch.equal(converted[key], own[key])] == []
     assert "Traceback" not in runs[f"resume-{to}"]["stdout"]
 
 

@@ -20,6 +20,7 @@ from canzona_patches.checkpoints.convert import (
     _layer_names,
     _nest,
     _stacked_key,
+    batches,
     fused_layouts,
     model_units,
     optimizer_units,
@@ -133,3 +134,10 @@ def test_processes_share_the_tensors_by_bytes() -> None:
     mine = [share(units, rank, 2) for rank in range(2)]
     assert sorted(u.sources for part in mine for u in part) == sorted(u.sources for u in units)
     assert sorted(sum(u.nbytes for u in part) for part in mine) == [120, 120]
+
+
+def test_reads_are_batched_by_bytes_in_order() -> None:
+    units = [Unit((str(i),), lambda loaded: loaded, nbytes) for i, nbytes in enumerate([40, 50, 200, 10, 30, 60])]
+    cut = batches(units, 100)
+    assert [[u.sources[0] for u in batch] for batch in cut] == [["0", "1"], ["2"], ["3", "4", "5"]]
+    assert batches([], 100) == []

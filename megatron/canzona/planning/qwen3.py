@@ -229,8 +229,7 @@ def _spec(name: str, shape: tuple[int, ...], *, tp_size: int, tp_dim: int | None
 
 
 def _layer_rows(cfg: Qwen3Config, p: str, *, tp_size: int, split_qkv: bool, per_head: bool, split_gate_up: bool,
-                ep_size: int,
-                expert_tp_size: int, expert_layout: str) -> list[ParamSpec]:
+                ep_size: int, expert_tp_size: int, expert_layout: str) -> list[ParamSpec]:
     """One transformer layer's parameters in registration order."""
     h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.kv_channels
     q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
