@@ -21,6 +21,7 @@ pid: kill it at a deadline), then ``{"returncode": rc}``: 0, or the first failin
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import os
 import runpy
@@ -57,6 +58,7 @@ def _rank(request: dict, rank: int, port: int, output_fd: int, errors_fd: int) -
     that stands for one of a larger job), the output files, the script as ``__main__``."""
     os.dup2(output_fd, 1)
     os.dup2(errors_fd, 2)
+    faulthandler.enable()  # a crash in C (a fatal signal, glibc's abort) prints each thread's Python stack
     nproc = request["nproc"]
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                       WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),

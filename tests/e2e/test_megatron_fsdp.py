@@ -19,7 +19,7 @@ import pytest
 from megatron.canzona.planning.fsdp import FsdpBucket, fsdp_buckets
 from megatron.canzona.planning.specs import ParamSpec
 
-from .support import DemoData, launch_ranks
+from .support import DemoData, launch_ranks_once_more_after_heap_abort
 from .test_pretrain_gpt import QWEN3_TINY
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,8 @@ def _train(data: DemoData, out: Path, nproc: int, *extra: str, env: dict[str, st
     fsdp = "--use-megatron-fsdp" in extra
     script = "tests/e2e/fsdp_geometry_traced.py" if fsdp else "pretrain_gpt.py"
     env = {**(env or {}), **({"FSDP_GEOMETRY_TRACE": str(out / "geometry")} if fsdp else {})}
-    result = launch_ranks(nproc, script, *_args(data, out, *extra), timeout_s=RUN_TIMEOUT_S, env=env or None)
+    result = launch_ranks_once_more_after_heap_abort(out, nproc, script, *_args(data, out, *extra),
+                                                     timeout_s=RUN_TIMEOUT_S, env=env or None)
     assert result.returncode == 0, result.stdout[-6000:]
     metrics = {m["iteration"]: m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     geometry = [json.loads(path.read_text()) for path in sorted((out / "geometry").glob("rank*.json"))] if fsdp else []
