@@ -120,8 +120,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fsdp-cases", action="store_true",
                    help="docs/fsdp.md's table: Canzona's plan over Megatron-FSDP's buckets (optim_grads_params), each "
                    "GPU's optimizer state against AdamW-FSDP's, every optimizer")
+    p.add_argument("--num-distributed-optimizer-instances", "--instances", dest="instances", type=at_least(1), default=1,
+                   help="distributed-optimizer instances (Megatron's flag): the plan is one instance's, over DP x CP / N "
+                   "ranks; every instance steps the whole model, the gradients' shards all-reduced across instances")
     args = p.parse_args(argv)
-    args.data_parallel, args.dp = args.dp, args.dp * args.cp  # the plan's DP group is DP x CP
+    if (args.dp * args.cp) % args.instances:
+        p.error(f"--num-distributed-optimizer-instances {args.instances} does not divide DP x CP {args.dp * args.cp}: "
+                f"pick a divisor of it")
+    # the plan's DP group is DP x CP, an instance's share of it
+    args.data_parallel, args.dp = args.dp, args.dp * args.cp // args.instances
     return args
 
 
@@ -256,6 +263,7 @@ def report(args: argparse.Namespace) -> dict:
     rep = {
         "config": {
             "model": args.model, "tp": args.tp, "dp": args.data_parallel, "cp": args.cp, "ep": args.ep, "etp": args.etp, "pp": args.pp,
+            "instances": args.instances, "instance_dp": args.dp,
             "expert_dp": expert_dp_size(dp_size=args.dp, tp_size=args.tp, ep_size=args.ep, expert_tp_size=args.etp),
             "expert_layout": args.expert_layout, "joint_balance": args.joint_balance,
             "optimizer": args.optimizer, "cost": cm.kind if cm.kind != "muon" else f"muon, {cm.ns_method} Newton-Schulz in {cm.ns_dtype}",
@@ -279,12 +287,27 @@ def report(args: argparse.Namespace) -> dict:
         "strategies": records,
         "host_groups": host_summary(plan),
     }
+    if args.instances > 1:
+        rep["across_instances_bytes"] = across_instances_bytes(plan, args.instances, wire.grad_bytes)
     if plan.experts is not None:
         rep["expert_lower_bound"] = lower_bound(experts, cm, rep["config"]["expert_dp"] * args.etp)
         rep["combined_lower_bound"] = combined_lower_bound(specs, cm, dp_size=args.dp, tp_size=args.tp,
                                                            ep_size=args.ep, expert_tp_size=args.etp)
         rep["expert_host_groups"] = host_summary(plan.experts)
     return rep
+
+
+def across_instances_bytes(plan: CanzonaPlan, instances: int, grad_bytes: int) -> float:
+    """Bytes the rank with each bucket's largest shard sends per iteration in the all-reduce of its
+    shards across ``instances`` (a ring: ``2 (I - 1)/I`` of the shard), dense and expert buffers."""
+    total = 0.0
+    for layouts in (plan.layouts, plan.experts.layouts if plan.experts is not None else ()):
+        for dp in layouts:
+            for buffer in (dp.matrix, dp.elementwise):
+                for bucket in (buffer.buckets if buffer is not None else ()):
+                    bounds = bucket.shard_bounds
+                    total += max(b - a for a, b in zip(bounds, bounds[1:])) * grad_bytes
+    return 2 * (instances - 1) / instances * total
 
 
 TABLE_HEADER = (f"{'strategy':<20}{'makespan/LB':>12}{'padding':>9}{'split':>7}{'buckets':>9}{'largest bucket':>16}"
@@ -302,6 +325,11 @@ def print_report(rep: dict) -> None:
     if pipe["num_stages"] > 1:
         print(f"pipeline: {pipe['label']} is the busiest (layers per stage: {pipe['layers_per_stage']}); "
               f"the tables below are its buffers")
+    if c.get("instances", 1) > 1:
+        print(f"{c['instances']} distributed-optimizer instances: the plan is one instance's, over DP x CP "
+              f"{c['instance_dp']} (each instance steps the whole model); each bucket's shards are all-reduced across "
+              f"the instances after its reduce-scatter: at most {rep['across_instances_bytes'] / 1e9:.2f} GB sent per rank "
+              "and iteration (each bucket's largest shard)")
     print(f"lower bound per GPU (max of total/(DP*TP) and largest matrix): {rep['lower_bound']:.4g} {c['cost_unit']}\n")
     if moe:
         cp = f" x CP {c['cp']}" if c["cp"] > 1 else ""

@@ -59,6 +59,7 @@ from megatron.canzona.planning.fsdp import SHARDING_STRATEGIES  # noqa: E402
 from megatron.canzona.planning.sim.cluster import presets  # noqa: E402
 from megatron.canzona.planning.sim.fsdp import FSDP_PEERS, FSDP_STRATEGIES, simulate_fsdp  # noqa: E402
 from megatron.canzona.planning.sim.simulate import (  # noqa: E402
+    INSTANCE_STRATEGIES,
     NEEDS_LAYERWISE_PLAN,
     seconds_per_update,
     strategy_ns_method,
@@ -154,6 +155,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --early-compute: reduce the dense buckets without matrices (output layer, norms) "
                         "after the last matrix bucket, so the matrices' early compute runs beside them "
                         "(--canzona-matrices-reduce-first); auto: where the iteration is projected shorter")
+    p.add_argument("--num-distributed-optimizer-instances", "--instances", dest="instances", type=at_least(1), default=1,
+                   help="distributed-optimizer instances (Megatron's flag): each shards its optimizer over DP / N "
+                   "consecutive DP ranks, the gradients all-reduced across the instances after each bucket's "
+                   f"reduce-scatter; projects {', '.join(INSTANCE_STRATEGIES)} only")
+    p.add_argument("--instance-cases", action="store_true",
+                   help="docs/projection.md's instance table: Qwen3-32B and Qwen3-235B-A22B at 256 GPUs, Canzona and "
+                   "AdamW at every instance count, with the bytes each rank sends per link")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--cases", action="store_true",
                    help="every model of docs/projection.md's table at 64, 128 and 256 GPUs (recipe sizes)")
@@ -176,6 +184,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.plot and wrong:
         p.error(f"--plot-strategies {' '.join(wrong)}: {'with' if args.fsdp else 'without'} --fsdp choose among "
                 f"{', '.join(FSDP_STRATEGIES if args.fsdp else STRATEGIES)}")
+    if args.instances > 1 and args.fsdp:
+        p.error("--num-distributed-optimizer-instances is the distributed optimizer's; Megatron-FSDP has its own "
+                "hybrid sharding (--outer-dp-sharding-strategy): drop one of them")
+    if args.instances > 1:
+        dropped = [n for n in args.strategies if n not in INSTANCE_STRATEGIES]
+        args.strategies = [n for n in args.strategies if n in INSTANCE_STRATEGIES]
+        args.dropped_strategies = dropped
+        if args.plot and any(n not in INSTANCE_STRATEGIES for n in args.plot_strategies):
+            p.error(f"--plot-strategies with --num-distributed-optimizer-instances {args.instances}: choose among "
+                    f"{', '.join(INSTANCE_STRATEGIES)}")
     if args.fsdp and args.early_compute:
         p.error("--early-compute is not built under --use-megatron-fsdp: the runtime computes every group in the step "
                 "there; drop --early-compute")
@@ -230,7 +248,21 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             "bucket_size": args.bucket_size or default_bucket_size(dp * sizes["cp"]),
             "early_compute": getattr(args, "early_compute", False), "clip_rate": getattr(args, "clip_rate", 0.0),
             "early_compute_bytes": early_compute_bytes(getattr(args, "early_compute_budget", EARLY_COMPUTE_BYTES / 2**30)),
-            "matrices_first": getattr(args, "matrices_reduce_first", "auto")}
+            "matrices_first": getattr(args, "matrices_reduce_first", "auto"),
+            "instances": _instances(getattr(args, "instances", 1), dp * sizes["cp"], sizes, cfg)}
+
+
+def _instances(instances: int, dp_cp: int, sizes: dict[str, Any], cfg: Any) -> int:
+    """``--num-distributed-optimizer-instances``, checked as Megatron checks it: it divides DP x CP
+    and the expert-data-parallel size."""
+    if dp_cp % instances:
+        raise ValueError(f"--num-distributed-optimizer-instances {instances} does not divide DP x CP {dp_cp}: pick one "
+                         f"of {', '.join(str(i) for i in range(1, dp_cp + 1) if dp_cp % i == 0)}")
+    expert_dp = dp_cp * sizes["tp"] // (sizes["ep"] * sizes["etp"]) if cfg.is_moe else dp_cp
+    if expert_dp % instances:
+        raise ValueError(f"--num-distributed-optimizer-instances {instances} does not divide the expert-data-parallel "
+                         f"size {expert_dp} (DP x CP x TP / (EP x expert TP)): pick a divisor of both")
+    return instances
 
 
 def early_compute_bytes(gib: float) -> int | None:
@@ -285,6 +317,7 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
             alpha=run["alpha"], bucket_size=run["bucket_size"], ns_method=run["ns_method"],
             early_compute=run.get("early_compute", False), clip_rate=run.get("clip_rate", 0.0),
             early_compute_bytes=run.get("early_compute_bytes", EARLY_COMPUTE_BYTES), matrices_first=matrices_first,
+            instances=run.get("instances", 1) if name in INSTANCE_STRATEGIES else 1,
         ) for matrices_first in ((False, True) if first == "auto" and run.get("early_compute") and
                                  name.startswith("canzona") else (first == "on",))]
         out[name] = min(results, key=lambda r: r.iteration_seconds)  # auto: the shorter, backward order on a tie
@@ -339,6 +372,7 @@ def project(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Strateg
                          f"FLOP formula at {cluster.gpu.matmul_efficiency:.0%} of the {cluster.gpu.optimizer_dtype} peak",
                          "machine": f"{platform.node()} python {platform.python_version()}"},
               "cluster": cluster.to_dict(), "strategies": {}, "physical_limit_seconds": limit}
+    report["dropped_strategies"] = getattr(args, "dropped_strategies", [])
     if "speculation" in results["canzona"].details:  # the policy's shares the early compute step is priced with
         report["config"]["speculation"] = results["canzona"].details["speculation"]
     canzona = results["canzona"]
@@ -431,6 +465,12 @@ def print_report(report: dict[str, Any]) -> None:
           f"seq {c['seq_length']} | {c['optimizer']}: {c['cost']} | MFU {report['cluster']['training']['mfu']:.2f}")
     if c["note"]:
         print(f" [simulate] note: {c['note']}")
+    if c.get("instances", 1) > 1:
+        dropped = report.get("dropped_strategies") or []
+        print(f" [simulate] {c['instances']} distributed-optimizer instances, each over DP x CP "
+              f"{c['dp_cp'] // c['instances']}: every instance steps the whole model; the gradients' shards are "
+              "all-reduced across instances after each bucket's reduce-scatter"
+              + (f" ({', '.join(dropped)}: one instance only, not projected)" if dropped else ""))
     if c.get("early_compute"):
         print(f" [simulate] {speculation_line(c['clip_rate'])}")
     print(f" [simulate] physical limit of the step (work spread perfectly, no communication): "
@@ -612,9 +652,91 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+INSTANCE_CASES = ("qwen3-32b", "qwen3-235b-a22b")
+"""Models of docs/projection.md's instance table (at 256 GPUs, their recipes' sizes)."""
+STATE_BYTES_PER_ELEMENT = {"adamw": 12, "muon": 8, "adaptive_muon": 12}
+"""fp32 main parameter and optimizer state per parameter element a rank's shard holds: AdamW's
+two moments, Muon's momentum, AdaMuon's momentum and second moment (NorMuon's is per row; counted
+as Muon's here); elementwise parameters always take AdamW's."""
+
+
+def state_bytes(specs: list, run: dict[str, Any], optimizer: str) -> float:
+    """One rank's fp32 main parameters and optimizer state: its stage's local elements sharded over
+    an instance's DP (x CP) ranks (experts over its expert-DP ranks), at
+    :data:`STATE_BYTES_PER_ELEMENT` (Shampoo's and SOAP's factors are not counted)."""
+    instances = run.get("instances", 1)
+    dp = run["dp_cp"] // instances
+    expert_dp = run["dp_cp"] * run["tp"] // (run["ep"] * run["etp"]) // instances
+    matrix = STATE_BYTES_PER_ELEMENT.get(optimizer, STATE_BYTES_PER_ELEMENT["muon"])
+    out = 0.0
+    for spec in specs:
+        per = STATE_BYTES_PER_ELEMENT["adamw"] if spec.family != "matrix" else matrix
+        out += spec.numel * per / (expert_dp if spec.is_expert else dp)
+    return out
+
+
+def run_instance_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """docs/projection.md's instance table: per model at 256 GPUs and per instance count (every
+    divisor of the DP and expert-DP sizes up to 8), Canzona's (the layout ``--canzona-layout auto``
+    picks, the shorter iteration of the whole and the lean one) and AdamW's step and iteration, the
+    reductions' exposed tail, the bytes a rank sends per iteration in the buckets' collectives by
+    link, and the optimizer state a rank holds; the fastest count per model and optimizer."""
+    header = ("| model | instances | DP per instance | canzona (layout auto): step, iteration (ms) | adamw: step, iteration (ms) "
+              "| reduce exposed, canzona / adamw (ms) | canzona's bytes per rank and iteration, inter-node: reduce-scatter + "
+              "across instances + all-gather (GiB) | NVLink (GiB) | state per rank, canzona / adamw (GiB) |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    rows: list[dict[str, Any]] = []
+    for model in INSTANCE_CASES:
+        base = {**vars(args), "model": model, "gpus": 256, "tp": None, "pp": None, "ep": None, "global_batch": None,
+                "strategies": ["canzona_lean", "adamw"], "plot": None}
+        first, _ = project(argparse.Namespace(**{**base, "instances": 1}))
+        dp_cp = first["config"]["dp_cp"]
+        counts = [i for i in (1, 2, 4, 8) if dp_cp % i == 0]
+        best: dict[str, tuple[float, int]] = {}
+        for instances in counts:
+            try:
+                report, _ = project(argparse.Namespace(**{**base, "instances": instances}))
+            except ValueError:  # not a divisor of the expert-DP size
+                continue
+            c, s = report["config"], dict(report["strategies"])
+            layout = min(("canzona", "canzona_lean"), key=lambda n: s[n]["iteration_seconds"])
+            report["layout_auto"] = s["canzona"]["layout"] = "whole" if layout == "canzona" else "lean"
+            s["canzona"] = {**s[layout], "layout": report["layout_auto"]}
+            stages = [stage_specs(args, c, pp_rank) for pp_rank in range(c["pp"])]
+            moved = s["canzona"]["details"]["bytes"]
+            inter = [moved["reduce_inter"], moved["instances_inter"], moved["gather_inter"]]
+            intra = moved["reduce_intra"] + moved["instances_intra"] + moved["gather_intra"]
+            report["state_bytes"] = {name: max(state_bytes(specs, c, name if name == "adamw" else c["optimizer"])
+                                               for specs in stages) for name in ("canzona", "adamw")}
+            for name in ("canzona", "adamw"):
+                t = s[name]["iteration_seconds"]
+                if name not in best or t < best[name][0]:
+                    best[name] = (t, instances)
+            gib = 2.0**30
+            print(f"| {model} | {instances} | {c['dp_cp'] // instances} | {s['canzona']['layout']}: "
+                  f"{short_ms(s['canzona']['optimizer_step_seconds'])}, {1e3 * s['canzona']['iteration_seconds']:.0f} | "
+                  f"{short_ms(s['adamw']['optimizer_step_seconds'])}, {1e3 * s['adamw']['iteration_seconds']:.0f} | "
+                  f"{short_ms(s['canzona']['grad_reduce_exposed_seconds'])} / "
+                  f"{short_ms(s['adamw']['grad_reduce_exposed_seconds'])} | "
+                  f"{' + '.join(f'{b / gib:.2f}' for b in inter)} = {sum(inter) / gib:.2f} | {intra / gib:.2f} | "
+                  f"{report['state_bytes']['canzona'] / gib:.1f} / {report['state_bytes']['adamw'] / gib:.1f} |",
+                  flush=True)
+            rows.append(report)
+        print(f"\n{model}: fastest iteration with {best['canzona'][1]} instance(s) for Canzona "
+              f"({1e3 * best['canzona'][0]:.0f} ms), {best['adamw'][1]} for AdamW ({1e3 * best['adamw'][0]:.0f} ms)\n",
+              flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.instance_cases:
+            rows = run_instance_cases(args)
+            if args.json:
+                print(json.dumps(rows))
+            return 0
         if args.cases or args.fsdp_cases:
             rows = run_fsdp_cases(args) if args.fsdp_cases else run_cases(args)
             if args.json:

@@ -716,3 +716,67 @@ def test_context_parallel_projects_over_dp_x_cp(capsys):
     assert results["canzona"]["optimizer_step_seconds"] <= min(peers)
     code, _, err = run_cli(["--model", "qwen3-8b", "--gpus", "64", "--tp", "2", "--cp", "3"], capsys)
     assert code != 0 and "multiple of TP 2 x CP 3 x PP 1" in err
+
+
+def test_two_optimizer_instances_reduce_within_each_and_all_reduce_across():
+    """DP 4 as 2 distributed-optimizer instances of DP 2 on nodes of 2 GPUs: each instance's
+    reduce-scatter and all-gather stay in its node (ranks 0 and 1), each rank's shard is then
+    ring all-reduced with the other instance's same rank (0 with 2: across nodes), and the step is
+    one instance's, the same as DP 2's; the micro-batches are the whole DP's."""
+    two = cluster(gpus_per_node=2)
+    workload = Workload(global_batch=8, micro_batch=1, seq_length=16, flops_per_token=1e6)
+    r = simulate([matrix()], strategy="zero1", cluster=two, dp_size=4, instances=2, wire=WIRE, workload=workload)
+    alone = simulate([matrix()], strategy="zero1", cluster=two, dp_size=2, wire=WIRE)
+    rs = 10e-6 + 0.5 * NUMEL * 4 / 100e9
+    across = 2 * (20e-6 + 0.5 * (NUMEL // 2) * 4 / 10e9)
+    assert r.grad_reduce_seconds == pytest.approx(rs + across, rel=1e-12)
+    assert r.param_gather_seconds == pytest.approx(alone.param_gather_seconds, rel=1e-12)
+    assert r.optimizer_step_seconds == pytest.approx(alone.optimizer_step_seconds, rel=1e-12)
+    assert r.details["microbatches"] == 2 and r.details["instances"] == 2
+    sent = r.details["bytes"]
+    assert sent["reduce_intra"] == pytest.approx(0.5 * NUMEL * 4) and sent["reduce_inter"] == 0.0
+    assert sent["instances_inter"] == pytest.approx(NUMEL // 2 * 4) and sent["instances_intra"] == 0.0
+    assert sent["gather_intra"] == pytest.approx(0.5 * NUMEL * 2) and sent["gather_inter"] == 0.0
+    one = simulate([matrix()], strategy="zero1", cluster=two, dp_size=4, wire=WIRE).details["bytes"]
+    assert one["reduce_inter"] == pytest.approx(0.75 * NUMEL * 4) and one["instances_inter"] == 0.0
+
+
+@pytest.mark.parametrize("strategy, dp_size, instances, message", [
+    ("megatron_layerwise", 4, 2, "one optimizer instance"),
+    ("sync", 4, 2, "one optimizer instance"),
+    ("zero1", 4, 3, "not a multiple of 3 distributed-optimizer instances"),
+])
+def test_instances_that_megatron_refuses_are_refused(strategy, dp_size, instances, message):
+    with pytest.raises(ValueError, match=message):
+        simulate([matrix()], strategy=strategy, cluster=cluster(), dp_size=dp_size, instances=instances, wire=WIRE)
+
+
+def test_cli_prices_optimizer_instances(capsys):
+    """``--num-distributed-optimizer-instances 2`` at 64 GPUs: Canzona's and AdamW's projection for
+    one instance of DP 32 (its step at least the single instance's: each instance steps the whole
+    model), the strategies that run one instance named as dropped; a count that does not divide DP
+    is refused in one line; ``tools/plan.py --instances 2`` plans one instance's DP."""
+    code, out, _ = run_cli(["--model", "qwen3-1.7b", "--gpus", "64", "--instances", "2", "--strategies", "canzona",
+                            "adamw", "megatron_layerwise"], capsys)
+    assert code == 0
+    assert "2 distributed-optimizer instances, each over DP x CP 32" in out and "megatron_layerwise: one instance" in out
+    assert "megatron_layerwise  |" not in out
+    code, out, _ = run_cli(["--model", "qwen3-1.7b", "--gpus", "64", "--instances", "2", "--json", "--strategies",
+                            "canzona", "adamw"], capsys)
+    two = json.loads(out)
+    code, out, _ = run_cli(["--model", "qwen3-1.7b", "--gpus", "64", "--json", "--strategies", "canzona", "adamw"], capsys)
+    one = json.loads(out)
+    for name in ("canzona", "adamw"):
+        assert two["strategies"][name]["optimizer_step_seconds"] > one["strategies"][name]["optimizer_step_seconds"]
+        assert two["strategies"][name]["details"]["bytes"]["instances_inter"] > 0
+        assert one["strategies"][name]["details"]["bytes"]["instances_inter"] == 0
+    code, _, err = run_cli(["--model", "qwen3-1.7b", "--gpus", "64", "--instances", "3"], capsys)
+    assert code == 2 and "does not divide DP x CP 64: pick one of 1, 2, 4, 8" in err
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import plan as plan_cli  # tools/plan.py
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    assert plan_cli.main(["--model", "qwen3-1.7b", "--dp", "8", "--instances", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["instance_dp"] == 4 and report["across_instances_bytes"] > 0

@@ -58,6 +58,10 @@ INLINE_SECONDS = 1e6
 EXPERTS = "experts"
 """First element of an expert matrix bucket's key in the reductions (:func:`_bucket_syncs`)."""
 NEEDS_LAYERWISE_PLAN = ("megatron_layerwise", "layer_sharded")
+INSTANCE_STRATEGIES = ("canzona", "canzona_lean", "canzona_tp_sync", "zero1", "adamw")
+"""The strategies that run with several distributed-optimizer instances
+(``--num-distributed-optimizer-instances``): Megatron's distributed optimizer under them. Its
+layer-wise Muon refuses several instances, and the synchronous layout has no distributed optimizer."""
 CANZONA_STRATEGIES = ("canzona", "canzona_lean", "canzona_tp_sync")
 """Canzona's own strategies: the ones that run its Newton-Schulz method."""
 
@@ -146,6 +150,14 @@ class _Context:
     wire: WireConfig
     overlap: bool
     alpha: float
+    instances: int = 1
+    """Distributed-optimizer instances: :attr:`grid` is one instance's ranks (its DP group the
+    intra-instance one), and every instance does the same."""
+
+    @property
+    def dp_size(self) -> int:
+        """The whole DP (x CP) group: every instance's ranks."""
+        return self.grid.dp_size * self.instances
 
     @property
     def dense(self) -> list[ParamSpec]:
@@ -383,6 +395,7 @@ def simulate(
     early_compute_bytes: int | None = EARLY_COMPUTE_BYTES,
     matrices_first: bool = False,
     early_inline: bool = False,
+    instances: int = 1,
 ) -> StrategyResult:
     """One iteration of the pipeline stage whose parameters are ``specs`` (package docstring).
 
@@ -409,8 +422,21 @@ def simulate(
     the host waits for each reduce-scatter where it dispatches it and computes each landed group
     there, so both lie inside the forward-backward (which ``workload`` then gives as measured, with
     them): no reduce-scatter tail is exposed, and the step starts with every group within the
-    budget computed, leaving it their commit, scatter and apply."""
-    grid = _check(strategy, dp_size, tp_size, ep_size, expert_tp_size, pp_size)
+    budget computed, leaving it their commit, scatter and apply.
+
+    ``instances`` (``--num-distributed-optimizer-instances``): the DP (x CP) group of ``dp_size``
+    ranks runs that many distributed optimizers, each over ``dp_size / instances`` consecutive DP
+    ranks: the plan, the buckets' reduce-scatter and all-gather and the step are one instance's,
+    every instance stepping the whole model; after each bucket's reduce-scatter its shards are
+    all-reduced across the instances (:func:`instance_groups`). ``details["bytes"]`` says per rank
+    and iteration what the bucket collectives send over which link (:func:`reduction_bytes`)."""
+    if strategy in BUILDERS and instances != 1 and strategy not in INSTANCE_STRATEGIES:
+        raise ValueError(f"{strategy} runs one optimizer instance (Megatron's layer-wise Muon refuses several; the "
+                         f"synchronous layout has no distributed optimizer); instances with: {', '.join(INSTANCE_STRATEGIES)}")
+    if not isinstance(instances, int) or instances < 1 or dp_size % instances:
+        raise ValueError(f"DP x CP {dp_size} is not a multiple of {instances} distributed-optimizer instances: "
+                         "pick a divisor of it for --num-distributed-optimizer-instances")
+    grid = _check(strategy, dp_size // instances, tp_size, ep_size, expert_tp_size, pp_size)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     wire = wire or WireConfig()
@@ -418,9 +444,9 @@ def simulate(
     planning_cost = CostModel(kind=optimizer, **ns)  # the runtime plans with the FLOP formulas
     timing_cost = CostModel(kind=optimizer, calibration=calibration, **ns) if calibration else planning_cost
     ctx = _Context(list(specs), grid, seconds_per_update(timing_cost, cluster), planning_cost, bucket_size, plan,
-                   expert_plan, wire, overlap, alpha)
+                   expert_plan, wire, overlap, alpha, instances)
     work = BUILDERS[strategy](ctx)
-    slowdown = cluster.contention(grid.size * pp_size)
+    slowdown = cluster.contention(grid.size * instances * pp_size)
     phases = _phases(ctx, work, cluster, workload, pp_size, slowdown,
                      matrices_first=matrices_first and early_compute and work.early_gather)
     reduced = None
@@ -442,6 +468,7 @@ def simulate(
         full = run_step(work, grid, cluster, wire, slowdown, reduced)[0]
         step_end = rates.committed * step_end + (1.0 - rates.committed) * full
     result = _assemble(strategy, ctx, work, phases, slowdown, step_end, run)
+    result.details["bytes"] = reduction_bytes(ctx, work, Topology(cluster))
     if rates is not None:
         result.details.update(early_compute=True, clip_rate=clip_rate, speculation=dataclasses.asdict(rates),
                               early_compute_bytes=early_compute_bytes, matrices_first=matrices_first,
@@ -511,6 +538,7 @@ def _bucket_syncs(ctx: _Context, work: Work, topology: Topology, workload: Workl
             for k, bucket in enumerate(buffer.buckets):
                 frac = max((ready.get((chunk, p.name), 1.0) for p in buffer.placements if p.bucket == k), default=1.0)
                 rs = _bucket_seconds(topology, bucket, ctx.wire.grad_bytes, buffers.group)
+                rs += _across_instances(topology, bucket, ctx.wire.grad_bytes, buffers.group, ctx)
                 key = (chunk, k) if i == 0 else (EXPERTS, chunk, k)
                 reduce.append(BucketSync(2 * rs if work.all_reduce else rs, frac, str(k),
                                          key=key if matrices else None))
@@ -518,6 +546,60 @@ def _bucket_syncs(ctx: _Context, work: Work, topology: Topology, workload: Workl
                     gather.append(BucketSync(_bucket_seconds(topology, bucket, ctx.wire.param_bytes, buffers.group),
                                              frac, str(k)))
     return reduce, gather
+
+
+def instance_groups(group: Sequence[int], grid: Grid, instances: int) -> list[list[int]]:
+    """Megatron's inter-instance groups of one instance's DP group ``group``: instance ``i``'s
+    ranks are the job's ``i``-th block of ``grid.size`` stage ranks (its DP ranks
+    ``[i·d, (i+1)·d)``, TP fastest), so DP rank ``j`` of every instance forms one group."""
+    return [[r + i * grid.size for i in range(instances)] for r in group]
+
+
+def _across_instances(topology: Topology, bucket: Bucket, bytes_per_element: int, group: Sequence[int],
+                      ctx: _Context) -> float:
+    """With several instances, Megatron all-reduces each rank's reduce-scattered shard over the
+    instances after the bucket's reduce-scatter (``start_grad_sync``; both on one stream): a ring
+    all-reduce (a reduce-scatter and an all-gather) of the largest shard, every DP rank's group
+    at once."""
+    if ctx.instances == 1 or len(group) == 0:
+        return 0.0
+    inter = instance_groups(group, ctx.grid, ctx.instances)
+    largest = _largest_shard(bucket, len(group))
+    return 2 * max(topology.ring(largest * bytes_per_element, members) for members in inter)
+
+
+def _largest_shard(bucket: Bucket, group_size: int) -> int:
+    """Elements of a bucket's largest DP shard (its planned ones, else equal ones)."""
+    bounds = bucket.shard_bounds
+    if len(bounds) == group_size + 1:
+        return max(b - a for a, b in zip(bounds, bounds[1:]))
+    return -(-bucket.numel // group_size)
+
+
+def reduction_bytes(ctx: _Context, work: Work, topology: Topology) -> dict[str, float]:
+    """Bytes one rank sends per iteration in the buckets' collectives, by link: the gradients'
+    reduce-scatter over an instance's DP group, their all-reduce across instances, the
+    parameters' all-gather (a ring sends ``(p − 1)/p`` of the buffer, a ring all-reduce across
+    ``I`` instances ``2 (I − 1)/I`` of the rank's shard, the largest shard's rank counted; over
+    the inter-node network where the group spans nodes)."""
+    out = {"reduce_intra": 0.0, "reduce_inter": 0.0, "instances_inter": 0.0, "instances_intra": 0.0,
+           "gather_intra": 0.0, "gather_inter": 0.0}
+    for buffers in work.reduced:
+        group = buffers.group
+        p = len(group)
+        link = "inter" if topology.spans_nodes(group) else "intra"
+        across = instance_groups(group, ctx.grid, ctx.instances)
+        across_link = "inter" if ctx.instances > 1 and topology.spans_nodes(across[0]) else "intra"
+        for _, buffer in buffers.buffers:
+            for bucket in buffer.buckets:
+                ring = (p - 1) / p if p > 1 else 0.0
+                out[f"reduce_{link}"] += ring * bucket.numel * ctx.wire.grad_bytes * (2 if work.all_reduce else 1)
+                if not work.all_reduce:
+                    out[f"gather_{link}"] += ring * bucket.numel * ctx.wire.param_bytes
+                if ctx.instances > 1:
+                    share = 2 * (ctx.instances - 1) / ctx.instances
+                    out[f"instances_{across_link}"] += share * _largest_shard(bucket, p) * ctx.wire.grad_bytes
+    return out
 
 
 def matrices_reduced_first(reduce: list[BucketSync], dense: int | None = None) -> list[BucketSync]:
@@ -573,7 +655,7 @@ def _phases(ctx: _Context, work: Work, cluster: ClusterSpec, workload: Workload 
     micro = fwd_bwd = 0.0
     details: dict = {}
     if workload is not None:
-        count, micro, details = micro_batches(workload, ctx.specs, ctx.grid.dp_size, cluster, slowdown)
+        count, micro, details = micro_batches(workload, ctx.specs, ctx.dp_size, cluster, slowdown)
         fwd_bwd = count * micro
     bubble = (pp_size - 1) * micro
     backward = BACKWARD_SHARE * micro
@@ -598,7 +680,7 @@ def _assemble(strategy: str, ctx: _Context, work: Work, phases: _Phases, slowdow
               run: StepRun) -> StrategyResult:
     details: dict = {"mode": work.mode, "num_tasks": len(work.dense) + sum(len(t) for _, t in work.experts),
                      "num_groups": len({t.group for t in work.dense}), "compute_slowdown": slowdown,
-                     "early_gather": work.early_gather, **phases.details}
+                     "early_gather": work.early_gather, "instances": ctx.instances, **phases.details}
     step_origin = phases.step_origin
     busiest = max(run.busy.values(), default=0.0)
     timeline = _timeline(ctx.grid.size, phases.bubble, phases.fwd_bwd + phases.ag_exposed, phases.segments,
