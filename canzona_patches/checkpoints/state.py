@@ -27,6 +27,7 @@ Which attribute each hook replaces, and when, is :data:`canzona_patches.registry
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pickle
 from collections.abc import Callable
@@ -63,7 +64,7 @@ from megatron.canzona.runtime.state_io import (
 
 require_pinned_megatron()
 
-from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 
@@ -240,9 +241,23 @@ def state_chunks(optimizer: Any, *, find_main: bool = True) -> list[StateChunk]:
     elementwise parameter, the AdamW moments (model-space boxes). Per matrix this rank
     computes: its whole piece state, written by one rank (its host; in sync mode its first
     holder; of a matrix every TP rank computes, TP rank 0's copy). The writer follows from
-    the plan, without a collective; ``find_main`` is accepted for callers and ignored."""
+    the plan, without a collective; ``find_main`` is accepted for callers and ignored. With several
+    distributed-optimizer instances, each holds the whole state: instance 0's ranks write it, the
+    others' chunks are replicas (every instance loads its own copy)."""
     del find_main
-    return [chunk for part in canzona_parts(optimizer) for chunk in _part_chunks(part)]
+    chunks = [chunk for part in canzona_parts(optimizer) for chunk in _part_chunks(part)]
+    if _instance_id() > 0:
+        chunks = [dataclasses.replace(chunk, main=False) for chunk in chunks]
+    return chunks
+
+
+def _instance_id() -> int:
+    """This rank's distributed-optimizer instance (``--num-distributed-optimizer-instances``): its
+    rank in Megatron's inter-instance group, 0 with one instance."""
+    if not torch.distributed.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        return 0
+    group = parallel_state.get_inter_distributed_optimizer_instance_group(check_initialized=False)
+    return 0 if group is None else torch.distributed.get_rank(group)
 
 
 def _part_chunks(optimizer: Any) -> list[StateChunk]:

@@ -159,6 +159,10 @@ class TinyRun:
     size: the step's inputs are then fixed, with no rounding of one step's forward fed into the
     next (needs ``early_gather=False``: gathers issued in backward would read the old ones).
     The result's ``initial_params`` are the parameters before the first step."""
+    instances: int = 1
+    """Megatron's distributed-optimizer instances (``--num-distributed-optimizer-instances``): each
+    shards its optimizer (Canzona's plan) over ``dp / instances`` consecutive DP ranks, the
+    gradients' shards all-reduced across instances after each reduce-scatter."""
     fsdp: str | None = None
     """Wrap the model in Megatron-FSDP with this sharding strategy (``optim``, ``optim_grads``,
     ``optim_grads_params``) instead of DDP: the Canzona optimizer's FSDP binding (``layout="canzona"``,
@@ -248,6 +252,7 @@ def init_model_parallel(run: TinyRun) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=run.tp_size, expert_model_parallel_size=run.ep_size,
         expert_tensor_parallel_size=1 if run.ep_size > 1 else run.tp_size,
+        num_distributed_optimizer_instances=run.instances,
     )
 
 
@@ -274,10 +279,11 @@ def build(run: TinyRun):
         grad_reduce_in_fp32=True,
         reduce_scatter_with_fp32_accumulation=run.reduce_scatter_with_fp32_accumulation,
         bucket_size=run.bucket_size,
+        num_distributed_optimizer_instances=run.instances,
         **({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": run.fsdp,
             "gradient_reduce_div_fusion": False} if run.fsdp else {}),
     )
-    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
     setup, layout = _layout(run, model, dp_size, ddp_config)
     if run.fsdp:
         if setup is None and run.optimizer not in ("adam", "every_holder"):

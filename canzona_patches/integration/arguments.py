@@ -404,6 +404,12 @@ def _check_megatron_fsdp(args: argparse.Namespace) -> None:
         raise CanzonaArgumentError(
             f"--canzona-layout {args.canzona_layout} lays out Megatron's DDP buffers; under --use-megatron-fsdp the "
             "buckets and shards are Megatron-FSDP's: drop --canzona-layout")
+    if args.num_distributed_optimizer_instances > 1:
+        raise CanzonaArgumentError(
+            f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances} splits Megatron's "
+            "distributed optimizer; Megatron-FSDP's replica across groups is its hybrid sharding "
+            "(--outer-dp-sharding-strategy): drop --num-distributed-optimizer-instances, or use "
+            "--use-distributed-optimizer")
     if args.canzona_early_compute == "on":
         raise CanzonaArgumentError(
             "--canzona-early-compute on computes where DDP's early gathers land, which Megatron-FSDP has none of: "
@@ -651,10 +657,6 @@ def _check_optimizer_flags(args: argparse.Namespace) -> None:
 
 def _check_parallelism(args: argparse.Namespace) -> None:
     """Parallel layouts the Canzona plan does not cover yet."""
-    if args.num_distributed_optimizer_instances > 1:
-        raise CanzonaArgumentError(
-            "--canzona shards one optimizer instance over the whole data-parallel group: drop "
-            f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances}")
     _check_early_compute(args)
     if args.canzona_matrices_reduce_first and not args.overlap_grad_reduce:
         raise CanzonaArgumentError(

@@ -232,9 +232,10 @@ def build_canzona_plan(
     }
     if len(plans) == 1:
         return next(iter(plans.values())), specs, None
-    cluster = projection_cluster(cfg, dp_size * tp_size)
+    instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)  # the plan is one instance's
+    cluster = projection_cluster(cfg, dp_size * tp_size * instances)
     results = project_layouts(specs, plans, cluster=cluster, optimizer=cfg.optimizer, wire=wire, workload=workload,
-                              ns_method=cost_model.ns_method,
+                              ns_method=cost_model.ns_method, instances=instances,
                               early_compute=early_compute_on(cfg, dp_size, ddp_config.overlap_grad_reduce),
                               early_compute_bytes=cfg.early_compute_bytes,
                               matrices_first=matrices_first_setting(cfg, workload, ddp_config.overlap_grad_reduce, dp_size))
@@ -298,16 +299,17 @@ def matrices_first_setting(cfg: Any, workload: Workload | None, overlap: bool, d
 
 
 def choose_matrices_first(plan: CanzonaPlan, specs: Sequence[ParamSpec], cfg: Any, *, wire: WireConfig,
-                          workload: Workload | None, overlap: bool = True) -> tuple[bool, str | None]:
+                          workload: Workload | None, overlap: bool = True,
+                          instances: int = 1) -> tuple[bool, str | None]:
     """``--canzona-matrices-reduce-first`` as the run takes it (:func:`matrices_first_setting`),
     and, where its default was projected, the log line of the choice."""
     setting = matrices_first_setting(cfg, workload, overlap, plan.dp_size)
     if setting is not None:
         return setting, None
-    cluster = projection_cluster(cfg, plan.dp_size * plan.tp_size)
+    cluster = projection_cluster(cfg, plan.dp_size * plan.tp_size * instances)
     results = project_reduce_orders(specs, plan, cluster=cluster, optimizer=cfg.optimizer, wire=wire,
                                     workload=workload, ns_method=cfg.cost_model().ns_method,
-                                    early_compute_bytes=cfg.early_compute_bytes)
+                                    early_compute_bytes=cfg.early_compute_bytes, instances=instances)
     return reduce_order_line(results, cluster)
 
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from canzona_patches.checkpoints.state import common_state, load_optimizer_state_dict, optimizer_sharded_state_dict
@@ -573,10 +574,13 @@ def build_canzona_optimizer(optimizer_config: Any, model_chunks: list, setup: Ca
             "plan has no expert layout: plan with the run's --expert-model-parallel-size")
     pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, True)
     dense_tp = ProcessGroupCollection.use_mpu_process_groups().tp
-    coord = (get_pg_rank(pgs["dp_cp_group"]), get_pg_rank(dense_tp))
-    host_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    # With several distributed-optimizer instances (Megatron's), each plans, hosts and steps over its
+    # own DP (x CP) ranks, as Megatron's buffers shard over them; the instances' gradients are
+    # all-reduced by Megatron after each reduce-scatter.
+    coord = (get_pg_rank(pgs["intra_dp_cp_group"]), get_pg_rank(dense_tp))
+    host_group = _instance_host_group(pgs)
     dense = _canzona_dist_optimizer(optimizer_config, model_chunks, setup, _Ranks(
-        expert=False, dp=pgs["dp_cp_group"], dp_gloo=pgs["intra_dp_cp_group_gloo"], dp_idx=get_pg_rank(pgs["mp_group"]),
+        expert=False, dp=pgs["intra_dp_cp_group"], dp_gloo=pgs["intra_dp_cp_group_gloo"], dp_idx=get_pg_rank(pgs["mp_group"]),
         tp=dense_tp, host=host_group, coord=coord, grad_stats=pgs["intra_dist_opt_group"],
         rank_of=setup.host_ranks if setup.host_ranks is not None else group_coordinates(host_group, coord)))
     if not experts:
@@ -591,6 +595,21 @@ def build_canzona_optimizer(optimizer_config: Any, model_chunks: list, setup: Ca
     dense.syncs_fsdp_model = False
     # The chained optimizer gives both the joint clip factor (get_grad_norm).
     return CanzonaChainedOptimizer([dense, expert])
+
+
+def _instance_host_group(pgs: dict) -> Any:
+    """The tensor-and-data-parallel group of this rank's pipeline stage within its
+    distributed-optimizer instance: Megatron's own at one instance; with several, the stage's ranks
+    of the instance, one group per (stage, instance) made once here (every rank takes part)."""
+    whole = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if pgs.get("inter_dist_opt_group") is None:
+        return whole
+    mine = sorted(set(dist.get_process_group_ranks(whole)) & set(dist.get_process_group_ranks(pgs["intra_dist_opt_group"])))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    groups = sorted({tuple(ranks) for ranks in everyone})
+    made, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in groups])
+    return made
 
 
 def _canzona_dist_optimizer(optimizer_config: Any, model_chunks: list, setup: CanzonaSetup,

@@ -125,7 +125,8 @@ def make_setup(
     named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
     wire = wire_config(named, ddp_config)
     matrices_first, order = (False, None) if fsdp else choose_matrices_first(
-        plan, specs, config, wire=wire, workload=workload, overlap=ddp_config.overlap_grad_reduce)
+        plan, specs, config, wire=wire, workload=workload, overlap=ddp_config.overlap_grad_reduce,
+        instances=getattr(ddp_config, "num_distributed_optimizer_instances", 1))
     overlap = ddp_config.overlap_grad_reduce
     expert_dp = plan.experts.dp_size if plan.experts is not None else None
     early = FSDP_EARLY_COMPUTE if fsdp else early_compute_line(config, dp_size, overlap, expert_dp)
@@ -219,7 +220,8 @@ def setup_from_args(model_chunks: list[torch.nn.Module], ddp_config: Any, args: 
                         seq_length=args.seq_length, context_parallel=getattr(args, "context_parallel_size", 1))
     return make_setup(
         model_chunks, ddp_config, canzona_config_from_args(args),
-        dp_size=parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        # one distributed-optimizer instance's DP (x CP) ranks: Megatron shards every bucket over them
+        dp_size=parallel_state.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True),
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         ep_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tp_size=parallel_state.get_expert_tensor_parallel_world_size(),
@@ -241,8 +243,13 @@ def _stage_first_rank() -> tuple[bool, int | None]:
 def _dp_text(dp_size: int) -> str:
     """``DP d``, or ``DP d x CP c`` under context parallelism (the plan spans both: Megatron's
     DDP reduces and its distributed optimizer shards over DP x CP)."""
-    cp = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-    return f"DP {dp_size // cp} x CP {cp}" if cp > 1 else f"DP {dp_size}"
+    initialized = parallel_state.model_parallel_is_initialized()
+    cp = parallel_state.get_context_parallel_world_size() if initialized else 1
+    text = f"DP {dp_size // cp} x CP {cp}" if cp > 1 else f"DP {dp_size}"
+    inter = parallel_state.get_inter_distributed_optimizer_instance_group(check_initialized=False) if initialized else None
+    if inter is not None and torch.distributed.get_world_size(inter) > 1:  # the plan is one instance's
+        text += f" (each of {torch.distributed.get_world_size(inter)} distributed-optimizer instances)"
+    return text
 
 
 def _log_plan(plan: CanzonaPlan, s: dict, stage: int | None = None) -> None:

@@ -244,8 +244,6 @@ BAD_INPUTS = {
     "context_parallel_window": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer",
                                  "--context-parallel-size", "2", "--window-size", "16,0"],
                                 "--window-size needs transformer-engine's: install it, or drop it"),
-    "optimizer_instances": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer",
-                             "--num-distributed-optimizer-instances", "2"], "drop --num-distributed-optimizer-instances"),
     "no_gloo": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer", "--disable-gloo-process-groups"],
                 "drop --disable-gloo-process-groups"),
     "unknown_layout": (["--canzona", "--optimizer", "muon", "--use-distributed-optimizer", "--canzona-layout", "wide"],

@@ -119,6 +119,9 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out["dp2"] = _train(demo_data, root / "dp2", "--load", str(ckpt), "--save", str(ckpt),
                         "--save-interval", str(SAVE_INTERVAL))
     out["dp1"] = _train(demo_data, root / "dp1", "--load", str(copy), nproc=1)
+    # one optimizer instance -> two (each over DP 1, stepping the whole model)
+    out["instances"] = _train(demo_data, root / "instances", "--load", str(copy),
+                              "--num-distributed-optimizer-instances", "2")
     out["after_resume"] = sorted(p.name for p in ckpt.iterdir())
     out["tracker_after_resume"] = (ckpt / TRACKER).read_text()
 
@@ -148,6 +151,17 @@ def async_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) ->
     out["manifest"] = (final / "checksums" / "SHA256SUMS").read_text()
     out["digests"] = {name: hashlib.sha256((final / name).read_bytes()).hexdigest() for name in out["files"]}
     return out
+
+
+@pytest.fixture(scope="module")
+def instance_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """DP 4 as 2 distributed-optimizer instances of DP 2 (micro-batches of 2), saved at iteration 4,
+    resumed as 2 instances and as 1 instance of DP 4. Newton-Schulz in fp32: in bf16 the other sum
+    order of the gradients (6e-8 at iteration 6) flips roundings of the update, 3.7e-5 of the grad
+    norm at iteration 7 (measured)."""
+    one = ("--micro-batch-size", "2", "--muon-fp32-matmul-prec", "high")
+    two = (*one, "--num-distributed-optimizer-instances", "2")
+    return _save_then_resume(demo_data, tmp_path_factory.mktemp("instances"), two, {"two": two, "one": one}, nproc=4)
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +234,17 @@ def test_resume_at_dp2_repeats_the_uninterrupted_run_exactly(runs):
 def test_resume_at_dp1_from_a_dp2_checkpoint(runs):
     """DP 1 sums the gradient in another order; measured: equal losses, grad norms within 7e-8."""
     _assert_repeats_closely(runs["dp1"], runs["reference"], dp_size=1)
+
+
+def test_checkpoints_move_between_optimizer_instance_counts(runs, instance_runs):
+    """``--num-distributed-optimizer-instances``: 2 instances resume their own checkpoint bit for bit;
+    1 instance of DP 4 resumes it, and 2 instances of DP 1 a single DP 2 instance's, within the DP
+    resharding bound (the gradients' shards are summed in another order)."""
+    _assert_repeats_exactly(instance_runs["two"], instance_runs["reference"])
+    _assert_repeats_closely(instance_runs["one"], instance_runs["reference"], dp_size=4)
+    _assert_repeats_closely(runs["instances"], runs["reference"], dp_size=2)
+    assert ("[canzona] plan: whole layout, 8 matrices over DP 2 (each of 2 distributed-optimizer instances) x TP 1"
+            in instance_runs["stdout"]), instance_runs["stdout"][-3000:]
 
 
 def test_a_mismatched_model_gets_one_line_naming_the_file(runs):

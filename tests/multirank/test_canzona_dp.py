@@ -52,6 +52,8 @@ SPLITS = {  # exercise both fused layouts: Q/K/V and gate/up
 }
 
 
+INSTANCE_OPTIMIZERS = ("muon", "soap")
+"""Trained at DP 4 as 2 distributed-optimizer instances too (``--num-distributed-optimizer-instances 2``)."""
 BUCKET = 10_000
 """Elements per DDP bucket (with overlapped gradient reduction, which Megatron needs to honour
 it): six buckets, fc1 (16384 elements) larger than one, so the whole layout's shards are of
@@ -80,6 +82,9 @@ def results() -> dict[tuple[str, int], list[dict]]:
         if dp == 2:  # the same Muon run with a NaN gradient at its last step, and one step shorter
             names += ("muon_nan_last", "muon_short")
             runs += [replace(_run("muon"), nan_grad_at_step=STEPS - 1), replace(_run("muon"), num_steps=STEPS - 1)]
+        if dp == 4:  # DP 4 as 2 distributed-optimizer instances of DP 2
+            names += tuple(f"{opt}_instances" for opt in INSTANCE_OPTIMIZERS)
+            runs += [replace(_run(opt), instances=2) for opt in INSTANCE_OPTIMIZERS]
         for opt, per_rank in zip(names, _launch(dp, runs)):
             out[(opt, dp)] = per_rank
     return out
@@ -102,6 +107,26 @@ def test_dp_equals_single_process(results, optimizer: str, dp: int) -> None:
                 result["params"][name], expected, rtol=0, atol=PARAM_ATOL[optimizer],
                 msg=lambda m: f"{optimizer} dp{dp} rank {rank} {name}: {m}",
             )
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("optimizer", INSTANCE_OPTIMIZERS)
+def test_two_optimizer_instances_train_as_one_process(results, optimizer: str) -> None:
+    """DP 4 as 2 instances of DP 2: each instance's reduce-scatter over its 2 ranks, Megatron's
+    all-reduce of the shards across the instances, each instance's plan and step over its ranks;
+    the DP 1 run's losses and parameters within the DP bounds, and every matrix updated once per
+    instance."""
+    (reference,) = results[(optimizer, 1)]
+    per_rank = results[(f"{optimizer}_instances", 4)]
+    plan = CanzonaPlan.from_json(per_rank[0]["plan"])
+    assert plan.dp_size == 2
+    for rank, result in enumerate(per_rank):
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4)
+        for name, expected in reference["params"].items():
+            torch.testing.assert_close(result["params"][name], expected, rtol=0, atol=PARAM_ATOL[optimizer],
+                                       msg=lambda m: f"{optimizer} 2 instances rank {rank} {name}: {m}")
+    for instance in (per_rank[:2], per_rank[2:]):
+        assert sorted(n for result in instance for n in result["updated"]) == sorted(planned_tasks(plan))
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from megatron.canzona.optim import MATRIX_OPTIMIZERS, GateUpLayout, QKVLayout, build_param_groups
+from megatron.canzona.planning import CanzonaPlan
 from megatron.canzona.runtime import LaunchConfig, launch
 
 from canzona_patches.harness.tiny_gpt import (
@@ -53,9 +54,13 @@ PER_HEAD = {"muon-heads": ("muon", "tp2_dp2_whole"), "muon-heads-lean": ("muon",
 one head's 16 rows (4 query heads, 2 key, 2 value); at TP 2 each rank holds one KV group's heads,
 gathered to the matrix's host and split there."""
 HEAD_CASES = CASES | {"tp2_dp2_lean": dict(tp_size=2, canzona_layout="lean", bucket_size=20_000, alpha=1.0)}
+INSTANCES = {"muon-instances": ("muon", "whole"), "muon-instances-lean": ("muon", "lean"),
+             "normuon-instances": ("normuon", "whole"), "soap-instances": ("soap", "whole")}
+"""``--num-distributed-optimizer-instances 2`` at DP 4: name -> (optimizer, layout). Each instance of
+2 DP ranks plans, hosts and steps every matrix; the replayed gradients are the same on every rank."""
 MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 MAX_ULPS = {"muon": 1, "shampoo": 1, "soap": 16, "adamuon": 1, "normuon": 1}
-MAX_ULPS |= {name: MAX_ULPS[optimizer] for name, (optimizer, _) in PER_HEAD.items()}
+MAX_ULPS |= {name: MAX_ULPS[optimizer] for name, (optimizer, _) in (PER_HEAD | INSTANCES).items()}
 """Largest difference allowed per optimizer, in units in the last place of the largest element of
 the one-device matrix (``ulps``). Measured (`pytest -s` prints it), the same in every case and
 layout, under this machine's default code paths (AVX-512, MKL), MKL_CBWR=COMPATIBLE,
@@ -67,6 +72,12 @@ LAUNCH_TIMEOUT_S = 300.0
 
 
 def _run(optimizer: str, case: str, cases: dict = CASES) -> TinyRun:
+    if optimizer in INSTANCES:
+        optimizer, layout = INSTANCES[optimizer]
+        return TinyRun(lr=LR, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1,
+                       global_batch=8, early_gather=False, replay_grads=True, instances=2, tp_size=1,
+                       canzona_layout=layout, bucket_size=10_000 if layout == "whole" else 20_000,
+                       overlap_grad_reduce=True, **REPLAY_SPLITS.get(optimizer, SPLITS["muon"]))
     if optimizer in PER_HEAD:
         optimizer, case = PER_HEAD[optimizer]
         return TinyRun(lr=LR, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1,
@@ -79,7 +90,8 @@ def _run(optimizer: str, case: str, cases: dict = CASES) -> TinyRun:
 @pytest.fixture(scope="module")
 def results() -> dict[tuple[str, str], list[dict]]:
     """(optimizer, case) -> per-rank results of one 4-rank launch."""
-    cases = [(optimizer, case) for optimizer in OPTIMIZERS for case in CASES] + [(name, "") for name in PER_HEAD]
+    cases = [(optimizer, case) for optimizer in OPTIMIZERS for case in CASES]
+    cases += [(name, "") for name in (*PER_HEAD, *INSTANCES)]
     per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=4, timeout_s=LAUNCH_TIMEOUT_S),
                       [_run(*key) for key in cases])
     return {key: [rank[i] for rank in per_rank] for i, key in enumerate(cases)}
@@ -134,13 +146,27 @@ def test_per_head_matrices_equal_one_device_math(results, name: str) -> None:
             assert ulps(results[(name, "")][0]["params"][key], value) > 1000 * MAX_ULPS[name], key
 
 
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(INSTANCES))
+def test_two_optimizer_instances_equal_one_device_math(results, name: str) -> None:
+    """DP 4 as 2 distributed-optimizer instances of DP 2 (Megatron's gradient all-reduce across
+    them, then the replayed gradients): every rank's matrices within the optimizer's bound of the
+    one-device class, each instance having planned and stepped over its own 2 ranks."""
+    run = _run(name, "")
+    assert run.instances == 2
+    per_rank = results[(name, "")]
+    check_against_one_device(per_rank, run, name, f"2 instances x DP 2, {INSTANCES[name][1]}")
+    assert {CanzonaPlan.from_json(rank["plan"]).dp_size for rank in per_rank} == {2}
+
+
 def check_against_one_device(per_rank: list[dict], run: TinyRun, optimizer: str, case: str) -> None:
     """Every rank's matrices after the run within ``MAX_ULPS`` of :func:`one_device`'s."""
     initial = per_rank[0]["initial_params"]
     expected = one_device(run, initial)
     assert len(expected) == 4 * 2, sorted(expected)  # four matrices in each of two layers
     computed = sorted(name for result in per_rank for name in result["updated"])
-    assert len(computed) == len({n.split("#")[0] for n in computed}) or run.split_gate_up, computed
+    # each matrix is computed once per distributed-optimizer instance
+    assert len(computed) == run.instances * len({n.split("#")[0] for n in computed}) or run.split_gate_up, computed
     worst = {}
     for rank, result in enumerate(per_rank):
         assert result["initial_params"].keys() == initial.keys()

@@ -15,24 +15,27 @@ from .result import StrategyResult
 from .simulate import Workload, simulate
 
 
-def project_plan(specs: Sequence[ParamSpec], plan: CanzonaPlan, **kwargs) -> StrategyResult:
+def project_plan(specs: Sequence[ParamSpec], plan: CanzonaPlan, *, instances: int = 1, **kwargs) -> StrategyResult:
     """The projected iteration of ``plan`` of one pipeline stage (``specs``) at its own parallel
-    sizes: :func:`~.simulate.simulate` with ``kwargs`` (cluster, optimizer, wire, workload, ...)."""
-    return simulate(specs, strategy="canzona", dp_size=plan.dp_size, tp_size=plan.tp_size, ep_size=plan.ep_size,
-                    expert_tp_size=plan.experts.tp_size if plan.experts is not None else 1, plan=plan, **kwargs)
+    sizes: :func:`~.simulate.simulate` with ``kwargs`` (cluster, optimizer, wire, workload, ...);
+    ``instances``: the plan is one of that many distributed-optimizer instances'."""
+    return simulate(specs, strategy="canzona", dp_size=plan.dp_size * instances, tp_size=plan.tp_size,
+                    ep_size=plan.ep_size, expert_tp_size=plan.experts.tp_size if plan.experts is not None else 1,
+                    plan=plan, instances=instances, **kwargs)
 
 
 def project_layouts(
     specs: Sequence[ParamSpec], plans: Mapping[str, CanzonaPlan], *, cluster: ClusterSpec, optimizer: str,
     wire: WireConfig | None = None, workload: Workload | None = None, ns_method: str = "standard",
     early_compute: bool = False, early_compute_bytes: int | None = EARLY_COMPUTE_BYTES,
-    matrices_first: bool | None = False,
+    matrices_first: bool | None = False, instances: int = 1,
 ) -> dict[str, StrategyResult]:
     """The projected iteration of each layout's plan of one pipeline stage (``specs``), Muon's
     Newton-Schulz by ``ns_method``, as the run will take it: with ``early_compute`` (within
     ``early_compute_bytes`` per rank) and the reduce order ``matrices_first`` (``None``: the one
     :func:`project_reduce_orders` projects faster, as its default picks it)."""
-    common = dict(cluster=cluster, optimizer=optimizer, wire=wire, workload=workload, ns_method=ns_method)
+    common = dict(cluster=cluster, optimizer=optimizer, wire=wire, workload=workload, ns_method=ns_method,
+                  instances=instances)
     out = {}
     for name, plan in plans.items():
         if early_compute and matrices_first is None:
@@ -47,14 +50,14 @@ def project_layouts(
 def project_reduce_orders(
     specs: Sequence[ParamSpec], plan: CanzonaPlan, *, cluster: ClusterSpec, optimizer: str,
     wire: WireConfig | None = None, workload: Workload | None = None, ns_method: str = "standard",
-    early_compute_bytes: int | None = EARLY_COMPUTE_BYTES,
+    early_compute_bytes: int | None = EARLY_COMPUTE_BYTES, instances: int = 1,
 ) -> dict[bool, StrategyResult]:
     """The projected iteration of ``plan`` with early compute (within ``early_compute_bytes`` per
     rank), its dense buckets without a matrix reduced in backward order (``False``) and after the
     matrices (``True``)."""
     return {first: project_plan(specs, plan, cluster=cluster, optimizer=optimizer, wire=wire, workload=workload,
                                 ns_method=ns_method, early_compute=True, early_compute_bytes=early_compute_bytes,
-                                matrices_first=first)
+                                matrices_first=first, instances=instances)
             for first in (False, True)}
 
 
