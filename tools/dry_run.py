@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="layers of the first pipeline stage (Megatron's; for layers PP does not divide)")
     p.add_argument(LAST_FLAG, dest="last_stage_layers", type=at_least(0), default=None,
                    help="layers of the last pipeline stage")
+    p.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=at_least(1), default=None,
+                   help="expert tensor-parallel size (default 1 under --ep, as the recipes; Megatron's own default is "
+                   "the TP size): each expert matrix is hosted over expert DP x expert TP")
     p.add_argument("--rank", type=at_least(0), default=0, help="global rank to build (Megatron's default rank order)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer")
     p.add_argument("--adaptive-muon-moment2-method", choices=MOMENT2_METHODS, default="adamuon",
@@ -117,8 +120,10 @@ def early_budget(args: argparse.Namespace) -> int:
 
 
 def expert_tp_size(args: argparse.Namespace) -> int:
-    """Canzona hosts experts over expert DP alone: expert TP 1 under EP; at EP 1 experts are
-    dense parameters, sharded like them over the TP group."""
+    """``--etp``; by default expert TP 1 under EP (the recipes'), and at EP 1 the TP size (experts
+    are then dense parameters, sharded like them over the TP group)."""
+    if args.etp is not None:
+        return args.etp
     return 1 if args.ep > 1 else args.tp
 
 

@@ -273,6 +273,28 @@ def cpu_set_rng_state(original: Callable[..., Any], run: Any = None) -> Callable
     return _set_cpu_rng_state
 
 
+def gathering_unequal_splits_on_gloo(original: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
+    """Megatron's ``_gather_along_first_dim`` with unequal ``output_split_sizes`` (the all-to-all
+    token dispatcher at expert TP > 1 gathers each expert-TP rank's tokens) calls the list-form
+    ``all_gather``, which gloo refuses for unequal sizes. On gloo each rank's rows are padded to the
+    largest split, all-gathered once and cut back: the same rows, copied. Every other call is
+    Megatron's."""
+
+    @functools.wraps(original)
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if (output_split_sizes is None or len(set(output_split_sizes)) <= 1 or group.size() == 1
+                or torch.distributed.get_backend(group) != "gloo"):
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        widest = max(output_split_sizes)
+        padded = input_.new_zeros((widest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = input_.new_empty((group.size() * widest, *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(gathered, padded, group=group)
+        return torch.cat([gathered[r * widest: r * widest + size] for r, size in enumerate(output_split_sizes)])
+
+    return _gather_along_first_dim
+
+
 def _rebuild_rng_tracker_built_before() -> None:
     """A tracker built before CPU mode holds CUDA states: rebuild it as a CpuRNGStatesTracker."""
     tracker = _random._CUDA_RNG_STATE_TRACKER

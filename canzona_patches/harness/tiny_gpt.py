@@ -121,7 +121,10 @@ class TinyRun:
     num_experts: int = 0
     """MoE: experts per layer (every layer's MLP), 0 for the dense model."""
     ep_size: int = 1
-    """Expert-parallel size (expert TP is 1 with EP > 1, else the TP size, as Canzona needs)."""
+    """Expert-parallel size."""
+    expert_tp_size: int | None = None
+    """Expert tensor-parallel size (``None``: 1 with EP > 1, else the TP size; Megatron's own
+    default, the TP size, is ``expert_tp_size=tp_size``)."""
     moe_ffn_hidden: int = 32
     """Each expert's SwiGLU intermediate size."""
     moe_topk: int = 2
@@ -244,6 +247,13 @@ def _process_groups() -> set:
     return {group for group in distributed_c10d._world.pg_map if group is not distributed_c10d.GroupMember.WORLD}
 
 
+def expert_tp_size(run: TinyRun) -> int:
+    """``run``'s expert TP size: :attr:`TinyRun.expert_tp_size`, or 1 with EP > 1 and the TP size at EP 1."""
+    if run.expert_tp_size is not None:
+        return run.expert_tp_size
+    return 1 if run.ep_size > 1 else run.tp_size
+
+
 def init_model_parallel(run: TinyRun) -> None:
     """Megatron's process groups for ``run``: TP, EP, and expert TP 1 under expert
     parallelism (else the TP size: at EP 1 experts are dense parameters)."""
@@ -251,7 +261,7 @@ def init_model_parallel(run: TinyRun) -> None:
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=run.tp_size, expert_model_parallel_size=run.ep_size,
-        expert_tensor_parallel_size=1 if run.ep_size > 1 else run.tp_size,
+        expert_tensor_parallel_size=expert_tp_size(run),
         num_distributed_optimizer_instances=run.instances,
     )
 
@@ -587,7 +597,7 @@ def _moe_config(run: TinyRun) -> dict[str, Any]:
     return dict(
         num_moe_experts=run.num_experts, moe_router_topk=run.moe_topk, moe_ffn_hidden_size=run.moe_ffn_hidden,
         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
-        expert_model_parallel_size=run.ep_size, expert_tensor_parallel_size=1 if run.ep_size > 1 else run.tp_size,
+        expert_model_parallel_size=run.ep_size, expert_tensor_parallel_size=expert_tp_size(run),
         sequence_parallel=run.tp_size > 1,  # Megatron's MoE layer refuses TP without it
     )
 
@@ -628,7 +638,8 @@ def _layout(run: TinyRun, model: torch.nn.Module, dp_size: int, ddp_config):
         from canzona_patches.integration.setup import make_setup
 
         setup = make_setup([model], ddp_config, canzona_config(run), dp_size=dp_size,
-                           tp_size=parallel_state.get_tensor_model_parallel_world_size(), ep_size=run.ep_size)
+                           tp_size=parallel_state.get_tensor_model_parallel_world_size(), ep_size=run.ep_size,
+                           expert_tp_size=expert_tp_size(run))
         return setup, setup.layouts[0] if setup.layouts else None  # none under Megatron-FSDP
     params = [p for p in model.parameters() if p.requires_grad]
     return None, layer_wise_layout(params, dp_size, ddp_config, bucket_size=run.bucket_size)

@@ -673,17 +673,20 @@ def _check_expert_parallelism(args: argparse.Namespace) -> None:
     if args.num_experts:
         etp = args.expert_tensor_parallel_size  # None: Megatron makes it the TP size
         check_expert_sizes(args.tensor_model_parallel_size, args.expert_model_parallel_size,
-                           args.tensor_model_parallel_size if etp is None else etp)
+                           args.tensor_model_parallel_size if etp is None else etp,
+                           fsdp=getattr(args, "use_megatron_fsdp", False))
 
 
-def check_expert_sizes(tp_size: int, ep_size: int, expert_tp_size: int) -> None:
-    """Canzona hosts expert matrices over the expert-data-parallel group alone (expert TP 1);
-    at EP 1 experts are dense parameters, sharded like the others over the TP group."""
-    if ep_size > 1 and expert_tp_size != 1:
+def check_expert_sizes(tp_size: int, ep_size: int, expert_tp_size: int, *, fsdp: bool = False) -> None:
+    """Canzona hosts expert matrices over the expert-data-parallel x expert-tensor-parallel ranks of
+    each EP rank (Megatron's default expert TP, the TP size, included); at EP 1 experts are dense
+    parameters, sharded like the others over the TP group. Megatron-FSDP's binding hosts experts
+    over expert-DP alone (expert TP 1)."""
+    if fsdp and ep_size > 1 and expert_tp_size != 1:
         raise CanzonaArgumentError(
-            f"--canzona with --expert-model-parallel-size {ep_size} needs --expert-tensor-parallel-size 1 (it is "
-            f"{expert_tp_size}; Megatron defaults it to --tensor-model-parallel-size): experts are hosted over "
-            "expert-data-parallel ranks")
+            f"--canzona --use-megatron-fsdp with --expert-model-parallel-size {ep_size} needs "
+            f"--expert-tensor-parallel-size 1 (it is {expert_tp_size}; Megatron defaults it to "
+            "--tensor-model-parallel-size): pass --expert-tensor-parallel-size 1, or use --use-distributed-optimizer")
     if ep_size == 1 and expert_tp_size != tp_size:
         raise CanzonaArgumentError(
             f"--canzona at --expert-model-parallel-size 1 needs --expert-tensor-parallel-size equal to "

@@ -77,7 +77,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Rang
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler  # noqa: E402
 from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS, ChainedOptimizer  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
-from megatron.core.utils import get_pg_rank  # noqa: E402
+from megatron.core.utils import get_pg_rank, get_pg_size  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -578,38 +578,71 @@ def build_canzona_optimizer(optimizer_config: Any, model_chunks: list, setup: Ca
     # own DP (x CP) ranks, as Megatron's buffers shard over them; the instances' gradients are
     # all-reduced by Megatron after each reduce-scatter.
     coord = (get_pg_rank(pgs["intra_dp_cp_group"]), get_pg_rank(dense_tp))
-    host_group = _instance_host_group(pgs)
+    if _instances(pgs) == 1:
+        host_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        rank_of = setup.host_ranks if setup.host_ranks is not None else group_coordinates(host_group, coord)
+    else:
+        host_group, rank_of = _host_group(pgs, expert=False)
     dense = _canzona_dist_optimizer(optimizer_config, model_chunks, setup, _Ranks(
         expert=False, dp=pgs["intra_dp_cp_group"], dp_gloo=pgs["intra_dp_cp_group_gloo"], dp_idx=get_pg_rank(pgs["mp_group"]),
-        tp=dense_tp, host=host_group, coord=coord, grad_stats=pgs["intra_dist_opt_group"],
-        rank_of=setup.host_ranks if setup.host_ranks is not None else group_coordinates(host_group, coord)))
+        tp=dense_tp, host=host_group, coord=coord, grad_stats=pgs["intra_dist_opt_group"], rank_of=rank_of))
     if not experts:
         return dense
     edp_group = pgs["intra_expt_dp_group"]
+    etp_group = parallel_state.get_expert_tensor_parallel_group()
+    if get_pg_size(etp_group) == 1:
+        # a host (expert-DP rank, 0) is that rank of the expert-DP group
+        expert_host, expert_coord = edp_group, (get_pg_rank(edp_group), 0)
+        expert_rank_of = {(d, 0): d for d in range(setup.plan.experts.dp_size)}
+    else:  # expert TP: a host of the expert-DP x expert-TP ranks of this EP rank (and stage, and instance)
+        expert_host, expert_rank_of = _host_group(pgs, expert=True)
+        expert_coord = (get_pg_rank(edp_group), get_pg_rank(etp_group))
     expert = _canzona_dist_optimizer(optimizer_config, model_chunks, setup, _Ranks(
         expert=True, dp=edp_group, dp_gloo=pgs["intra_expt_dp_group_gloo"], dp_idx=get_pg_rank(pgs["expt_tp_pp_group"]),
-        tp=parallel_state.get_expert_tensor_parallel_group(), host=edp_group, coord=(get_pg_rank(edp_group), 0),
-        grad_stats=pgs["intra_dist_opt_group"],
-        # Expert TP 1: a host (expert-DP rank, 0) is that rank of the expert-DP group.
-        rank_of={(d, 0): d for d in range(setup.plan.experts.dp_size)}))
+        tp=etp_group, host=expert_host, coord=expert_coord, grad_stats=pgs["intra_dist_opt_group"],
+        rank_of=expert_rank_of))
     dense.syncs_fsdp_model = False
     # The chained optimizer gives both the joint clip factor (get_grad_norm).
     return CanzonaChainedOptimizer([dense, expert])
 
 
-def _instance_host_group(pgs: dict) -> Any:
-    """The tensor-and-data-parallel group of this rank's pipeline stage within its
-    distributed-optimizer instance: Megatron's own at one instance; with several, the stage's ranks
-    of the instance, one group per (stage, instance) made once here (every rank takes part)."""
-    whole = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    if pgs.get("inter_dist_opt_group") is None:
-        return whole
-    mine = sorted(set(dist.get_process_group_ranks(whole)) & set(dist.get_process_group_ranks(pgs["intra_dist_opt_group"])))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    groups = sorted({tuple(ranks) for ranks in everyone})
-    made, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in groups])
-    return made
+def _instances(pgs: dict) -> int:
+    """Distributed-optimizer instances of the run (1 without several)."""
+    inter = pgs.get("inter_dist_opt_group")
+    return 1 if inter is None else get_pg_size(inter)
+
+
+def _host_group(pgs: dict, *, expert: bool) -> tuple[Any, dict[Coord, int]]:
+    """A host group Megatron has none of, and its ``(dp, tp) -> rank in it`` table: the ranks of this
+    rank's pipeline stage and distributed-optimizer instance (dense: DP x CP x TP), or of its EP rank
+    too (``expert``: expert DP x expert TP). Every group is made once, here, by every rank in the
+    same order, from Megatron's rank order (tp-cp-ep-dp-pp, its default; checked against the groups
+    Megatron made): no collective, so a fake-backend dry run builds them too. A group's ranks go
+    tensor-parallel fastest, so ``(d, t)`` is its member ``d x TP + t``."""
+    from megatron.core.parallel_state import RankGenerator
+
+    world, pp = dist.get_world_size(), parallel_state.get_pipeline_model_parallel_world_size()
+    if expert:
+        tp, ep = parallel_state.get_expert_tensor_parallel_world_size(), parallel_state.get_expert_model_parallel_world_size()
+        generator = RankGenerator(tp=tp, ep=ep, dp=world // (tp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        whole, dp_group, tp_group = generator.get_ranks("tp-dp"), pgs["intra_expt_dp_group"], \
+            parallel_state.get_expert_tensor_parallel_group()
+    else:
+        tp, cp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
+        generator = RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+        whole, dp_group, tp_group = generator.get_ranks("tp-cp-dp"), pgs["intra_dp_cp_group"], \
+            parallel_state.get_tensor_model_parallel_group()
+    instances = _instances(pgs)
+    size = len(whole[0]) // instances  # an instance's DP ranks are a contiguous block of the group's
+    groups = [ranks[i * size:(i + 1) * size] for ranks in whole for i in range(instances)]
+    made, _ = dist.new_subgroups_by_enumeration(groups)
+    mine = next(ranks for ranks in groups if dist.get_rank() in ranks)
+    coord = (get_pg_rank(dp_group), get_pg_rank(tp_group))
+    expected = set(dist.get_process_group_ranks(dp_group)) | set(dist.get_process_group_ranks(tp_group))
+    if not expected <= set(mine) or mine.index(dist.get_rank()) != coord[0] * tp + coord[1]:
+        raise RuntimeError("Megatron's process groups do not follow its default rank order tp-cp-ep-dp-pp, which "
+                           "Canzona's host groups assume here: drop --use-tp-pp-dp-mapping")
+    return made, {(d, t): d * tp + t for d in range(size // tp) for t in range(tp)}
 
 
 def _canzona_dist_optimizer(optimizer_config: Any, model_chunks: list, setup: CanzonaSetup,

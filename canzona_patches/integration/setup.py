@@ -109,14 +109,14 @@ def make_setup(
     TP rank 0) logs the plan (unless ``log`` is off); ``summarize_here`` keeps its summary on
     this rank too.
 
-    ``expert_tp_size`` defaults to what Canzona supports: 1 under expert parallelism, the TP
-    size at EP 1 (experts are then dense parameters)."""
+    ``expert_tp_size`` defaults to 1 under expert parallelism, the TP size at EP 1 (experts are
+    then dense parameters); ``setup_from_args`` passes the run's."""
     expert_tp_size = (1 if ep_size > 1 else tp_size) if expert_tp_size is None else expert_tp_size
     fsdp = uses_megatron_fsdp(ddp_config)
     if fsdp:  # early gathers and compute hook DDP's buckets; Megatron-FSDP reduces its own
         config = dataclasses.replace(config, early_gather=False, early_compute="off")
     if ep_size > 1 or any(getattr(chunk.config, "num_moe_experts", None) for chunk in model_chunks):
-        check_expert_sizes(tp_size, ep_size, expert_tp_size)
+        check_expert_sizes(tp_size, ep_size, expert_tp_size, fsdp=fsdp)
     plan, specs, choice = build_canzona_plan(model_chunks, ddp_config, config, dp_size=dp_size, tp_size=tp_size,
                                              ep_size=ep_size, expert_tp_size=expert_tp_size, workload=workload)
     first, stage = _stage_first_rank()
@@ -267,7 +267,7 @@ def _log_plan(plan: CanzonaPlan, s: dict, stage: int | None = None) -> None:
     if plan.experts is not None and experts is not None:
         print(
             f"[canzona] experts: {len(plan.experts.hosts)} matrices per EP rank over expert-DP {plan.experts.dp_size} "
-            f"x EP {plan.ep_size}, {experts['num_buckets']} bucket(s), {experts['split_params']} split | "
+            f"x{f' expert TP {plan.experts.tp_size} x' if plan.experts.tp_size > 1 else ''} EP {plan.ep_size}, {experts['num_buckets']} bucket(s), {experts['split_params']} split | "
             f"makespan / lower bound {experts['makespan_over_lower_bound']:.3f} | padding "
             f"{100 * experts['padding_overhead']:.1f}% | dense + experts per rank "
             f"{s.get('combined_makespan_over_lower_bound', float('nan')):.3f}",

@@ -114,6 +114,26 @@ def test_a_full_size_moe_rank_is_what_the_plan_predicts():
     assert memory["steady_bytes"] < memory["peak_bytes"] <= PEAK_FACTOR * memory["steady_bytes"]
 
 
+ETP_CASE = ("--model", "qwen3-30b-a3b", "--tp", "2", "--ep", "8", "--dp", "16", "--etp", "2", "--rank", "5")
+"""Qwen3-30B-A3B at TP 2 x EP 8 x expert TP 2 (32 GPUs, expert DP 2): each expert matrix sharded over
+expert TP, hosted over expert DP x expert TP (Megatron's default expert TP, the TP size)."""
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_a_full_size_rank_at_expert_tp_2_is_what_the_plan_predicts():
+    out = dry_run(*ETP_CASE, "--json")
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = {row["quantity"]: row for row in report["rows"]}
+    assert report["agree"] and all(row["ok"] for row in rows.values())
+    c = report["config"]
+    assert (c["ep"], c["expert_dp"]) == (8, 2)
+    # the expert matrices are gathered over expert TP to their hosts: the host-group buffers hold them
+    assert rows["expert host-group buffers alive at once"]["measured"] > 0
+    # 48 layers x 16 local experts x (gate/up + down) 3 x 2048 x 768, halved by expert TP 2
+    assert rows["expert parameter buffers"]["measured"] >= 48 * 16 * 3 * 2048 * 768 // 2
+
+
 def test_the_table_names_every_quantity():
     out = dry_run("--model", "qwen3-tiny", "--dp", "4")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -36,14 +36,22 @@ def test_the_optimizer_builder_refuses_experts_the_plan_does_not_lay_out():
         build_canzona_optimizer(config, [_Chunk()], types.SimpleNamespace(plan=types.SimpleNamespace(experts=None)))
 
 
-@pytest.mark.parametrize(("tp", "ep", "etp", "fix"), [
-    (2, 4, 2, "needs --expert-tensor-parallel-size 1 .it is 2; Megatron defaults it to --tensor-model-parallel-size"),
-    (2, 1, 1, "at --expert-model-parallel-size 1 needs --expert-tensor-parallel-size equal to --tensor-model-parallel-size 2"),
+@pytest.mark.parametrize(("tp", "ep", "etp", "fsdp", "fix"), [
+    (2, 4, 2, True, "--use-megatron-fsdp with --expert-model-parallel-size 4 needs --expert-tensor-parallel-size 1 "
+                    ".it is 2; Megatron defaults it to --tensor-model-parallel-size"),
+    (2, 1, 1, False, "at --expert-model-parallel-size 1 needs --expert-tensor-parallel-size equal to "
+                     "--tensor-model-parallel-size 2"),
 ])
-def test_expert_tensor_parallelism_canzona_cannot_host_names_the_fix(tp, ep, etp, fix):
+def test_expert_tensor_parallelism_canzona_cannot_host_names_the_fix(tp, ep, etp, fsdp, fix):
     with pytest.raises(CanzonaArgumentError, match=fix):
-        check_expert_sizes(tp, ep, etp)
-    check_expert_sizes(tp, ep, 1 if ep > 1 else tp)
+        check_expert_sizes(tp, ep, etp, fsdp=fsdp)
+    check_expert_sizes(tp, ep, 1 if ep > 1 else tp, fsdp=fsdp)
+
+
+def test_expert_tensor_parallelism_runs_under_the_distributed_optimizer():
+    """Megatron's default expert TP (the TP size) and any other at EP > 1: hosted over expert-DP x expert TP."""
+    for etp in (1, 2, 4):
+        check_expert_sizes(2, 4, etp)
 
 
 def test_a_gpu_run_without_transformer_engine_names_the_fix():

@@ -102,6 +102,8 @@ def results(tmp_path_factory) -> dict[tuple, list[dict]]:
                  ((m, "early"), replace(early, early_compute=True, early_gather_at_dispatch=True)), ((m, "step"), early),
                  ((m, "resumed_dp4"), ResumeJob(run=saved, load_dir=str(root / m))),
                  ((m, "resumed_tp2"), ResumeJob(run=replace(saved, tp_size=2), load_dir=str(root / m)))]
+        if m == "normuon":  # Megatron's default expert TP, the TP size: TP 2 x EP 2 x expert TP 2
+            four += [((m, "ep2_tp2_etp2"), replace(moe, tp_size=2, expert_tp_size=2))]
         one += [((m, "single"), _run(m)), ((m, "single_moe"), _run(m, num_experts=4)),
                 ((m, "resumed_ep1"), ResumeJob(run=replace(moe, ep_size=1), load_dir=str(root / f"{m}_ep")))]
     out = {}
@@ -158,6 +160,19 @@ def test_distributed_equals_one_process(results, method: str, case: str, referen
         params = {name: value for name, value in params.items() if ".experts." not in name}
         reference = {name: value for name, value in reference.items() if ".experts." not in name}
     _close(params, reference, ATOL[method], f"{method} {case}", ELEMENTWISE_ATOL[method], method)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_normuon_at_expert_tp_2_equals_one_process(results) -> None:
+    """NorMuon with each expert matrix TP-sharded over expert TP 2 and hosted over expert-DP 1 x
+    expert-TP 2 (its per-row moment of the whole matrix on the host): the one-process MoE run's
+    losses and parameters within the EP bounds."""
+    (single,) = results[("normuon", "single_moe")]
+    per_rank = results[("normuon", "ep2_tp2_etp2")]
+    assert all(any(".experts." in name for name in result["updated"]) for result in per_rank)
+    for rank, result in enumerate(per_rank):
+        assert result["losses"] == pytest.approx(single["losses"], rel=LOSS_RTOL["normuon"]), f"rank {rank}"
+    _close(_union(per_rank), single["params"], ATOL["normuon"], "normuon ep2_tp2_etp2", ELEMENTWISE_ATOL["normuon"])
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)

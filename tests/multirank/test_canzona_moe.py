@@ -57,7 +57,10 @@ YARDSTICK = ("soap",)
 REORDER_FACTOR = 2.0
 MAX_FACTOR = 3.0
 MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
-LAYOUTS = {"ep2_dp2": dict(tp_size=1, ep_size=2), "ep2_tp2": dict(tp_size=2, ep_size=2)}
+LAYOUTS = {"ep2_dp2": dict(tp_size=1, ep_size=2), "ep2_tp2": dict(tp_size=2, ep_size=2),
+           "ep2_tp2_etp2": dict(tp_size=2, ep_size=2, expert_tp_size=2)}
+"""``ep2_tp2_etp2``: Megatron's default expert TP (the TP size): each expert matrix TP-sharded over
+the expert-TP group, hosted over expert-DP 1 x expert-TP 2."""
 LAUNCH_TIMEOUT_S = 420.0
 TEST_TIMEOUT_S = 2 * LAUNCH_TIMEOUT_S
 
@@ -95,7 +98,12 @@ def results(tmp_path_factory) -> dict[tuple[str, str], list[dict]]:
              ("threshold_in_step", "ep2_tp2", threshold),
              ("threshold_swapped", "ep2_tp2", replace(threshold, nan_grad_at_step=STEPS - 1, big_grad_at_step=1))]
     four += [("saved", "ep2_dp2", ResumeJob(run=saved, save_dir=str(root), save_after=(HALF,))),
-             ("resumed", "ep4", ResumeJob(run=replace(saved, ep_size=4), load_dir=str(root)))]
+             ("resumed", "ep4", ResumeJob(run=replace(saved, ep_size=4), load_dir=str(root))),
+             # expert TP 1 -> 2 (and TP 1 -> 2), and a save at expert TP 2 resumed at expert TP 1
+             ("resumed", "ep2_tp2_etp2", ResumeJob(run=_run("muon", **LAYOUTS["ep2_tp2_etp2"]), load_dir=str(root)))]
+    etp2 = _run("muon", **LAYOUTS["ep2_tp2_etp2"])
+    four += [("saved", "ep2_tp2_etp2", ResumeJob(run=etp2, save_dir=str(root / "etp2"), save_after=(HALF,))),
+             ("resumed", "ep2_tp2_etp1", ResumeJob(run=replace(etp2, expert_tp_size=1), load_dir=str(root / "etp2")))]
     one = [(opt, "single", _run(opt)) for opt in OPTIMIZERS]
     one += [("resumed", "ep1", ResumeJob(run=replace(saved, ep_size=1), load_dir=str(root)))]
     out = {}
@@ -162,6 +170,20 @@ def test_every_expert_matrix_is_computed_once_per_step(results, optimizer: str, 
     assert computed == matrices
     experts_by_rank = [{n for n in result["updated"] if ".experts." in n} for result in per_rank]
     assert sum(bool(e) for e in experts_by_rank) == len(per_rank), "every rank should host some experts"
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("saved, layout", [("ep2_dp2", "ep2_tp2_etp2"), ("ep2_tp2_etp2", "ep2_tp2_etp1")])
+def test_resume_across_expert_tensor_parallel_sizes(results, saved: str, layout: str) -> None:
+    """Expert TP 1 -> 2 (saved at EP 2 x DP 2) and 2 -> 1 (saved at TP 2 x EP 2 x expert TP 2): the
+    expert matrices' state resharded over expert TP, each run continuing to the straight run."""
+    straight = _union(results[("muon", saved)])
+    resumed_ranks = results[("resumed", layout)]
+    assert all(r["start"] == HALF for r in resumed_ranks)
+    for result in resumed_ranks:
+        torch.testing.assert_close(result["losses"], results[("muon", saved)][0]["losses"][HALF:],
+                                   rtol=LOSS_RTOL["muon"], atol=0)
+    _assert_params_close(_union(resumed_ranks), straight, "muon", f"saved at {saved}, resumed at {layout}")
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
