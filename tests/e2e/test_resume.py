@@ -165,6 +165,15 @@ def instance_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="module")
+def per_head_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``--canzona-split-qkv-per-head`` saved at DP 2 at iteration 4, resumed at DP 2 and at TP 2
+    (each rank holding half of every QKV weight's heads); fp32 Newton-Schulz."""
+    heads = ("--canzona-split-qkv-per-head", "--muon-fp32-matmul-prec", "high")
+    return _save_then_resume(demo_data, tmp_path_factory.mktemp("per_head"), heads,
+                             {"dp2": heads, "tp2": (*heads, "--tensor-model-parallel-size", "2")})
+
+
+@pytest.fixture(scope="module")
 def pp_runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
     # Early compute forced on gloo, clipping at 0.7: iterations 1-3 (norms ~0.67) commit what was
     # computed in backward, iteration 4 (0.75) computes again, and is the one saved.
@@ -245,6 +254,14 @@ def test_checkpoints_move_between_optimizer_instance_counts(runs, instance_runs)
     _assert_repeats_closely(runs["instances"], runs["reference"], dp_size=2)
     assert ("[canzona] plan: whole layout, 8 matrices over DP 2 (each of 2 distributed-optimizer instances) x TP 1"
             in instance_runs["stdout"]), instance_runs["stdout"][-3000:]
+
+
+def test_per_head_matrices_train_and_resume_across_tp_sizes(per_head_runs):
+    """Every head's query, key and value block its own matrix (the start-up line says so): resumed
+    bit for bit at DP 2, and at TP 2 (the heads split over the TP ranks) within the resharding bound."""
+    assert "[canzona] QKV: each head its own matrix" in per_head_runs["stdout"], per_head_runs["stdout"][-3000:]
+    _assert_repeats_exactly(per_head_runs["dp2"], per_head_runs["reference"])
+    _assert_repeats_closely(per_head_runs["tp2"], per_head_runs["reference"], dp_size=1)
 
 
 def test_a_mismatched_model_gets_one_line_naming_the_file(runs):
