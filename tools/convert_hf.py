@@ -45,9 +45,11 @@ import torch
 from megatron.canzona.cli import ArgumentParser, at_least
 from megatron.canzona.hf import (
     EMBEDDING,
+    EXPERT_TENSORS,
     FINAL_NORM,
     LAYER_PREFIX,
     LAYER_TENSORS,
+    STACKED_EXPERTS,
     LOCAL_SPEC_NAMES,
     OUTPUT_LAYER,
     ConversionError,
@@ -56,6 +58,7 @@ from megatron.canzona.hf import (
     checkpoint_name,
     from_hf,
     hf_config,
+    layer_tensors,
     hf_names,
     megatron_flags,
     megatron_shapes,
@@ -177,6 +180,8 @@ class StoredTensor:
     """Megatron names (layer number included) of its slices, in order."""
     stacked: bool
     """Whether a leading dimension numbers the layers (torch_dist's layout)."""
+    experts: bool = False
+    """Whether a second one numbers the experts (a SequentialMLP's tensors: ``(layers, experts, ...)``)."""
 
 
 def stored_tensors(arch: Qwen3Config, stored: dict[str, Any]) -> list[StoredTensor]:
@@ -185,7 +190,11 @@ def stored_tensors(arch: Qwen3Config, stored: dict[str, Any]) -> list[StoredTens
     spec's names. Unknown or missing tensors raise."""
     found = [StoredTensor(EMBEDDING, (EMBEDDING,), False)]
     local_names = {fused: local for local, fused in LOCAL_SPEC_NAMES.items()}
-    for name in LAYER_TENSORS:
+    for name in (EXPERT_TENSORS if arch.is_moe else ()):  # every layer's experts, by global index
+        names = tuple(f"{LAYER_PREFIX}{layer}.mlp.experts.local_experts.{expert}.{name}"
+                      for layer in range(arch.num_layers) for expert in range(arch.num_experts))
+        found.append(StoredTensor(f"{LAYER_PREFIX}{STACKED_EXPERTS}{name}", names, True, experts=True))
+    for name in layer_tensors(arch):
         spellings = [name, local_names[name]] if name in local_names else [name]
         names = tuple(f"{LAYER_PREFIX}{layer}.{name}" for layer in range(arch.num_layers))
         stacked = [f"{LAYER_PREFIX}{spelling}" for spelling in spellings if f"{LAYER_PREFIX}{spelling}" in stored]
@@ -224,8 +233,12 @@ def export(options: argparse.Namespace) -> int:
     layout = (f"TP {getattr(megatron_args, 'tensor_model_parallel_size', 1)} x "
               f"PP {getattr(megatron_args, 'pipeline_model_parallel_size', 1)} x "
               f"DP {getattr(megatron_args, 'data_parallel_size', 1)}")
-    log(f"reading {path} (torch_dist, saved at {layout}): Qwen3, {arch.num_layers} layers, hidden "
-        f"{arch.hidden_size}, {'tied' if arch.tied_embeddings else 'untied'} embeddings")
+    if arch.is_moe:
+        layout += (f" x EP {getattr(megatron_args, 'expert_model_parallel_size', 1)} x expert TP "
+                   f"{getattr(megatron_args, 'expert_tensor_parallel_size', None) or 1}")
+    moe = f", {arch.num_experts} experts of {arch.moe_ffn_hidden_size} (top {arch.moe_router_topk})" if arch.is_moe else ""
+    log(f"reading {path} (torch_dist, saved at {layout}): Qwen3{'-MoE' if arch.is_moe else ''}, {arch.num_layers} "
+        f"layers, hidden {arch.hidden_size}{moe}, {'tied' if arch.tied_embeddings else 'untied'} embeddings")
     options.save.mkdir(parents=True, exist_ok=True)
     writer = SafetensorsWriter(options.save, options.max_shard_size)
     dtype = DTYPES.get(options.dtype)
@@ -250,7 +263,8 @@ def _write_hf_tensors(stored: StoredTensor, tensor: torch.Tensor, arch: Qwen3Con
                       writer: SafetensorsWriter, dtype: torch.dtype | None) -> None:
     """Each layer of one checkpoint tensor, shape-checked against ``arch``, as its Hugging Face tensors."""
     shapes = megatron_shapes(arch)
-    for name, piece in zip(stored.names, tensor.unbind(0) if stored.stacked else (tensor,), strict=True):
+    pieces = tensor.flatten(0, 1).unbind(0) if stored.experts else tensor.unbind(0) if stored.stacked else (tensor,)
+    for name, piece in zip(stored.names, pieces, strict=True):
         if tuple(piece.shape) != shapes[name]:
             raise ConversionError(f"{stored.key} is {tuple(piece.shape)} per layer in the checkpoint, its saved "
                                   f"arguments say {shapes[name]}: not a plain Qwen3 GPT checkpoint")
@@ -426,6 +440,7 @@ def one_process_args(args: argparse.Namespace) -> argparse.Namespace:
 
     args.rank, args.world_size, args.data_parallel_size = 0, 1, 1
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    args.expert_model_parallel_size = args.expert_tensor_parallel_size = 1  # a mixture's experts whole here too
     args.virtual_pipeline_model_parallel_size = None
     args.sequence_parallel = False
     if enable_cpu_mode():

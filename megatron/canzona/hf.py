@@ -40,6 +40,9 @@ from megatron.canzona.planning.qwen3 import Qwen3Config
 ARCHITECTURE = "Qwen3ForCausalLM"
 """The Hugging Face class a converted directory loads as."""
 MODEL_TYPE = "qwen3"
+MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
+"""The class of an exported mixture-of-experts model (every layer's MLP a mixture: Qwen3-30B-A3B, 235B-A22B)."""
+MOE_MODEL_TYPE = "qwen3_moe"
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
@@ -58,6 +61,21 @@ LAYER_TENSORS: dict[str, tuple[str, ...]] = {
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
 }
+MOE_LAYER_TENSORS: dict[str, tuple[str, ...]] = {
+    **{name: hf for name, hf in LAYER_TENSORS.items() if not name.startswith(("mlp.linear_fc1.weight", "mlp.linear_fc2"))},
+    "mlp.router.weight": ("mlp.gate.weight",),
+}
+"""A mixture-of-experts layer's tensors besides its experts: the router instead of the dense MLP
+(its pre-MLP norm is stored as ``mlp.linear_fc1.layer_norm_weight`` there too)."""
+EXPERT_TENSORS: dict[str, tuple[str, ...]] = {
+    "linear_fc1.weight": ("gate_proj.weight", "up_proj.weight"),
+    "linear_fc2.weight": ("down_proj.weight",),
+}
+"""Per expert (after ``mlp.experts.local_experts.E.``, E the global expert index) -> Hugging Face's
+(after ``mlp.experts.E.``: the per-expert names of the published checkpoints, which transformers
+5 merges into its fused expert tensors on load)."""
+STACKED_EXPERTS = "mlp.experts.experts."
+"""How ``torch_dist`` stores a SequentialMLP's experts: one tensor per name, ``(layers, experts, ...)``."""
 GLOBAL_TENSORS: dict[str, str] = {
     EMBEDDING: "model.embed_tokens.weight",
     FINAL_NORM: "model.norm.weight",
@@ -70,14 +88,20 @@ LOCAL_SPEC_NAMES: dict[str, str] = {
 """Module names of Megatron's local layer spec -> the checkpoint's (transformer-engine) names."""
 
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
 class ConversionError(ValueError):
     """A checkpoint or directory that cannot be converted; the message names the fix."""
 
 
+def layer_tensors(arch: Qwen3Config) -> dict[str, tuple[str, ...]]:
+    """The per-layer tensors (besides the experts) of ``arch``: :data:`LAYER_TENSORS` or :data:`MOE_LAYER_TENSORS`."""
+    return MOE_LAYER_TENSORS if arch.is_moe else LAYER_TENSORS
+
+
 def megatron_shapes(arch: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Global shape of every Megatron tensor of a dense Qwen3 model, per-layer names included."""
+    """Global shape of every Megatron tensor of a Qwen3 model, per-layer (and per-expert) names included."""
     h, d, f = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
     per_layer = {
         "self_attention.linear_qkv.layer_norm_weight": (h,),
@@ -89,6 +113,12 @@ def megatron_shapes(arch: Qwen3Config) -> dict[str, tuple[int, ...]]:
         "mlp.linear_fc1.weight": (2 * f, h),
         "mlp.linear_fc2.weight": (h, f),
     }
+    if arch.is_moe:
+        m = arch.moe_ffn_hidden_size
+        per_layer = {name: shape for name, shape in per_layer.items() if name in MOE_LAYER_TENSORS}
+        per_layer["mlp.router.weight"] = (arch.num_experts, h)
+        per_layer.update({f"mlp.experts.local_experts.{e}.{name}": shape for e in range(arch.num_experts)
+                          for name, shape in (("linear_fc1.weight", (2 * m, h)), ("linear_fc2.weight", (h, m)))})
     shapes = {EMBEDDING: (arch.vocab_size, h)}
     for layer in range(arch.num_layers):
         shapes.update({f"{LAYER_PREFIX}{layer}.{name}": shape for name, shape in per_layer.items()})
@@ -110,9 +140,12 @@ def hf_names(megatron_name: str) -> tuple[str, ...]:
     if megatron_name in GLOBAL_TENSORS:
         return (GLOBAL_TENSORS[megatron_name],)
     match = _LAYER_NAME.fullmatch(megatron_name)
-    if match is None or match[2] not in LAYER_TENSORS:
+    expert = _EXPERT_NAME.fullmatch(match[2]) if match is not None else None
+    if expert is not None and expert[2] in EXPERT_TENSORS:
+        return tuple(f"model.layers.{match[1]}.mlp.experts.{expert[1]}.{name}" for name in EXPERT_TENSORS[expert[2]])
+    if match is None or match[2] not in (LAYER_TENSORS | MOE_LAYER_TENSORS):
         raise ConversionError(f"{megatron_name} is not a tensor of a Qwen3 GPT model")
-    return tuple(f"model.layers.{match[1]}.{name}" for name in LAYER_TENSORS[match[2]])
+    return tuple(f"model.layers.{match[1]}.{name}" for name in (LAYER_TENSORS | MOE_LAYER_TENSORS)[match[2]])
 
 
 def checkpoint_name(module_name: str) -> str:
@@ -172,10 +205,22 @@ _QWEN3_ARGS: tuple[tuple[str, Any, str], ...] = (
 )
 # Megatron arguments a Qwen3 model leaves off (false or unset), each set by the flag of its name.
 _QWEN3_OFF: tuple[str, ...] = (
-    "add_qkv_bias", "num_experts", "multi_latent_attention", "rotary_interleaved", "use_rope_scaling",
+    "add_qkv_bias", "multi_latent_attention", "rotary_interleaved", "use_rope_scaling",
     "rotary_seq_len_interpolation_factor", "apply_layernorm_1p", "layernorm_zero_centered_gamma",
     "apply_residual_connection_post_layernorm", "qk_l2_norm", "attention_output_gate", "squared_relu", "window_size",
     "no_rope_freq", "mtp_num_layers", "heterogeneous_layers_config_path",
+)
+
+
+# A Qwen3-MoE router and MLP, as Megatron's flags give them: (attribute, Qwen3-MoE's value, the flag).
+_QWEN3_MOE_ARGS: tuple[tuple[str, Any, str], ...] = (
+    ("moe_router_score_function", "softmax", "--moe-router-score-function softmax"),
+    ("moe_layer_freq", 1, "--moe-layer-freq 1 (every layer a mixture)"),
+    ("moe_shared_expert_intermediate_size", None, "no --moe-shared-expert-intermediate-size"),
+    ("moe_router_enable_expert_bias", False, "no --moe-router-enable-expert-bias"),
+    ("moe_router_topk_scaling_factor", None, "no --moe-router-topk-scaling-factor"),
+    ("moe_router_num_groups", None, "no --moe-router-num-groups"),
+    ("moe_grouped_gemm", False, "no --moe-grouped-gemm (the export reads SequentialMLP experts)"),
 )
 
 
@@ -191,8 +236,19 @@ def arch_from_megatron_args(args: Any) -> Qwen3Config:
         raise ConversionError(
             f"the checkpoint was trained with {attribute}={value!r}; a Qwen3 model needs {flag}: "
             "only Qwen3-architecture checkpoints export (examples/qwen3/common.sh has the flags)")
+    experts = getattr(args, "num_experts", None) or 0
+    if experts:
+        for attribute, qwen3, flag in _QWEN3_MOE_ARGS:
+            if getattr(args, attribute, qwen3) != qwen3:
+                raise ConversionError(
+                    f"the checkpoint was trained with {attribute}={getattr(args, attribute)!r}; a Qwen3-MoE model "
+                    f"needs {flag}: only Qwen3-architecture checkpoints export")
     heads = args.num_attention_heads
     return Qwen3Config(
+        num_experts=experts,
+        moe_ffn_hidden_size=(getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size) if experts else 0,
+        moe_router_topk=args.moe_router_topk if experts else 0,
+        moe_norm_topk_prob=not getattr(args, "moe_router_pre_softmax", False),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -265,9 +321,16 @@ def hf_config(arch: Qwen3Config, dtype: torch.dtype) -> dict[str, Any]:
     RoPE and the dtype are written the transformers 4 way (``rope_theta``, ``torch_dtype``)
     and the transformers 5 way (``rope_parameters``, ``dtype``), so either version reads them."""
     dtype_name = str(dtype).removeprefix("torch.")
+    moe = {}
+    if arch.is_moe:  # every layer a mixture of num_experts, top-k renormalized unless pre-softmax
+        moe = {"num_experts": arch.num_experts, "num_local_experts": arch.num_experts,
+               "num_experts_per_tok": arch.moe_router_topk, "moe_intermediate_size": arch.moe_ffn_hidden_size,
+               "norm_topk_prob": arch.moe_norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": [],
+               "output_router_logits": False, "router_aux_loss_coef": 0.0}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
+        "architectures": [MOE_ARCHITECTURE if arch.is_moe else ARCHITECTURE],
+        "model_type": MOE_MODEL_TYPE if arch.is_moe else MODEL_TYPE,
+        **moe,
         "vocab_size": arch.vocab_size,
         "hidden_size": arch.hidden_size,
         "intermediate_size": arch.ffn_hidden_size,

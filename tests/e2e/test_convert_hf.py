@@ -15,6 +15,9 @@ One module-scoped sequence of runs (each process pays Megatron's or transformers
 5. logits of the same tokens: Megatron's (``megatron_logits.py``: each checkpoint loaded by
    Megatron into a TP 1 model) and transformers' (``Qwen3ForCausalLM.from_pretrained``).
 
+A tiny Qwen3-MoE (4 experts of 32, top 2) trains from scratch at TP 2 x EP 2 x expert TP 2 (4
+ranks), is exported, and loads as ``Qwen3MoeForCausalLM``.
+
 Megatron's and transformers' fp32 logits agree to ``LOGITS_TOLERANCE``: measured 3.0e-7 to
 3.9e-7 for the four pairs, against logits up to 1.5 in magnitude. Mapping mistakes move them
 far more: a RoPE base of 1e4 by 0.3, an RMSNorm epsilon of 1e-5 by 9e-3, gate and up swapped
@@ -112,6 +115,29 @@ def train(data: DemoData, out: Path, model: str, load: Path, save: Path) -> str:
     return result.stdout
 
 
+MOE_FLAGS = ("--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2",
+             "--moe-router-score-function", "softmax", "--moe-router-load-balancing-type", "aux_loss",
+             "--moe-aux-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
+             "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel")
+"""A Qwen3-MoE at TP 2 x EP 2 with Megatron's default expert TP (2): 4 experts of 32 per layer, top 2."""
+
+
+def train_moe(data: DemoData, out: Path, save: Path) -> str:
+    """2 iterations of the mixture from scratch on 4 ranks (Muon, --canzona), saved at iteration 2."""
+    args = [
+        *recipe_model_args(False), *MOE_FLAGS,
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+        "--lr", "3e-3", "--min-lr", "0", "--lr-decay-style", "constant", "--log-interval", "1",
+        "--eval-interval", "1000", "--eval-iters", "0", "--tokenizer-type", "SentencePieceTokenizer",
+        "--tokenizer-model", str(data.tokenizer_model), "--data-path", data.data_prefix, "--split", "80,10,10",
+        "--data-cache-path", str(out / "cache"), "--num-workers", "0",
+        "--optimizer", "muon", "--canzona", "--use-distributed-optimizer", "--save", str(save), "--save-interval", "2",
+    ]
+    result = launch_ranks(4, "pretrain_gpt.py", *args, timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return result.stdout
+
+
 def checkpoint_weights(load_dir: Path) -> dict[str, torch.Tensor]:
     """The model tensors of the tracked checkpoint, read by torch.distributed.checkpoint alone."""
     from torch.distributed.checkpoint import FileSystemReader, load
@@ -153,11 +179,16 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
         out[model, "train_log"] = train(demo_data, root / f"{model}_run", model, imported, trained)
         out[model, "export_log"] = converted("export", "--load", str(trained), "--save", str(exported))
         out[model] = {"hf": hf, "imported": imported, "trained": trained, "exported": exported}
+    moe_trained, moe_exported = root / "moe_trained", root / "moe_exported"
+    out["moe", "train_log"] = train_moe(demo_data, root / "moe_run", moe_trained)
+    out["moe", "export_log"] = converted("export", "--load", str(moe_trained), "--save", str(moe_exported))
+    out["moe"] = {"trained": moe_trained, "exported": moe_exported}
     reimported = root / "untied_reimported"
     converted("import", "--hf", str(out["untied"]["exported"]), "--save", str(reimported))
     out["untied"]["reimported"] = reimported
 
     checkpoints = [str(out[model][kind]) for model in MODELS for kind in ("imported", "trained")]
+    checkpoints.append(str(moe_trained))
     torch.save(out["tokens"], root / "tokens.pt")
     result = launch_ranks(1, "tests/e2e/megatron_logits.py", str(root / "tokens.pt"), str(root / "logits.pt"),
                           *checkpoints, timeout_s=CONVERT_TIMEOUT_S)
@@ -203,6 +234,29 @@ def test_imported_checkpoint_computes_the_hf_logits(runs: dict, model: str) -> N
 def test_export_of_a_tp2_or_pp2_checkpoint_computes_megatrons_logits(runs: dict, model: str) -> None:
     megatron = runs["megatron_logits"][str(runs[model]["trained"])]
     exported = hf_logits(runs[model]["exported"], runs["tokens"])
+    assert (megatron - exported).abs().max() <= LOGITS_TOLERANCE
+
+
+def test_export_of_a_mixture_at_expert_tp_2_computes_megatrons_logits(runs: dict) -> None:
+    """A Qwen3-MoE trained at TP 2 x EP 2 x expert TP 2 exports as ``Qwen3MoeForCausalLM`` (the router
+    as ``mlp.gate``, each expert's fc1 as its gate and up projections by global index), whose logits
+    are Megatron's (measured 1.8e-7 by hand)."""
+    transformers = pytest.importorskip("transformers")
+    assert "saved at TP 2 x PP 1 x DP 2 x EP 2 x expert TP 2): Qwen3-MoE" in runs["moe", "export_log"]
+    config = json.loads((runs["moe"]["exported"] / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["model_type"] == "qwen3_moe"
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (4, 2, 32)
+    assert config["norm_topk_prob"] is True
+    names = hf_weights(runs["moe"]["exported"])
+    assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.3.gate_proj.weight",
+            "model.layers.1.mlp.experts.3.down_proj.weight"} <= names.keys()
+    model = transformers.AutoModelForCausalLM.from_pretrained(runs["moe"]["exported"], dtype=torch.float32,
+                                                              attn_implementation="eager")
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        exported = model.eval()(runs["tokens"]).logits.float()
+    megatron = runs["megatron_logits"][str(runs["moe"]["trained"])]
+    assert megatron.shape == exported.shape
     assert (megatron - exported).abs().max() <= LOGITS_TOLERANCE
 
 

@@ -97,7 +97,7 @@ def test_local_spec_norms_take_the_checkpoint_names() -> None:
     assert checkpoint_name("decoder.final_layernorm.weight") == "decoder.final_layernorm.weight"
     assert hf_names("decoder.layers.4.mlp.linear_fc1.layer_norm_weight") == ("model.layers.4.post_attention_layernorm.weight",)
     with pytest.raises(ConversionError, match="not a tensor of a Qwen3"):
-        hf_names("decoder.layers.0.mlp.router.weight")
+        hf_names("decoder.layers.0.mlp.shared_experts.linear_fc1.weight")
 
 
 # --- configs ---------------------------------------------------------------------------------
@@ -160,7 +160,10 @@ def test_megatron_args_give_the_architecture() -> None:
     ({"swiglu": False}, "--swiglu"),
     ({"qk_layernorm": False}, "--qk-layernorm"),
     ({"add_bias_linear": True}, "--disable-bias-linear"),
-    ({"num_experts": 8}, "needs no --num-experts"),
+    ({"num_experts": 8, "moe_router_score_function": "sigmoid", "moe_router_topk": 2},
+     "Qwen3-MoE model needs --moe-router-score-function softmax"),
+    ({"num_experts": 8, "moe_shared_expert_intermediate_size": 16, "moe_router_topk": 2},
+     "needs no --moe-shared-expert-intermediate-size"),
     ({"apply_layernorm_1p": True}, "needs no --apply-layernorm-1p"),
     ({"position_embedding_type": "learned_absolute"}, "--position-embedding-type rope"),
 ])
@@ -168,6 +171,33 @@ def test_non_qwen3_checkpoints_are_refused_with_the_flag(change: dict, flag: str
     with pytest.raises(ConversionError, match="only Qwen3-architecture checkpoints export") as error:
         arch_from_megatron_args(_megatron_args(**change))
     assert flag in str(error.value)
+
+
+def test_a_mixture_maps_its_router_and_every_expert() -> None:
+    """Qwen3-MoE (every layer a mixture): the router is ``mlp.gate``, expert E's fc1 its gate and up
+    projections, its fc2 ``down_proj``, by global index; no dense MLP; ``config.json`` the
+    Qwen3-MoE one, top-k renormalized unless the run routed with ``--moe-router-pre-softmax``."""
+    arch = arch_from_megatron_args(_megatron_args(num_experts=4, moe_ffn_hidden_size=6, moe_router_topk=2,
+                                                  moe_router_score_function="softmax"))
+    assert arch.is_moe and (arch.num_experts, arch.moe_ffn_hidden_size, arch.moe_router_topk) == (4, 6, 2)
+    shapes = megatron_shapes(arch)
+    assert "decoder.layers.0.mlp.linear_fc1.weight" not in shapes
+    assert shapes["decoder.layers.1.mlp.router.weight"] == (4, 8)
+    assert shapes["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"] == (12, 8)
+    assert hf_names("decoder.layers.1.mlp.router.weight") == ("model.layers.1.mlp.gate.weight",)
+    fc1 = torch.arange(12 * 8, dtype=torch.float32).view(12, 8)
+    out = to_hf("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight", fc1, arch)
+    assert list(out) == ["model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"]
+    assert torch.equal(out["model.layers.1.mlp.experts.3.gate_proj.weight"], fc1[:6])
+    assert hf_names("decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight") == \
+        ("model.layers.0.mlp.experts.2.down_proj.weight",)
+    config = hf_config(arch, torch.float32)
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["model_type"] == "qwen3_moe"
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"],
+            config["norm_topk_prob"]) == (4, 2, 6, True)
+    pre = arch_from_megatron_args(_megatron_args(num_experts=4, moe_ffn_hidden_size=6, moe_router_topk=2,
+                                                 moe_router_pre_softmax=True))
+    assert hf_config(pre, torch.float32)["norm_topk_prob"] is False
 
 
 def test_flags_describe_the_architecture() -> None:

@@ -56,6 +56,9 @@ class Qwen3Config:
     """SwiGLU inner width of one expert (HF ``moe_intermediate_size``)."""
     moe_router_topk: int = 0
     """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    moe_norm_topk_prob: bool = True
+    """The chosen experts' router probabilities renormalized to sum to 1 (HF ``norm_topk_prob``,
+    Qwen3-MoE's; Megatron's softmax after the top-k, without ``--moe-router-pre-softmax``)."""
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon of every norm, QK-norms included."""
     rotary_base: float = 1_000_000.0
