@@ -92,6 +92,9 @@ def results(tmp_path_factory) -> dict[tuple[str, str], list[dict]]:
     computed = replace(early, clip_grad=3.0, big_grad_at_step=STEPS - 1)  # the clip acts at the last step only
     four += [("compute_early", "ep2_tp2", replace(computed, early_compute=True, early_gather_at_dispatch=True)),
              ("compute_in_step", "ep2_tp2", computed)]
+    at_etp2 = replace(computed, expert_tp_size=2)  # the experts' pieces gathered over expert TP in backward
+    four += [("compute_early", "ep2_tp2_etp2", replace(at_etp2, early_compute=True, early_gather_at_dispatch=True)),
+             ("compute_in_step", "ep2_tp2_etp2", at_etp2)]
     # the step whose clip acts is over grad_norm_skip_threshold instead: Megatron's chained step skips it
     threshold = replace(computed, grad_norm_skip_threshold=30.0)
     four += [("threshold_early", "ep2_tp2", replace(threshold, early_compute=True, early_gather_at_dispatch=True)),
@@ -231,14 +234,16 @@ def test_gathers_issued_as_buckets_reduce_with_experts_are_bitwise_the_steps_own
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_early_compute_with_experts_is_bitwise_the_steps_own(results) -> None:
+@pytest.mark.parametrize("layout", ["ep2_tp2", "ep2_tp2_etp2"])
+def test_early_compute_with_experts_is_bitwise_the_steps_own(results, layout: str) -> None:
     """Both optimizers' matrices computed where their early gathers land (in backward), then
     committed (steps 0 and 2), dropped (the NaN step 1) and computed again (step 3, whose clip
     acts because rank 0's gradients were made 100 times larger): bitwise the run computing
-    them in the step, the expert optimizer's state included."""
+    them in the step, the expert optimizer's state included; at expert TP 2 too, where the
+    experts' pieces are gathered over expert TP as their buckets reduce."""
     from .test_early_compute import _same
 
-    for early, step in zip(results[("compute_early", "ep2_tp2")], results[("compute_in_step", "ep2_tp2")]):
+    for early, step in zip(results[("compute_early", layout)], results[("compute_in_step", layout)]):
         # the dense optimizer's and the expert optimizer's, decided together
         assert early["early_steps"] == 2 * [{"committed": 2, "skipped": 1, "recomputed": 1}], early["early_steps"]
         assert step["grad_norms"][STEPS - 1] > 3.0 > max(step["grad_norms"][0], step["grad_norms"][2])
