@@ -108,7 +108,10 @@ def results(tmp_path_factory) -> dict[tuple[str, str], list[dict]]:
     four += [("saved", "ep2_tp2_etp2", ResumeJob(run=etp2, save_dir=str(root / "etp2"), save_after=(HALF,))),
              ("resumed", "ep2_tp2_etp1", ResumeJob(run=replace(etp2, expert_tp_size=1), load_dir=str(root / "etp2")))]
     one = [(opt, "single", _run(opt)) for opt in OPTIMIZERS]
-    one += [("resumed", "ep1", ResumeJob(run=replace(saved, ep_size=1), load_dir=str(root)))]
+    one += [("resumed", "ep1", ResumeJob(run=replace(saved, ep_size=1), load_dir=str(root))),
+            # saved at TP 2 x EP 2 x expert TP 2, resumed in one process (EP 1, expert TP 1)
+            ("resumed", "etp2_to_ep1", ResumeJob(run=replace(etp2, tp_size=1, ep_size=1, expert_tp_size=None),
+                                                 load_dir=str(root / "etp2")))]
     out = {}
     for world_size, cases in ((4, four), (1, one)):
         per_rank = launch(moe_jobs, LaunchConfig(world_size=world_size, timeout_s=LAUNCH_TIMEOUT_S),
@@ -176,10 +179,12 @@ def test_every_expert_matrix_is_computed_once_per_step(results, optimizer: str, 
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-@pytest.mark.parametrize("saved, layout", [("ep2_dp2", "ep2_tp2_etp2"), ("ep2_tp2_etp2", "ep2_tp2_etp1")])
+@pytest.mark.parametrize("saved, layout", [("ep2_dp2", "ep2_tp2_etp2"), ("ep2_tp2_etp2", "ep2_tp2_etp1"),
+                                           ("ep2_tp2_etp2", "etp2_to_ep1")])
 def test_resume_across_expert_tensor_parallel_sizes(results, saved: str, layout: str) -> None:
-    """Expert TP 1 -> 2 (saved at EP 2 x DP 2) and 2 -> 1 (saved at TP 2 x EP 2 x expert TP 2): the
-    expert matrices' state resharded over expert TP, each run continuing to the straight run."""
+    """Expert TP 1 -> 2 (saved at EP 2 x DP 2), 2 -> 1 (saved at TP 2 x EP 2 x expert TP 2), and that
+    save resumed in one process (EP 1, every expert a dense parameter): the expert matrices' state
+    resharded over expert TP and EP, each run continuing to the straight run."""
     straight = _union(results[("muon", saved)])
     resumed_ranks = results[("resumed", layout)]
     assert all(r["start"] == HALF for r in resumed_ranks)
