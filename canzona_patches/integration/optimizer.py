@@ -560,7 +560,8 @@ def build_canzona_optimizer(optimizer_config: Any, model_chunks: list, setup: Ca
     ranks ``setup.host_ranks`` maps, or the ranks tell each other: a collective).
 
     With expert parallelism, as in Megatron, a second one over the expert buffers and the
-    expert-data-parallel group (its host group; expert TP is 1) is chained after it
+    expert-data-parallel group (its host group that group, or at expert TP > 1 the EP rank's
+    expert-DP x expert-TP ranks) is chained after it
     (:class:`CanzonaChainedOptimizer`). Under Megatron-FSDP, which shards the expert buckets over
     the expert-data-parallel group, the same two; the expert one, stepped last, runs
     Megatron-FSDP's whole-model steps (:attr:`CanzonaDistributedOptimizer.syncs_fsdp_model`)."""
