@@ -127,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if (args.dp * args.cp) % args.instances:
         p.error(f"--num-distributed-optimizer-instances {args.instances} does not divide DP x CP {args.dp * args.cp}: "
                 f"pick a divisor of it")
+    if args.instances > 1 and args.bucket_size is None:  # Megatron's default grows with the whole DP group
+        args.bucket_size = default_bucket_size(args.dp * args.cp)
     # the plan's DP group is DP x CP, an instance's share of it
     args.data_parallel, args.dp = args.dp, args.dp * args.cp // args.instances
     return args
@@ -305,8 +307,7 @@ def across_instances_bytes(plan: CanzonaPlan, instances: int, grad_bytes: int) -
         for dp in layouts:
             for buffer in (dp.matrix, dp.elementwise):
                 for bucket in (buffer.buckets if buffer is not None else ()):
-                    bounds = bucket.shard_bounds
-                    total += max(b - a for a, b in zip(bounds, bounds[1:])) * grad_bytes
+                    total += bucket.largest_shard * grad_bytes
     return 2 * (instances - 1) / instances * total
 
 

@@ -701,7 +701,7 @@ def run_instance_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue
             c, s = report["config"], dict(report["strategies"])
             layout = min(("canzona", "canzona_lean"), key=lambda n: s[n]["iteration_seconds"])
-            report["layout_auto"] = s["canzona"]["layout"] = "whole" if layout == "canzona" else "lean"
+            report["layout_auto"] = "whole" if layout == "canzona" else "lean"
             s["canzona"] = {**s[layout], "layout": report["layout_auto"]}
             stages = [stage_specs(args, c, pp_rank) for pp_rank in range(c["pp"])]
             moved = s["canzona"]["details"]["bytes"]

@@ -220,19 +220,21 @@ def build_canzona_plan(
         named_all += named
     wire = wire_config(named_all, ddp_config)
     cost_model = cfg.cost_model()
+    instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)  # the plan is one instance's
+    # Megatron's default buckets grow with the whole DP group, every instance's ranks (as the tools plan them)
+    bucket_size = plan_bucket_size(ddp_config, dp_size * instances)
     fsdp = {"fsdp_strategy": ddp_config.data_parallel_sharding_strategy, "fsdp_bucket_size": ddp_config.bucket_size}
     layouts = (FSDP_LAYOUT,) if uses_megatron_fsdp(ddp_config) else LAYOUTS if cfg.layout == "auto" else (cfg.layout,)
     plans = {
         layout: make_plan(
             specs, dp_size=dp_size, tp_size=tp_size, cost_model=cost_model, alpha=cfg.alpha,
-            bucket_size=plan_bucket_size(ddp_config, dp_size), tp_budget=cfg.tp_group_budget, wire=wire,
+            bucket_size=bucket_size, tp_budget=cfg.tp_group_budget, wire=wire,
             ep_size=ep_size, expert_tp_size=expert_tp_size, layout=layout, **fsdp,
         )
         for layout in layouts
     }
     if len(plans) == 1:
         return next(iter(plans.values())), specs, None
-    instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)  # the plan is one instance's
     cluster = projection_cluster(cfg, dp_size * tp_size * instances)
     results = project_layouts(specs, plans, cluster=cluster, optimizer=cfg.optimizer, wire=wire, workload=workload,
                               ns_method=cost_model.ns_method, instances=instances,

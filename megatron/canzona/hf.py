@@ -74,6 +74,7 @@ EXPERT_TENSORS: dict[str, tuple[str, ...]] = {
 """Per expert (after ``mlp.experts.local_experts.E.``, E the global expert index) -> Hugging Face's
 (after ``mlp.experts.E.``: the per-expert names of the published checkpoints, which transformers
 5 merges into its fused expert tensors on load)."""
+_KNOWN_LAYER_TENSORS = LAYER_TENSORS | MOE_LAYER_TENSORS
 STACKED_EXPERTS = "mlp.experts.experts."
 """How ``torch_dist`` stores a SequentialMLP's experts: one tensor per name, ``(layers, experts, ...)``."""
 GLOBAL_TENSORS: dict[str, str] = {
@@ -143,9 +144,9 @@ def hf_names(megatron_name: str) -> tuple[str, ...]:
     expert = _EXPERT_NAME.fullmatch(match[2]) if match is not None else None
     if expert is not None and expert[2] in EXPERT_TENSORS:
         return tuple(f"model.layers.{match[1]}.mlp.experts.{expert[1]}.{name}" for name in EXPERT_TENSORS[expert[2]])
-    if match is None or match[2] not in (LAYER_TENSORS | MOE_LAYER_TENSORS):
+    if match is None or match[2] not in _KNOWN_LAYER_TENSORS:
         raise ConversionError(f"{megatron_name} is not a tensor of a Qwen3 GPT model")
-    return tuple(f"model.layers.{match[1]}.{name}" for name in (LAYER_TENSORS | MOE_LAYER_TENSORS)[match[2]])
+    return tuple(f"model.layers.{match[1]}.{name}" for name in _KNOWN_LAYER_TENSORS[match[2]])
 
 
 def checkpoint_name(module_name: str) -> str:

@@ -49,6 +49,11 @@ class Bucket:
         sizes = {b - a for a, b in zip(self.shard_bounds, self.shard_bounds[1:])}
         return len(sizes) == 1
 
+    @property
+    def largest_shard(self) -> int:
+        """Elements of the largest DP shard."""
+        return max(b - a for a, b in zip(self.shard_bounds, self.shard_bounds[1:]))
+
 
 @dataclass(frozen=True, kw_only=True)
 class BufferPlan:

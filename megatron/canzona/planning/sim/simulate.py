@@ -570,9 +570,8 @@ def _across_instances(topology: Topology, bucket: Bucket, bytes_per_element: int
 
 def _largest_shard(bucket: Bucket, group_size: int) -> int:
     """Elements of a bucket's largest DP shard (its planned ones, else equal ones)."""
-    bounds = bucket.shard_bounds
-    if len(bounds) == group_size + 1:
-        return max(b - a for a, b in zip(bounds, bounds[1:]))
+    if len(bucket.shard_bounds) == group_size + 1:
+        return bucket.largest_shard
     return -(-bucket.numel // group_size)
 
 
