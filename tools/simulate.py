@@ -356,22 +356,26 @@ def project(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Strateg
     strategies = list(dict.fromkeys(["canzona", *args.strategies, *(args.plot_strategies if args.plot else ())]))
     cache: dict[tuple, dict[str, StrategyResult]] = {}
     best: dict[str, tuple[int, StrategyResult]] = {}
-    limit = 0.0
+    limits: dict[tuple, float] = {}
+    stage_limits: list[float] = []  # per pipeline stage: a step is set against its own stage's limit
     for pp_rank in range(run["pp"]):
         specs = stage_specs(args, run, pp_rank)
         key = tuple(specs)
         if key not in cache:
             cache[key] = simulate_stage(specs, run, cluster, calibrations, strategies)
-            limit = max(limit, physical_limit(specs, run, cluster, calibrations))
+            limits[key] = physical_limit(specs, run, cluster, calibrations)
+        stage_limits.append(limits[key])
         for name, result in cache[key].items():
             if name not in best or result.iteration_seconds > best[name][1].iteration_seconds:
                 best[name] = (pp_rank, result)
     results = {name: best[name][1] for name in strategies}
+    limit = stage_limits[best["canzona"][0]]
     report = {"config": {**run, "cluster": cluster.name, "gpus_per_node": cluster.gpus_per_node,
                          "cost": "calibration" if calibrations else
                          f"FLOP formula at {cluster.gpu.matmul_efficiency:.0%} of the {cluster.gpu.optimizer_dtype} peak",
                          "machine": f"{platform.node()} python {platform.python_version()}"},
-              "cluster": cluster.to_dict(), "strategies": {}, "physical_limit_seconds": limit}
+              "cluster": cluster.to_dict(), "strategies": {}, "physical_limit_seconds": limit,
+              "physical_limit_stage": best["canzona"][0], "physical_limit_seconds_by_stage": stage_limits}
     report["dropped_strategies"] = getattr(args, "dropped_strategies", [])
     if "speculation" in results["canzona"].details:  # the policy's shares the early compute step is priced with
         report["config"]["speculation"] = results["canzona"].details["speculation"]
@@ -381,7 +385,7 @@ def project(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Strateg
             **r.to_dict(), "pipeline_stage": best[name][0],
             "step_ratio_to_canzona": r.optimizer_step_seconds / canzona.optimizer_step_seconds,
             "iteration_ratio_to_canzona": r.iteration_seconds / canzona.iteration_seconds,
-            "step_over_limit": r.optimizer_step_seconds / limit,
+            "step_over_limit": r.optimizer_step_seconds / stage_limits[best[name][0]],
         }
     return report, results
 
@@ -473,8 +477,12 @@ def print_report(report: dict[str, Any]) -> None:
               + (f" ({', '.join(dropped)}: one instance only, not projected)" if dropped else ""))
     if c.get("early_compute"):
         print(f" [simulate] {speculation_line(c['clip_rate'])}")
+    stages = report.get("physical_limit_seconds_by_stage", [])
+    where = (f" on pipeline stage {report['physical_limit_stage']}, the slowest (each strategy's step / limit "
+             f"is against its slowest stage's limit; stages {' / '.join(ms(x).strip() for x in stages)} ms)"
+             if len(set(stages)) > 1 else "")
     print(f" [simulate] physical limit of the step (work spread perfectly, no communication): "
-          f"{ms(report['physical_limit_seconds']).strip()} ms")
+          f"{ms(report['physical_limit_seconds']).strip()} ms{where}")
     for name, s in report["strategies"].items():
         print(f" {name:<19}| iteration (ms): {ms(s['iteration_seconds'])} | optimizer step (ms): "
               f"{ms(s['optimizer_step_seconds'])} | exposed comm (ms): {ms(s['exposed_comm_seconds'])} | "

@@ -604,6 +604,25 @@ def test_cli_reports_both_layouts_against_the_physical_limit(capsys):
     assert report["strategies"]["canzona"]["step_over_limit"] == pytest.approx(steps["canzona"] / limit)
 
 
+def test_under_pipeline_parallelism_each_step_is_set_against_its_own_stages_limit(capsys):
+    """Qwen3-235B-A22B at PP 8 x expert TP 2: the middle stages hold more matrix work than the last,
+    whose iteration is the slowest. A step is set against the limit of the stage it was taken on,
+    so no step reads below its limit (against the largest stage's limit Canzona read 0.94)."""
+    code, out, _ = run_cli(["--model", "qwen3-235b-a22b", "--gpus", "256", "--etp", "2", "--json",
+                            "--strategies", "canzona", "canzona_lean"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    stages = report["physical_limit_seconds_by_stage"]
+    assert len(stages) == 8 and len(set(stages)) > 1
+    assert report["physical_limit_seconds"] == stages[report["strategies"]["canzona"]["pipeline_stage"]]
+    assert report["physical_limit_seconds"] < max(stages)
+    for name, record in report["strategies"].items():
+        limit = stages[record["pipeline_stage"]]
+        assert record["optimizer_step_seconds"] >= limit * (1 - 1e-9), name
+        assert record["step_over_limit"] == pytest.approx(record["optimizer_step_seconds"] / limit)
+    assert report["strategies"]["canzona"]["step_over_limit"] <= 1.10
+
+
 def test_cli_split_gate_up_hosts_gate_and_up_apart_for_canzona_only(capsys):
     """``--split-gate-up``: Canzona's largest task halves, so at TP 2 and DP 64, where that
     task sets the limit, its limit and step fall; Megatron's layer-wise optimizer keeps the
