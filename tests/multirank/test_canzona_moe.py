@@ -18,6 +18,7 @@ the training.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -76,7 +77,8 @@ def moe_jobs(jobs: list[TinyRun | ResumeJob]) -> list[dict[str, Any]]:
     results = []
     for job in jobs:
         result = run_resume_job(job) if isinstance(job, ResumeJob) else tiny_gpt.train_tiny_gpt(job)
-        results.append({**result, "rank": dist.get_rank()})
+        # threads alive after the job: a run whose model outlived it kept its groups' gloo threads
+        results.append({**result, "rank": dist.get_rank(), "threads": len(os.listdir("/proc/self/task"))})
     return results
 
 
@@ -207,6 +209,17 @@ def test_resume_across_expert_parallel_sizes(results, layout: str) -> None:
                                    rtol=LOSS_RTOL["muon"], atol=0)
     _assert_params_close(_union(resumed_ranks), straight, "muon", f"resumed at {layout}")
 
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_finished_run_leaves_nothing_running_for_the_next(results) -> None:
+    """24 runs on each of 4 ranks, one after another: every run's model, optimizer and process groups
+    go with it (``tiny_gpt.model_parallel``), so the ranks' thread count after the last run is the
+    first run's (it grew by about 60 gloo threads a run when the models outlived their runs)."""
+    first = results[("muon", "ep2_dp2")]
+    last = results[("resumed", "ep2_tp2_etp1")]
+    for before, after in zip(first, last):
+        assert after["threads"] <= before["threads"] + 8, (before["threads"], after["threads"])
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
