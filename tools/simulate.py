@@ -375,7 +375,7 @@ def project(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Strateg
                          f"FLOP formula at {cluster.gpu.matmul_efficiency:.0%} of the {cluster.gpu.optimizer_dtype} peak",
                          "machine": f"{platform.node()} python {platform.python_version()}"},
               "cluster": cluster.to_dict(), "strategies": {}, "physical_limit_seconds": limit,
-              "physical_limit_stage": best["canzona"][0], "physical_limit_seconds_by_stage": stage_limits}
+              "physical_limit_seconds_by_stage": stage_limits}
     report["dropped_strategies"] = getattr(args, "dropped_strategies", [])
     if "speculation" in results["canzona"].details:  # the policy's shares the early compute step is priced with
         report["config"]["speculation"] = results["canzona"].details["speculation"]
@@ -478,7 +478,7 @@ def print_report(report: dict[str, Any]) -> None:
     if c.get("early_compute"):
         print(f" [simulate] {speculation_line(c['clip_rate'])}")
     stages = report.get("physical_limit_seconds_by_stage", [])
-    where = (f" on pipeline stage {report['physical_limit_stage']}, the slowest (each strategy's step / limit "
+    where = (f" on pipeline stage {report['strategies']['canzona']['pipeline_stage']}, the slowest (each strategy's step / limit "
              f"is against its slowest stage's limit; stages {' / '.join(ms(x).strip() for x in stages)} ms)"
              if len(set(stages)) > 1 else "")
     print(f" [simulate] physical limit of the step (work spread perfectly, no communication): "

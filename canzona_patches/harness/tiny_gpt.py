@@ -247,7 +247,6 @@ def model_parallel(run: TinyRun):
     finally:
         for ddp_model in built:
             _release(ddp_model)
-        built.clear()
         parallel_state.destroy_model_parallel()
         for group in _process_groups() - before:
             if group in _process_groups():  # destroying a group may take groups split from it along
