@@ -69,6 +69,10 @@ def torchrun(nproc: int, script: str, *args: str) -> list[str]:
             str(nproc), script, *args]
 
 
+WITH_HIDDEN_MODULES = {"CANZONA_TESTS_HIDDEN_MODULES": ""}
+"""Environment for a process that needs the test-only packages ``tests/conftest.py`` hides from the
+processes tests start (``transformers``, ``wandb``)."""
+
 IMPORT_TIME_ENV = ("HF_", "TRANSFORMERS_", "MKL_", "ATEN_", "TORCH_", "PYTORCH_", "CUDA_", "NCCL_")
 """Prefixes of variables that modules read when imported: a launch whose ``env`` sets one gets a
 rank server started with it (the ranks of the shared one imported with the test session's)."""
@@ -85,7 +89,8 @@ class _RankServer:
         key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)))
         process = cls.processes.get(key)
         if process is None or process.poll() is not None:
-            full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **dict(key)}
+            # It imports them all once, so its ranks have every module (WITH_HIDDEN_MODULES).
+            full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **WITH_HIDDEN_MODULES, **dict(key)}
             process = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "e2e" / "rank_server.py")],
                                        cwd=ROOT, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=subprocess.DEVNULL, text=True)

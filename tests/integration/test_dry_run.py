@@ -27,7 +27,7 @@ PEAK_FACTOR = 1.3
 def dry_run(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "tools/dry_run.py", *args] if code is None else [sys.executable, "-c", code, *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=TIMEOUT_S,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ["PYTHONPATH"]])})
 
 
 EARLY_STATE = "early compute: staging copy of the matrix state"

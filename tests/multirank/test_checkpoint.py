@@ -390,7 +390,7 @@ def test_a_commit_killed_at_any_point_keeps_the_previous_checkpoint_tracked(tmp_
     staging = save / ".staging-iter_0000004"
     staging.mkdir()
     (staging / "metadata.json").write_text("{}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ["PYTHONPATH"]])}
     killed = subprocess.run([sys.executable, "-c", _COMMIT, str(save), f"{phase}@4"], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=110)
     assert killed.returncode == -9, killed.stderr[-2000:]
