@@ -61,13 +61,15 @@ INSTANCES = {"muon-instances": ("muon", "whole"), "muon-instances-lean": ("muon"
 MATRIX_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 MAX_ULPS = {"muon": 1, "shampoo": 1, "soap": 16, "adamuon": 1, "normuon": 1}
 MAX_ULPS |= {name: MAX_ULPS[optimizer] for name, (optimizer, _) in (PER_HEAD | INSTANCES).items()}
+MAX_ULPS["soap-heads"] = 40
 """Largest difference allowed per optimizer, in units in the last place of the largest element of
 the one-device matrix (``ulps``). Measured (`pytest -s` prints it), the same in every case and
-layout, under this machine's default code paths (AVX-512, MKL), MKL_CBWR=COMPATIBLE,
+layout, under one machine's default code paths (AVX-512, MKL), MKL_CBWR=COMPATIBLE,
 MKL_CBWR=AVX2, ATEN_CPU_CAPABILITY=default and ATEN_CPU_CAPABILITY=avx2: Shampoo 0 (bitwise)
-but 0.25 under ATen's scalar kernels (default); SOAP 2, 2.5, 6.4, 6.5 and 2. The
-bounds are about 2.5 times the largest: rounding, where a lost or misrouted update moves a
-matrix by ~lr (10^5 ulp)."""
+but 0.25 under ATen's scalar kernels (default); SOAP 2, 2.5, 6.4, 6.5 and 2. Per-head SOAP (8
+16-row blocks a QKV weight, each with its own eigenbases) rounds further: 11 there, 16.2 on
+another machine's CPU (where plain SOAP reads 4.2). The bounds are about 2.5 times the largest:
+rounding, where a lost or misrouted update moves a matrix by ~lr (10^5 ulp)."""
 LAUNCH_TIMEOUT_S = 300.0
 
 
@@ -143,7 +145,8 @@ def test_per_head_matrices_equal_one_device_math(results, name: str) -> None:
     whole_qkv = one_device(dataclasses.replace(run, split_qkv_per_head=False), initial)
     for key, value in whole_qkv.items():
         if key.endswith("linear_qkv.weight"):
-            assert ulps(results[(name, "")][0]["params"][key], value) > 1000 * MAX_ULPS[name], key
+            apart = ulps(results[(name, "")][0]["params"][key], value)
+            assert apart > 1000 * MAX_ULPS[name], f"{key}: {apart:.3g} ulp from Q, K and V stepped whole"
 
 
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
