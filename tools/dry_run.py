@@ -7,6 +7,7 @@
     python tools/dry_run.py --model qwen3-30b-a3b --ep 8 --dp 32 --rank 77
     python tools/dry_run.py --model qwen3-235b-a22b --ep 8 --dp 32 --pp 8 \
         --decoder-first-pipeline-num-layers 10 --decoder-last-pipeline-num-layers 12
+    python tools/dry_run.py --fsdp --model qwen3-8b --dp 64 --data-parallel-sharding-strategy optim
 
 The named rank's real Megatron-Core ``GPTModel`` (its pipeline stage; local layer spec),
 Megatron's ``DistributedDataParallel`` with the Canzona layout and the Canzona optimizer are
@@ -19,17 +20,24 @@ the largest temporary buffer of the step -- beside the planner's prediction
 Mixture-of-experts models with ``--ep`` above 1 (expert TP 1) also get expert-parallel
 buffers, planned over the expert-data-parallel group, and a second (chained) optimizer over
 them: the ``expert ...`` rows; optimizer state is summed over both optimizers.
+
+``--fsdp`` (``--use-megatron-fsdp``) predicts instead of measuring (``canzona_patches/harness/fsdp_dry_run.py``:
+Megatron-FSDP is not built without storage): the rank's part of its buffers per sharding strategy, optimizer state
+and step buffers, from the plan of the model built as above; tests/e2e/test_dry_run_fsdp.py holds
+that prediction to what CPU runs measure.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
 import sys
 import time
 
+from canzona_patches.harness import fsdp_dry_run as fsdp_mode
 from megatron.canzona.cli import ArgumentParser, at_least, fraction, non_negative
 from megatron.canzona.planning import DEFAULT_ALPHA, OPTIMIZERS, QWEN3_MODELS, get_qwen3_config, qwen3_specs
 from megatron.canzona.planning.grid import expert_coordinates, expert_dp_size
@@ -88,8 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--early-compute-budget", "--canzona-early-compute-budget", dest="early_compute_budget", type=non_negative,
                    default=EARLY_COMPUTE_BYTES / 2**30, metavar="GIB",
                    help="most GiB early compute keeps per rank (pretrain_gpt.py's --canzona-early-compute-budget)")
+    p.add_argument("--vocab-size", type=at_least(1), default=None,
+                   help="the tokenizer's vocabulary (default: the model's), padded as Megatron pads it")
+    fsdp_mode.add_fsdp_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
+    fsdp_mode.check_fsdp_args(p, args, CanzonaConfig.layout)
     if args.model.lower() not in QWEN3_MODELS:
         p.error(f"unknown model {args.model!r}; choose one of: {', '.join(QWEN3_MODELS)}")
     world = args.tp * args.dp * args.cp * args.pp
@@ -101,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "ranks")
     # The optimizer's view from here on: DP x CP ranks (a rank's index there is cp_rank + CP x dp_rank).
     args.data_parallel, args.dp = args.dp, args.dp * args.cp
-    cfg = get_qwen3_config(args.model)
+    cfg = model_config(args)
     try:
         check_experts(cfg, ep_size=args.ep, expert_tp_size=expert_tp_size(args) if cfg.is_moe else 1,
                       expert_layout="sequential")
@@ -112,6 +124,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as error:
         p.error(str(error))
     return args
+
+
+def model_config(args: argparse.Namespace):
+    """The catalog's configuration of ``args.model``, with ``--vocab-size`` where given."""
+    cfg = get_qwen3_config(args.model)
+    return cfg if args.vocab_size is None else dataclasses.replace(cfg, vocab_size=args.vocab_size)
 
 
 def early_budget(args: argparse.Namespace) -> int:
@@ -193,13 +211,7 @@ def build_rank(args: argparse.Namespace):
     )
     stage = coordinates(args.rank, args.tp, args.dp)[2]
     # The setup is made from the live model's parameters, as pretrain_gpt.py makes it.
-    matrix = AdaptiveMuonConfig(moment2_method=args.adaptive_muon_moment2_method) \
-        if args.optimizer == "adaptive_muon" else None
-    canzona = CanzonaConfig(optimizer=args.optimizer, matrix=matrix, alpha=args.alpha, layout=args.layout,
-                            cluster=args.cluster,
-                            # the GPU run this rank models computes early (auto: DP above 1, overlapped reduces)
-                            early_compute="on" if args.early_compute else "off", early_compute_bytes=early_budget(args))
-    setup = make_setup([model], ddp_config, canzona, dp_size=args.dp, tp_size=args.tp, ep_size=args.ep,
+    setup = make_setup([model], ddp_config, canzona_config(args), dp_size=args.dp, tp_size=args.tp, ep_size=args.ep,
                        expert_tp_size=expert_tp_size(args), host_ranks=host_ranks(args, stage), log=False)
     ddp_model = DistributedDataParallel(config, ddp_config, model, full_param_layout=setup.layouts[0])
     optimizer_config = OptimizerConfig(
@@ -214,6 +226,52 @@ def build_rank(args: argparse.Namespace):
         if part is not None:
             part.optimizer.init_state()
     return ddp_model, optimizer, setup
+
+
+def canzona_config(args: argparse.Namespace) -> CanzonaConfig:
+    """The run's Canzona configuration (``pretrain_gpt.py``'s flags of the same names)."""
+    matrix = AdaptiveMuonConfig(moment2_method=args.adaptive_muon_moment2_method) \
+        if args.optimizer == "adaptive_muon" else None
+    return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, alpha=args.alpha, layout=args.layout,
+                         cluster=args.cluster,
+                         # the GPU run this rank models computes early (auto: DP above 1, overlapped reduces)
+                         early_compute="on" if args.early_compute else "off", early_compute_bytes=early_budget(args))
+
+
+def fsdp_main(args: argparse.Namespace) -> int:
+    """``--fsdp``: the rank's Megatron-FSDP buffers, state and step buffers as its plan predicts them."""
+    import torch
+
+    start = time.perf_counter()
+    try:
+        _, model = build_model(args, torch.bfloat16 if args.params_dtype == "bf16" else torch.float32)
+        setup = fsdp_mode.fsdp_setup(args, model, canzona_config(args), host_ranks=host_ranks(args, 0),
+                                     expert_tp_size=expert_tp_size(args))
+    except (ValueError, RuntimeError) as error:
+        print(f"dry_run.py: error: {error}", file=sys.stderr)
+        return 2
+    dp_rank, tp_rank, _ = coordinates(args.rank, args.tp, args.dp)
+    report = fsdp_mode.fsdp_report(args, setup, config_record(args, setup.plan), catalog_row(args, list(setup.specs)),
+                                   dp_rank=dp_rank, tp_rank=tp_rank, param_bytes=DTYPE_BYTES[args.params_dtype],
+                                   build_seconds=time.perf_counter() - start)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        fsdp_mode.print_fsdp_report(report, describe_rank(report["config"], stages=False))
+    return 0 if report["agree"] else 1
+
+
+def config_record(args: argparse.Namespace, plan) -> dict:
+    """The report's ``config``: the job, the rank's coordinates and the settings."""
+    dp_rank, tp_rank, stage = coordinates(args.rank, args.tp, args.dp)
+    expert_dp_rank, ep_rank, _ = expert_coords(args)
+    return {"model": args.model, "tp": args.tp, "dp": args.data_parallel, "cp": args.cp, "pp": args.pp,
+            "ep": args.ep, "rank": args.rank, "dp_rank": dp_rank // args.cp, "cp_rank": dp_rank % args.cp,
+            "tp_rank": tp_rank, "pp_stage": stage,
+            "expert_dp": None if plan.experts is None else plan.experts.dp_size, "expert_dp_rank": expert_dp_rank,
+            "ep_rank": ep_rank, "optimizer": args.optimizer,
+            "params_dtype": args.params_dtype, "grad_reduce_in_fp32": args.grad_reduce_in_fp32, "alpha": args.alpha,
+            "bucket_size": plan.dp.bucket_size if not args.fsdp else args.bucket_size}
 
 
 def init_fake_world(args: argparse.Namespace) -> None:
@@ -257,7 +315,7 @@ def build_model(args: argparse.Namespace, dtype):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cfg = get_qwen3_config(args.model)
+    cfg = model_config(args)
     config = TransformerConfig(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
@@ -381,7 +439,7 @@ def catalog_row(args: argparse.Namespace, specs) -> dict:
     pipeline split, expert sharding and Megatron names) against the built model's: the
     plan is made from the model, so this is what checks the model is the one asked for."""
     stage = coordinates(args.rank, args.tp, args.dp)[2]
-    catalog = qwen3_specs(args.model, tp_size=args.tp, ep_size=args.ep,
+    catalog = qwen3_specs(model_config(args), tp_size=args.tp, ep_size=args.ep,
                           expert_tp_size=expert_tp_size(args) if get_qwen3_config(args.model).is_moe else 1,
                           pp_size=args.pp, pp_rank=stage, first_stage_layers=args.first_stage_layers,
                           last_stage_layers=args.last_stage_layers)
@@ -494,6 +552,8 @@ def _gib(value: int | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.fsdp:
+        return fsdp_main(args)
     start = time.perf_counter()
     try:
         ddp_model, optimizer, setup = build_rank(args)
@@ -508,17 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     measured = measure(ddp_model, optimizer, early_compute=budget)
     predicted = predict(args, plan, state, specs)
     rows = [catalog_row(args, specs), *compare(predicted, measured)]
-    dp_rank, tp_rank, stage = coordinates(args.rank, args.tp, args.dp)
-    expert_dp_rank, ep_rank, _ = expert_coords(args)
     experts = measured["experts"]
     report = {
-        "config": {"model": args.model, "tp": args.tp, "dp": args.data_parallel, "cp": args.cp, "pp": args.pp,
-                   "ep": args.ep, "rank": args.rank, "dp_rank": dp_rank // args.cp, "cp_rank": dp_rank % args.cp,
-                   "tp_rank": tp_rank, "pp_stage": stage,
-                   "expert_dp": None if plan.experts is None else plan.experts.dp_size,
-                   "expert_dp_rank": expert_dp_rank, "ep_rank": ep_rank, "optimizer": args.optimizer,
-                   "params_dtype": args.params_dtype, "grad_reduce_in_fp32": args.grad_reduce_in_fp32,
-                   "alpha": args.alpha, "bucket_size": plan.dp.bucket_size, "device": measured["device"]},
+        "config": {**config_record(args, plan), "device": measured["device"]},
         "build_seconds": built,
         "rows": rows,
         "buckets": measured["bucket_elements"],
@@ -533,14 +585,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["agree"] else 1
 
 
-def print_report(report: dict) -> None:
-    c = report["config"]
+def describe_rank(c: dict, *, stages: bool = True) -> str:
+    """The job and the rank of a report's ``config``, as the table's first line names them."""
     experts = "" if c["expert_dp"] is None else \
         f" (experts: EP {c['ep']} x expert DP {c['expert_dp']}, EP rank {c['ep_rank']}, expert DP rank {c['expert_dp_rank']})"
     cp, cp_rank = (f" x CP {c['cp']}", f", CP rank {c['cp_rank']}") if c.get("cp", 1) > 1 else ("", "")
-    print(f"[canzona] dry run: {c['model']} TP {c['tp']} x DP {c['dp']}{cp} x PP {c['pp']}, rank {c['rank']} "
-          f"(DP rank {c['dp_rank']}{cp_rank}, TP rank {c['tp_rank']}, stage {c['pp_stage']}){experts}, {c['optimizer']}, "
-          f"{c['params_dtype']} parameters, built on {c['device']} in {report['build_seconds']:.1f} s")
+    pp, stage = (f" x PP {c['pp']}", f", stage {c['pp_stage']}") if stages else ("", "")
+    return (f"{c['model']} TP {c['tp']} x DP {c['dp']}{cp}{pp}, rank {c['rank']} (DP rank {c['dp_rank']}{cp_rank}, "
+            f"TP rank {c['tp_rank']}{stage}){experts}, {c['optimizer']}, {c['params_dtype']} parameters")
+
+
+def print_report(report: dict) -> None:
+    print(f"[canzona] dry run: {describe_rank(report['config'])}, built on {report['config']['device']} in "
+          f"{report['build_seconds']:.1f} s")
     width = max(44, *(len(row["quantity"]) + 2 for row in report["rows"]))
     print(f"{'':2}{'quantity':<{width}}{'predicted':>16}{'measured':>16}{'bytes':>14}")
     for row in report["rows"]:

@@ -174,3 +174,86 @@ def test_bad_input_is_one_line_with_the_fix(args, hint):
     out = dry_run(*args)
     assert out.returncode == 2
     assert hint in out.stderr
+
+
+FSDP_CASES = {
+    # docs/fsdp.md's cases: Qwen3-8B at FSDP 64 and 256, Qwen3-32B at TP 4 x FSDP 64.
+    "qwen3-8b fsdp64": ("--model", "qwen3-8b", "--dp", "64", "--rank", "5"),
+    "qwen3-8b fsdp256 optim": ("--model", "qwen3-8b", "--dp", "256", "--rank", "17",
+                               "--data-parallel-sharding-strategy", "optim"),
+    "qwen3-32b tp4 fsdp64 soap": ("--model", "qwen3-32b", "--tp", "4", "--dp", "64", "--rank", "13",
+                                  "--optimizer", "soap", "--data-parallel-sharding-strategy", "optim_grads"),
+}
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("case", list(FSDP_CASES))
+def test_a_full_size_megatron_fsdp_rank_is_predicted_from_its_plan(case):
+    """``--fsdp``: the rank's part of Megatron-FSDP's buffers under the strategy (weights whole
+    except under optim_grads_params, gradients whole under optim, fp32 main weights always a
+    shard), its optimizer state and the host-group buffers of the step, from the plan of the real
+    model built on meta; the prediction is held to CPU runs by tests/e2e/test_dry_run_fsdp.py."""
+    out = dry_run("--fsdp", *FSDP_CASES[case], "--json")
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = {row["quantity"]: row for row in report["rows"]}
+    c = report["config"]
+    assert report["agree"] and report["catalog"]["ok"] and c["fsdp"] and not report["measured"]
+    strategy = c["strategy"]
+    buckets = report["bucket_geometry"]
+    dp = int(FSDP_CASES[case][FSDP_CASES[case].index("--dp") + 1])
+    assert all(b["dp_size"] == dp and b["size"] % (dp * b["chunk"]) == 0 for b in buckets)
+    whole, shard = sum(b["size"] for b in buckets), sum(b["size"] // dp for b in buckets)
+    assert rows["fp32 main weights"]["predicted"] == shard and rows["fp32 main weights"]["held"] == "shard"
+    assert rows["model weights"]["predicted"] == (shard if strategy == "optim_grads_params" else whole)
+    assert rows["gradients"]["predicted"] == (whole if strategy == "optim" else shard)
+    assert rows["buckets"]["predicted"] == len(buckets) == len(report["buckets"])
+    held = rows["parameter elements in this rank's shards"]["predicted"]
+    assert 0 < held <= shard
+    state = {name.removeprefix("optimizer state: "): row["predicted"] for name, row in rows.items()
+             if name.startswith("optimizer state: ")}
+    if c["optimizer"] == "muon":  # every element held: its momentum (a matrix's) or two AdamW moments
+        assert state["momentum"] + state["adam moments"] // 2 == held
+        assert state["statistics"] == state["eigenbases"] == 0
+    else:  # SOAP: everything on the hosts (this rank hosts some), no momentum
+        assert state["momentum"] == 0 and min(state["statistics"], state["eigenbases"], state["moments"]) > 0
+    assert rows["host-group buffers alive at once"]["predicted"] >= rows["largest temporary buffer of the step"]["predicted"] > 0
+    memory = report["memory"]
+    assert memory["steady_bytes"] == sum(row["bytes"] for name, row in rows.items()
+                                         if name in ("model weights", "fp32 main weights", "gradients")
+                                         or name.startswith("optimizer state: "))
+    assert memory["peak_bytes"] > memory["steady_bytes"]
+
+
+def test_every_ranks_fsdp_state_covers_the_model_once():
+    """``--fsdp --every-rank``: under Muon each matrix element's momentum is on the one rank holding
+    it, so the ranks' momentum adds up to the matrix elements and their AdamW moments to twice the
+    rest; the table names the busiest rank."""
+    out = dry_run("--fsdp", "--model", "qwen3-tiny", "--dp", "4", "--every-rank", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    ranks = report["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and all(r["experts"] is None for r in ranks)
+    items = sum(b["size"] for b in report["bucket_geometry"])  # padded; the held elements are fewer
+    momentum = sum(r["dense"]["momentum"] for r in ranks)
+    adam = sum(r["dense"]["adam_moments"] for r in ranks)
+    # qwen3-tiny: 2 layers of QKV 128x64, proj 64x64, fc1 352x64, fc2 64x176 (the matrices); the rest AdamW
+    assert momentum == 2 * (128 * 64 + 64 * 64 + 352 * 64 + 64 * 176)
+    assert momentum + adam // 2 <= items
+    table = dry_run("--fsdp", "--model", "qwen3-tiny", "--dp", "4", "--every-rank")
+    assert "optimizer state over the stage's 4 ranks: busiest" in table.stdout
+    assert "predicted from the plan" in table.stdout
+
+
+@pytest.mark.parametrize("args,hint", [
+    (("--fsdp", "--pp", "2", "--dp", "4"), "--fsdp with --pp 2: megatron-core 0.19.2's Megatron-FSDP"),
+    (("--fsdp", "--layout", "lean"), "under --fsdp the buckets and shards are Megatron-FSDP's: drop --layout"),
+    (("--data-parallel-sharding-strategy", "optim"), "add --fsdp"),
+    (("--fsdp", "--model", "qwen3-moe-tiny", "--ep", "2", "--etp", "2", "--tp", "2", "--dp", "2"),
+     "needs --expert-tensor-parallel-size 1"),
+])
+def test_fsdp_refusals_are_one_line_with_the_fix(args, hint):
+    out = dry_run(*args)
+    assert out.returncode == 2
+    assert hint in out.stderr and "Traceback" not in out.stderr
+    assert len([line for line in out.stderr.splitlines() if "error:" in line]) == 1

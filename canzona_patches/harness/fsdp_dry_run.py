@@ -1,0 +1,265 @@
+"""``tools/dry_run.py --fsdp``: what one rank of a Megatron-FSDP job holds, predicted from its plan
+(the mode's flags, setup, prediction and table; the tool builds the rank's model).
+
+Megatron-FSDP (megatron-core 0.19.2) cannot be built without storage in one process, so this mode
+predicts where the DDP mode measures:
+
+* on the meta device it refuses the parameters: building its buffers copies each parameter's
+  values into them (``megatron_fsdp/param_and_grad_buffer.py``, ``assert not p.is_meta``);
+* on storage-less CPU tensors (torch's ``FakeTensorMode``) the buffers build, but each
+  parameter's ``DTensor`` is then checked by all-gathering every rank's shard shape
+  (``uneven_dtensor.validate_uneven_dtensor``, ``all_gather_object``): an answer the ``fake``
+  process-group backend does not give.
+
+What is built is what the run plans from: the rank's ``GPTModel`` on the meta device under the
+fake backend, and the Canzona setup of a ``--use-megatron-fsdp`` run made from it
+(``make_setup``, as ``pretrain_gpt.py`` makes it). From that plan alone follow Megatron-FSDP's
+buckets (:func:`~megatron.canzona.planning.fsdp.fsdp_buckets`), the rank's part of each buffer
+under the sharding strategy, its optimizer state by kind
+(:func:`~megatron.canzona.planning.memory.fsdp_state_elements`) and the host-group engine's
+buffers of the step (:func:`~megatron.canzona.planning.memory.rank_memory`, as under DDP).
+``tests/e2e/test_dry_run_fsdp.py`` holds the buckets and every rank's optimizer state to what the
+CPU runs of ``tests/e2e/test_canzona_fsdp.py`` measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from megatron.canzona.planning.fsdp import SHARDING_STRATEGIES, FsdpBucket, fsdp_buckets
+from megatron.canzona.planning.geometry import default_bucket_size
+from megatron.canzona.planning.grid import expert_coordinates
+from megatron.canzona.planning.memory import STATE_BYTES, STATE_KINDS, StateLayout, fsdp_state_elements, rank_memory
+
+SHARDED = {"optim": (False, False), "optim_grads": (False, True), "optim_grads_params": (True, True)}
+"""Sharding strategy -> (model weights sharded, gradients sharded): Megatron-FSDP's buffers
+(``ParamAndGradBuffer``); the fp32 main weights are sharded under each of them."""
+BUFFER_ROWS = (  # (key, label, bytes per element: a number or the key of one)
+    ("weight_elements", "model weights", "param_dtype_bytes"),
+    ("main_weight_elements", "fp32 main weights", STATE_BYTES),
+    ("grad_elements", "gradients", "grad_dtype_bytes"),
+    ("num_buckets", "buckets", None),
+    ("shard_elements", "parameter elements in this rank's shards", None),
+)
+TEMPORARY_ROWS = (
+    ("largest_temporary_elements", "largest temporary buffer of the step", STATE_BYTES),
+    ("step_temporary_elements", "host-group buffers alive at once", STATE_BYTES),
+    ("compute_batch_elements", "largest host-compute batch (stacked grads)", STATE_BYTES),
+)
+EXPERT = "expert "
+"""Label prefix of the expert part's rows (expert buckets over expert DP, the expert optimizer)."""
+
+
+def add_fsdp_args(p: argparse.ArgumentParser) -> None:
+    """``tools/dry_run.py``'s flags of this mode."""
+    p.add_argument("--fsdp", "--use-megatron-fsdp", dest="fsdp", action="store_true",
+                   help="Megatron-FSDP's buffers instead of DDP's, predicted from the plan (see the top of this help)")
+    p.add_argument("--data-parallel-sharding-strategy", dest="strategy", choices=SHARDING_STRATEGIES, default=None,
+                   help="with --fsdp: what Megatron-FSDP shards (default optim_grads_params, Megatron's); its "
+                   "gradient buffers are in the parameters' dtype (Megatron's --megatron-fsdp-main-grads-dtype auto), "
+                   "--grad-reduce-in-fp32 (on in a --bf16 run) sets what the plan prices the gathers in")
+    p.add_argument("--every-rank", action="store_true",
+                   help="with --fsdp: also every rank's optimizer state by kind (the JSON's 'ranks')")
+
+
+def check_fsdp_args(p: argparse.ArgumentParser, args: argparse.Namespace, default_layout: str) -> None:
+    """What ``--fsdp`` refuses, as ``pretrain_gpt.py`` refuses it under ``--use-megatron-fsdp``
+    (``canzona_patches/integration/arguments.py``); expert TP above 1 at EP above 1 is refused by
+    the setup, in the run's words."""
+    if not args.fsdp:
+        for flag, value in (("--data-parallel-sharding-strategy", args.strategy), ("--every-rank", args.every_rank)):
+            if value:
+                p.error(f"{flag} describes Megatron-FSDP: add --fsdp, or drop {flag}")
+        return
+    args.strategy = args.strategy or "optim_grads_params"
+    # megatron.training resolves the bucket size before Megatron-FSDP sees it, as for DDP (with
+    # overlapped reduces, as the recipes run; over DP x CP)
+    args.bucket_size = args.bucket_size or default_bucket_size(args.dp * args.cp)
+    if args.pp > 1:
+        p.error(f"--fsdp with --pp {args.pp}: megatron-core 0.19.2's Megatron-FSDP builds its device mesh over the "
+                "whole world, without pipeline stages (pretrain_gpt.py refuses it): drop --pp, or --fsdp")
+    if args.layout != default_layout:
+        p.error(f"--layout {args.layout} lays out Megatron's DDP buffers; under --fsdp the buckets and shards are "
+                "Megatron-FSDP's: drop --layout")
+
+
+def fsdp_setup(args: argparse.Namespace, model, canzona, *, host_ranks: dict, expert_tp_size: int):
+    """The Canzona setup of a Megatron-FSDP run, made from the rank's ``model`` (on meta) as
+    ``pretrain_gpt.py`` makes it, before Megatron-FSDP would wrap the model."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from canzona_patches.integration.setup import make_setup
+
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=args.strategy, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+        bucket_size=args.bucket_size,
+    )
+    return make_setup([model], ddp_config, canzona, dp_size=args.dp, tp_size=args.tp, ep_size=args.ep,
+                      expert_tp_size=expert_tp_size, host_ranks=host_ranks, log=False)
+
+
+def fsdp_report(args: argparse.Namespace, setup, config: dict, catalog: dict, *, dp_rank: int, tp_rank: int,
+                param_bytes: int, build_seconds: float) -> dict:
+    """The report of ``tools/dry_run.py --fsdp`` (``--json`` prints it): rank ``(dp_rank, tp_rank)``
+    (DP x CP index, TP rank) of ``setup`` (the Canzona setup of a Megatron-FSDP run), ``config``
+    the job's record, ``catalog`` the check of the setup's parameters against the catalog's."""
+    plan, specs = setup.plan, list(setup.specs)
+    state = StateLayout.of(args.optimizer, setup.config.matrix)
+    size = param_bytes  # Megatron-FSDP's gradients: the parameters' dtype (--megatron-fsdp-main-grads-dtype auto)
+    predicted = predict_fsdp(plan, specs, state, dp_rank=dp_rank, tp_rank=tp_rank, strategy=args.strategy,
+                             bucket_size=args.bucket_size, param_bytes=size, grad_bytes=size)
+    rows = fsdp_rows(predicted, args.strategy)
+    experts = predicted["experts"]
+    return {
+        "config": {**config, "strategy": args.strategy, "fsdp": True},
+        "build_seconds": build_seconds,
+        "rows": rows,
+        "catalog": catalog,
+        "state": {"dense": predicted["state_elements"], "experts": experts and experts["state_elements"]},
+        "buckets": predicted["bucket_elements"],
+        "expert_buckets": experts and experts["bucket_elements"],
+        "bucket_geometry": predicted["buckets"] + (experts["buckets"] if experts else []),
+        "memory": fsdp_memory(rows),
+        "ranks": every_rank_state(plan, specs, state, strategy=args.strategy, bucket_size=args.bucket_size)
+        if args.every_rank else None,
+        "measured": False,
+        "agree": catalog["ok"],
+    }
+
+
+def _held(bucket: FsdpBucket, rank: int) -> int:
+    """Parameter elements (padding not counted) in ``rank``'s shard of ``bucket``."""
+    return sum(hi - lo for item in bucket.items for r, lo, hi in bucket.pieces(item) if r == rank)
+
+
+def part_buffers(buckets: Sequence[FsdpBucket], rank: int, strategy: str) -> dict:
+    """What a rank at ``rank`` of the buckets' group holds of their buffers, in elements."""
+    weights, grads = SHARDED[strategy]
+    return {
+        "weight_elements": sum(b.shard_size if weights else b.size for b in buckets),
+        "main_weight_elements": sum(b.shard_size for b in buckets),
+        "grad_elements": sum(b.shard_size if grads else b.size for b in buckets),
+        "num_buckets": len(buckets),
+        "shard_elements": sum(_held(b, rank) for b in buckets),
+        "bucket_elements": [b.size for b in buckets],
+    }
+
+
+def rank_state(plan, specs, buckets, state: StateLayout, *, dp_rank: int, tp_rank: int, strategy: str,
+               bucket_size: int | None) -> dict:
+    """The optimizer state by kind of rank ``(dp_rank, tp_rank)`` (DP x CP index, TP rank):
+    ``dense`` and, with an expert plan, ``experts`` (at the rank's expert coordinate)."""
+    common = dict(state=state, strategy=strategy, bucket_size=bucket_size, buckets={0: buckets})
+    out = {"dense": fsdp_state_elements(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, **common), "experts": None}
+    if plan.experts is not None:
+        edp, _, etp = expert_coordinates(dp_rank, tp_rank, tp_size=plan.tp_size, ep_size=plan.ep_size,
+                                         expert_tp_size=plan.experts.tp_size)
+        out["experts"] = fsdp_state_elements(plan, specs, dp_rank=edp, tp_rank=etp, experts=True, **common)
+    return out
+
+
+def predict_fsdp(plan, specs, state: StateLayout, *, dp_rank: int, tp_rank: int, strategy: str,
+                 bucket_size: int | None, param_bytes: int, grad_bytes: int) -> dict:
+    """Rank ``(dp_rank, tp_rank)``'s buffers, buckets, optimizer state and step buffers under
+    Megatron-FSDP, dense and (``experts``) expert, from ``plan`` (of the ``fsdp`` layout) and the
+    ``specs`` it was made from."""
+    expert_dp = plan.experts.dp_size if plan.experts is not None else None
+    buckets = fsdp_buckets(specs, dp_size=plan.dp_size, strategy=strategy, bucket_size=bucket_size,
+                           expert_dp_size=expert_dp)
+    mem = rank_memory(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, state=state, early_compute_bytes=0)
+    kinds = rank_state(plan, specs, buckets, state, dp_rank=dp_rank, tp_rank=tp_rank, strategy=strategy,
+                       bucket_size=bucket_size)
+    # At EP 1 the experts' buckets (their own, by name) are dense ones, sharded over DP.
+    parts: dict = {"dense": ([b for b in buckets if not (b.expert and expert_dp)], dp_rank, mem, kinds["dense"])}
+    if plan.experts is not None:
+        edp, _, _ = expert_coordinates(dp_rank, tp_rank, tp_size=plan.tp_size, ep_size=plan.ep_size,
+                                       expert_tp_size=plan.experts.tp_size)
+        parts["experts"] = ([b for b in buckets if b.expert], edp, mem.experts, kinds["experts"])
+    out: dict = {"experts": None}
+    for name, (mine, rank, memory, part_kinds) in parts.items():
+        record = {**part_buffers(mine, rank, strategy), "state_elements": part_kinds,
+                  "param_dtype_bytes": param_bytes, "grad_dtype_bytes": grad_bytes,
+                  "buckets": [b.to_dict() | {"items": len(b.items)} for b in mine]}
+        for key, _, _ in TEMPORARY_ROWS:
+            record[key] = getattr(memory, key)
+        if name == "dense":
+            out.update(record)
+        else:
+            out["experts"] = record
+    return out
+
+
+def every_rank_state(plan, specs, state: StateLayout, *, strategy: str, bucket_size: int | None) -> list[dict]:
+    """Each rank of the stage (global rank in Megatron's order, PP 1): its optimizer state by kind."""
+    expert_dp = plan.experts.dp_size if plan.experts is not None else None
+    buckets = fsdp_buckets(specs, dp_size=plan.dp_size, strategy=strategy, bucket_size=bucket_size,
+                           expert_dp_size=expert_dp)
+    return [{"rank": tp_rank + plan.tp_size * dp_rank,
+             **rank_state(plan, specs, buckets, state, dp_rank=dp_rank, tp_rank=tp_rank, strategy=strategy,
+                          bucket_size=bucket_size)}
+            for dp_rank in range(plan.dp_size) for tp_rank in range(plan.tp_size)]
+
+
+def _row(label: str, elements: int, size: int | None, held: str = "") -> dict:
+    return {"quantity": label, "predicted": elements, "bytes": None if size is None else elements * size, "held": held}
+
+
+def fsdp_rows(predicted: dict, strategy: str) -> list[dict]:
+    """One row per quantity: each part's buffers, the optimizer state of both, each part's step buffers."""
+    weights, grads = SHARDED[strategy]
+    held = {"weight_elements": "shard" if weights else "whole", "main_weight_elements": "shard",
+            "grad_elements": "shard" if grads else "whole"}
+    parts = [(predicted, "")] + ([(predicted["experts"], EXPERT)] if predicted["experts"] else [])
+
+    def rows(specs: tuple) -> list[dict]:
+        return [_row(prefix + label, part[key], part[per] if isinstance(per, str) else per, held.get(key, ""))
+                for part, prefix in parts for key, label, per in specs]
+
+    state = [_row(f"optimizer state: {kind.replace('_', ' ')}", sum(p["state_elements"][kind] for p, _ in parts),
+                  STATE_BYTES) for kind in STATE_KINDS]
+    return rows(BUFFER_ROWS) + state + rows(TEMPORARY_ROWS)
+
+
+def fsdp_memory(rows: list[dict]) -> dict:
+    """Steady-state and peak bytes: buffers and state between steps; the step adds the larger
+    part's host-group buffers and stacked batch (the dense and the expert optimizer step in turn)."""
+    by_name = {row["quantity"]: row["bytes"] or 0 for row in rows}
+    steady = sum(by_name.get(prefix + label, 0) for prefix in ("", EXPERT) for _, label, _ in BUFFER_ROWS)
+    steady += sum(v for k, v in by_name.items() if k.startswith("optimizer state: "))
+    peak = steady + max(sum(by_name.get(prefix + label, 0) for _, label, _ in TEMPORARY_ROWS[1:])
+                        for prefix in ("", EXPERT))
+    return {"steady_bytes": steady, "peak_bytes": peak, "peak_over_steady": peak / steady if steady else 0.0}
+
+
+def _gib(value: int | None) -> str:
+    return "" if value is None else f"{value / 2**30:.3f} GiB"
+
+
+def print_fsdp_report(report: dict, rank: str) -> None:
+    """The table of :func:`fsdp_report`, as ``tools/dry_run.py`` prints the DDP one; ``rank`` names
+    the job and the rank."""
+    print(f"[canzona] dry run under Megatron-FSDP ({report['config']['strategy']}): {rank}, planned in "
+          f"{report['build_seconds']:.1f} s")
+    width = max(44, *(len(row["quantity"]) + 2 for row in report["rows"]))
+    print(f"{'':2}{'quantity':<{width}}{'held':>6}{'predicted':>16}{'bytes':>14}")
+    for row in report["rows"]:
+        print(f"  {row['quantity']:<{width}}{row['held']:>6}{row['predicted']:>16,}{_gib(row['bytes']):>14}")
+    for label, buckets in (("buckets", report["buckets"]), ("expert buckets", report["expert_buckets"])):
+        if buckets:
+            print(f"{label}: {len(buckets)}, largest {max(buckets):,} elements, smallest {min(buckets):,} "
+                  f"(padded to DP x chunk)")
+    memory = report["memory"]
+    print(f"memory: {_gib(memory['steady_bytes'])} between steps, peak {_gib(memory['peak_bytes'])} in the "
+          f"optimizer step ({memory['peak_over_steady']:.3f}x; Megatron-FSDP's own unsharded buckets in flight and "
+          "the update functions' working set come on top)")
+    if report.get("ranks"):
+        totals = [(sum(sum(part.values()) for part in (r["dense"], r["experts"] or {}) if part) * STATE_BYTES, r["rank"])
+                  for r in report["ranks"]]
+        busiest = max(totals)
+        print(f"optimizer state over the stage's {len(totals)} ranks: busiest {_gib(busiest[0])} (rank {busiest[1]}), "
+              f"mean {_gib(sum(t for t, _ in totals) // len(totals))}")
+    print("predicted from the plan (Megatron-FSDP is not built without storage: canzona_patches/harness/fsdp_dry_run.py); "
+          "tests/e2e/test_dry_run_fsdp.py holds it to CPU runs" if report["agree"] else
+          "DISAGREE: the plan's parameters are not the catalog's")
