@@ -11,6 +11,19 @@ settings.register_profile("explore", deadline=None)
 settings.load_profile("ci")
 
 
+# --- one intra-op thread per xdist worker ---------------------------------------------------------
+# `make test-all` runs the single-process tests in two workers on two cores. With torch's default
+# (a thread per core) each worker's OpenMP team spins while the other's runs: a 200-step MLP test
+# took 41 s there against 1.8 s alone. One thread each keeps both cores busy without that.
+import os  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch  # noqa: E402
+
+    torch.set_num_threads(1)
+
+
 # --- the share of each comparison's bound a test used (CANZONA_BOUND_SHARES=<file>) -------------
 # Exactness bounds are measured on one machine; another CPU's BLAS rounds differently. With the
 # variable set, every torch.testing.assert_close of a test records max |actual - expected| /
@@ -18,7 +31,6 @@ settings.load_profile("ci")
 # as a JSON line {"test": nodeid, "share": s, "checks": n} (0: bitwise wherever a bound of 0 was
 # asked). Bounds checked with plain asserts (means, pytest.approx) are not recorded.
 import json  # noqa: E402
-import os  # noqa: E402
 
 import pytest  # noqa: E402
 
