@@ -23,7 +23,7 @@ them: the ``expert ...`` rows; optimizer state is summed over both optimizers.
 
 ``--fsdp`` (``--use-megatron-fsdp``) predicts instead of measuring (``canzona_patches/harness/fsdp_dry_run.py``:
 Megatron-FSDP is not built without storage): the rank's part of its buffers per sharding strategy, optimizer state
-and step buffers, from the plan of the model built as above; tests/e2e/test_dry_run_fsdp.py holds
+and step buffers, from the plan of the model built as above; tests/e2e/test_canzona_fsdp.py (test_dry_runs_fsdp_prediction_is_what_every_rank_measured) holds
 that prediction to what CPU runs measure.
 """
 

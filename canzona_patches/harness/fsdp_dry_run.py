@@ -18,8 +18,8 @@ buckets (:func:`~megatron.canzona.planning.fsdp.fsdp_buckets`), the rank's part 
 under the sharding strategy, its optimizer state by kind
 (:func:`~megatron.canzona.planning.memory.fsdp_state_elements`) and the host-group engine's
 buffers of the step (:func:`~megatron.canzona.planning.memory.rank_memory`, as under DDP).
-``tests/e2e/test_dry_run_fsdp.py`` holds the buckets and every rank's optimizer state to what the
-CPU runs of ``tests/e2e/test_canzona_fsdp.py`` measured.
+``tests/e2e/test_canzona_fsdp.py`` holds the buckets and every rank's optimizer state to what its
+CPU runs measured.
 """
 
 from __future__ import annotations
@@ -261,5 +261,5 @@ def print_fsdp_report(report: dict, rank: str) -> None:
         print(f"optimizer state over the stage's {len(totals)} ranks: busiest {_gib(busiest[0])} (rank {busiest[1]}), "
               f"mean {_gib(sum(t for t, _ in totals) // len(totals))}")
     print("predicted from the plan (Megatron-FSDP is not built without storage: canzona_patches/harness/fsdp_dry_run.py); "
-          "tests/e2e/test_dry_run_fsdp.py holds it to CPU runs" if report["agree"] else
+          "tests/e2e/test_canzona_fsdp.py holds it to CPU runs" if report["agree"] else
           "DISAGREE: the plan's parameters are not the catalog's")

@@ -31,13 +31,15 @@ import hashlib
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from canzona_patches.checkpoints.convert import load_keys, read_contents
 
-from .support import DemoData, launch_ranks
+from .support import ROOT, DemoData, launch_ranks
 from .test_megatron_fsdp import FSDP, ITERS, RUN_TIMEOUT_S, moe
 from .test_megatron_fsdp import _args as train_args
 from .test_megatron_fsdp import _train as train
@@ -307,6 +309,68 @@ def test_each_ranks_optimizer_state_is_the_memory_models(runs: dict, name: str) 
     if optimizer == "muon":  # nothing on the hosts: AdamW-FSDP's two moments of a shard at most
         assert all(set(s["measured"]) == ({"momentum"} if "experts" in p.name else {"momentum", "adam_moments"})
                    for p, s in zip(paths, states))
+
+
+DRY_RUN_UNEXPRESSED = ("--canzona-split-gate-up",)
+"""Flags of the runs that ``tools/dry_run.py`` has no counterpart of (their cases are left out)."""
+
+
+def _dry_run_flags(name: str, geometry: dict) -> list[str]:
+    """``dry_run.py --fsdp`` flags of case ``name``: its flags, and the padded vocabulary of its
+    tokenizer as its rank 0 recorded it."""
+    nproc, optimizer, strategy, extra = CASES[name]
+    value = {flag: extra[i + 1] for i, flag in enumerate(extra[:-1]) if flag.startswith("--")}
+    tp, cp, ep = (int(value.get(f"--{k}-parallel-size", 1)) for k in ("tensor-model", "context", "expert-model"))
+    vocab = next(s["global_shape"][0] for s in geometry["specs"] if s["name"].endswith("word_embeddings.weight"))
+    flags = ["--fsdp", "--data-parallel-sharding-strategy", strategy, "--optimizer", optimizer,
+             "--model", "qwen3-moe-tiny" if "--num-experts" in extra else "qwen3-tiny", "--vocab-size", str(vocab),
+             "--tp", str(tp), "--cp", str(cp), "--ep", str(ep), "--dp", str(nproc // (tp * cp)), "--every-rank",
+             # --bf16 reduces in fp32 (Megatron's --accumulate-allreduce-grads-in-fp32), as the plan prices it
+             *(("--params-dtype", "bf16", "--grad-reduce-in-fp32") if "--bf16" in extra else ("--params-dtype", "fp32"))]
+    return flags + (["--bucket-size", value["--ddp-bucket-size"]] if "--ddp-bucket-size" in value else [])
+
+
+def _dry_run_differences(name: str, geometry_dir, report: dict) -> list[str]:
+    """What differs between ``dry_run.py --fsdp``'s ``report`` for case ``name`` and what its run's
+    ranks recorded (empty: nothing)."""
+    ranks = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in geometry_dir.glob("rank*.json")}
+    assert len(ranks) == CASES[name][0], sorted(ranks)
+    predicted = {r["rank"]: r for r in report["ranks"]}
+    problems = []
+    if report["config"]["bucket_size"] != ranks[0]["bucket_size"]:  # Megatron's default, or the run's flag
+        problems.append(f"bucket size: the run's {ranks[0]['bucket_size']}, predicted {report['config']['bucket_size']}")
+    planned = sorted((b["size"], b["dp_size"], b["chunk"], b["expert"], b["items"]) for b in report["bucket_geometry"])
+    for rank, geometry in sorted(ranks.items()):
+        built = sorted((b["size"], b["dp_size"], b["chunk"], b["expert"], len(b["items"])) for b in geometry["buckets"])
+        if built != planned:
+            problems.append(f"rank {rank} buckets: built {built}, predicted {planned}")
+        for part, suffix in (("dense", ""), ("experts", "-experts")):
+            path = geometry_dir / f"state{rank}{suffix}.json"
+            measured = json.loads(path.read_text())["measured"] if path.exists() else None
+            expected = predicted[rank][part]
+            if measured != (None if expected is None else {kind: n for kind, n in expected.items() if n}):
+                problems.append(f"rank {rank} {part} state: measured {measured}, predicted {expected}")
+    return problems
+
+
+def test_dry_runs_fsdp_prediction_is_what_every_rank_measured(runs: dict) -> None:
+    """``tools/dry_run.py --fsdp --every-rank`` for each case it can express (all but gate and up
+    hosted apart), against what every rank of the case's run recorded (``fsdp_geometry_traced.py``):
+    the optimizer state each rank holds after its last step by kind, counted from its tensors (the
+    expert optimizer's apart), the buckets read from the buffers Megatron-FSDP built, and the bucket
+    size Megatron gave it. The dry runs share one process (``fsdp_dry_runs.py``)."""
+    names = [name for name in CASES if not any(flag in CASES[name][3] for flag in DRY_RUN_UNEXPRESSED)]
+    geometry = {name: runs[name]["dir"] / "geometry" for name in names}
+    argvs = [_dry_run_flags(name, json.loads((geometry[name] / "rank0.json").read_text())) for name in names]
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "e2e" / "fsdp_dry_runs.py")], input=json.dumps(argvs),
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    replies = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    assert len(replies) == len(names) >= 8, (names, done.stdout[-2000:])
+    for name, reply in zip(names, replies):
+        assert reply["code"] == 0, (name, reply["errors"])
+    problems = {name: _dry_run_differences(name, geometry[name], reply["report"]) for name, reply in zip(names, replies)}
+    assert not any(problems.values()), problems
 
 
 @pytest.mark.parametrize("name", list(RESUMES))

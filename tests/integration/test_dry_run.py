@@ -192,7 +192,7 @@ def test_a_full_size_megatron_fsdp_rank_is_predicted_from_its_plan(case):
     """``--fsdp``: the rank's part of Megatron-FSDP's buffers under the strategy (weights whole
     except under optim_grads_params, gradients whole under optim, fp32 main weights always a
     shard), its optimizer state and the host-group buffers of the step, from the plan of the real
-    model built on meta; the prediction is held to CPU runs by tests/e2e/test_dry_run_fsdp.py."""
+    model built on meta; the prediction is held to CPU runs by tests/e2e/test_canzona_fsdp.py (test_dry_runs_fsdp_prediction_is_what_every_rank_measured)."""
     out = dry_run("--fsdp", *FSDP_CASES[case], "--json")
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     report = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """``tools/dry_run.py --fsdp``'s prediction (``canzona_patches.harness.fsdp_dry_run``) on a plan made
 in process: the rank's part of Megatron-FSDP's buffers per sharding strategy, its optimizer state
 and the step's buffers. tests/integration/test_dry_run.py runs the tool at full size and
-tests/e2e/test_dry_run_fsdp.py holds the prediction to what CPU runs measure."""
+tests/e2e/test_canzona_fsdp.py (test_dry_runs_fsdp_prediction_is_what_every_rank_measured) holds the prediction to what CPU runs measure."""
 
 from __future__ import annotations
 
