@@ -462,18 +462,48 @@ MOE_HEADER = (
 
 
 FSDP_HEADER = ("| model | TP x FSDP (x EP) | optimizer | makespan / LB | state per GPU, busiest (GiB) | mean (GiB) | "
-               "busiest / mean | AdamW-FSDP busiest (GiB) | busiest / AdamW's |")
+               "busiest / mean | AdamW-FSDP busiest (GiB) | busiest / AdamW's | hosts by compute alone: makespan / LB, "
+               "busiest (GiB) |")
+
+
+def fsdp_state_per_gpu(plan: CanzonaPlan, specs, state, buckets, *, dp: int, tp: int, coords) -> tuple[list, list]:
+    """Bytes of optimizer state per GPU under Megatron-FSDP: Canzona's (``state``, its host state
+    by ``plan``) and AdamW-FSDP's two moments of the same shards; a GPU of an expert-parallel model
+    (``coords``: its expert coordinate per dense one) holds its dense and its expert rank's."""
+    from megatron.canzona.planning.memory import STATE_BYTES, StateLayout, fsdp_state_elements
+
+    per_gpu, adamw = [], []
+    for d in range(dp):
+        for t in range(tp):
+            parts = [(False, d, t)] + ([(True, *coords[t + tp * d])] if coords else [])
+            mine = adam_total = 0
+            for experts, dd, tt in parts:
+                kinds = fsdp_state_elements(plan, specs, dp_rank=dd, tp_rank=tt, state=state, buckets=buckets,
+                                            experts=experts)
+                held = fsdp_state_elements(plan, specs, dp_rank=dd, tp_rank=tt, buckets=buckets,
+                                           state=StateLayout(optimizer="muon"), experts=experts)
+                mine += sum(kinds.values())
+                adam_total += 2 * held["momentum"] + held["adam_moments"]
+            per_gpu.append(mine * STATE_BYTES)
+            adamw.append(adam_total * STATE_BYTES)
+    return per_gpu, adamw
+
+
+def fsdp_makespan(plan: CanzonaPlan, specs, cm: CostModel, wire: WireConfig) -> float:
+    """Busiest GPU's compute over the lower bound (dense and expert work per GPU where there are experts)."""
+    summary = summarize_canzona(plan, specs, cm, wire)
+    return summary.get("combined_makespan_over_lower_bound", summary["makespan_over_lower_bound"])
 
 
 def run_fsdp_cases(args: argparse.Namespace) -> list[dict]:
     """docs/fsdp.md's memory table: under Megatron-FSDP (``optim_grads_params``, one bucket per
     layer) every GPU's optimizer state as the memory model predicts it
     (:func:`~megatron.canzona.planning.memory.fsdp_state_elements`: Muon's momentum in FSDP's shard
-    layout, the rest of the matrix state on hosts), against AdamW-FSDP's two moments of the same
-    shards."""
+    layout, the rest of the matrix state on hosts, chosen for that state as well as compute), against
+    AdamW-FSDP's two moments of the same shards, and beside the hosts chosen for compute alone."""
     from megatron.canzona.planning.fsdp import fsdp_buckets
     from megatron.canzona.planning.grid import dense_to_expert, expert_dp_size
-    from megatron.canzona.planning.memory import STATE_BYTES, StateLayout, fsdp_state_elements
+    from megatron.canzona.planning.memory import StateLayout
 
     rows = []
     print(FSDP_HEADER)
@@ -487,34 +517,24 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict]:
             for optimizer in OPTIMIZERS:
                 case = argparse.Namespace(**{**vars(args), "optimizer": optimizer})
                 cm, wire = cost_model(case), wire_config(case)
-                plan = make_plan(specs, dp_size=dp, tp_size=tp, cost_model=cm, alpha=args.alpha, wire=wire,
-                                 ep_size=ep, layout="fsdp", fsdp_strategy="optim_grads_params")
-                state = StateLayout(optimizer=optimizer, ns_dtype=args.muon_ns_dtype)
-                per_gpu, adamw = [], []
-                for d in range(dp):
-                    for t in range(tp):
-                        # a GPU's dense state, and its expert rank's where the model has expert parallelism
-                        parts = [(False, d, t)] + ([(True, *coords[t + tp * d])] if coords else [])
-                        mine = adam_total = 0
-                        for experts, dd, tt in parts:
-                            kinds = fsdp_state_elements(plan, specs, dp_rank=dd, tp_rank=tt, state=state,
-                                                        buckets=buckets, experts=experts)
-                            held = fsdp_state_elements(plan, specs, dp_rank=dd, tp_rank=tt, buckets=buckets,
-                                                       state=StateLayout(optimizer="muon"), experts=experts)
-                            mine += sum(kinds.values())
-                            adam_total += 2 * held["momentum"] + held["adam_moments"]
-                        per_gpu.append(mine * STATE_BYTES)
-                        adamw.append(adam_total * STATE_BYTES)
-                summary = summarize_canzona(plan, specs, cm, wire)
+                state = StateLayout(optimizer=optimizer, ns_dtype=args.muon_ns_dtype)  # the runtime's, default config
+                plans = [make_plan(specs, dp_size=dp, tp_size=tp, cost_model=cm, alpha=args.alpha, wire=wire, ep_size=ep,
+                                   layout="fsdp", fsdp_strategy="optim_grads_params", state=kept)
+                         for kept in (state, None)]  # the runtime's plan, and hosts chosen for compute alone
+                per_gpu, adamw = fsdp_state_per_gpu(plans[0], specs, state, buckets, dp=dp, tp=tp, coords=coords)
+                alone = per_gpu if plans[1] == plans[0] else \
+                    fsdp_state_per_gpu(plans[1], specs, state, buckets, dp=dp, tp=tp, coords=coords)[0]
                 busiest, mean = max(per_gpu), sum(per_gpu) / len(per_gpu)
                 row = {"model": model, "tp": tp, "ep": ep, "dp": dp, "optimizer": optimizer,
-                       "makespan_over_lower_bound": summary.get("combined_makespan_over_lower_bound",  # dense + experts per GPU
-                                                                summary["makespan_over_lower_bound"]), "busiest_bytes": busiest,
-                       "mean_bytes": mean, "adamw_busiest_bytes": max(adamw)}
+                       "makespan_over_lower_bound": fsdp_makespan(plans[0], specs, cm, wire), "busiest_bytes": busiest,
+                       "mean_bytes": mean, "adamw_busiest_bytes": max(adamw),
+                       "compute_alone_makespan_over_lower_bound": fsdp_makespan(plans[1], specs, cm, wire),
+                       "compute_alone_busiest_bytes": max(alone)}
                 rows.append(row)
                 print(f"| {model} | {tp} x {dp}{f' x {ep}' if ep > 1 else ''} | {optimizer} | {row['makespan_over_lower_bound']:.3f} | "
                       f"{busiest / 2**30:.3f} | {mean / 2**30:.3f} | {busiest / mean:.3f} | {max(adamw) / 2**30:.3f} | "
-                      f"{busiest / max(adamw):.2f} |", flush=True)
+                      f"{busiest / max(adamw):.2f} | {row['compute_alone_makespan_over_lower_bound']:.3f}, "
+                      f"{max(alone) / 2**30:.3f} |", flush=True)
     return rows
 
 

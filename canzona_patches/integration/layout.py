@@ -27,6 +27,7 @@ from megatron.canzona.planning import LAYOUTS, CanzonaPlan, DPPlan, ParamSpec, W
 from megatron.canzona.planning.fsdp import FSDP_LAYOUT
 from megatron.canzona.planning.specs import qkv_blocks
 from megatron.canzona.planning.geometry import default_bucket_size
+from megatron.canzona.planning.memory import StateLayout
 from megatron.canzona.planning.plan import BufferPlan
 from megatron.canzona.planning.speculation import EarlyComputeDecision, early_compute_decision
 from megatron.canzona.planning.sim import Workload, load_cluster
@@ -223,7 +224,10 @@ def build_canzona_plan(
     instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)  # the plan is one instance's
     # Megatron's default buckets grow with the whole DP group, every instance's ranks (as the tools plan them)
     bucket_size = plan_bucket_size(ddp_config, dp_size * instances)
-    fsdp = {"fsdp_strategy": ddp_config.data_parallel_sharding_strategy, "fsdp_bucket_size": ddp_config.bucket_size}
+    # Under Megatron-FSDP the hosts keep the optimizer's state, so the plan balances it too
+    # (tools/plan.py --fsdp-cases plans with the same state layout).
+    fsdp = {"fsdp_strategy": ddp_config.data_parallel_sharding_strategy, "fsdp_bucket_size": ddp_config.bucket_size,
+            "state": StateLayout.of(cfg.optimizer, cfg.matrix)}
     layouts = (FSDP_LAYOUT,) if uses_megatron_fsdp(ddp_config) else LAYOUTS if cfg.layout == "auto" else (cfg.layout,)
     plans = {
         layout: make_plan(

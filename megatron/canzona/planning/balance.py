@@ -45,6 +45,7 @@ from .fsdp import FSDP_LAYOUT, fsdp_buckets, fsdp_buffer
 from .geometry import default_bucket_size, lean_bucket_ranges
 from .hosts import HostItem, assign_hosts, default_budget, schedule_groups
 from .lean import balanced_homes, lean_buffer, shard_ladder
+from .memory import StateLayout, fsdp_host_elements
 from .partition import DEFAULT_ALPHA, check_inputs, check_tp_size, elementwise_buffer
 from .plan import BufferPlan, CanzonaPlan, DPPlan, Host
 from .schedule import within
@@ -110,15 +111,19 @@ class _Stage:
         return [c * (1 if s.tp_sharded else self.tp_size) for chunk, costs in zip(self.mats, self.costs)
                 for s, c in zip(chunk, costs)]
 
-    def hosts(self, buffers: list[BufferPlan], prefer_holders: bool = False) \
+    def hosts(self, buffers: list[BufferPlan], prefer_holders: bool = False, state: StateLayout | None = None,
+              base_state: Sequence[int] | None = None) \
             -> tuple[float, list[HostItem], list[tuple[int, int | None]], list[float]]:
         """Hosts for the layouts ``buffers`` and the plan's score (lower is better); ``prefer_holders``:
-        a split matrix is hosted by a rank holding some of it."""
-        items = _host_items(buffers, self.mats, self.parts, self.cost_model)
+        a split matrix is hosted by a rank holding some of it; ``state``: the optimizer whose
+        state hosts keep under Megatron-FSDP, balanced as well as compute (``balance_state``)
+        around the state each GPU already keeps (``base_state``)."""
+        items = _host_items(buffers, self.mats, self.parts, self.cost_model, state)
         rs, ag, messages = collective_bytes(buffers, self.dp_size, self.wire)
         hosts, ranks = assign_hosts(
             items, dp_size=self.dp_size, tp_size=self.tp_size, alpha=self.alpha, wire=self.wire, base_bytes=rs + ag,
             byte_scale=self.byte_scale, load_scale=self.bound, base_loads=self.base, prefer_holders=prefer_holders,
+            balance_state=state is not None, base_state=base_state,
         )
         latency = self.wire.latency_bytes
         busiest_wire = max(b + latency * (m + messages) for b, m in zip(ranks.bytes, ranks.messages))
@@ -140,10 +145,18 @@ def plan_canzona(
     layout: str = "lean",
     fsdp_strategy: str = "optim_grads_params",
     fsdp_bucket_size: int | None = None,
+    state: StateLayout | None = None,
+    base_state: Sequence[Sequence[int]] | None = None,
 ) -> CanzonaPlan:
     """The Canzona plan of the parameters ``specs`` (one pipeline stage, any model chunks),
     its matrix buffers laid out ``layout`` (:data:`LAYOUTS`), or Megatron-FSDP's (``fsdp``:
     its buckets of ``fsdp_strategy`` and ``fsdp_bucket_size``, :mod:`~megatron.canzona.planning.fsdp`).
+    ``state``: the optimizer's state layout; under ``fsdp`` the hosts keep its state
+    (:func:`~megatron.canzona.planning.memory.fsdp_host_elements`) and balance it within a
+    small compute slack (:func:`~megatron.canzona.planning.hosts.assign_hosts`); ``None``, or
+    any other layout (whose hosts keep state in the distributed optimizer's shards): compute alone.
+    ``base_state[dp_rank][tp_rank]``: state elements each GPU already keeps as a host (its expert
+    matrices'), which the hosts fill around.
 
     ``base_loads[dp_rank][tp_rank]``: compute each GPU already has (its expert work); homes
     and hosts fill around it. The plan's loads and budget count this plan's work only."""
@@ -168,7 +181,8 @@ def plan_canzona(
         buffers = [fsdp_buffer(fsdp_buckets([s for s in specs if s.chunk == c], dp_size=dp_size, strategy=fsdp_strategy,
                                             bucket_size=fsdp_bucket_size), chunk, chunk_costs)
                    for c, chunk, chunk_costs in zip(chunks, mats, stage.costs)]
-        _, items, hosts, loads = stage.hosts(buffers, prefer_holders=True)
+        kept = None if base_state is None else [int(x) for x in _flat_base(base_state, dp_size, tp_size, "base_state")]
+        _, items, hosts, loads = stage.hosts(buffers, prefer_holders=True, state=state, base_state=kept)
     else:
         ranges = [lean_bucket_ranges([s.numel for s in chunk], bucket_size) for chunk in mats]
         _, buffers, items, hosts, loads = _best_fill(stage, ranges)
@@ -250,20 +264,22 @@ def plan_hosts(
     return dataclasses.replace(full, layouts=(layout,))
 
 
-def _flat_base(base_loads: Sequence[Sequence[float]] | None, dp_size: int, tp_size: int) -> tuple[float, ...]:
-    """``base_loads`` as one value per GPU (index dp_rank * tp_size + tp_rank), checked."""
+def _flat_base(base_loads: Sequence[Sequence[float]] | None, dp_size: int, tp_size: int,
+               name: str = "base_loads") -> tuple[float, ...]:
+    """``base_loads`` (or another per-GPU base, ``name``) as one value per GPU (index
+    dp_rank * tp_size + tp_rank), checked."""
     if base_loads is None:
         return (0.0,) * (dp_size * tp_size)
     if len(base_loads) != dp_size or any(len(row) != tp_size for row in base_loads):
-        raise ValueError(f"base_loads must be dp_size x tp_size = {dp_size} x {tp_size} values, one per GPU")
+        raise ValueError(f"{name} must be dp_size x tp_size = {dp_size} x {tp_size} values, one per GPU")
     flat = tuple(float(load) for row in base_loads for load in row)
     if any(not load >= 0.0 or load == float("inf") for load in flat):
-        raise ValueError("base_loads must be finite and non-negative (compute already on each GPU)")
+        raise ValueError(f"{name} must be finite and non-negative (what each GPU already has)")
     return flat
 
 
 def _host_items(buffers: list[BufferPlan], mats: list[list[ParamSpec]], parts: list[list[list[float]]],
-                cost_model: CostModel) -> list[HostItem]:
+                cost_model: CostModel, state: StateLayout | None = None) -> list[HostItem]:
     """Every matrix of every chunk (every part of one hosted in parts), in chunk then buffer order."""
     items = []
     for chunk, (buffer, specs, part_costs) in enumerate(zip(buffers, mats, parts)):
@@ -277,6 +293,7 @@ def _host_items(buffers: list[BufferPlan], mats: list[list[ParamSpec]], parts: l
                     cost=cost if span else p.cost, dp_rank=p.host, tp_sharded=spec.tp_sharded,
                     pieces=tuple((d, end - start) for d, start, end in within(pieces, lo, hi)),
                     chunk=chunk, name=p.name, part=k, span=span, bucket=p.bucket, update_bytes=narrow_bytes(cost_model, spec, k),
+                    state=0 if state is None else fsdp_host_elements(state, spec, k),
                 ))
     return items
 

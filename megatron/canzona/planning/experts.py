@@ -22,6 +22,10 @@ together, in three passes (:func:`plan_with_experts`):
 Dense matrices are coarse (Qwen3-30B-A3B has 96 attention matrices for 256 GPUs at DP 256;
 one of them is 0.45 TFLOP of Muon where a GPU's expert work is 3.9): pass 2 alone cannot
 even that out, pass 3 can (combined makespan / lower bound 1.069 -> 1.008 there).
+
+Under Megatron-FSDP a host keeps its matrices' optimizer state (Shampoo's, SOAP's, AdaMuon's
+second moment), so there the passes also balance the state a GPU keeps, dense and expert
+together, within a compute slack (:func:`plan_with_experts`' ``state``).
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ from collections.abc import Sequence
 from .balance import plan_canzona
 from .comm import WireConfig
 from .cost import CostModel
+from .fsdp import FSDP_LAYOUT
 from .geometry import default_bucket_size
 from .grid import dense_to_expert, expert_dp_size
+from .hosts import STATE_SLACK
+from .memory import StateLayout, fsdp_host_state
 from .partition import check_inputs, check_tp_size
 from .plan import CanzonaPlan
 from .specs import ParamSpec
@@ -59,6 +66,15 @@ def expert_base_loads(experts: CanzonaPlan, *, dp_size: int, tp_size: int, ep_si
     loads = experts.rank_loads()
     coords = iter(dense_to_expert(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=experts.tp_size))
     return [[loads[edp][etp] for edp, etp in (next(coords) for _ in range(tp_size))] for _ in range(dp_size)]
+
+
+def expert_base_state(experts: CanzonaPlan, specs: Sequence[ParamSpec], state: StateLayout, *, dp_size: int,
+                      tp_size: int, ep_size: int) -> list[list[int]]:
+    """``[dp_rank][tp_rank]``: the state the GPU at each dense coordinate keeps as a host of its
+    expert rank's matrices under Megatron-FSDP (``specs``: the expert ones)."""
+    kept = fsdp_host_state(experts, specs, state)
+    coords = iter(dense_to_expert(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=experts.tp_size))
+    return [[kept[edp][etp] for edp, etp in (next(coords) for _ in range(tp_size))] for _ in range(dp_size)]
 
 
 def busiest_dense_loads(dense: CanzonaPlan, *, ep_size: int, expert_tp_size: int) -> list[list[float]]:
@@ -89,35 +105,76 @@ def plan_with_experts(
     layout: str = "lean",
     fsdp_strategy: str = "optim_grads_params",
     fsdp_bucket_size: int | None = None,
+    state: StateLayout | None = None,
 ) -> CanzonaPlan:
     """The plan of a stage whose ``specs`` may hold expert-parallel parameters: expert buffers
     over expert DP x expert TP (``plan.experts``), dense ones over DP x TP, balanced together
-    (module docstring; ``joint_balance`` off plans each as if the other were not there)."""
+    (module docstring; ``joint_balance`` off plans each as if the other were not there).
+
+    ``state`` (``layout="fsdp"`` only): each plan's hosts balance the state they keep
+    (:func:`~megatron.canzona.planning.balance.plan_canzona`), the dense ones around the expert
+    state each GPU keeps. Jointly balanced, the stage is planned with and without it, and from
+    the compute-only plan: its expert hosts balanced over its dense loads, and the dense hosts
+    around either expert plan. Of these, the plan whose busiest GPU keeps the least host state
+    (dense and expert) is taken among those whose busiest GPU computes at most
+    :data:`~megatron.canzona.planning.hosts.STATE_SLACK` times the compute-only plan's (each
+    plan's own slack could otherwise add up)."""
     check_inputs(dp_size, alpha, bucket_size)
     check_tp_size(tp_size)
     expert_dp = expert_dp_size(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size)
     dense, experts = split_experts(specs)
+    state = state if layout == FSDP_LAYOUT else None  # elsewhere the state lies in the DP shards
     # Megatron sizes every buffer's buckets by the dense DP group, expert buffers included.
     bucket_size = default_bucket_size(dp_size) if bucket_size is None else bucket_size
     common = dict(cost_model=cost_model, alpha=alpha, bucket_size=bucket_size, wire=wire, budget=budget, layout=layout,
                   fsdp_strategy=fsdp_strategy, fsdp_bucket_size=fsdp_bucket_size)
+    sizes = dict(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size)
 
-    def plan_dense(base: list[list[float]] | None) -> CanzonaPlan:
-        return plan_canzona(dense, dp_size=dp_size, tp_size=tp_size, base_loads=base,
+    def plan_dense(base: list[list[float]] | None, kept: StateLayout | None,
+                   base_state: list[list[int]] | None = None) -> CanzonaPlan:
+        return plan_canzona(dense, dp_size=dp_size, tp_size=tp_size, base_loads=base, state=kept, base_state=base_state,
                             **common)  # type: ignore[arg-type]
 
-    def plan_experts(base: list[list[float]] | None) -> CanzonaPlan:
-        return plan_canzona(experts, dp_size=expert_dp, tp_size=expert_tp_size, base_loads=base,
+    def plan_experts(base: list[list[float]] | None, kept: StateLayout | None) -> CanzonaPlan:
+        return plan_canzona(experts, dp_size=expert_dp, tp_size=expert_tp_size, base_loads=base, state=kept,
                             **common)  # type: ignore[arg-type]
+
+    def around(expert_plan: CanzonaPlan, kept: StateLayout | None) -> CanzonaPlan:
+        """The dense plan filling around ``expert_plan``'s compute (and state, with ``kept``)."""
+        base_state = None if kept is None else expert_base_state(expert_plan, experts, kept, **sizes)
+        plan = plan_dense(expert_base_loads(expert_plan, **sizes), kept, base_state)
+        return dataclasses.replace(plan, experts=expert_plan, ep_size=ep_size)
+
+    def joint(kept: StateLayout | None) -> CanzonaPlan:
+        first = around(plan_experts(None, kept), kept)
+        refined = plan_experts(busiest_dense_loads(first, ep_size=ep_size, expert_tp_size=expert_tp_size), kept)
+        second = dataclasses.replace(first, experts=refined)
+        return second if max(second.combined_loads()) < max(first.combined_loads()) else first
 
     if not experts:
-        return dataclasses.replace(plan_dense(None), ep_size=ep_size)
+        return dataclasses.replace(plan_dense(None, state), ep_size=ep_size)
     check_expert_specs(experts, expert_tp_size)
-    expert_plan = plan_experts(None)
     if not joint_balance:
-        return dataclasses.replace(plan_dense(None), experts=expert_plan, ep_size=ep_size)
-    plan = plan_dense(expert_base_loads(expert_plan, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size))
-    first = dataclasses.replace(plan, experts=expert_plan, ep_size=ep_size)
-    refined = plan_experts(busiest_dense_loads(plan, ep_size=ep_size, expert_tp_size=expert_tp_size))
-    second = dataclasses.replace(plan, experts=refined, ep_size=ep_size)
-    return second if max(second.combined_loads()) < max(first.combined_loads()) else first
+        return dataclasses.replace(plan_dense(None, state), experts=plan_experts(None, state), ep_size=ep_size)
+    alone = joint(None)
+    if state is None:
+        return alone
+    assert alone.experts is not None
+    # The expert hosts by state over the compute-only dense plan's loads, and the dense hosts around them.
+    refined = dataclasses.replace(alone, experts=plan_experts(
+        busiest_dense_loads(alone, ep_size=ep_size, expert_tp_size=expert_tp_size), state))
+    assert refined.experts is not None
+    limit = STATE_SLACK * max(alone.combined_loads())
+    candidates = (alone, joint(state), around(alone.experts, state), refined, around(refined.experts, state))
+    fits = [p for p in candidates if max(p.combined_loads()) <= limit]
+    return min(fits, key=lambda p: busiest_host_state(p, dense, experts, state, **sizes))
+
+
+def busiest_host_state(plan: CanzonaPlan, dense: Sequence[ParamSpec], experts: Sequence[ParamSpec],
+                       state: StateLayout, *, dp_size: int, tp_size: int, ep_size: int) -> int:
+    """State elements the busiest GPU keeps as a host under Megatron-FSDP: of its dense matrices
+    and its expert rank's."""
+    assert plan.experts is not None
+    kept = expert_base_state(plan.experts, experts, state, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size)
+    own = fsdp_host_state(plan, dense, state)
+    return max(a + b for row_a, row_b in zip(own, kept) for a, b in zip(row_a, row_b))

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .comm import NARROW_DTYPE_BYTES
-from .cost import OPTIMIZERS
+from .cost import OPTIMIZERS, CostModel
 from .fsdp import FsdpBucket, fsdp_buckets
 from .grid import expert_coordinates
 from .plan import BufferPlan, CanzonaPlan
@@ -69,6 +69,13 @@ class StateLayout:
         return cls(optimizer=optimizer, max_precond_dim=getattr(matrix, "max_precond_dim", 10000),
                    grafting=getattr(matrix, "grafting", "adam") == "adam", ns_dtype=getattr(matrix, "ns_dtype", "float32"),
                    moment2_method=getattr(matrix, "moment2_method", "adamuon"))
+
+    @classmethod
+    def of_cost(cls, cost_model: CostModel) -> StateLayout:
+        """The layout of the optimizer ``cost_model`` prices, at its other defaults (``numel``:
+        Muon's), for the tools that know the optimizer by its cost model only."""
+        return cls(optimizer=cost_model.kind if cost_model.kind in OPTIMIZERS else "muon",
+                   max_precond_dim=cost_model.max_precond_dim, ns_dtype=cost_model.ns_dtype)
 
     @property
     def staged(self) -> bool:
@@ -216,6 +223,32 @@ HOLDER_MOMENTUM_OPTIMIZERS = ("muon", "adaptive_muon")
 (``CanzonaOptimizer(momentum_on_holders=True)``); the rest of their state is their host's."""
 
 
+def fsdp_host_numel(state: StateLayout, rows: int, cols: int) -> dict[str, int]:
+    """Elements per state kind the host of a ``rows x cols`` matrix keeps under Megatron-FSDP:
+    :meth:`StateLayout.numel` but the momentum its holders keep (:data:`HOLDER_MOMENTUM_OPTIMIZERS`)."""
+    kinds = state.numel(rows, cols)
+    if state.optimizer in HOLDER_MOMENTUM_OPTIMIZERS:
+        kinds["momentum"] = 0
+    return kinds
+
+
+def fsdp_host_elements(state: StateLayout, spec: ParamSpec, part: int = 0) -> int:
+    """State elements the host of part ``part`` of ``spec`` keeps under Megatron-FSDP (all kinds)."""
+    return sum(sum(fsdp_host_numel(state, rows, cols).values()) for rows, cols in spec.part_matrices(part))
+
+
+def fsdp_host_state(plan: CanzonaPlan, specs: Sequence[ParamSpec], state: StateLayout) -> list[list[int]]:
+    """``[dp_rank][tp_rank]``: state elements each rank keeps as a host under Megatron-FSDP
+    (``plan``'s own hosts: the dense or the expert ones, ``specs`` holding theirs)."""
+    by_name = {(s.chunk, s.name): s for s in specs}
+    kept = [[0] * plan.tp_size for _ in range(plan.dp_size)]
+    for h in plan.hosts:
+        elements = fsdp_host_elements(state, by_name[(h.chunk, h.name)], h.part)
+        for t in range(plan.tp_size) if h.tp_rank is None else (h.tp_rank,):
+            kept[h.dp_rank][t] += elements
+    return kept
+
+
 def fsdp_state_elements(plan: CanzonaPlan, specs: Sequence[ParamSpec], *, dp_rank: int, tp_rank: int,
                         state: StateLayout, strategy: str = "optim_grads_params",
                         bucket_size: int | None = None,
@@ -242,8 +275,8 @@ def fsdp_state_elements(plan: CanzonaPlan, specs: Sequence[ParamSpec], *, dp_ran
     for h in plan.hosts:
         if h.dp_rank == dp_rank and h.tp_rank in (tp_rank, None):
             for rows, cols in by_name[(h.chunk, h.name)].part_matrices(h.part):
-                for kind, numel in state.numel(rows, cols).items():
-                    kinds[kind] += 0 if holders and kind == "momentum" else numel
+                for kind, numel in fsdp_host_numel(state, rows, cols).items():
+                    kinds[kind] += numel
     family = {(s.chunk, s.name): s.family for s in specs}
     if buckets is None:
         buckets = {chunk: fsdp_buckets([s for s in specs if s.chunk == chunk], dp_size=plan.dp_size, strategy=strategy,

@@ -49,6 +49,7 @@ from ..comm import WireConfig
 from ..cost import OPTIMIZERS, Calibration, CostModel
 from ..experts import split_experts
 from ..fsdp import FSDP_LAYOUT, PER_PARAMETER, SHARDING_STRATEGIES, FsdpBucket, fsdp_buckets
+from ..memory import StateLayout
 from ..partition import DEFAULT_ALPHA
 from ..planner import make_plan
 from ..specs import ParamSpec
@@ -219,7 +220,8 @@ def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
     geometry = geometry or stage.sharding
     plan = make_plan(stage.specs, dp_size=g.dp_size, tp_size=g.tp_size, cost_model=stage.cost_model,
                      alpha=stage.alpha, wire=stage.wire, ep_size=g.ep_size, expert_tp_size=g.expert_tp_size,
-                     layout=FSDP_LAYOUT, fsdp_strategy=geometry, fsdp_bucket_size=stage.bucket_size)
+                     layout=FSDP_LAYOUT, fsdp_strategy=geometry, fsdp_bucket_size=stage.bucket_size,
+                     state=StateLayout.of_cost(stage.cost_model))  # hosts keep the state, as the runtime plans them
     work = Work(mode="pipelined", dense=plan_tasks(plan, split_experts(stage.specs)[0], stage.seconds, g.rank,
                                                    cost_model=stage.cost_model))
     for k, kind in enumerate(stage.kinds()):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..comm import narrow_update_bytes
-from ..cost import OPTIMIZERS, CostModel
+from ..cost import CostModel
 from ..memory import StateLayout
 from ..plan import BufferPlan, CanzonaPlan
 from ..schedule import Schedule, buffer_schedule, plan_schedule
@@ -125,8 +125,7 @@ def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, 
     narrow = narrow_update_bytes(schedule.tasks, specs, cost_model) if cost_model is not None else None
     state = None
     if cost_model is not None:
-        state = StateLayout(optimizer=cost_model.kind if cost_model.kind in OPTIMIZERS else "muon",
-                            max_precond_dim=cost_model.max_precond_dim, ns_dtype=cost_model.ns_dtype)
+        state = StateLayout.of_cost(cost_model)
     return sim_tasks(schedule, specs, seconds, rank, narrow, state)
 
 
