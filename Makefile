@@ -26,12 +26,17 @@ $(STAMP): requirements.txt requirements-test.txt setup.py
 test: venv
 	$(PY) -m pytest -q -m quick tests
 
-# The single-process tests (unit and integration) over both cores (pytest-xdist: 146 s instead of
-# 222 s, measured); the rest serially, as multi-process launches must not share the cores.
+# Three passes. The single-process tests (unit and integration) over both cores (pytest-xdist,
+# a thread each). The multi-process launches two files at a time: a launch of gloo ranks on this
+# machine leaves the cores idle 45% of its time (ranks waiting on loopback round trips, vmstat),
+# which a second launch fills. Last, one at a time, the tests marked `alone` (pytest.ini): they
+# time what they check (signals, deadlines, a stopped rank).
+MULTI := tests/e2e tests/multirank tests/slurm
 test-all: venv
 	$(PY) -m pytest -q -n 2 tests/unit tests/integration; single=$$?; \
-	$(PY) -m pytest -q tests --ignore=tests/unit --ignore=tests/integration; rest=$$?; \
-	test $$single -eq 0 -a $$rest -eq 0
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not alone" $(MULTI); paired=$$?; \
+	$(PY) -m pytest -q -m alone $(MULTI); alone=$$?; \
+	test $$single -eq 0 -a $$paired -eq 0 -a $$alone -eq 0
 
 demo: venv
 	TP=2 PYTHON=$(abspath $(PY)) examples/qwen3/pretrain_qwen3_tiny_cpu.sh

@@ -13,7 +13,7 @@ import pytest
 
 from .support import ROOT, DemoData, run_with_deadline
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 CHAOS_TIMEOUT_S = 600
 

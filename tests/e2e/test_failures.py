@@ -21,7 +21,7 @@ from megatron.canzona.runtime.lifetime import end_session, ranks_of, running
 
 from .support import ROOT, DemoData
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 RECIPE = ROOT / "examples" / "qwen3" / "pretrain_qwen3_tiny.sh"
 START_TIMEOUT_S = 240  # until the first iterations are logged (each rank imports Megatron: ~15 s)

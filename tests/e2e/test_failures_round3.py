@@ -23,7 +23,7 @@ from megatron.canzona.runtime.lifetime import ranks_of
 from .support import DemoData
 from .test_failures import EXIT_AFTER_KILL_S, RANK_TRACEBACK, START_TIMEOUT_S, Job, recipe_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 RUN_TIMEOUT_S = 240
 ERROR_LINE = re.compile(r"^pretrain_gpt\.py: error: .*$", re.MULTILINE)

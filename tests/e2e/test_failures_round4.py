@@ -21,7 +21,7 @@ from megatron.canzona.runtime.lifetime import ranks_of
 from .support import DemoData
 from .test_failures import RANK_TRACEBACK, START_TIMEOUT_S, Job, recipe_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 LINE_AFTER_FREEZE_S = 60  # the 5 s timeout, the 10 s roll call, and slack for a loaded machine
 

@@ -23,7 +23,7 @@ from .support import DemoData
 from .test_failures import RANK_TRACEBACK, START_TIMEOUT_S, Job, recipe_env
 from .test_resume import metrics_of
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 ITERS = 8
 RUN_TIMEOUT_S = 240

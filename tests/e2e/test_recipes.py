@@ -506,6 +506,7 @@ def test_samples_come_without_attention_mask_when_asked(demo_data, tmp_path: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_tiny_recipe_saves_and_exits_on_sigusr1(demo_data, tmp_path: Path) -> None:
     """SIGUSR1 to torchrun (the recipe exec's it), as srun relays it from slurm_pretrain.sbatch:
     both ranks finish their iteration, save it and exit 0; torchrun reports the signal."""

@@ -33,6 +33,7 @@ sys.exit(2)
 '''
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("hold", ["hold", "no-hold"])
 def test_a_late_rank_0_prints_its_line_while_it_holds_sigterm(hold: str, tmp_path: Path) -> None:
     script = tmp_path / "late.py"

@@ -193,6 +193,7 @@ def _save_while_deleting_slowly(root: str) -> dict:
             "iteration_4": (save / "iter_0000004" / "marker").read_text()}
 
 
+@pytest.mark.alone
 def test_deleting_old_checkpoints_holds_up_no_barrier(tmp_path):
     per_rank = launch(_save_while_deleting_slowly, LaunchConfig(world_size=2, timeout_s=LAUNCH_TIMEOUT_S),
                       str(tmp_path))

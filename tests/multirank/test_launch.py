@@ -52,6 +52,7 @@ def test_a_failing_rank_raises_its_own_error() -> None:
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S)
+@pytest.mark.alone
 def test_a_hung_rank_times_out() -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0\]"):

@@ -24,7 +24,7 @@ RUN_TIMEOUT_S = 540  # apt-get install (first time), four jobs of ~15-35 s, tear
 TEARDOWN_GRACE_S = 30
 SKIPPED = 77
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(600)]
 
 
 def processes_with(marker: bytes) -> list[int]:
