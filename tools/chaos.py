@@ -54,7 +54,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +65,7 @@ from pathlib import Path
 from canzona_patches.version import quiet_megatron_notices
 from megatron.canzona.cli import ArgumentParser, at_least, positive
 from megatron.canzona.provenance import git_revision, machine
+from megatron.canzona.runtime.launcher import free_port
 from megatron.canzona.runtime.lifetime import end_session, ranks_of, running
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,11 +164,6 @@ class Launch:
         self._reader.join(timeout=10)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 # --------------------------------------------------------------------------- a scenario
 
@@ -201,7 +196,7 @@ class Scenario:
                "OPTIMIZER": self.optimizer, "TRAIN_ITERS": str(args.train_iters),
                "SAVE_INTERVAL": str(args.save_interval), "LOG_INTERVAL": "1", "EVAL_INTERVAL": "100000",
                "EVAL_ITERS": "0", "WARMUP_ITERS": "2", "LOG_DIR": str(self.root / run),
-               "CKPT_DIR": str(self.root / run / "ckpt"), "MASTER_PORT": str(_free_port())}
+               "CKPT_DIR": str(self.root / run / "ckpt"), "MASTER_PORT": str(free_port())}
         if args.data_path:
             env.update(DATA_PATH=args.data_path, TOKENIZER_MODEL=args.tokenizer_model, SPLIT="80,10,10")
         return env
@@ -652,7 +647,7 @@ def _seed_checkpoint(root: Path, name: str, timeout: float) -> Path:
     :data:`SEEDS` adds for ``name``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NPROC_PER_NODE": "2", "TP": "1",
            "TRAIN_ITERS": "2", "SAVE_INTERVAL": "1", "WARMUP_ITERS": "1", "EVAL_ITERS": "0", "EVAL_INTERVAL": "100",
-           "LOG_DIR": str(root / name), "CKPT_DIR": str(root / name / "ckpt"), "MASTER_PORT": str(_free_port())}
+           "LOG_DIR": str(root / name), "CKPT_DIR": str(root / name / "ckpt"), "MASTER_PORT": str(free_port())}
     done = subprocess.run(["bash", str(RECIPE), *SEEDS[name]], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     if done.returncode != 0:
@@ -717,7 +712,7 @@ def run_bad_input(case: BadInput, root: Path, seeds: dict[str, Path], timeout: f
     work.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NPROC_PER_NODE": "2", "TP": "1",
            "TRAIN_ITERS": "4", "WARMUP_ITERS": "1", "EVAL_ITERS": "0", "EVAL_INTERVAL": "100", "LOG_INTERVAL": "2",
-           "LOG_DIR": str(work), "CKPT_DIR": "none", "MASTER_PORT": str(_free_port()),
+           "LOG_DIR": str(work), "CKPT_DIR": "none", "MASTER_PORT": str(free_port()),
            **{key: value.replace("{work}", str(work)) for key, value in case.env}}
     if case.during:
         env["LOG_INTERVAL"] = "1"

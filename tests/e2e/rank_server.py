@@ -27,11 +27,12 @@ import json
 import os
 import runpy
 import signal
-import socket
 import sys
 import time
 import traceback
 from pathlib import Path
+
+from megatron.canzona.runtime.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PRELOAD = (
@@ -46,12 +47,6 @@ PRELOAD = (
 sets, the planner's simulator, ...: 1.5 s of a one-rank run's 3.2 s, measured), imported here once."""
 STOP_GRACE_S = 5.0
 """Between SIGTERM and SIGKILL for the ranks still running once one failed (torchrun waits too)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _rank(request: dict, rank: int, port: int, output_fd: int, errors_fd: int) -> int:
@@ -91,7 +86,7 @@ def _leader(request: dict) -> int:
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC
     output_fd = os.open(request["output"], flags)
     errors_fd = os.open(request["errors"], flags) if request.get("errors") else output_fd
-    port = _free_port()
+    port = free_port()
     ranks = {}
     for rank in range(request["nproc"]):
         pid = os.fork()

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import sys
 from pathlib import Path
 
 import pytest
+
+from megatron.canzona.runtime.launcher import free_port
 
 from .support import ROOT, run_with_deadline
 
@@ -21,15 +22,10 @@ ITERS = 30
 TIMEOUT_S = 600.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_the_demo_script_trains_and_plots(tmp_path: Path) -> None:
     env = {"TP": "2", "ITERS": str(ITERS), "OUT_DIR": str(tmp_path), "PYTHON": sys.executable,
-           "MASTER_PORT": str(_free_port())}
+           "MASTER_PORT": str(free_port())}
     result = run_with_deadline(["bash", str(ROOT / "examples/qwen3/pretrain_qwen3_tiny_cpu.sh")],
                                timeout_s=TIMEOUT_S, env=env)
     assert result.returncode == 0, result.stdout[-6000:]

@@ -12,12 +12,12 @@ import json
 import os
 import re
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
+from megatron.canzona.runtime.launcher import free_port
 from megatron.canzona.runtime.lifetime import ranks_of
 
 from .support import DemoData
@@ -29,11 +29,6 @@ RUN_TIMEOUT_S = 240
 ERROR_LINE = re.compile(r"^pretrain_gpt\.py: error: .*$", re.MULTILINE)
 FAULT_LINE = "[test fault] CANZONA_CKPT_FAULT: killing rank 1 during 'write' of iteration 4"
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _digests(directory: Path) -> dict[str, str]:
@@ -53,7 +48,7 @@ def save_killed_on_another_node(demo_data: DemoData, tmp_path_factory: pytest.Te
     tmp = tmp_path_factory.mktemp("dead_peer")
     ckpt = tmp / "ckpt"
     env = recipe_env(demo_data, tmp, TRAIN_ITERS="6", SAVE_INTERVAL="2", CKPT_DIR=str(ckpt), EVAL_ITERS="0",
-                     NPROC_PER_NODE="1", NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                     NPROC_PER_NODE="1", NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                      ENTRY="canzona_patches/harness/pretrain_with_fault.py", CANZONA_CKPT_FAULT="write@4:1")
     nodes = [Job({**env, "NODE_RANK": str(node)}) for node in (0, 1)]
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from canzona_patches.errors import CanzonaArgumentError
+from megatron.canzona.runtime.launcher import free_port
 from canzona_patches.integration.arguments import rampup_as_step_schedule
 
 from .support import ROOT, run_with_deadline
@@ -70,17 +70,12 @@ class ExampleRuns:
     metrics_file: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def _run_script(out: Path, *extra: str) -> subprocess.CompletedProcess:
     command = ["bash", str(SCRIPT), str(out / "checkpoints"), str(out / "tensorboard"),
                "--canzona-metrics-file", str(out / "metrics.jsonl"), *extra]
     result = run_with_deadline(command, timeout_s=RUN_TIMEOUT_S,
-                               env={"PYTHON": sys.executable, "MASTER_PORT": str(_free_port())})
+                               env={"PYTHON": sys.executable, "MASTER_PORT": str(free_port())})
     if result.returncode != 0:
         pytest.fail(f"{' '.join(command[1:])} exited {result.returncode}:\n{result.stdout[-6000:]}")
     return result

@@ -342,6 +342,7 @@ def test_bad_flags_fail_with_one_line_naming_the_fix() -> None:
         check_one_line_error(name, result["returncode"], result["stderr"])
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("name", ["adam", "unknown_layout"])
 def test_a_start_up_error_is_printed_once_per_job(name: str) -> None:
     """Every rank parses the same flags and fails alike: rank 0 says it (Canzona's check, and

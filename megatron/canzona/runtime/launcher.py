@@ -17,12 +17,14 @@ import multiprocessing
 import os
 import pickle
 import queue
+import random
 import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,7 +92,7 @@ def launch(
         raise ValueError(f"world_size must be at least 1, got {config.world_size}.")
     context = _context()
     results: multiprocessing.Queue = context.Queue()
-    port = _free_port(config.master_addr)
+    port = free_port(config.master_addr)
     processes = [
         context.Process(
             target=_run_rank,
@@ -121,8 +123,30 @@ def _context() -> multiprocessing.context.BaseContext:
     return context
 
 
-def _free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+LOWEST_PORT = 10000
+"""The lowest rendezvous port :func:`free_port` picks."""
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A port free on ``address`` now, for a rendezvous that listens on it a moment later.
+
+    Taken below the kernel's ephemeral range (``ip_local_port_range``), at random: a port the
+    kernel handed out (``bind`` to 0) is released to that range, where any of the many outgoing
+    connections gloo's ranks open may take it before the rendezvous listens (``EADDRINUSE``, seen
+    with two jobs running at once); below it, only another explicit bind can."""
+    try:
+        lowest_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        lowest_ephemeral = 32768
+    candidates = list(range(LOWEST_PORT, max(lowest_ephemeral, LOWEST_PORT + 1000)))
+    for port in random.Random().sample(candidates, min(200, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # every candidate taken: the kernel's
         probe.bind((address, 0))
         return probe.getsockname()[1]
 
