@@ -18,13 +18,27 @@ See ``examples/qwen3/pretrain_qwen3_tiny_cpu.sh`` for a complete tiny run.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import functools
-import importlib.util
 import os
 import signal
-import sys
+
+# torchrun's SIGTERM to the rank that reports start-up errors, taken before the imports below
+# (seconds on a loaded machine): another rank failing the same flags may exit first, and the
+# line would be lost with this rank. main() passes a SIGTERM taken here on, once its line is out.
+_SIGTERM_DURING_IMPORTS: list[int] = []
+
+
+def _sigterm_during_imports(number: int, frame: object) -> None:
+    _SIGTERM_DURING_IMPORTS.append(number)
+
+
+if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") == "0":
+    signal.signal(signal.SIGTERM, _sigterm_during_imports)
+
+import argparse  # noqa: E402  (after the hold above)
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
 from collections.abc import Callable
 from typing import Any
 
@@ -408,7 +422,11 @@ def main() -> int:
         end_with_parent()  # a rank whose torchrun was killed stops instead of training on
     # Every rank fails these checks alike and only the first says why: it holds torchrun's SIGTERM
     # (sent once another rank has exited) until its line is out, or the line would be lost.
+    if signal.getsignal(signal.SIGTERM) is _sigterm_during_imports:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the import-time hold ends: signal_held takes over
     with signal_held(signal.SIGTERM) if reports_errors() else contextlib.nullcontext():
+        if _SIGTERM_DURING_IMPORTS:
+            os.kill(os.getpid(), signal.SIGTERM)  # held with the rest, taken once the checks are done
         try:
             args = parse_and_validate()
             check_launched_as_a_rank()
