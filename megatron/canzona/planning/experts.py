@@ -40,7 +40,7 @@ from .fsdp import FSDP_LAYOUT
 from .geometry import default_bucket_size
 from .grid import dense_to_expert, expert_dp_size
 from .hosts import STATE_SLACK
-from .memory import StateLayout, fsdp_host_state
+from .memory import StateLayout, fsdp_host_state, keeps_host_state
 from .partition import check_inputs, check_tp_size
 from .plan import CanzonaPlan
 from .specs import ParamSpec
@@ -123,7 +123,8 @@ def plan_with_experts(
     check_tp_size(tp_size)
     expert_dp = expert_dp_size(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size)
     dense, experts = split_experts(specs)
-    state = state if layout == FSDP_LAYOUT else None  # elsewhere the state lies in the DP shards
+    # Elsewhere the state lies in the DP shards; Muon's hosts keep none (its plan is the compute-only one).
+    state = state if layout == FSDP_LAYOUT and state is not None and keeps_host_state(state) else None
     # Megatron sizes every buffer's buckets by the dense DP group, expert buffers included.
     bucket_size = default_bucket_size(dp_size) if bucket_size is None else bucket_size
     common = dict(cost_model=cost_model, alpha=alpha, bucket_size=bucket_size, wire=wire, budget=budget, layout=layout,

@@ -232,6 +232,12 @@ def fsdp_host_numel(state: StateLayout, rows: int, cols: int) -> dict[str, int]:
     return kinds
 
 
+def keeps_host_state(state: StateLayout) -> bool:
+    """Whether a host keeps any state of its matrices under Megatron-FSDP (Muon: none, its
+    momentum is its holders')."""
+    return any(fsdp_host_numel(state, 2, 3).values())
+
+
 def fsdp_host_elements(state: StateLayout, spec: ParamSpec, part: int = 0) -> int:
     """State elements the host of part ``part`` of ``spec`` keeps under Megatron-FSDP (all kinds)."""
     return sum(sum(fsdp_host_numel(state, rows, cols).values()) for rows, cols in spec.part_matrices(part))
