@@ -7,6 +7,7 @@
     python tools/simulate.py --model qwen3-32b --gpus 256 --calibration calib/muon.json --cluster my.toml
     python tools/simulate.py --cases          # docs/projection.md's table (H100, 64-256 GPUs)
     python tools/simulate.py --model qwen3-8b --gpus 256 --tp 1 --fsdp     # under --use-megatron-fsdp
+    python tools/simulate.py --model qwen3-8b --gpus 256 --tp 1 --fsdp --no-early-compute
     python tools/simulate.py --fsdp-cases     # docs/fsdp.md's projection table
 
 The plans are the ones the runtime executes (``make_plan`` for Canzona, Megatron-Core's own
@@ -64,7 +65,11 @@ from megatron.canzona.planning.sim.simulate import (  # noqa: E402
     seconds_per_update,
     strategy_ns_method,
 )
-from megatron.canzona.planning.speculation import expected_rates  # noqa: E402
+from megatron.canzona.planning.speculation import (  # noqa: E402
+    EarlyComputeDecision,
+    early_compute_decision,
+    expected_rates,
+)
 from megatron.canzona.planning.sim.step import ADAMW_BYTES_PER_ELEMENT, APPLY_BYTES_PER_ELEMENT  # noqa: E402
 from megatron.canzona.planning.specs import elementwise_specs, matrix_specs  # noqa: E402
 
@@ -140,10 +145,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "other strategies keep the fused fc1, as Megatron's optimizers do")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="Canzona's micro-groups without pipelining (gather, compute, scatter in turn)")
-    p.add_argument("--early-compute", action="store_true",
+    p.add_argument("--early-compute", action="store_true", default=None,
                    help="Canzona computes each micro-group before the step once gathered and backward is over, "
                         "in the reduce-scatters' exposed tail (never beside backward's GEMMs), speculating that "
-                        "the clip does not act")
+                        "the clip does not act. Not given: off, but under --fsdp and --fsdp-cases the runtime's "
+                        "--canzona-early-compute auto (on for a CUDA cluster at FSDP > 1, off on the cpu-gloo ones)")
+    p.add_argument("--no-early-compute", dest="early_compute", action="store_false", default=None,
+                   help="Canzona computes every micro-group in the step (--canzona-early-compute off; the default "
+                        "without --fsdp)")
     p.add_argument("--clip-rate", type=fraction, default=0.0,
                    help="with --early-compute: the chance that the clip acts in an iteration; the step is priced "
                         "as the runtime's speculation policy decides (committed early, or recomputed / not "
@@ -176,7 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "collectives run every micro-batch beside forward and backward")
     p.add_argument("--fsdp-cases", action="store_true",
                    help="docs/fsdp.md's projection table: Qwen3-8B at FSDP 64 and 256, Qwen3-32B at TP 4 x FSDP 64, "
-                   "Qwen3-30B-A3B at EP 8 x FSDP 64 and 256 (optim_grads_params)")
+                   "Qwen3-30B-A3B at EP 8 x FSDP 64 and 256 (optim_grads_params), Canzona as the runtime runs it by "
+                   "default and with the clip acting every iteration")
     args = p.parse_args(argv)
     if args.plot_strategies is None:
         args.plot_strategies = ("canzona", "owner_uniform") if args.fsdp else ("canzona", "megatron_layerwise")
@@ -194,12 +204,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.plot and any(n not in INSTANCE_STRATEGIES for n in args.plot_strategies):
             p.error(f"--plot-strategies with --num-distributed-optimizer-instances {args.instances}: choose among "
                     f"{', '.join(INSTANCE_STRATEGIES)}")
-    if args.fsdp and args.early_compute:
-        p.error("--early-compute is not built under --use-megatron-fsdp: the runtime computes every group in the step "
-                "there; drop --early-compute")
     if not 0.0 <= args.clip_rate <= 1.0:
         p.error(f"--clip-rate {args.clip_rate} is a probability: pick a value in [0, 1]")
-    if args.clip_rate and not args.early_compute:
+    auto = args.early_compute is None and (args.fsdp or args.fsdp_cases)  # the runtime's auto decides
+    if args.clip_rate and not (args.early_compute or auto):
         p.error("--clip-rate prices the recomputes of --early-compute: add --early-compute")
     if args.matrices_reduce_first == "on" and not args.early_compute:
         p.error("--matrices-reduce-first on reorders the reduce-scatters for --early-compute: add --early-compute")
@@ -246,7 +254,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             "split_qkv_per_head": getattr(args, "split_qkv_per_head", False), "split_gate_up": getattr(args, "split_gate_up", False), "alpha": args.alpha,
             "grad_reduce_in_fp32": not args.grad_reduce_in_bf16, "overlap": args.overlap,
             "bucket_size": args.bucket_size or default_bucket_size(dp * sizes["cp"]),
-            "early_compute": getattr(args, "early_compute", False), "clip_rate": getattr(args, "clip_rate", 0.0),
+            "early_compute": bool(getattr(args, "early_compute", False)), "clip_rate": getattr(args, "clip_rate", 0.0),
             "early_compute_bytes": early_compute_bytes(getattr(args, "early_compute_budget", EARLY_COMPUTE_BYTES / 2**30)),
             "matrices_first": getattr(args, "matrices_reduce_first", "auto"),
             "instances": _instances(getattr(args, "instances", 1), dp * sizes["cp"], sizes, cfg)}
@@ -399,10 +407,20 @@ def step_bytes_bound(specs: list, run: dict[str, Any]) -> float:
     return sum(2 * 4 * s.numel / (expert_dp if s.is_expert else run["dp"]) for s in matrix_specs(specs))
 
 
+def fsdp_early_compute(early_compute: bool | None, cluster: ClusterSpec, dp_size: int) -> EarlyComputeDecision:
+    """Whether Canzona computes early under ``--fsdp``: as the flag says, else as the runtime's
+    ``--canzona-early-compute auto`` decides for the cluster (its early gathers always on, in
+    the default async TP mode, ``--overlap-grad-reduce`` as the recipes run)."""
+    setting = "auto" if early_compute is None else "on" if early_compute else "off"
+    return early_compute_decision(setting, dp_size=dp_size, overlap=True, early_gather=True,
+                                  cuda=cluster.backend != "gloo")
+
+
 def project_fsdp(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, StrategyResult]]:
     """The report and results of every design of :data:`FSDP_STRATEGIES` under Megatron-FSDP's
     ``args.fsdp`` sharding. Canzona runs the specs as planned (``--split-gate-up`` hosts fc1's
-    halves apart), the peers the fused matrices, as Megatron's optimizers keep them."""
+    halves apart), the peers the fused matrices, as Megatron's optimizers keep them; Canzona
+    computes early as :func:`fsdp_early_compute` decides."""
     cluster = resolve_cluster(args.cluster)
     calibrations = ({method: load_calibration(args.calibration, args.optimizer, method if args.optimizer == "muon" else None)
                      for method in {args.muon_ns_method, "standard"}} if args.calibration else None)
@@ -411,6 +429,8 @@ def project_fsdp(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, St
         raise ValueError(f"--fsdp projects PP 1 (Megatron-FSDP has no pipeline stages) and CP 1 (CP under FSDP is "
                          f"not projected yet; it runs) (the recipe has PP {run['pp']}, CP {run['cp']}): pass --pp 1 --cp 1")
     run["fsdp"] = args.fsdp
+    decision = fsdp_early_compute(getattr(args, "early_compute", None), cluster, run["dp"])
+    run["early_compute"], run["early_compute_decision"] = decision.on, decision.line()
     specs = stage_specs(args, run, 0)
     cfg = get_qwen3_config(run["model"])
     activity = cfg.moe_router_topk * run["ep"] / cfg.num_experts if cfg.is_moe else 1.0
@@ -422,6 +442,7 @@ def project_fsdp(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, St
         tp_size=run["tp"], ep_size=run["ep"], expert_tp_size=run["etp"], sharding=args.fsdp, optimizer=run["optimizer"],
         calibration=calibrations[strategy_ns_method(name, run["ns_method"])] if calibrations else None,
         workload=workload, wire=wire, bucket_size=args.bucket_size, alpha=run["alpha"], ns_method=run["ns_method"],
+        early_compute=run["early_compute"], clip_rate=run["clip_rate"], early_compute_bytes=run["early_compute_bytes"],
     ) for name in FSDP_STRATEGIES}
     limit = physical_limit(specs, {**run, "dp_cp": run["dp"]}, cluster, calibrations)
     report = {"config": {**run, "cluster": cluster.name, "gpus_per_node": cluster.gpus_per_node,
@@ -430,6 +451,8 @@ def project_fsdp(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, St
                          "machine": f"{platform.node()} python {platform.python_version()}"},
               "cluster": cluster.to_dict(), "strategies": {}, "physical_limit_seconds": limit,
               "step_bytes_bound": step_bytes_bound(specs, run)}
+    if "speculation" in results["canzona"].details:
+        report["config"]["speculation"] = results["canzona"].details["speculation"]
     canzona, adamw = results["canzona"], results["adamw"]
     for name, r in results.items():
         report["strategies"][name] = {
@@ -449,6 +472,10 @@ def print_fsdp_report(report: dict[str, Any]) -> None:
           f"{report['cluster']['training']['mfu']:.2f}")
     if c["note"]:
         print(f" [simulate] note: {c['note']}")
+    print(f" [simulate] canzona gathers each micro-group as its buckets reduce; early compute "
+          f"{c['early_compute_decision']}")
+    if c["early_compute"]:
+        print(f" [simulate] {speculation_line(c['clip_rate'])}")
     print(f" [simulate] physical limit of the step (work spread perfectly, no communication): "
           f"{ms(report['physical_limit_seconds']).strip()} ms; step bytes bound per rank "
           f"{report['step_bytes_bound'] / 2**20:.1f} MiB")
@@ -505,8 +532,8 @@ def ms(seconds: float) -> str:
 
 
 KIND_COLOURS = {"forward_backward": "tab:gray", "bubble": "lightgray", "grad_reduce": "tab:purple",
-                "param_gather": "tab:cyan", "gather": "tab:blue", "compute": "tab:orange", "scatter": "tab:green",
-                "apply": "tab:red", "adamw": "tab:brown"}
+                "param_gather": "tab:cyan", "gather": "tab:blue", "step_gather": "tab:olive", "compute": "tab:orange",
+                "scatter": "tab:green", "apply": "tab:red", "adamw": "tab:brown"}
 
 
 def plot_ranks(result: StrategyResult, limit: int = 6) -> list[int]:
@@ -549,7 +576,8 @@ def plot(report: dict[str, Any], results: dict[str, StrategyResult], names: tupl
             ax.set_title(f"{name}: {what} {1e3 * (hi - lo):.1f} ms", fontsize=9)
             ax.set_xlabel("ms since the iteration started")
     c = report["config"]
-    fig.legend(handles=[Patch(color=v, label=k) for k, v in KIND_COLOURS.items()], loc="lower center", ncol=9, fontsize=8)
+    fig.legend(handles=[Patch(color=v, label=k) for k, v in KIND_COLOURS.items()], loc="lower center",
+               ncol=len(KIND_COLOURS), fontsize=8)
     fig.suptitle(f"Simulated {c['model']} on {c['gpus']} x {c['cluster']}, TP {c['tp']} PP {c['pp']} DP {c['dp']} "
                  f"({c['optimizer']}, {c['cost']})", fontsize=10)
     save_figure(fig, path, rect=(0, 0.05, 1, 1))
@@ -620,14 +648,18 @@ FSDP_CASES = (("qwen3-8b", 64, 1, 1), ("qwen3-8b", 256, 1, 1), ("qwen3-32b", 256
 
 def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     """docs/fsdp.md's projection table: per case, every design's step and iteration under
-    Megatron-FSDP (``optim_grads_params``), Canzona as the runtime's defaults plan it and with
+    Megatron-FSDP (``optim_grads_params``), Canzona as the runtime's defaults run it (early
+    gathers, early compute as :func:`fsdp_early_compute` decides) and with
     ``--canzona-split-gate-up``, and the issue's targets: Canzona's step over the limit L (and the
-    time its busiest rank's bytes take on the link, which L leaves out) and over the best peer, its iteration over AdamW-FSDP's, #4486's iteration over AdamW's, Canzona's
-    bytes per rank over the bound."""
+    time its busiest rank's bytes take on the link, which L leaves out) and over the best peer, its
+    iteration over AdamW-FSDP's, #4486's iteration over AdamW's, Canzona's bytes per rank over the
+    bound; last, the shorter variant's step and iteration when the clip acts every iteration (the
+    speculation policy then computes in the step; the gathers still go early)."""
     header = ("| model | GPUs | TP, EP, FSDP | optimizer step (ms): " + " / ".join(FSDP_STRATEGIES)
               + " | iteration (ms): " + " / ".join(FSDP_STRATEGIES) + " | canzona split gate/up: step, iteration "
               "(ms) | limit L (ms) | step / L | its bytes over the link (ms) | step / best peer | iteration / AdamW "
-              "| #4486 iteration / AdamW | bytes / bound |")
+              "| #4486 iteration / AdamW | bytes / bound | clip acts every iteration: step (ms), step / L, iteration "
+              "(ms), iteration / AdamW |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     cluster = resolve_cluster(args.cluster)
@@ -643,6 +675,9 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
         best, limit = min(((s["canzona"], report["physical_limit_seconds"]),
                            (split["strategies"]["canzona"], split["physical_limit_seconds"])),
                           key=lambda pair: pair[0]["iteration_seconds"])
+        gate_up = best is split["strategies"]["canzona"]
+        clipped, _ = project_fsdp(argparse.Namespace(**{**base, "split_gate_up": gate_up, "clip_rate": 1.0}))
+        report["canzona_clip_acts"] = clipped = clipped["strategies"]["canzona"]
         peer = min(s[n]["optimizer_step_seconds"] for n in FSDP_PEERS)
         adamw = s["adamw"]["iteration_seconds"]
         # the bytes a rank sends, at the all-to-all's speed on the link its group spans
@@ -655,7 +690,9 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
               f"{best['optimizer_step_seconds'] / limit:.2f} | {short_ms(wire)} | "
               f"{best['optimizer_step_seconds'] / peer:.2f} | "
               f"{best['iteration_seconds'] / adamw:.3f} | {s['every_holder']['iteration_seconds'] / adamw:.2f} | "
-              f"{best['step_bytes_per_rank'] / report['step_bytes_bound']:.2f} |", flush=True)
+              f"{best['step_bytes_per_rank'] / report['step_bytes_bound']:.2f} | "
+              f"{short_ms(clipped['optimizer_step_seconds'])}, {clipped['optimizer_step_seconds'] / limit:.2f}, "
+              f"{1e3 * clipped['iteration_seconds']:.0f}, {clipped['iteration_seconds'] / adamw:.3f} |", flush=True)
         rows.append(report)
     return rows
 

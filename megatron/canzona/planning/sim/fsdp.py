@@ -3,7 +3,8 @@
     from megatron.canzona.planning.sim.fsdp import FSDP_STRATEGIES, simulate_fsdp
 
     result = simulate_fsdp(specs, strategy="canzona", cluster=cluster, dp_size=64, tp_size=1,
-                           sharding="optim_grads_params", workload=Workload(global_batch=128))
+                           sharding="optim_grads_params", workload=Workload(global_batch=128),
+                           early_compute=True)
 
 The buckets are Megatron-FSDP's as it builds them (:func:`~megatron.canzona.planning.fsdp.fsdp_buckets`:
 one per transformer layer under ``optim_grads_params``), sharded over the DP group (the expert
@@ -18,22 +19,30 @@ buckets over expert DP, one copy per EP rank). Every strategy pays the same forw
   parameters stay whole between steps, gathered once after the step, before the first forward of
   the next iteration needs them. The collectives run one at a time in the order they are issued
   (the links are one), compute beside them; compute waits for a bucket's gather.
+* **Canzona's early gathers.** In the last micro-batch's backward, once every bucket holding a
+  matrix of a micro-group has ended its final reduce-scatter, the group's gather (one fused
+  all-to-all of its pieces to their hosts) is issued, on CUDA and on gloo alike, as the runtime's
+  early gathers do under DDP. Its heaviest rank's inter-node seconds join the one queue right
+  after that reduce-scatter (``step_gather``), delaying the collectives queued behind it by what
+  the idle link does not absorb; a group whose pieces stay on their nodes rides nothing.
 * **The step** starts once the last reduce-scatter ends, with what each design does with the shards:
 
   - ``canzona`` -- one host per matrix (:func:`~megatron.canzona.planning.planner.make_plan`,
-    ``layout="fsdp"``), its pieces gathered to it by one fused all-to-all per micro-group and the
-    update scattered back, pipelined (gather k+1 | compute k | scatter k | apply k−1), as the
-    runtime's ``bind_fsdp`` runs it; no gather before the step (Megatron-FSDP's reduce-scatters
-    report no per-bucket completion the runtime waits on). The host's seconds include the
-    momentum, which under FSDP its holders advance (a few hundred microseconds at most);
+    ``layout="fsdp"``), the update scattered back in pipelined micro-groups (gather k+1 | compute k
+    | scatter k | apply k−1), as the runtime's ``bind_fsdp`` runs it, each group's gather already
+    on its way from backward (above). With ``early_compute`` each host computes a gathered group
+    once backward's compute is over, in FSDP's reduce-scatter tail, speculating that the clip does
+    not act; the step then commits, scatters and applies (:func:`~.simulate.simulate`'s pricing:
+    :class:`~.step.EarlyCompute`, the policy's shares at ``clip_rate``). The host's seconds include
+    the momentum, which under FSDP its holders advance (a few hundred microseconds at most);
   - ``every_holder`` -- NVIDIA/Megatron-LM #4486: every rank holding a piece of a matrix
     all-gathers it whole and runs Newton-Schulz on it, one matrix at a time (TP shards too);
   - ``owner_uniform`` -- an owner per matrix over uniform per-parameter row shards (PyTorch
     FSDP2's geometry, :data:`~megatron.canzona.planning.fsdp.PER_PARAMETER`: torchtitan's
     DistMuon, microsoft/dion, FSDP-Canzona): every matrix lies in ``1/DP`` of its rows on every
     DP rank. Its owners and micro-groups are Canzona's planner's over that geometry, pipelined
-    as ``canzona``: the best this geometry allows (torchtitan and Dion pick owners round-robin),
-    so what differs from ``canzona`` is where the pieces lie;
+    as ``canzona`` but gathered in the step, as torchtitan, Dion and FSDP-Canzona gather: the
+    best this geometry allows (torchtitan and Dion pick owners round-robin);
   - ``adamw`` -- Megatron's AdamW on each rank's shard of every bucket.
 
   AdamW of the elementwise parameters runs on each rank's shard of them in every design.
@@ -42,25 +51,26 @@ buckets over expert DP, one copy per EP rank). Every strategy pays the same forw
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 from ..comm import WireConfig
 from ..cost import OPTIMIZERS, Calibration, CostModel
 from ..experts import split_experts
-from ..fsdp import FSDP_LAYOUT, PER_PARAMETER, SHARDING_STRATEGIES, FsdpBucket, fsdp_buckets
-from ..memory import StateLayout
+from ..fsdp import FSDP_LAYOUT, PER_PARAMETER, SHARDING_STRATEGIES, FsdpBucket, fsdp_buckets, fsdp_buffer
+from ..memory import EARLY_COMPUTE_BYTES, STATE_BYTES, StateLayout
 from ..partition import DEFAULT_ALPHA
 from ..planner import make_plan
-from ..specs import ParamSpec
+from ..speculation import SpeculationRates, expected_rates
+from ..specs import ParamSpec, matrix_specs
 from .cluster import ClusterSpec
-from .iteration import BACKWARD_SHARE
+from .iteration import BACKWARD_SHARE, Rider
 from .layouts import Grid, RankOf, Seconds, Work, merge, plan_tasks
 from .network import Topology
 from .result import Segment, StrategyResult
-from .simulate import (CANZONA_STRATEGIES, Workload, checked_grid, matmul_weight, micro_batches, run_step,
+from .simulate import (CANZONA_STRATEGIES, EXPERTS, Workload, checked_grid, matmul_weight, micro_batches, run_step,
                        seconds_per_update)
-from .step import SimTask
+from .step import EarlyCompute, SimTask, StepRun, gather_riders
 
 FSDP_STRATEGIES: tuple[str, ...] = ("canzona", "every_holder", "owner_uniform", "adamw")
 """The designs :func:`simulate_fsdp` prices (module docstring)."""
@@ -79,6 +89,14 @@ class FsdpUnit:
     """Seconds of its parameter all-gather."""
     reduce: float
     """Seconds of its gradient reduce-scatter."""
+    key: Hashable | None = None
+    """The plan's key of a bucket holding a matrix (a task's ``reduced_by``: ``(chunk, bucket)``,
+    ``(EXPERTS, chunk, bucket)`` for an expert one), under which its final reduce-scatter's end
+    is reported; ``None``: no matrix in it."""
+
+
+STEP_GATHER = "step_gather"
+"""Kind of a micro-group's early gather on the collectives' queue (:func:`fsdp_phases`)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,10 @@ class FsdpPhases:
     reduce_seconds: float
     segments: list[Segment]
     """Of one rank (every rank of the group does the same)."""
+    reduced_at: dict[Hashable, float] = field(default_factory=dict)
+    """Each keyed unit's final reduce-scatter's end, from the step's start (``<= 0``)."""
+    ride_seconds: float = 0.0
+    """Link seconds the early gathers took on the queue."""
 
     @property
     def gather_exposed(self) -> float:
@@ -107,27 +129,39 @@ class FsdpPhases:
         return self.reduced - self.backward_end
 
 
-def fsdp_phases(units: Sequence[FsdpUnit], *, micro: float, count: int, sharding: str) -> FsdpPhases:
+def fsdp_phases(units: Sequence[FsdpUnit], *, micro: float, count: int, sharding: str,
+                riders: Sequence[Rider] = ()) -> FsdpPhases:
     """The micro-batches of one iteration over ``units`` (forward order) under ``sharding``
-    (module docstring): every gather and reduce-scatter on one queue, compute beside it."""
+    (module docstring): every gather and reduce-scatter on one queue, compute beside it. A rider
+    (an early gather, keyed by :attr:`FsdpUnit.key`) joins the queue when the last of its units'
+    final reduce-scatters ends; riders sent by one reduce-scatter add their loads per rank and
+    take their heaviest rank's seconds. The step starts when the last reduce-scatter ends: a
+    rider queued after it is the step's own gather."""
     if sharding not in SHARDING_STRATEGIES:
         raise ValueError(f"sharding must be one of {', '.join(SHARDING_STRATEGIES)}, got {sharding!r}")
-    clock = comm_free = 0.0
-    gathered = reduced = 0.0
+    clock = comm_free = settled = 0.0
+    seconds_of = {"param_gather": 0.0, "grad_reduce": 0.0, STEP_GATHER: 0.0}
     segments: list[Segment] = []
+    ends: dict[Hashable, float] = {}
+    waiting = _Waiting(riders)
 
     def collective(at: float, seconds: float, kind: str, label: str) -> float:
-        nonlocal comm_free, gathered, reduced
+        nonlocal comm_free, settled
         if seconds <= 0:
             return at
         start = max(comm_free, at)
         comm_free = start + seconds
         segments.append(Segment(0, "comm", kind, start, comm_free, label))
-        if kind == "param_gather":
-            gathered += seconds
-        else:
-            reduced += seconds
+        seconds_of[kind] += seconds
+        if kind != STEP_GATHER:
+            settled = comm_free
         return comm_free
+
+    def final_reduce(unit: FsdpUnit) -> None:
+        end = collective(clock, unit.reduce, "grad_reduce", unit.label)
+        if unit.key is not None:
+            ends[unit.key] = end
+            collective(end, waiting.release(unit.key), STEP_GATHER, unit.label)
 
     def compute(seconds: float, label: str) -> None:
         nonlocal clock
@@ -135,7 +169,7 @@ def fsdp_phases(units: Sequence[FsdpUnit], *, micro: float, count: int, sharding
             segments.append(Segment(0, "compute", "forward_backward", clock, clock + seconds, label))
             clock += seconds
 
-    def walk(order: Sequence[FsdpUnit], share: float, gathers: bool, reduces: bool) -> None:
+    def walk(order: Sequence[FsdpUnit], share: float, gathers: bool, reduces: bool, final: bool = False) -> None:
         nonlocal clock
         ready = {0: collective(clock, order[0].gather, "param_gather", order[0].label)} if gathers and order else {}
         for i, unit in enumerate(order):
@@ -144,15 +178,40 @@ def fsdp_phases(units: Sequence[FsdpUnit], *, micro: float, count: int, sharding
                 if i + 1 < len(order):  # the next bucket's gather is in flight while this one computes
                     ready[i + 1] = collective(clock, order[i + 1].gather, "param_gather", order[i + 1].label)
             compute(share * micro * unit.share, unit.label)
-            if reduces:
+            if reduces and final:
+                final_reduce(unit)
+            elif reduces:
                 collective(clock, unit.reduce, "grad_reduce", unit.label)
 
     every_micro_batch = sharding == "optim_grads_params"
     for mb in range(count):
         walk(units, 1.0 - BACKWARD_SHARE, gathers=every_micro_batch or mb == 0, reduces=False)
-        walk(units[::-1], BACKWARD_SHARE, gathers=every_micro_batch, reduces=sharding != "optim" or mb == count - 1)
-    return FsdpPhases(compute=count * micro, backward_end=clock, reduced=max(clock, comm_free), gather_seconds=gathered,
-                      reduce_seconds=reduced, segments=segments)
+        walk(units[::-1], BACKWARD_SHARE, gathers=every_micro_batch, reduces=sharding != "optim" or mb == count - 1,
+             final=mb == count - 1)
+    step = max(clock, settled)
+    return FsdpPhases(compute=count * micro, backward_end=clock, reduced=step,
+                      gather_seconds=seconds_of["param_gather"], reduce_seconds=seconds_of["grad_reduce"],
+                      segments=segments, reduced_at={key: end - step for key, end in ends.items()},
+                      ride_seconds=seconds_of[STEP_GATHER])
+
+
+class _Waiting:
+    """The riders not yet sent, each waiting for the final reduce-scatters of its keys."""
+
+    def __init__(self, riders: Sequence[Rider]) -> None:
+        self.riders = [(set(r.keys), r.loads) for r in riders if r.keys]
+
+    def release(self, key: Hashable) -> float:
+        """Link seconds of the riders whose last key is ``key``: their loads added per rank, the
+        heaviest rank's (0 when none goes)."""
+        load: dict[int, float] = {}
+        for keys, loads in self.riders:
+            keys.discard(key)
+            if not keys:
+                for r, seconds in loads.items():
+                    load[r] = load.get(r, 0.0) + seconds
+        self.riders = [(keys, loads) for keys, loads in self.riders if keys]
+        return max(load.values(), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -215,15 +274,16 @@ def _elementwise_names(specs: Sequence[ParamSpec]) -> set[str]:
 
 def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
     """Hosts and micro-groups of Canzona's planner over the shards of ``geometry`` (``None``:
-    Megatron-FSDP's of the stage's sharding), pipelined."""
+    Megatron-FSDP's of the stage's sharding, each group gathered as its buckets reduce), pipelined."""
     g = stage.grid
+    early_gather = geometry is None  # the runtime's early gathers hook Megatron-FSDP's own buckets
     geometry = geometry or stage.sharding
     plan = make_plan(stage.specs, dp_size=g.dp_size, tp_size=g.tp_size, cost_model=stage.cost_model,
                      alpha=stage.alpha, wire=stage.wire, ep_size=g.ep_size, expert_tp_size=g.expert_tp_size,
                      layout=FSDP_LAYOUT, fsdp_strategy=geometry, fsdp_bucket_size=stage.bucket_size,
                      state=StateLayout.of_cost(stage.cost_model))  # hosts keep the state, as the runtime plans them
     work = Work(mode="pipelined", dense=plan_tasks(plan, split_experts(stage.specs)[0], stage.seconds, g.rank,
-                                                   cost_model=stage.cost_model))
+                                                   cost_model=stage.cost_model), early_gather=early_gather)
     for k, kind in enumerate(stage.kinds()):
         buckets = stage.buckets(kind.specs, kind.dp, geometry)
         for rank, members in kind.copies:
@@ -274,22 +334,49 @@ BUILDERS = {"canzona": _canzona, "every_holder": _every_holder,
             "owner_uniform": lambda stage: _canzona(stage, PER_PARAMETER), "adamw": _adamw}
 
 
+def plan_bucket_index(buckets: Sequence[FsdpBucket], specs: Sequence[ParamSpec]) -> dict[int, int]:
+    """Position in ``buckets`` (one model chunk's) -> the plan's index of that bucket
+    (:attr:`~megatron.canzona.planning.plan.Placement.bucket`, as
+    :func:`~megatron.canzona.planning.fsdp.fsdp_buffer` numbers them), for the buckets holding a
+    matrix of ``specs``."""
+    mats = matrix_specs(list(specs))
+    index = {p.name: p.bucket for p in fsdp_buffer(buckets, mats, [0.0] * len(mats)).placements}
+    return {i: index[item.name] for i, bucket in enumerate(buckets) for item in bucket.items if item.name in index}
+
+
 def fsdp_units(stage: _Stage, topology: Topology, workload: Workload | None) -> list[FsdpUnit]:
     """Every bucket of the stage (dense, then experts: both walked as one), in forward order,
-    with its share of compute and its collectives over its DP group (the experts' over expert DP)."""
+    with its share of compute, its collectives over its DP group (the experts' over expert DP)
+    and, holding a matrix, the plan's key of it (:attr:`FsdpUnit.key`)."""
     activity = workload.expert_activity if workload else 1.0
     weights = {s.name: matmul_weight(s, activity) for s in stage.specs}
     order = {s.name: s.order for s in stage.specs}
     total = sum(weights.values()) or 1.0
     units = []
-    for kind in stage.kinds():
-        for index, bucket in enumerate(stage.buckets(kind.specs, kind.dp)):
-            share = sum(weights[i.name] for i in bucket.items) / total
-            gather = topology.ring(bucket.size * stage.wire.param_bytes, kind.group)
-            reduce = topology.ring(bucket.size * stage.wire.grad_bytes, kind.group)
-            first = max(order[i.name] for i in bucket.items)
-            units.append((-first, FsdpUnit(f"{'e' if bucket.expert else ''}{index}", share, gather, reduce)))
+    for k, kind in enumerate(stage.kinds()):
+        for chunk in sorted({s.chunk for s in kind.specs}):  # the planner's buckets are per model chunk
+            specs = [s for s in kind.specs if s.chunk == chunk]
+            buckets = stage.buckets(specs, kind.dp)
+            planned = plan_bucket_index(buckets, specs)
+            for index, bucket in enumerate(buckets):
+                share = sum(weights[i.name] for i in bucket.items) / total
+                gather = topology.ring(bucket.size * stage.wire.param_bytes, kind.group)
+                reduce = topology.ring(bucket.size * stage.wire.grad_bytes, kind.group)
+                first = max(order[i.name] for i in bucket.items)
+                key = None if index not in planned else (*((EXPERTS,) if k else ()), chunk, planned[index])
+                units.append((-first, FsdpUnit(f"{'e' if bucket.expert else ''}{index}", share, gather, reduce, key)))
     return [u for _, u in sorted(units, key=lambda pair: pair[0])]
+
+
+def _early_gather_riders(work: Work, topology: Topology, wire: WireConfig) -> list[Rider]:
+    """Each micro-group's early gather, dense and expert (keyed as :func:`fsdp_units` keys the
+    units), as the seconds it holds each rank's inter-node link; none for a design gathering in the step."""
+    if not work.early_gather:
+        return []
+    riders = gather_riders(topology, wire, work.dense)
+    for _, tasks in work.experts:
+        riders += gather_riders(topology, wire, tasks, lambda reduced_by: (EXPERTS, *reduced_by))
+    return riders
 
 
 def simulate_fsdp(
@@ -309,16 +396,25 @@ def simulate_fsdp(
     bucket_size: int | None = None,
     alpha: float = DEFAULT_ALPHA,
     ns_method: str = "standard",
+    early_compute: bool = False,
+    clip_rate: float = 0.0,
+    early_compute_bytes: int | None = EARLY_COMPUTE_BYTES,
+    early_gather: bool = True,
 ) -> StrategyResult:
     """One iteration of ``specs`` (one pipeline stage) under Megatron-FSDP's ``sharding`` with
     the design ``strategy`` (:data:`FSDP_STRATEGIES`, module docstring); ``bucket_size`` is
     ``--ddp-bucket-size`` (``None``: Megatron-FSDP's, unbounded); ``ns_method`` is Canzona's
     Newton-Schulz (the peers run the standard one); ``workload`` ``None``: no forward and backward
-    (every collective of the micro-batch is then exposed)."""
+    (every collective of the micro-batch is then exposed). ``early_compute``, ``clip_rate`` and
+    ``early_compute_bytes`` are :func:`~.simulate.simulate`'s (``canzona`` only: the other designs
+    gather in the step); ``early_gather`` False: ``canzona`` gathers in the step too, and computes
+    nothing early (the runtime's ``--canzona-no-early-gather``)."""
     if strategy not in BUILDERS:
         raise ValueError(f"unknown FSDP strategy {strategy!r}; choose one of: {', '.join(FSDP_STRATEGIES)}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if not 0.0 <= clip_rate <= 1.0:
+        raise ValueError(f"clip_rate {clip_rate} must lie in [0, 1]: the chance that the clip acts in an iteration")
     grid = checked_grid(dp_size, tp_size, ep_size, expert_tp_size)
     wire = wire or WireConfig()
     method = ns_method if strategy in CANZONA_STRATEGIES else "standard"
@@ -327,17 +423,23 @@ def simulate_fsdp(
     stage = _Stage(list(specs), grid, seconds_per_update(timing_cost, cluster), planning_cost, sharding, bucket_size,
                    alpha, wire)
     work = BUILDERS[strategy](stage)
+    work.early_gather = work.early_gather and early_gather
     slowdown = cluster.contention(grid.size)
     topology = Topology(cluster)
     count, micro, details = micro_batches(workload, stage.specs, dp_size, cluster, slowdown) if workload \
         else (1, 0.0, {})
-    details["sharding"] = sharding
     units = fsdp_units(stage, topology, workload)
-    phases = fsdp_phases(units, micro=micro, count=count, sharding=sharding)
-    step_end, run = run_step(work, grid, cluster, wire, slowdown)
+    riders = _early_gather_riders(work, topology, wire)
+    phases = fsdp_phases(units, micro=micro, count=count, sharding=sharding, riders=riders)
+    early = _early(work, phases, early_compute, early_compute_bytes)
+    step_end, run, rates = _step(work, grid, cluster, wire, slowdown, phases, early, clip_rate)
     busiest = max(run.busy.values(), default=0.0)
-    details.update(mode=work.mode, num_tasks=len(work.dense) + sum(len(t) for _, t in work.experts),
-                   num_groups=len({t.group for t in work.dense}), buckets=len(units), compute_slowdown=slowdown)
+    details.update(sharding=sharding, mode=work.mode, num_tasks=len(work.dense) + sum(len(t) for _, t in work.experts),
+                   num_groups=len({t.group for t in work.dense}), buckets=len(units), compute_slowdown=slowdown,
+                   early_gather=work.early_gather, early_gather_link_seconds=phases.ride_seconds)
+    if rates is not None:
+        details.update(early_compute=True, clip_rate=clip_rate, speculation=dataclasses.asdict(rates),
+                       early_compute_bytes=early_compute_bytes)
     timeline = [dataclasses.replace(s, rank=r) for r in range(grid.size) for s in phases.segments]
     timeline += [dataclasses.replace(s, start=s.start + phases.reduced, end=s.end + phases.reduced)
                  for s in run.segments]
@@ -357,3 +459,31 @@ def simulate_fsdp(
         details=details,
         timeline=tuple(timeline),
     )
+
+
+def _early(work: Work, phases: FsdpPhases, early_compute: bool, budget_bytes: int | None) -> EarlyCompute | None:
+    """Early compute where the groups are gathered early: from backward's end on, through FSDP's
+    reduce-scatter tail, each rank within ``budget_bytes`` (``None``: every group)."""
+    if not (early_compute and work.early_gather):
+        return None
+    budget = None if budget_bytes is None else budget_bytes // STATE_BYTES
+    return EarlyCompute(backward_end=phases.backward_end - phases.reduced, budget_elements=budget)
+
+
+def _step(work: Work, grid: Grid, cluster: ClusterSpec, wire: WireConfig, slowdown: float, phases: FsdpPhases,
+          early: EarlyCompute | None, clip_rate: float) -> tuple[float, StepRun, SpeculationRates | None]:
+    """The step from the last reduce-scatter's end, each group gathered as its buckets reduced
+    (a design gathering early); with ``early``, priced as :func:`~.simulate.simulate` prices it:
+    ``committed · early step + (1 − committed) · step without early compute`` at ``clip_rate``
+    (the timeline is a committed one's). Costs one :func:`~.simulate.run_step`, two with a clip
+    that may act."""
+    reduced = phases.reduced_at if work.early_gather else None
+    if reduced is not None:
+        keys = {t.reduced_by for t in work.dense} | {(EXPERTS, *t.reduced_by) for _, ts in work.experts for t in ts}
+        assert keys <= reduced.keys(), f"plan buckets without a reported reduce-scatter: {keys - reduced.keys()}"
+    step_end, run = run_step(work, grid, cluster, wire, slowdown, reduced, early)
+    rates = expected_rates(clip_rate) if early is not None else None
+    if rates is not None and rates.committed < 1.0:
+        full = run_step(work, grid, cluster, wire, slowdown, reduced)[0]
+        step_end = rates.committed * step_end + (1.0 - rates.committed) * full
+    return step_end, run, rates

@@ -163,7 +163,8 @@ def gather_riders(topology: Topology, wire: WireConfig, tasks: Sequence[SimTask]
     for group in _by_group(tasks):
         if any(t.reduced_by is None for t in group):
             continue
-        loads = topology.inter_node_seconds(_gather_flows(topology, wire, group))
+        flows = _gather_flows(topology, wire, group)
+        loads = topology.inter_node_seconds(flows) if flows.out_inter or flows.in_inter else {}
         if loads:
             riders.append(Rider(frozenset(key(t.reduced_by) for t in group), loads))
     return riders
