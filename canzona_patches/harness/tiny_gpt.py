@@ -223,6 +223,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "param_gather_chain": _param_gather_chain(ddp_model) if run.overlap_param_gather else None,
             "early_gathers": _early_count(optimizer, "issued"),
             "early_gathers_at_dispatch": _early_count(optimizer, "issued_at_dispatch"),
+            "early_gathers_in_backward": _early_count(optimizer, "issued_in_backward"),
             "early_computed": _early_count(optimizer, "computed"),
             "early_computed_after_backward": _early_count(optimizer, "computed_after_backward"),
             "reduces_held": _reduces_held(optimizer),

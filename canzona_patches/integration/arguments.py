@@ -410,10 +410,6 @@ def _check_megatron_fsdp(args: argparse.Namespace) -> None:
             "distributed optimizer; Megatron-FSDP's replica across groups is its hybrid sharding "
             "(--outer-dp-sharding-strategy): drop --num-distributed-optimizer-instances, or use "
             "--use-distributed-optimizer")
-    if args.canzona_early_compute == "on":
-        raise CanzonaArgumentError(
-            "--canzona-early-compute on computes where DDP's early gathers land, which Megatron-FSDP has none of: "
-            "drop --canzona-early-compute, or --use-megatron-fsdp")
     for dest, is_set, flag, why in FSDP_REFUSED:
         value = getattr(args, dest, None)
         if value is not None and is_set(value):

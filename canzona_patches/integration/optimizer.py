@@ -53,8 +53,9 @@ from torch.distributed.tensor import DTensor
 from canzona_patches.checkpoints.state import common_state, load_optimizer_state_dict, optimizer_sharded_state_dict
 from canzona_patches.errors import CanzonaArgumentError
 from canzona_patches.integration.binding import bind_fsdp, bind_plan, group_coordinates
-from canzona_patches.integration.early_gather import EarlyCompute
+from canzona_patches.integration.early_gather import EarlyCompute, EarlySources
 from canzona_patches.integration.early_gather import attach as attach_early_gathers
+from canzona_patches.integration.early_gather import attach_fsdp as attach_fsdp_early_gathers
 from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, is_expert_param, uses_megatron_fsdp
 from canzona_patches.integration.setup import CanzonaPart, CanzonaSetup
 from canzona_patches.integration.uneven import shard_bounds
@@ -119,9 +120,14 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         compute = EarlyCompute(
             compute=inner.stage_compute, discard=inner.discard_staged, scale=self._early_scale,
             groups=early_groups(inner, setup.config.early_compute_bytes)) if setup.early_compute[ranks.expert] else None
-        early = (attach_early_gathers(engine, binding, model_chunks, compute,
-                                      matrices_first=setup.matrices_first and not ranks.expert)
-                 if setup.config.early_gather else None)
+        if not setup.config.early_gather:
+            early = None
+        elif self.fsdp:  # the holders keep Muon's momentum: its source is gathered early, speculating
+            source = EarlySources(inner.speculative_sources, self._early_scale) if inner.momentum_on_holders else None
+            early = attach_fsdp_early_gathers(engine, binding, model_chunks, compute, source)
+        else:
+            early = attach_early_gathers(engine, binding, model_chunks, compute,
+                                         matrices_first=setup.matrices_first and not ranks.expert)
         self.canzona = CanzonaPart(binding=binding, engine=engine, tp_group=ranks.tp, early_gathers=early)
         self.speculation = SpeculationPolicy(setup.config.speculation)
         """When early compute speculates that the clip stays idle (decided after each step)."""
@@ -166,6 +172,13 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         early = self.canzona.early_gathers
         return early is not None and early.compute_early
 
+    @property
+    def speculates(self) -> bool:
+        """Whether anything before its steps assumes the clip stays idle: early compute, or early
+        gathers of Muon's source (its momentum on Megatron-FSDP's holders)."""
+        early = self.canzona.early_gathers
+        return early is not None and (early.compute_early or early.source is not None)
+
     def conclude(self, *, acted: bool, skipped: bool = False) -> None:
         """The iteration's step is decided: ``acted`` when the clip scaled the gradients or the
         step is ``skipped`` (its staged gathers and early results then go, state untouched). The
@@ -174,7 +187,7 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         precomputed = bool(self.canzona.engine.precomputed)
         if skipped and early is not None:
             early.drop()
-        if not self.computes_early:
+        if not self.speculates:
             return
         stats = self.optimizer.last_stats
         speculated = early.speculating
@@ -191,7 +204,7 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         """The speculation policy as a checkpoint saved it: a resumed run decides as the
         uninterrupted one would have."""
         self.speculation.load(state)
-        if self.computes_early:
+        if self.speculates:
             self.canzona.early_gathers.speculating = self.speculation.speculate
 
     @classmethod

@@ -113,8 +113,6 @@ def make_setup(
     then dense parameters); ``setup_from_args`` passes the run's."""
     expert_tp_size = (1 if ep_size > 1 else tp_size) if expert_tp_size is None else expert_tp_size
     fsdp = uses_megatron_fsdp(ddp_config)
-    if fsdp:  # early gathers and compute hook DDP's buckets; Megatron-FSDP reduces its own
-        config = dataclasses.replace(config, early_gather=False, early_compute="off")
     if ep_size > 1 or any(getattr(chunk.config, "num_moe_experts", None) for chunk in model_chunks):
         check_expert_sizes(tp_size, ep_size, expert_tp_size, fsdp=fsdp)
     plan, specs, choice = build_canzona_plan(model_chunks, ddp_config, config, dp_size=dp_size, tp_size=tp_size,
@@ -127,9 +125,10 @@ def make_setup(
     matrices_first, order = (False, None) if fsdp else choose_matrices_first(
         plan, specs, config, wire=wire, workload=workload, overlap=ddp_config.overlap_grad_reduce,
         instances=getattr(ddp_config, "num_distributed_optimizer_instances", 1))
-    overlap = ddp_config.overlap_grad_reduce
+    overlap = ddp_config.overlap_grad_reduce or (  # Megatron-FSDP reduce-scatters sharded gradients in backward
+        fsdp and ddp_config.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"))
     expert_dp = plan.experts.dp_size if plan.experts is not None else None
-    early = FSDP_EARLY_COMPUTE if fsdp else early_compute_line(config, dp_size, overlap, expert_dp)
+    early = early_compute_line(config, dp_size, overlap, expert_dp)
     early_compute = (early_compute_choice(config, dp_size, overlap).on,
                      expert_dp is not None and early_compute_choice(config, expert_dp, overlap).on)
     if choice is not None or order is not None:
@@ -154,11 +153,6 @@ def make_setup(
         fused_layouts={(c, name): fused_layout(name, chunk, config) for c, name, chunk in matrices},
         tp_strides={(c, name): tp_stride(name, chunk.config.gated_linear_unit) for c, name, chunk in matrices},
     )
-
-
-FSDP_EARLY_COMPUTE = ("[canzona] early compute: off (under --use-megatron-fsdp the step gathers each matrix after "
-                      "Megatron-FSDP's own reduce-scatters; no early gathers to compute at)")
-"""The start-up line of early compute under Megatron-FSDP."""
 
 
 def check_same_choices(choices: dict[str, int], group: Any = None) -> None:

@@ -22,7 +22,8 @@ layout whose own exactness against one process the other tests hold:
 Under ``--bf16`` (Muon, DP 2, ``optim``) Megatron-FSDP's own bf16 gradients depart from the first
 step: the losses within :data:`BF16_LOSS_RTOL`.
 
-``async`` and ``sync`` (``--canzona-tp-mode``) are bitwise equal.
+``async`` (its gathers issued in backward, as each bucket's last reduce-scatter ends) and ``sync``
+(``--canzona-tp-mode``) are bitwise equal, and so is ``--canzona-early-compute on``.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def _canzona(optimizer: str, *extra: str) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every FSDP case, its distributed-optimizer reference (one per ranks, optimizer and flags),
-    and the first case again with ``--canzona-tp-mode sync``."""
+    and the first case again with ``--canzona-tp-mode sync`` and with ``--canzona-early-compute on``."""
     root = tmp_path_factory.mktemp("canzona_fsdp")
     out: dict = {}
     for name, (nproc, optimizer, strategy, extra) in CASES.items():
@@ -154,6 +155,8 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
     nproc, optimizer, strategy, extra = CASES[first]
     out["sync"] = train(demo_data, root / "sync", nproc, *_canzona(optimizer, *FSDP, *extra),
                         "--data-parallel-sharding-strategy", strategy, "--canzona-tp-mode", "sync")
+    out["early_compute"] = train(demo_data, root / "early_compute", nproc, *_canzona(optimizer, *FSDP, *extra),
+                                 "--data-parallel-sharding-strategy", strategy, "--canzona-early-compute", "on")
     for name, (saved, nproc, extra) in RESUMES.items():
         _, optimizer, strategy, _ = CASES[saved]
         out[name] = train(demo_data, root / name, nproc, *_canzona(optimizer, *FSDP, *extra),
@@ -266,7 +269,7 @@ def test_canzona_under_megatron_fsdp_trains_as_under_the_distributed_optimizer(r
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_plan_is_over_megatron_fsdps_buckets(runs: dict, name: str) -> None:
     """The start-up lines: the plan is the fsdp layout over DP x TP (every matrix of the tiny
-    model: 2 layers of 4, per TP rank; 5 with gate and up apart), early compute is off and says why; the binding found
+    model: 2 layers of 4, per TP rank; 5 with gate and up apart), early compute is off on gloo and says why; the binding found
     every planned piece where Megatron-FSDP put it (it refuses to build otherwise)."""
     nproc, _, _, extra = CASES[name]
     tp = 2 if "--tensor-model-parallel-size" in extra else 1
@@ -279,16 +282,19 @@ def test_the_plan_is_over_megatron_fsdps_buckets(runs: dict, name: str) -> None:
     assert (int(plan[1]), int(plan[2]), int(plan[3] or 1), int(plan[4])) == (matrices, nproc // tp // cp, cp, tp)
     if "--num-experts" in extra:  # each EP rank's 2 experts of 2 layers, fc1 and fc2, hosted over expert-DP 2
         assert "[canzona] experts: 8 matrices per EP rank over expert-DP 2 x EP 2, 2 bucket(s)" in out, out[-4000:]
-    assert "[canzona] early compute: off (under --use-megatron-fsdp" in out
+    assert "[canzona] early compute: off (auto: on gloo the host computes serially" in out
     assert "Traceback" not in out
 
 
 def test_sync_and_async_host_groups_are_bitwise_equal(runs: dict) -> None:
-    """The engine's two modes order the same gathers and computations differently: every logged
-    loss and gradient norm is the same float."""
+    """The engine's two modes order the same gathers and computations differently (``async``
+    gathers in backward, as each bucket's last reduce-scatter ends): every logged loss and
+    gradient norm is the same float. So is early compute's, which says it is on."""
     first = runs[next(iter(CASES))]["metrics"]
-    assert {i: (m["lm_loss"], m["grad_norm"]) for i, m in runs["sync"]["metrics"].items()} == \
-        {i: (m["lm_loss"], m["grad_norm"]) for i, m in first.items()}
+    for other in ("sync", "early_compute"):
+        assert {i: (m["lm_loss"], m["grad_norm"]) for i, m in runs[other]["metrics"].items()} == \
+            {i: (m["lm_loss"], m["grad_norm"]) for i, m in first.items()}, other
+    assert "[canzona] early compute: on (--canzona-early-compute on)" in runs["early_compute"]["stdout"]
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -82,7 +82,7 @@ def test_each_strategy_and_optimizer_passes_with_the_optimizer_held_from_megatro
 @pytest.mark.parametrize(("words", "says"), [
     (["--data-parallel-sharding-strategy", "no_shard"], "pass optim, optim_grads or optim_grads_params"),
     (["--canzona-layout", "lean"], "drop --canzona-layout"),
-    (["--canzona-early-compute", "on"], "drop --canzona-early-compute, or --use-megatron-fsdp"),
+    (["--canzona-matrices-reduce-first", "--overlap-grad-reduce"], "drop --canzona-matrices-reduce-first"),
     (["--num-distributed-optimizer-instances", "2"], "drop --num-distributed-optimizer-instances"),
 ])
 def test_what_the_fsdp_binding_does_not_take(words: list[str], says: str) -> None:

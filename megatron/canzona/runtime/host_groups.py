@@ -177,6 +177,8 @@ class StepStats:
     """Micro-groups whose directions were computed before the step and used (committed)."""
     recomputed: int = 0
     """Micro-groups computed before the step whose results the step discarded and computed again."""
+    regathered: int = 0
+    """Micro-groups gathered speculatively before the step that the step gathered again (a clip acted)."""
     bytes_sent: int = 0
     """Bytes sent to other ranks (real elements only)."""
     timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
@@ -278,6 +280,9 @@ class _InFlight:
     scaled: int = 0
     """How many of the step's scale factors :meth:`HostGroupEngine.precompute` applied to
     ``recv`` already (a prefix: the loss scale's inverse)."""
+    speculative: bool = False
+    """Gathered before the step from what the holders' pieces become when no clip acts
+    (:meth:`HostGroupEngine.prestart`'s ``speculative``): the step's own only then."""
 
 
 @dataclass
@@ -511,14 +516,20 @@ class HostGroupEngine:
 
     # Gathers issued before the step -----------------------------------------------------
     @torch.no_grad()
-    def prestart(self, index: int, raw: Mapping[tuple[str, int], torch.Tensor]) -> None:
+    def prestart(self, index: int, raw: Mapping[tuple[str, int], torch.Tensor], *, speculative: bool = False,
+                 scaled: int = 0) -> None:
         """Issue micro-group ``index``'s gather now, before the step, from the raw gradient
         pieces ``raw`` (``(task key, lo)`` -> flat tensor of the gradient buffer's dtype, as
         reduced; clipping and loss scaling not yet applied). The host applies them to what it
         receives (:meth:`step`'s ``scale``), which equals the holders applying them first, bit
         for bit: a gather only copies, and an fp32 cast and a product are the same wherever
         they run. Every rank of the group must prestart the same micro-groups in the same order
-        (a collective); :meth:`drop_staged` discards them (a skipped step)."""
+        (a collective); :meth:`drop_staged` discards them (a skipped step).
+
+        ``speculative``: ``raw`` are not the raw gradients but what the holders' pieces become
+        at the step if no clip acts, made from them with the first ``scaled`` of its factors
+        (Muon's source where the holders keep its momentum: ``CanzonaOptimizer.speculative_sources``):
+        the step uses them only then, and otherwise gathers again from its own pieces."""
         if self.mode != "async":
             raise ValueError("only the async mode gathers to hosts before the step")
         if index in self._staged:
@@ -532,7 +543,10 @@ class HostGroupEngine:
         send = torch.empty(sum(exchange.send_splits), dtype=dtype, device=first.device)
         for seg in exchange.outgoing:
             send[seg.offset : seg.offset + seg.hi - seg.lo].copy_(raw[(seg.task.key, seg.lo)])
-        self._staged[index] = self._all_to_all(None, send, exchange.recv_splits, exchange.send_splits)
+        inflight = self._all_to_all(None, send, exchange.recv_splits, exchange.send_splits)
+        if inflight is not None:
+            inflight.speculative, inflight.scaled = speculative, scaled
+        self._staged[index] = inflight
 
     @torch.no_grad()
     def precompute(self, index: int, raw: Mapping[tuple[str, int], torch.Tensor], compute: HostCompute,
@@ -565,7 +579,7 @@ class HostGroupEngine:
                 inflight.send.record_stream(current)
             for factor in scale:
                 inflight.recv.mul_(factor)
-            inflight.scaled = len(scale)
+            inflight.scaled += len(scale)
 
         def own(key: str, lo: int) -> torch.Tensor:
             piece = raw[(key, lo)]
@@ -715,7 +729,7 @@ class _StepRun:
         next_gather = self._gather_of(0)
         pending: tuple[_Exchange, _InFlight | None, dict[str, torch.Tensor]] | None = None
         for k, exchange in enumerate(self.engine.exchanges):
-            gather = next_gather
+            gather, staged = next_gather
             if k + 1 < len(self.engine.exchanges):
                 next_gather = self._gather_of(k + 1)  # in flight during compute k
             early = self.engine._early.get(k)
@@ -724,7 +738,7 @@ class _StepRun:
                     torch.cuda.current_stream(self.device).wait_event(early.done)
                     for tensor in early.directions.values():
                         tensor.record_stream(torch.cuda.current_stream(self.device))
-            if k in self.engine._staged and gather is not None:  # raw pieces: scale them as their holders did
+            if staged and gather is not None:  # raw pieces: scale them as their holders did
                 self._wait(gather, "gather", exchange.index)
                 if gather.recv.is_cuda:  # allocated on the side stream that issued it, used here from now on
                     current = torch.cuda.current_stream(gather.recv.device)
@@ -760,11 +774,17 @@ class _StepRun:
             self._apply(exchange, None, directions)
 
     # Stages ------------------------------------------------------------------------------
-    def _gather_of(self, index: int) -> _InFlight | None:
-        """Micro-group ``index``'s gather: the one :meth:`prestart` issued, else issued now."""
-        if index in self.engine._staged:
-            return self.engine._staged[index]
-        return self._start_gather(self.engine.exchanges[index])
+    def _gather_of(self, index: int) -> tuple[_InFlight | None, bool]:
+        """Micro-group ``index``'s gather and whether :meth:`prestart` issued it; a speculative
+        one the clip made stale is waited for and issued again now, from the step's pieces."""
+        staged = self.engine._staged
+        if index in staged:
+            inflight = staged[index]
+            if inflight is None or not inflight.speculative or self.factors.commit_early:
+                return inflight, True
+            self._wait(inflight, "gather", index)
+            self.stats.regathered += 1
+        return self._start_gather(self.engine.exchanges[index]), False
 
     def _start_gather(self, exchange: _Exchange) -> _InFlight | None:
         """Pack my pieces by destination and issue the gather all-to-all."""

@@ -271,6 +271,27 @@ class CanzonaOptimizer(MatrixOptimizer):
                     )
         return pieces
 
+    @torch.no_grad()
+    def speculative_sources(self, keys: frozenset[str], raw: Mapping[tuple[str, int], torch.Tensor],
+                            scale: Sequence[float | torch.Tensor] = ()) -> dict[tuple[str, int], torch.Tensor]:
+        """Under ``momentum_on_holders``: the Newton-Schulz input of this rank's pieces of the
+        tasks ``keys`` as :meth:`_local_pieces` will make it at the step if no clip acts, from
+        the raw gradient pieces ``raw`` times ``scale`` (the factors known before the step) and a
+        copy of the momentum, which stays as it is (the step advances it). The same operations
+        on the same values: the same bits. Costs a copy of each piece and of its momentum."""
+        out = {}
+        for group in self.param_groups:
+            for p in group["params"] if group["matrix"] else ():
+                refs = [ref for ref in self._refs[id(p)] if ref.key in keys]
+                momentum = self._holder_momentum(p) if refs else None
+                for ref in refs:
+                    size = ref.hi - ref.lo
+                    grad = raw[(ref.key, ref.lo)].to(momentum.dtype, copy=True)
+                    for factor in scale:
+                        grad.mul_(factor)
+                    out[(ref.key, ref.lo)] = muon_source_(grad, momentum.narrow(0, ref.offset, size).clone(), self.config)
+        return out
+
     def _holder_momentum(self, param: torch.Tensor) -> torch.Tensor:
         """The momentum of this rank's elements of matrix shard ``param`` (flat, fp32), made at
         first use: under ``momentum_on_holders`` the only matrix state a holder keeps."""

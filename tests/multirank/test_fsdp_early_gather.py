@@ -1,0 +1,116 @@
+"""Under Megatron-FSDP the host-group gathers go in backward, and are bitwise the step's own.
+
+Each micro-group's gather is issued once every bucket group holding one of its matrices has
+reduce-scattered for the last micro-batch (``canzona_patches.integration.early_gather.attach_fsdp``):
+on gloo, where Megatron-FSDP's reduce-scatters are synchronous, from inside backward, so every
+gather of every step here is issued before Megatron's loop that ends backward.
+
+* Shampoo and SOAP keep their state on the hosts: the gathers carry the raw gradients, which the
+  hosts scale as the holders would (the clip acting here at every step).
+* Muon keeps its momentum on the holders: the gathers carry its Newton-Schulz input, made from a
+  copy of the momentum, speculating that no clip acts; where one acts, the step gathers again.
+
+Against the same run gathering in the step (``--canzona-no-early-gather``), over 4 steps at DP 2
+(``optim_grads_params``, ``optim``; two micro-batches a step, so ``optim_grads_params``
+reduce-scatters twice a step and only the second is gathered) and TP 2 x DP 2 (``optim_grads``):
+losses, gradient norms, parameters and optimizer state agree bit for bit, with the clip idle and
+acting, with early compute (``--canzona-early-compute on``) committed and recomputed, and under
+the speculation policy (``backoff``) while the clip acts at every step (the gathers then mostly
+wait for the step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megatron.canzona.runtime import LaunchConfig, launch
+
+from canzona_patches.harness.tiny_gpt import TinyRun, train_tiny_gpts
+from . import CPU_RANKS
+
+pytestmark = CPU_RANKS
+
+STEPS = 4
+ACTING, IDLE = 1.0e-3, 1.0e9
+"""Clips that act at every step of the tiny model, and never."""
+LAUNCH_TIMEOUT_S = 300.0
+SHAPES = {2: (1, ("optim_grads_params", "optim")), 4: (2, ("optim_grads",))}
+"""World size -> (TP size, Megatron-FSDP sharding strategies)."""
+
+
+def _base(optimizer: str, tp_size: int, fsdp: str, clip: float) -> TinyRun:
+    return TinyRun(tp_size=tp_size, lr=2e-3, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1,
+                   global_batch=8, overlap_grad_reduce=True, fsdp=fsdp, clip_grad=clip, early_gather=False,
+                   split_gate_up=optimizer == "muon", return_state=True)
+
+
+def _variants(optimizer: str, tp_size: int, fsdp: str) -> dict[str, TinyRun]:
+    """Name -> run; ``<clip>-step`` gathers in the step, the others are compared with it."""
+    runs = {}
+    for clip, label in ((IDLE, "idle"), (ACTING, "acting")):
+        base = _base(optimizer, tp_size, fsdp, clip)
+        runs[f"{label}-step"] = base
+        runs[f"{label}-early"] = replace(base, early_gather=True)
+        if optimizer == "muon":
+            runs[f"{label}-compute"] = replace(base, early_gather=True, early_compute=True)
+    if optimizer == "muon":
+        runs["acting-backoff"] = replace(runs["acting-early"], speculation="backoff")
+    return runs
+
+
+CASES = [(optimizer, fsdp) for _, (_, strategies) in SHAPES.items() for fsdp in strategies
+         for optimizer in (("muon", "shampoo", "soap") if fsdp == "optim_grads_params" else ("muon", "soap"))]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[tuple[str, str, str], list[dict]]:
+    """(optimizer, strategy, variant) -> per-rank results; one launch per world size."""
+    out = {}
+    for world_size, (tp_size, strategies) in SHAPES.items():
+        names, runs = [], []
+        for optimizer, fsdp in CASES:
+            if fsdp in strategies:
+                for variant, run in _variants(optimizer, tp_size, fsdp).items():
+                    names.append((optimizer, fsdp, variant))
+                    runs.append(run)
+        per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=world_size, timeout_s=LAUNCH_TIMEOUT_S), runs)
+        out.update({name: [rank[i] for rank in per_rank] for i, name in enumerate(names)})
+    return out
+
+
+def _bitwise(a: dict, b: dict, where: str) -> None:
+    assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"], where
+    for name, expected in b["params"].items():
+        assert torch.equal(a["params"][name], expected), (where, name)
+    assert a["state"].keys() == b["state"].keys(), where
+    for path, expected in b["state"].items():
+        assert torch.equal(a["state"][path], expected), (where, path)
+
+
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
+@pytest.mark.parametrize(("optimizer", "fsdp"), CASES)
+def test_gathers_in_backward_are_bitwise_the_steps(results, optimizer: str, fsdp: str) -> None:
+    variants = _variants(optimizer, 1, fsdp)
+    for variant in variants:
+        if variant.endswith("-step"):
+            continue
+        baseline = results[(optimizer, fsdp, variant.split("-")[0] + "-step")]
+        for rank, (early, step) in enumerate(zip(results[(optimizer, fsdp, variant)], baseline)):
+            where = f"{optimizer} {fsdp} {variant} rank {rank}"
+            _bitwise(early, step, where)
+            assert not step["early_gathers"], where
+            issued, in_backward = early["early_gathers"], early["early_gathers_in_backward"]
+            if variant == "acting-backoff":  # the policy speculates less after each miss
+                always = results[(optimizer, fsdp, "acting-early")][rank]["early_gathers"]
+                assert 0 < issued < always, (where, issued, always)
+                continue
+            # every micro-group of every step, each once: issued from the reduce-scatters, in backward
+            assert issued > 0 and issued % STEPS == 0 and in_backward == issued, (where, issued, in_backward)
+            if variant.endswith("compute"):
+                outcome = "committed" if variant.startswith("idle") else "recomputed"
+                assert early["early_steps"] == [{outcome: STEPS}], (where, early["early_steps"])
+    assert max(results[(optimizer, fsdp, "idle-step")][0]["grad_norms"]) < IDLE
+    assert min(results[(optimizer, fsdp, "acting-step")][0]["grad_norms"]) > ACTING
