@@ -24,7 +24,11 @@ buckets over expert DP, one copy per EP rank). Every strategy pays the same forw
   all-to-all of its pieces to their hosts) is issued, on CUDA and on gloo alike, as the runtime's
   early gathers do under DDP. Its heaviest rank's inter-node seconds join the one queue right
   after that reduce-scatter (``step_gather``), delaying the collectives queued behind it by what
-  the idle link does not absorb; a group whose pieces stay on their nodes rides nothing.
+  the idle link does not absorb; a group whose pieces stay on their nodes rides nothing. Muon's
+  (and AdaMuon's) gathers carry the Newton-Schulz input its holders make from their momentum and
+  the clipped gradient, so they go early only in the iterations the speculation policy speculates
+  that no clip acts, and the step gathers again where one acted (:func:`_speculative_step`);
+  Shampoo's and SOAP's carry raw gradients, early whatever the clip.
 * **The step** starts once the last reduce-scatter ends, with what each design does with the shards:
 
   - ``canzona`` -- one host per matrix (:func:`~megatron.canzona.planning.planner.make_plan`,
@@ -58,7 +62,7 @@ from ..comm import WireConfig
 from ..cost import OPTIMIZERS, Calibration, CostModel
 from ..experts import split_experts
 from ..fsdp import FSDP_LAYOUT, PER_PARAMETER, SHARDING_STRATEGIES, FsdpBucket, fsdp_buckets, fsdp_buffer
-from ..memory import EARLY_COMPUTE_BYTES, STATE_BYTES, StateLayout
+from ..memory import EARLY_COMPUTE_BYTES, HOLDER_MOMENTUM_OPTIMIZERS, STATE_BYTES, StateLayout
 from ..partition import DEFAULT_ALPHA
 from ..planner import make_plan
 from ..speculation import SpeculationRates, expected_rates
@@ -432,21 +436,27 @@ def simulate_fsdp(
     riders = _early_gather_riders(work, topology, wire)
     phases = fsdp_phases(units, micro=micro, count=count, sharding=sharding, riders=riders)
     early = _early(work, phases, early_compute, early_compute_bytes)
-    step_end, run, rates = _step(work, grid, cluster, wire, slowdown, phases, early, clip_rate)
+    origin = phases.reduced
+    if work.early_gather and optimizer in HOLDER_MOMENTUM_OPTIMIZERS:  # the gathers carry Muon's source: speculative
+        plain = fsdp_phases(units, micro=micro, count=count, sharding=sharding)
+        step_end, origin, run, rates = _speculative_step(work, grid, cluster, wire, slowdown, phases, plain, early,
+                                                         clip_rate)
+    else:
+        step_end, run, rates = _step(work, grid, cluster, wire, slowdown, phases, early, clip_rate)
     busiest = max(run.busy.values(), default=0.0)
     details.update(sharding=sharding, mode=work.mode, num_tasks=len(work.dense) + sum(len(t) for _, t in work.experts),
                    num_groups=len({t.group for t in work.dense}), buckets=len(units), compute_slowdown=slowdown,
                    early_gather=work.early_gather, early_gather_link_seconds=phases.ride_seconds)
     if rates is not None:
-        details.update(early_compute=True, clip_rate=clip_rate, speculation=dataclasses.asdict(rates),
-                       early_compute_bytes=early_compute_bytes)
+        details.update(early_compute=early is not None, clip_rate=clip_rate, speculation=dataclasses.asdict(rates),
+                       early_compute_bytes=early_compute_bytes, speculative_gathers=origin is not phases.reduced)
     timeline = [dataclasses.replace(s, rank=r) for r in range(grid.size) for s in phases.segments]
     timeline += [dataclasses.replace(s, start=s.start + phases.reduced, end=s.end + phases.reduced)
                  for s in run.segments]
     return StrategyResult(
         strategy=strategy,
         optimizer_step_seconds=step_end,
-        iteration_seconds=phases.reduced + step_end,
+        iteration_seconds=origin + step_end,
         exposed_comm_seconds=phases.gather_exposed + phases.reduce_exposed + (step_end - busiest),
         forward_backward_seconds=phases.compute,
         grad_reduce_seconds=phases.reduce_seconds,
@@ -459,6 +469,24 @@ def simulate_fsdp(
         details=details,
         timeline=tuple(timeline),
     )
+
+
+def _speculative_step(work: Work, grid: Grid, cluster: ClusterSpec, wire: WireConfig, slowdown: float,
+                      phases: FsdpPhases, plain: FsdpPhases, early: EarlyCompute | None,
+                      clip_rate: float) -> tuple[float, float, StepRun, SpeculationRates]:
+    """The step where the holders keep Muon's momentum, so the early gathers carry its source and
+    hold only where no clip acts (``canzona_patches.integration.early_gather.EarlySources``), in
+    the iterations the speculation policy picks at ``clip_rate``: committed, ``phases`` (the
+    gathers riding the link) and the step from them (with ``early`` compute); recomputed, the same
+    ``phases`` and the step gathering again; not speculated, ``plain`` (no gathers before the step)
+    and the step gathering. Returns the expected step, the expected step start (the last
+    reduce-scatter's end), the committed step's run and the shares."""
+    rates = expected_rates(clip_rate)
+    committed, run = run_step(work, grid, cluster, wire, slowdown, phases.reduced_at, early)
+    in_step = run_step(work, grid, cluster, wire, slowdown)[0]
+    step = rates.committed * committed + (1.0 - rates.committed) * in_step
+    origin = (1.0 - rates.not_speculated) * phases.reduced + rates.not_speculated * plain.reduced
+    return step, origin, run, rates
 
 
 def _early(work: Work, phases: FsdpPhases, early_compute: bool, budget_bytes: int | None) -> EarlyCompute | None:
