@@ -283,7 +283,11 @@ class CanzonaOptimizer(MatrixOptimizer):
         for group in self.param_groups:
             for p in group["params"] if group["matrix"] else ():
                 refs = [ref for ref in self._refs[id(p)] if ref.key in keys]
-                momentum = self._holder_momentum(p) if refs else None
+                # before the first step, the zeros the step will make (made here apart: this may run on a side stream)
+                momentum = self.state[p].get("momentum") if refs else None
+                if refs and momentum is None:
+                    local = self._elements(p)
+                    momentum = torch.zeros(local.numel(), device=local.device, dtype=state_dtype_for(local.dtype))
                 for ref in refs:
                     size = ref.hi - ref.lo
                     grad = raw[(ref.key, ref.lo)].to(momentum.dtype, copy=True)
