@@ -15,16 +15,8 @@ Hooks (megatron-core 0.19.2):
 * ``DistributedDataParallel.param_to_bucket_group``: which bucket group reduces a parameter.
 * ``param.main_grad``: the parameter's gradient in the bucket's buffer; after the
   reduce-scatter this rank's shard of it is final (its dtype is the buffer's).
-* Under Megatron-FSDP (``--use-megatron-fsdp``, :func:`attach_fsdp`):
-  ``GradReducePipeline._bucket_group_gradient_reduce`` (a registry row) reduce-scatters one
-  bucket group (``bucket_to_bucket_group``) and, dispatched asynchronously, queues the event
-  that marks its end on the reduce stream in ``grad_reduce_queue``; the reduction of the last
-  micro-batch (``MegatronFSDP.is_last_microbatch``, set by its ``no_sync``; or any, under
-  ``optim``, which reduces only then) leaves this rank's gradient shard final, in the bucket
-  group's ``main_grad_buffer`` (``get_item(..., only_shard=True)``: what
-  ``update_main_grads`` hands the optimizer, cast to the main weights' dtype). Its listeners
-  are told then. ``MegatronFSDP.finish_grad_sync`` (a registry row) ends backward: its
-  listeners are told before it waits and once it has.
+* Under Megatron-FSDP (``--use-megatron-fsdp``): the same listeners, told by its own reduce
+  pipeline (:mod:`canzona_patches.integration.fsdp_gathers`).
 
 :class:`EarlyGathers` issues a micro-group's gather (``HostGroupEngine.prestart``) as soon as
 every bucket group holding one of its matrices has reduced, from views of ``main_grad``
@@ -39,10 +31,7 @@ made once. Where it is issued:
 * **On CPU (gloo), at finish**: a gloo handle's wait blocks the host, which would serialise
   backward with the reduce-scatter; the gathers go when Megatron's loop ends backward.
   (:attr:`EarlyGathers.at_dispatch` forces the dispatch path; the tests use it to check its
-  bookkeeping on gloo, where it is exact but slower.) Under Megatron-FSDP, whose reduce-scatters
-  are synchronous on gloo, at the reduction, during backward. A bucket group whose last
-  reduction went unreported (a training loop without Megatron-FSDP's ``no_sync``, so no
-  micro-batch is known to be the last) is gathered when ``finish_grad_sync`` has waited.
+  bookkeeping on gloo, where it is exact but slower.)
 
 Those gradients are neither unscaled nor clipped yet; the host multiplies what it receives
 by the loss scale's inverse and the clip factor when the step runs, in Megatron's order,
@@ -93,6 +82,11 @@ first waits for it: every bucket group of the model chunks, so that the first ca
 iteration, whichever group it is for, marks the end of backward's work on the host."""
 
 
+def listeners(group: Any) -> Sequence[Any]:
+    """The early gathers a bucket group (DDP's, or Megatron-FSDP's ``FsdpBucketGroup``) tells."""
+    return _LISTENERS.get(group, ())
+
+
 def announcing_dispatched_grads(original: Callable, run: Any) -> Callable:
     """``start_grad_sync`` that tells the bucket group's listeners when it has dispatched an
     asynchronous reduction (the handle is then in ``grad_reduce_handle``)."""
@@ -132,64 +126,6 @@ def announcing_reduced_grads(original: Callable, run: Any) -> Callable:
         return result
 
     return finish_grad_sync
-
-
-def announcing_fsdp_reduce(original: Callable, run: Any) -> Callable:
-    """Megatron-FSDP's ``_bucket_group_gradient_reduce`` that tells the bucket group's listeners
-    when it has dispatched (CUDA) or done (gloo) the reduction that leaves its shard final."""
-
-    @functools.wraps(original)
-    def _bucket_group_gradient_reduce(self: Any, bucket_group: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, bucket_group, *args, **kwargs)
-        group = _FSDP_GROUPS.get(self, {}).get(tuple(bucket_group))
-        if group is not None and group.final():
-            queued = kwargs.get("async_op", args[0] if args else False) and self.grad_reduce_queue
-            group.grad_reduce_handle = self.grad_reduce_queue[-1][0] if queued else None
-            for listener in _LISTENERS.get(group, ()):
-                listener.on_fsdp_reduce(group)
-        return result
-
-    return _bucket_group_gradient_reduce
-
-
-def announcing_fsdp_finish(original: Callable, run: Any) -> Callable:
-    """``MegatronFSDP.finish_grad_sync`` that tells its listeners that backward's work is queued,
-    then, once every reduce-scatter is waited for, that every bucket group has reduced."""
-
-    @functools.wraps(original)
-    def finish_grad_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
-        listeners = _FSDP_FINISHING.get(self, ())
-        for listener in listeners:
-            listener.on_finishing()
-        result = original(self, *args, **kwargs)
-        for listener in listeners:
-            listener.on_fsdp_finished()
-        return result
-
-    return finish_grad_sync
-
-
-class FsdpBucketGroup:
-    """One bucket group of a Megatron-FSDP model chunk's gradient reduce pipeline (the buckets
-    it reduce-scatters together), as the early gathers name it; made once, at attach."""
-
-    def __init__(self, module: Any, buckets: tuple[int, ...]) -> None:
-        self.module, self.buckets = module, buckets
-        self.grad_reduce_handle: Any = None
-        """The event marking its last reduction's end on the reduce stream (CUDA), else ``None``."""
-
-    def final(self) -> bool:
-        """Whether the reduction now leaves the gradient shard final: the last micro-batch's
-        (Megatron-FSDP's ``no_sync`` marks it), or under ``optim`` any (it reduces only then)."""
-        module = self.module
-        return bool(module.is_delay_grad_reduce or module.model_auto_sync
-                    or getattr(module, "is_last_microbatch", False))
-
-
-_FSDP_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Megatron-FSDP ``GradReducePipeline`` -> ``{bucket ids: FsdpBucketGroup}`` (:func:`attach_fsdp`)."""
-_FSDP_FINISHING: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""``MegatronFSDP`` module -> the early gathers told around its ``finish_grad_sync``."""
 
 
 _ORDER: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -314,7 +250,7 @@ class EarlyGathers:
         """The dense bucket groups' reduce order (``--canzona-matrices-reduce-first``), if held."""
         self.groups = list({id(group): group for groups in needs for group in groups}.values())
         """Every bucket group a micro-group needs, in the order the micro-groups first name them
-        (one order on every rank where ``needs`` are ordered, as :func:`attach_fsdp`'s are)."""
+        (one order on every rank where ``needs`` are ordered, as :func:`~canzona_patches.integration.fsdp_gathers.attach_fsdp`'s are)."""
 
     def on_dispatched(self, bucket_group: Any) -> None:
         """A bucket group dispatched its reduce-scatter: with :attr:`at_dispatch`, wait for it
@@ -342,7 +278,7 @@ class EarlyGathers:
         self.seen[id(bucket_group)] = True
         self._issue_complete()
 
-    def on_fsdp_reduce(self, group: FsdpBucketGroup) -> None:
+    def on_fsdp_reduce(self, group: Any) -> None:
         """Megatron-FSDP: ``group``'s last reduce-scatter is dispatched (CUDA: wait for its event
         on the side stream and issue there) or done (gloo: issue now)."""
         if self.at_dispatch and group.grad_reduce_handle is not None:
@@ -481,7 +417,7 @@ class EarlyCompute:
     (:func:`~megatron.canzona.planning.memory.early_compute_groups`); the others in the step."""
 
 
-def _gathers_apply(engine: Any, binding: Any, compute: EarlyCompute | None) -> bool:
+def gathers_apply(engine: Any, binding: Any, compute: EarlyCompute | None) -> bool:
     """Whether an optimizer has early gathers: async mode, something to move or to compute early,
     and no matrix clipped by its own group's norm (its factor is not the one the step keeps)."""
     if engine.mode != "async" or not engine.exchanges:
@@ -493,7 +429,7 @@ def _gathers_apply(engine: Any, binding: Any, compute: EarlyCompute | None) -> b
     return not any(getattr(param, GRAD_NORM_GROUP_ATTR, None) is not None for param in binding.params.values())
 
 
-def _listening(engine: Any, raw: dict[tuple[str, int], torch.Tensor], needs: Sequence[Any], first: Any,
+def listen(engine: Any, raw: dict[tuple[str, int], torch.Tensor], needs: Sequence[Any], first: Any,
                compute: EarlyCompute | None, source: EarlySources | None = None) -> EarlyGathers:
     """The early gathers over ``raw`` (on a side stream of ``first``'s device, made once, on
     CUDA), told by every bucket group in ``needs``; the registry rows that tell them installed."""
@@ -517,7 +453,7 @@ def attach(engine: Any, binding: Any, model_chunks: Sequence[Any], compute: Earl
     ``None`` when nothing moves and nothing is to be computed early (``compute``).
     ``matrices_first``: with early compute, the dense bucket groups without a matrix reduce
     after the last one with a matrix (:class:`MatricesFirst`; the dense optimizer's only)."""
-    if not _gathers_apply(engine, binding, compute):
+    if not gathers_apply(engine, binding, compute):
         return None
     group_of: dict[torch.nn.Parameter, Any] = {}
     for chunk in model_chunks:
@@ -532,7 +468,7 @@ def attach(engine: Any, binding: Any, model_chunks: Sequence[Any], compute: Earl
     needs: list[set[Any]] = []
     for exchange in engine.exchanges:
         needs.append({group_of[binding.params[task.key]] for task in exchange.tasks})
-    early = _listening(engine, raw, needs, next(iter(raw.values()), None), compute)
+    early = listen(engine, raw, needs, next(iter(raw.values()), None), compute)
     if early.compute_early:
         for chunk in model_chunks:
             for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
@@ -542,55 +478,6 @@ def attach(engine: Any, binding: Any, model_chunks: Sequence[Any], compute: Earl
     if matrices_first and early.compute_early:
         early.order = order_matrices_first(model_chunks, set().union(*needs))
     return early
-
-
-def attach_fsdp(engine: Any, binding: Any, model_chunks: Sequence[Any], compute: EarlyCompute | None = None,
-                source: EarlySources | None = None) -> EarlyGathers | None:
-    """:func:`attach` for an optimizer over Megatron-FSDP-wrapped ``model_chunks``: this rank's
-    pieces are views of each bucket's gradient shard (``main_grad_buffer``, made once: the
-    buffer is kept for the whole run), a micro-group needs the bucket groups of its matrices,
-    and its listener is told by the chunks' reduce pipelines and ``finish_grad_sync``.
-    ``source``: the holders keep Muon's momentum, gathered early only speculating (:class:`EarlySources`)."""
-    if not _gathers_apply(engine, binding, compute):
-        return None
-    group_of: dict[int, FsdpBucketGroup] = {}
-    raw: dict[tuple[str, int], torch.Tensor] = {}
-    finishing = []
-    for chunk in model_chunks:
-        module = chunk.module
-        buffer, groups = module.param_and_grad_buffer, _FSDP_GROUPS.setdefault(module.grad_reduce_pipeline, {})
-        for param, bucket_id in buffer.param_to_param_group.items():
-            members = tuple(i for i in buffer.bucket_to_bucket_group[bucket_id]
-                            if buffer.parameter_groups[i].main_grad_buffer is not None)
-            group_of[id(param)] = groups.setdefault(members, FsdpBucketGroup(module, members))
-        raw.update(_fsdp_pieces(buffer, binding))
-        finishing.append(module)
-    needs = [sorted({group_of[id(binding.params[task.key].orig_param)] for task in exchange.tasks},
-                    key=lambda group: group.buckets) for exchange in engine.exchanges]
-    early = _listening(engine, raw, needs, next(iter(raw.values()), None), compute, source)
-    for module in finishing:
-        listeners = _FSDP_FINISHING.setdefault(module, [])
-        if early not in listeners:
-            listeners.append(early)
-    return early
-
-
-def _fsdp_pieces(buffer: Any, binding: Any) -> dict[tuple[str, int], torch.Tensor]:
-    """``(task key, lo)`` -> this rank's piece as a view of its bucket's gradient shard, for the
-    binding's parameters in ``buffer``."""
-    raw = {}
-    for shard, refs in binding.pieces.items():
-        orig = shard.orig_param
-        if not refs or orig not in buffer.param_to_param_group:
-            continue
-        grads = buffer.parameter_groups[buffer.param_to_param_group[orig]].main_grad_buffer
-        flat = grads.get_item(grads.param_idx[orig], only_shard=True).view(-1)
-        if flat.numel() != shard.to_local().numel():
-            raise RuntimeError(f"{binding.names[refs[0].key]}: Megatron-FSDP's gradient shard holds {flat.numel()} "
-                               f"elements, its weight shard {shard.to_local().numel()}; the buffers disagree")
-        for ref in refs:
-            raw[(ref.key, ref.lo)] = flat[ref.offset : ref.offset + ref.hi - ref.lo]
-    return raw
 
 
 def order_matrices_first(model_chunks: Sequence[Any], matrix_groups: set[Any]) -> MatricesFirst | None:

@@ -55,7 +55,7 @@ from canzona_patches.errors import CanzonaArgumentError
 from canzona_patches.integration.binding import bind_fsdp, bind_plan, group_coordinates
 from canzona_patches.integration.early_gather import EarlyCompute, EarlySources
 from canzona_patches.integration.early_gather import attach as attach_early_gathers
-from canzona_patches.integration.early_gather import attach_fsdp as attach_fsdp_early_gathers
+from canzona_patches.integration.fsdp_gathers import attach_fsdp as attach_fsdp_early_gathers
 from canzona_patches.integration.layout import BUFFER_ROUTING_ATTR, is_expert_param, uses_megatron_fsdp
 from canzona_patches.integration.setup import CanzonaPart, CanzonaSetup
 from canzona_patches.integration.uneven import shard_bounds

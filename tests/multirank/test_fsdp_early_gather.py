@@ -1,7 +1,7 @@
 """Under Megatron-FSDP the host-group gathers go in backward, and are bitwise the step's own.
 
 Each micro-group's gather is issued once every bucket group holding one of its matrices has
-reduce-scattered for the last micro-batch (``canzona_patches.integration.early_gather.attach_fsdp``):
+reduce-scattered for the last micro-batch (``canzona_patches.integration.fsdp_gathers.attach_fsdp``):
 on gloo, where Megatron-FSDP's reduce-scatters are synchronous, from inside backward, so every
 gather of every step here is issued before Megatron's loop that ends backward.
 
