@@ -46,7 +46,15 @@ TEMPORARY_ROWS = (
     ("largest_temporary_elements", "largest temporary buffer of the step", STATE_BYTES),
     ("step_temporary_elements", "host-group buffers alive at once", STATE_BYTES),
     ("compute_batch_elements", "largest host-compute batch (stacked grads)", STATE_BYTES),
+    ("early_gather_elements", "early gather buffers (alive from backward)", STATE_BYTES),
 )
+"""The step's buffers; the early gathers' (every micro-group's, issued in backward) are the ones
+the step then uses for its gathers, alive beside backward's last activations: shown, not added
+to the peak (as ``tools/dry_run.py`` shows them under DDP)."""
+IN_FLIGHT = {"largest": "largest_temporary_elements", "step": "step_temporary_elements",
+             "early_gather": "early_gather_elements"}
+"""What every rank's record (``--every-rank``) holds of the step's buffers, by the memory model's
+name: what ``tests/e2e/test_canzona_fsdp.py`` compares with the engine's own count on CPU."""
 EXPERT = "expert "
 """Label prefix of the expert part's rows (expert buckets over expert DP, the expert optimizer)."""
 
@@ -192,14 +200,21 @@ def predict_fsdp(plan, specs, state: StateLayout, *, dp_rank: int, tp_rank: int,
 
 
 def every_rank_state(plan, specs, state: StateLayout, *, strategy: str, bucket_size: int | None) -> list[dict]:
-    """Each rank of the stage (global rank in Megatron's order, PP 1): its optimizer state by kind."""
+    """Each rank of the stage (global rank in Megatron's order, PP 1): its optimizer state by kind,
+    and the step's buffers (``in_flight``: :data:`IN_FLIGHT`), dense and expert."""
     expert_dp = plan.experts.dp_size if plan.experts is not None else None
     buckets = fsdp_buckets(specs, dp_size=plan.dp_size, strategy=strategy, bucket_size=bucket_size,
                            expert_dp_size=expert_dp)
-    return [{"rank": tp_rank + plan.tp_size * dp_rank,
-             **rank_state(plan, specs, buckets, state, dp_rank=dp_rank, tp_rank=tp_rank, strategy=strategy,
-                          bucket_size=bucket_size)}
-            for dp_rank in range(plan.dp_size) for tp_rank in range(plan.tp_size)]
+    out = []
+    for dp_rank in range(plan.dp_size):
+        for tp_rank in range(plan.tp_size):
+            mem = rank_memory(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, state=state, early_compute_bytes=0)
+            in_flight = {part: memory and {name: getattr(memory, key) for name, key in IN_FLIGHT.items()}
+                         for part, memory in (("dense", mem), ("experts", mem.experts))}
+            out.append({"rank": tp_rank + plan.tp_size * dp_rank, "in_flight": in_flight,
+                        **rank_state(plan, specs, buckets, state, dp_rank=dp_rank, tp_rank=tp_rank,
+                                     strategy=strategy, bucket_size=bucket_size)})
+    return out
 
 
 def _row(label: str, elements: int, size: int | None, held: str = "") -> dict:
@@ -228,7 +243,7 @@ def fsdp_memory(rows: list[dict]) -> dict:
     by_name = {row["quantity"]: row["bytes"] or 0 for row in rows}
     steady = sum(by_name.get(prefix + label, 0) for prefix in ("", EXPERT) for _, label, _ in BUFFER_ROWS)
     steady += sum(v for k, v in by_name.items() if k.startswith("optimizer state: "))
-    peak = steady + max(sum(by_name.get(prefix + label, 0) for _, label, _ in TEMPORARY_ROWS[1:])
+    peak = steady + max(sum(by_name.get(prefix + label, 0) for _, label, _ in TEMPORARY_ROWS[1:3])
                         for prefix in ("", EXPERT))
     return {"steady_bytes": steady, "peak_bytes": peak, "peak_over_steady": peak / steady if steady else 0.0}
 

@@ -7,7 +7,8 @@ in place of the entry point with ``FSDP_GEOMETRY_TRACE=<dir>``; tests/e2e/test_m
 predicts the buckets from the descriptions and compares. Under ``--canzona`` each rank also writes,
 after each step, the optimizer state it holds beside the memory model's prediction
 (``<dir>/state<r>.json``, and ``state<r>-experts.json`` for the expert optimizer of an
-expert-parallel run; tests/e2e/test_canzona_fsdp.py compares them)."""
+expert-parallel run), and the step's buffers as its host-group engine counts them
+(tests/e2e/test_canzona_fsdp.py compares them)."""
 
 from __future__ import annotations
 
@@ -90,9 +91,11 @@ def _trace_optimizer_state(out: Path) -> None:
                                         state=StateLayout.of(setup.config.optimizer, setup.config.matrix),
                                         strategy=made["strategy"], bucket_size=made["bucket_size"], experts=experts)
         name = f"state{torch.distributed.get_rank()}{'-experts' if experts else ''}.json"
+        largest, step = self.engine.temporaries()
         (out / name).write_text(json.dumps({
             "measured": {kind: n for kind, n in held.items() if n}, "predicted": {k: n for k, n in predicted.items() if n},
-            "momentum_on_holders": self.momentum_on_holders}))
+            "momentum_on_holders": self.momentum_on_holders,
+            "in_flight": {"largest": largest, "step": step, "early_gather": self.engine.early_temporaries()}}))
 
     CanzonaOptimizer._run_step = measured_step
 

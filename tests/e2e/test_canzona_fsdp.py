@@ -352,10 +352,13 @@ def _dry_run_differences(name: str, geometry_dir, report: dict) -> list[str]:
             problems.append(f"rank {rank} buckets: built {built}, predicted {planned}")
         for part, suffix in (("dense", ""), ("experts", "-experts")):
             path = geometry_dir / f"state{rank}{suffix}.json"
-            measured = json.loads(path.read_text())["measured"] if path.exists() else None
-            expected = predicted[rank][part]
+            record = json.loads(path.read_text()) if path.exists() else {}
+            measured, expected = record.get("measured"), predicted[rank][part]
             if measured != (None if expected is None else {kind: n for kind, n in expected.items() if n}):
                 problems.append(f"rank {rank} {part} state: measured {measured}, predicted {expected}")
+            if record.get("in_flight") != predicted[rank]["in_flight"][part]:
+                problems.append(f"rank {rank} {part} step buffers: measured {record.get('in_flight')}, "
+                                f"predicted {predicted[rank]['in_flight'][part]}")
     return problems
 
 
@@ -363,8 +366,9 @@ def test_dry_runs_fsdp_prediction_is_what_every_rank_measured(runs: dict) -> Non
     """``tools/dry_run.py --fsdp --every-rank`` for each case it can express (all but gate and up
     hosted apart), against what every rank of the case's run recorded (``fsdp_geometry_traced.py``):
     the optimizer state each rank holds after its last step by kind, counted from its tensors (the
-    expert optimizer's apart), the buckets read from the buffers Megatron-FSDP built, and the bucket
-    size Megatron gave it. The dry runs share one process (``fsdp_dry_runs.py``)."""
+    expert optimizer's apart), the step's buffers (its largest, the most alive at once, every early
+    gather's) as its host-group engine counts them, the buckets read from the buffers Megatron-FSDP
+    built, and the bucket size Megatron gave it. The dry runs share one process (``fsdp_dry_runs.py``)."""
     names = [name for name in CASES if not any(flag in CASES[name][3] for flag in DRY_RUN_UNEXPRESSED)]
     geometry = {name: runs[name]["dir"] / "geometry" for name in names}
     argvs = [_dry_run_flags(name, json.loads((geometry[name] / "rank0.json").read_text())) for name in names]
