@@ -63,7 +63,9 @@ CASES = (
 )
 FSDP_CASES = (("qwen3-8b", 1, 1, (64, 256)), ("qwen3-32b", 4, 1, (64, 256)), ("qwen3-30b-a3b", 1, 8, (64, 256)))
 """Model, TP, EP, FSDP sizes of docs/fsdp.md's memory table (``--fsdp-cases``; experts over
-expert-DP = FSDP / EP, expert TP 1)."""
+expert-DP = FSDP / EP, expert TP 1), for each optimizer and NorMuon (``adaptive_muon`` whose second
+moment is one per row or column)."""
+FSDP_OPTIMIZERS = tuple((o, o, "adamuon") for o in OPTIMIZERS) + (("normuon", "adaptive_muon", "normuon"),)
 MOE_CASES = (  # model, TP, EP, expert TP, PP, first/last stage layers, DPs
     ("qwen3-30b-a3b", 1, 8, 1, 1, None, (32, 64, 256)),
     ("qwen3-235b-a22b", 4, 8, 1, 8, 11, (4, 8)),
@@ -514,10 +516,10 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict]:
             coords = dense_to_expert(dp_size=dp, tp_size=tp, ep_size=ep, expert_tp_size=1) if ep > 1 else None
             expert_dp = expert_dp_size(dp_size=dp, tp_size=tp, ep_size=ep, expert_tp_size=1) if ep > 1 else None
             buckets = {0: fsdp_buckets(specs, dp_size=dp, strategy="optim_grads_params", expert_dp_size=expert_dp)}
-            for optimizer in OPTIMIZERS:
+            for label, optimizer, moment2 in FSDP_OPTIMIZERS:  # the runtime's state, at its default config
                 case = argparse.Namespace(**{**vars(args), "optimizer": optimizer})
                 cm, wire = cost_model(case), wire_config(case)
-                state = StateLayout(optimizer=optimizer, ns_dtype=args.muon_ns_dtype)  # the runtime's, default config
+                state = StateLayout(optimizer=optimizer, ns_dtype=args.muon_ns_dtype, moment2_method=moment2)
                 plans = [make_plan(specs, dp_size=dp, tp_size=tp, cost_model=cm, alpha=args.alpha, wire=wire, ep_size=ep,
                                    layout="fsdp", fsdp_strategy="optim_grads_params", state=kept)
                          for kept in (state, None)]  # the runtime's plan, and hosts chosen for compute alone
@@ -525,13 +527,13 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict]:
                 alone = per_gpu if plans[1] == plans[0] else \
                     fsdp_state_per_gpu(plans[1], specs, state, buckets, dp=dp, tp=tp, coords=coords)[0]
                 busiest, mean = max(per_gpu), sum(per_gpu) / len(per_gpu)
-                row = {"model": model, "tp": tp, "ep": ep, "dp": dp, "optimizer": optimizer,
+                row = {"model": model, "tp": tp, "ep": ep, "dp": dp, "optimizer": label,
                        "makespan_over_lower_bound": fsdp_makespan(plans[0], specs, cm, wire), "busiest_bytes": busiest,
                        "mean_bytes": mean, "adamw_busiest_bytes": max(adamw),
                        "compute_alone_makespan_over_lower_bound": fsdp_makespan(plans[1], specs, cm, wire),
                        "compute_alone_busiest_bytes": max(alone)}
                 rows.append(row)
-                print(f"| {model} | {tp} x {dp}{f' x {ep}' if ep > 1 else ''} | {optimizer} | {row['makespan_over_lower_bound']:.3f} | "
+                print(f"| {model} | {tp} x {dp}{f' x {ep}' if ep > 1 else ''} | {label} | {row['makespan_over_lower_bound']:.3f} | "
                       f"{busiest / 2**30:.3f} | {mean / 2**30:.3f} | {busiest / mean:.3f} | {max(adamw) / 2**30:.3f} | "
                       f"{busiest / max(adamw):.2f} | {row['compute_alone_makespan_over_lower_bound']:.3f}, "
                       f"{max(alone) / 2**30:.3f} |", flush=True)
