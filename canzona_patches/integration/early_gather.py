@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,20 +72,38 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-_LISTENERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+class Told:
+    """Canzona's own table, by identity, of the objects a Megatron object tells (nothing is set on
+    Megatron's objects): an entry goes with its key, and a listener with its optimizer. Both are
+    held weakly, so that no listener, which reaches its model through its optimizer, keeps the
+    key alive (a run's model, buckets and process groups outlive it otherwise)."""
+
+    def __init__(self) -> None:
+        self._table: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def add(self, key: Any, listener: Any) -> None:
+        refs = self._table.setdefault(key, [])
+        if all(ref() is not listener for ref in refs):
+            refs.append(weakref.ref(listener))
+
+    def of(self, key: Any) -> list[Any]:
+        """The live listeners of ``key``, in the order they were added."""
+        return [listener for ref in self._table.get(key, ()) if (listener := ref()) is not None]
+
+
+_LISTENERS = Told()
 """Bucket group -> the objects told ``on_dispatched(bucket_group)`` once its reduce-scatter is
-dispatched asynchronously and ``on_reduced(bucket_group)`` once it has completed. A table of
-Canzona's own, by identity (nothing is set on Megatron's bucket groups); an entry goes with
-its bucket group."""
-_FINISHING: WeakIdKeyDictionary = WeakIdKeyDictionary()
+dispatched asynchronously and ``on_reduced(bucket_group)`` once it has completed."""
+_FINISHING = Told()
 """Bucket group -> the objects told ``on_finishing()`` before Megatron's loop that ends backward
 first waits for it: every bucket group of the model chunks, so that the first call of an
 iteration, whichever group it is for, marks the end of backward's work on the host."""
 
 
-def listeners(group: Any) -> Sequence[Any]:
+def listeners(group: Any) -> list[Any]:
     """The early gathers a bucket group (DDP's, or Megatron-FSDP's ``FsdpBucketGroup``) tells."""
-    return _LISTENERS.get(group, ())
+    return _LISTENERS.of(group)
 
 
 def announcing_dispatched_grads(original: Callable, run: Any) -> Callable:
@@ -99,7 +118,7 @@ def announcing_dispatched_grads(original: Callable, run: Any) -> Callable:
         before = self.grad_reduce_handle
         result = original(self, *args, **kwargs)
         if before is None and self.grad_reduce_handle is not None:
-            for listener in _LISTENERS.get(self, ()):
+            for listener in _LISTENERS.of(self):
                 listener.on_dispatched(self)
             if order is not None:
                 order.dispatched(self)
@@ -115,13 +134,13 @@ def announcing_reduced_grads(original: Callable, run: Any) -> Callable:
     def finish_grad_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
         already = bool(self.ddp_config.overlap_grad_reduce and getattr(self, "grad_reduce_finished", False))
         if not already:
-            for listener in _FINISHING.get(self, ()):
+            for listener in _FINISHING.of(self):
                 listener.on_finishing()
         order = _ORDER.get(self)
         with order.finishing() if order is not None else contextlib.nullcontext():
             result = original(self, *args, **kwargs)
         if not already:
-            for listener in _LISTENERS.get(self, ()):
+            for listener in _LISTENERS.of(self):
                 listener.on_reduced(self)
         return result
 
@@ -440,9 +459,7 @@ def listen(engine: Any, raw: dict[tuple[str, int], torch.Tensor], needs: Sequenc
     early = EarlyGathers(engine, raw, needs, stream=stream, early=compute, source=source)
     for groups in needs:
         for group in groups:
-            listeners = _LISTENERS.setdefault(group, [])
-            if early not in listeners:
-                listeners.append(early)
+            _LISTENERS.add(group, early)
     return early
 
 
@@ -472,9 +489,7 @@ def attach(engine: Any, binding: Any, model_chunks: Sequence[Any], compute: Earl
     if early.compute_early:
         for chunk in model_chunks:
             for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
-                listeners = _FINISHING.setdefault(group, [])
-                if early not in listeners:
-                    listeners.append(early)
+                _FINISHING.add(group, early)
     if matrices_first and early.compute_early:
         early.order = order_matrices_first(model_chunks, set().union(*needs))
     return early

@@ -23,13 +23,15 @@ momentum, what goes is its source, speculating that no clip acts (:class:`EarlyS
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from canzona_patches.integration.early_gather import EarlyCompute, EarlyGathers, EarlySources, gathers_apply, listen, listeners
+from canzona_patches.integration.early_gather import (EarlyCompute, EarlyGathers, EarlySources, Told, gathers_apply, listen,
+                                                      listeners)
 
 
 def announcing_fsdp_reduce(original: Callable, run: Any) -> Callable:
@@ -56,7 +58,7 @@ def announcing_fsdp_finish(original: Callable, run: Any) -> Callable:
 
     @functools.wraps(original)
     def finish_grad_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
-        told = _FSDP_FINISHING.get(self, ())
+        told = _FSDP_FINISHING.of(self)
         for listener in told:
             listener.on_finishing()
         result = original(self, *args, **kwargs)
@@ -72,21 +74,21 @@ class FsdpBucketGroup:
     it reduce-scatters together), as the early gathers name it; made once, at attach."""
 
     def __init__(self, module: Any, buckets: tuple[int, ...]) -> None:
-        self.module, self.buckets = module, buckets
+        self._module, self.buckets = weakref.ref(module), buckets  # the module holds the table that holds this
         self.grad_reduce_handle: Any = None
         """The event marking its last reduction's end on the reduce stream (CUDA), else ``None``."""
 
     def final(self) -> bool:
         """Whether the reduction now leaves the gradient shard final: the last micro-batch's
         (Megatron-FSDP's ``no_sync`` marks it), or under ``optim`` any (it reduces only then)."""
-        module = self.module
-        return bool(module.is_delay_grad_reduce or module.model_auto_sync
+        module = self._module()
+        return module is not None and bool(module.is_delay_grad_reduce or module.model_auto_sync
                     or getattr(module, "is_last_microbatch", False))
 
 
 _FSDP_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """Megatron-FSDP ``GradReducePipeline`` -> ``{bucket ids: FsdpBucketGroup}`` (:func:`attach_fsdp`)."""
-_FSDP_FINISHING: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_FSDP_FINISHING = Told()
 """``MegatronFSDP`` module -> the early gathers told around its ``finish_grad_sync``."""
 
 
@@ -115,9 +117,7 @@ def attach_fsdp(engine: Any, binding: Any, model_chunks: Sequence[Any], compute:
                     key=lambda group: group.buckets) for exchange in engine.exchanges]
     early = listen(engine, raw, needs, next(iter(raw.values()), None), compute, source)
     for module in finishing:
-        told = _FSDP_FINISHING.setdefault(module, [])
-        if early not in told:
-            told.append(early)
+        _FSDP_FINISHING.add(module, early)
     return early
 
 

@@ -21,6 +21,7 @@ wait for the step).
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -28,7 +29,7 @@ import torch
 
 from megatron.canzona.runtime import LaunchConfig, launch
 
-from canzona_patches.harness.tiny_gpt import TinyRun, train_tiny_gpts
+from canzona_patches.harness.tiny_gpt import TinyRun, train_tiny_gpt
 from . import CPU_RANKS
 
 pytestmark = CPU_RANKS
@@ -65,6 +66,12 @@ CASES = [(optimizer, fsdp) for _, (_, strategies) in SHAPES.items() for fsdp in 
          for optimizer in (("muon", "shampoo", "soap") if fsdp == "optim_grads_params" else ("muon", "soap"))]
 
 
+def _train(runs: list[TinyRun]) -> list[dict]:
+    """Rank body: the runs in turn, each result with the threads alive after it (a run whose model
+    outlived it kept its process groups' gloo threads)."""
+    return [{**train_tiny_gpt(run), "threads": len(os.listdir("/proc/self/task"))} for run in runs]
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[tuple[str, str, str], list[dict]]:
     """(optimizer, strategy, variant) -> per-rank results; one launch per world size."""
@@ -76,7 +83,7 @@ def results() -> dict[tuple[str, str, str], list[dict]]:
                 for variant, run in _variants(optimizer, tp_size, fsdp).items():
                     names.append((optimizer, fsdp, variant))
                     runs.append(run)
-        per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=world_size, timeout_s=LAUNCH_TIMEOUT_S), runs)
+        per_rank = launch(_train, LaunchConfig(world_size=world_size, timeout_s=LAUNCH_TIMEOUT_S), runs)
         out.update({name: [rank[i] for rank in per_rank] for i, name in enumerate(names)})
     return out
 
@@ -114,3 +121,15 @@ def test_gathers_in_backward_are_bitwise_the_steps(results, optimizer: str, fsdp
                 assert early["early_steps"] == [{outcome: STEPS}], (where, early["early_steps"])
     assert max(results[(optimizer, fsdp, "idle-step")][0]["grad_norms"]) < IDLE
     assert min(results[(optimizer, fsdp, "acting-step")][0]["grad_norms"]) > ACTING
+
+
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
+def test_a_finished_run_leaves_nothing_running_for_the_next(results) -> None:
+    """The runs of a launch follow one another on the same ranks: the early gathers' tables hold
+    their listeners and Megatron-FSDP's objects weakly, so each run's model, optimizer and process
+    groups go with it, and the ranks' thread count after the last run is the first run's."""
+    names = list(results)
+    first, last = results[names[0]], results[names[-1]]
+    for before, after in zip(first, last):
+        assert after["threads"] <= before["threads"] + 8, (before["threads"], after["threads"])
+
