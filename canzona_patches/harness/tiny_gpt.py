@@ -887,12 +887,17 @@ def _replay_fsdp_grads(ddp_model, run: TinyRun, step: int) -> None:
 
 def _fsdp_full_params(ddp_model) -> dict[str, torch.Tensor]:
     """:func:`full_params` under Megatron-FSDP: every parameter's elements gathered from the
-    ranks holding them (the main weights), TP-unsharded."""
+    ranks holding them (the main weights; an expert's over expert-DP), TP-unsharded (by local
+    name: an expert parallel rank's own experts)."""
     from megatron.core import parallel_state
 
-    dp_group, tp_group = parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()
+    from canzona_patches.integration.layout import is_expert_param
+
+    groups = {False: (parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()),
+              True: (parallel_state.get_expert_data_parallel_group(), parallel_state.get_expert_tensor_parallel_group())}
     out = {}
     for name, (param, shape, pieces) in _fsdp_geometry(ddp_model).items():
+        dp_group, tp_group = groups[is_expert_param(param.orig_param)]
         held: list[Any] = [None] * dist.get_world_size(dp_group)
         dist.all_gather_object(held, param.to_local().detach().float().reshape(-1).clone(), group=dp_group)
         flat = torch.empty(math.prod(shape))
