@@ -121,54 +121,83 @@ def plan_with_experts(
     plan's own slack could otherwise add up)."""
     check_inputs(dp_size, alpha, bucket_size)
     check_tp_size(tp_size)
-    expert_dp = expert_dp_size(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size)
     dense, experts = split_experts(specs)
     # Elsewhere the state lies in the DP shards; Muon's hosts keep none (its plan is the compute-only one).
     state = state if layout == FSDP_LAYOUT and state is not None and keeps_host_state(state) else None
     # Megatron sizes every buffer's buckets by the dense DP group, expert buffers included.
     bucket_size = default_bucket_size(dp_size) if bucket_size is None else bucket_size
-    common = dict(cost_model=cost_model, alpha=alpha, bucket_size=bucket_size, wire=wire, budget=budget, layout=layout,
-                  fsdp_strategy=fsdp_strategy, fsdp_bucket_size=fsdp_bucket_size)
-    sizes = dict(dp_size=dp_size, tp_size=tp_size, ep_size=ep_size)
-
-    def plan_dense(base: list[list[float]] | None, kept: StateLayout | None,
-                   base_state: list[list[int]] | None = None) -> CanzonaPlan:
-        return plan_canzona(dense, dp_size=dp_size, tp_size=tp_size, base_loads=base, state=kept, base_state=base_state,
-                            **common)  # type: ignore[arg-type]
-
-    def plan_experts(base: list[list[float]] | None, kept: StateLayout | None) -> CanzonaPlan:
-        return plan_canzona(experts, dp_size=expert_dp, tp_size=expert_tp_size, base_loads=base, state=kept,
-                            **common)  # type: ignore[arg-type]
-
-    def around(expert_plan: CanzonaPlan, kept: StateLayout | None) -> CanzonaPlan:
-        """The dense plan filling around ``expert_plan``'s compute (and state, with ``kept``)."""
-        base_state = None if kept is None else expert_base_state(expert_plan, experts, kept, **sizes)
-        plan = plan_dense(expert_base_loads(expert_plan, **sizes), kept, base_state)
-        return dataclasses.replace(plan, experts=expert_plan, ep_size=ep_size)
-
-    def joint(kept: StateLayout | None) -> CanzonaPlan:
-        first = around(plan_experts(None, kept), kept)
-        refined = plan_experts(busiest_dense_loads(first, ep_size=ep_size, expert_tp_size=expert_tp_size), kept)
-        second = dataclasses.replace(first, experts=refined)
-        return second if max(second.combined_loads()) < max(first.combined_loads()) else first
-
+    stage = _ExpertStage(dense, experts, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
+                         common=dict(cost_model=cost_model, alpha=alpha, bucket_size=bucket_size, wire=wire, budget=budget,
+                                     layout=layout, fsdp_strategy=fsdp_strategy, fsdp_bucket_size=fsdp_bucket_size))
     if not experts:
-        return dataclasses.replace(plan_dense(None, state), ep_size=ep_size)
+        return dataclasses.replace(stage.dense_plan(None, state), ep_size=ep_size)
     check_expert_specs(experts, expert_tp_size)
     if not joint_balance:
-        return dataclasses.replace(plan_dense(None, state), experts=plan_experts(None, state), ep_size=ep_size)
-    alone = joint(None)
-    if state is None:
-        return alone
-    assert alone.experts is not None
-    # The expert hosts by state over the compute-only dense plan's loads, and the dense hosts around them.
-    refined = dataclasses.replace(alone, experts=plan_experts(
-        busiest_dense_loads(alone, ep_size=ep_size, expert_tp_size=expert_tp_size), state))
-    assert refined.experts is not None
-    limit = STATE_SLACK * max(alone.combined_loads())
-    candidates = (alone, joint(state), around(alone.experts, state), refined, around(refined.experts, state))
-    fits = [p for p in candidates if max(p.combined_loads()) <= limit]
-    return min(fits, key=lambda p: busiest_host_state(p, dense, experts, state, **sizes))
+        return dataclasses.replace(stage.dense_plan(None, state), experts=stage.expert_plan(None, state),
+                                   ep_size=ep_size)
+    alone = stage.joint(None)
+    return alone if state is None else stage.least_state(alone, state)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertStage:
+    """A stage's dense and expert matrices at their parallel sizes, planned one around the other
+    (:func:`plan_with_experts`); ``common``: :func:`~.balance.plan_canzona`'s other arguments."""
+
+    dense: Sequence[ParamSpec]
+    experts: Sequence[ParamSpec]
+    dp_size: int
+    tp_size: int
+    ep_size: int
+    expert_tp_size: int
+    common: dict
+
+    @property
+    def sizes(self) -> dict:
+        return dict(dp_size=self.dp_size, tp_size=self.tp_size, ep_size=self.ep_size)
+
+    def dense_plan(self, base: list[list[float]] | None, kept: StateLayout | None,
+                   base_state: list[list[int]] | None = None) -> CanzonaPlan:
+        return plan_canzona(self.dense, dp_size=self.dp_size, tp_size=self.tp_size, base_loads=base, state=kept,
+                            base_state=base_state, **self.common)
+
+    def expert_plan(self, base: list[list[float]] | None, kept: StateLayout | None) -> CanzonaPlan:
+        expert_dp = expert_dp_size(dp_size=self.dp_size, tp_size=self.tp_size, ep_size=self.ep_size,
+                                   expert_tp_size=self.expert_tp_size)
+        return plan_canzona(self.experts, dp_size=expert_dp, tp_size=self.expert_tp_size, base_loads=base, state=kept,
+                            **self.common)
+
+    def around(self, expert_plan: CanzonaPlan, kept: StateLayout | None) -> CanzonaPlan:
+        """The dense plan filling around ``expert_plan``'s compute (and state, with ``kept``)."""
+        base_state = None if kept is None else expert_base_state(expert_plan, self.experts, kept, **self.sizes)
+        plan = self.dense_plan(expert_base_loads(expert_plan, **self.sizes), kept, base_state)
+        return dataclasses.replace(plan, experts=expert_plan, ep_size=self.ep_size)
+
+    def over_dense(self, plan: CanzonaPlan, kept: StateLayout | None) -> CanzonaPlan:
+        """``plan`` with its expert hosts planned again over its dense plan's busiest loads."""
+        base = busiest_dense_loads(plan, ep_size=self.ep_size, expert_tp_size=self.expert_tp_size)
+        return dataclasses.replace(plan, experts=self.expert_plan(base, kept))
+
+    def joint(self, kept: StateLayout | None) -> CanzonaPlan:
+        """Experts first, the dense plan around them, then the experts again over the dense
+        loads where that lowers the busiest GPU's compute."""
+        first = self.around(self.expert_plan(None, kept), kept)
+        second = self.over_dense(first, kept)
+        return second if max(second.combined_loads()) < max(first.combined_loads()) else first
+
+    def least_state(self, alone: CanzonaPlan, state: StateLayout) -> CanzonaPlan:
+        """Of the plans balancing ``state`` (jointly; from the compute-only plan ``alone``: its
+        expert hosts by state over its dense loads, the dense hosts around either expert plan),
+        and ``alone`` itself, the one whose busiest GPU keeps the least host state among those
+        computing within :data:`~megatron.canzona.planning.hosts.STATE_SLACK` of ``alone``."""
+        assert alone.experts is not None
+        refined = self.over_dense(alone, state)
+        assert refined.experts is not None
+        limit = STATE_SLACK * max(alone.combined_loads())
+        candidates = (alone, self.joint(state), self.around(alone.experts, state), refined,
+                      self.around(refined.experts, state))
+        fits = [p for p in candidates if max(p.combined_loads()) <= limit]
+        return min(fits, key=lambda p: busiest_host_state(p, self.dense, self.experts, state, **self.sizes))
 
 
 def busiest_host_state(plan: CanzonaPlan, dense: Sequence[ParamSpec], experts: Sequence[ParamSpec],
