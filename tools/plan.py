@@ -350,12 +350,9 @@ def print_report(rep: dict) -> None:
               f"{'' if c['joint_balance'] else '; --no-joint-balance'}):")
         for name, s in rep["strategies"].items():
             print(f"{name:<20}{s['combined_makespan_over_lower_bound']:>12.3f}")
-    g = rep["host_groups"]
-    print(f"\nhost groups: {g['num_groups']} micro-group(s), budget {g['budget']:.3g} {c['cost_unit']}; "
-          f"{g['hosts']} hosts, at most {g['max_matrices_per_host']} matrices on one")
-    if moe:
-        g = rep["expert_host_groups"]
-        print(f"expert host groups: {g['num_groups']} micro-group(s), budget {g['budget']:.3g} {c['cost_unit']}; "
+    for key, label in (("host_groups", "\nhost groups"), ("expert_host_groups", "expert host groups"))[:1 + moe]:
+        g = rep[key]
+        print(f"{label}: {g['num_groups']} micro-group(s), budget {g['budget']:.3g} {c['cost_unit']}; "
               f"{g['hosts']} hosts, at most {g['max_matrices_per_host']} matrices on one")
 
 
