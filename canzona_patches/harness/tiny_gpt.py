@@ -168,8 +168,9 @@ class TinyRun:
     gradients' shards all-reduced across instances after each reduce-scatter."""
     fsdp: str | None = None
     """Wrap the model in Megatron-FSDP with this sharding strategy (``optim``, ``optim_grads``,
-    ``optim_grads_params``) instead of DDP: the Canzona optimizer's FSDP binding (``layout="canzona"``,
-    ``early_gather=False``), or Megatron's own Adam under FSDP (``optimizer="adam"``)."""
+    ``optim_grads_params``) instead of DDP: the Canzona optimizer's FSDP binding (``layout="canzona"``;
+    its early gathers go at each bucket group's last reduce-scatter, on gloo inside backward), or
+    Megatron's own Adam under FSDP (``optimizer="adam"``)."""
     return_state: bool = False
     """Return this rank's optimizer state (``state``: every tensor of the Canzona inner
     optimizer by path), for bitwise comparisons of runs on the same layout."""
