@@ -7,8 +7,9 @@ gather of every step here is issued before Megatron's loop that ends backward.
 
 * Shampoo and SOAP keep their state on the hosts: the gathers carry the raw gradients, which the
   hosts scale as the holders would (the clip acting here at every step).
-* Muon keeps its momentum on the holders: the gathers carry its Newton-Schulz input, made from a
-  copy of the momentum, speculating that no clip acts; where one acts, the step gathers again.
+* Muon and NorMuon keep their momentum on the holders: the gathers carry the Newton-Schulz input,
+  made from a copy of the momentum, speculating that no clip acts; where one acts, the step gathers
+  again.
 
 Against the same run gathering in the step (``--canzona-no-early-gather``), over 4 steps at DP 2
 (``optim_grads_params``, ``optim``; two micro-batches a step, so ``optim_grads_params``
@@ -41,12 +42,15 @@ ACTING, IDLE = 1.0e-3, 1.0e9
 LAUNCH_TIMEOUT_S = 300.0
 LAYOUTS = {
     # name: (world size, TinyRun fields, optimizers)
-    "dp2-optim_grads_params": (2, dict(fsdp="optim_grads_params"), ("muon", "shampoo", "soap")),
+    "dp2-optim_grads_params": (2, dict(fsdp="optim_grads_params"), ("muon", "normuon", "shampoo", "soap")),
     "dp2-optim": (2, dict(fsdp="optim"), ("muon", "soap")),
     "tp2_dp2-optim_grads": (4, dict(fsdp="optim_grads", tp_size=2), ("muon", "soap")),
     "ep2_dp2-optim_grads_params": (4, dict(fsdp="optim_grads_params", num_experts=4, ep_size=2), ("muon",)),
 }
 """The layouts: at EP 2 a dense and an expert optimizer, the experts' buckets reduced over expert-DP 2."""
+SPECULATIVE = ("muon", "normuon")
+"""The optimizers whose holders keep the momentum (NorMuon's second moment is its hosts'): their
+gathers carry its source, speculating."""
 
 
 def _base(optimizer: str, layout: str, clip: float) -> TinyRun:
@@ -62,9 +66,9 @@ def _variants(optimizer: str, layout: str) -> dict[str, TinyRun]:
         base = _base(optimizer, layout, clip)
         runs[f"{label}-step"] = base
         runs[f"{label}-early"] = replace(base, early_gather=True)
-        if optimizer == "muon":
+        if optimizer in SPECULATIVE:
             runs[f"{label}-compute"] = replace(base, early_gather=True, early_compute=True)
-    if optimizer == "muon":
+    if optimizer in SPECULATIVE:
         runs["acting-backoff"] = replace(runs["acting-early"], speculation="backoff")
     return runs
 
