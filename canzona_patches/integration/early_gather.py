@@ -269,7 +269,8 @@ class EarlyGathers:
         """The dense bucket groups' reduce order (``--canzona-matrices-reduce-first``), if held."""
         self.groups = list({id(group): group for groups in needs for group in groups}.values())
         """Every bucket group a micro-group needs, in the order the micro-groups first name them
-        (one order on every rank where ``needs`` are ordered, as :func:`~canzona_patches.integration.fsdp_gathers.attach_fsdp`'s are)."""
+        (one order on every rank where ``needs`` are ordered, as
+        :func:`~canzona_patches.integration.fsdp_gathers.attach_fsdp`'s are)."""
 
     def on_dispatched(self, bucket_group: Any) -> None:
         """A bucket group dispatched its reduce-scatter: with :attr:`at_dispatch`, wait for it

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from canzona_patches.integration.early_gather import (EarlyCompute, EarlyGathers, EarlySources, Told, gathers_apply, listen,
-                                                      listeners)
+from canzona_patches.integration.early_gather import (EarlyCompute, EarlyGathers, EarlySources, Told, gathers_apply,
+                                                      listen, listeners)
 
 
 def announcing_fsdp_reduce(original: Callable, run: Any) -> Callable:
@@ -82,8 +82,10 @@ class FsdpBucketGroup:
         """Whether the reduction now leaves the gradient shard final: the last micro-batch's
         (Megatron-FSDP's ``no_sync`` marks it), or under ``optim`` any (it reduces only then)."""
         module = self._module()
-        return module is not None and bool(module.is_delay_grad_reduce or module.model_auto_sync
-                    or getattr(module, "is_last_microbatch", False))
+        if module is None:
+            return False
+        last = getattr(module, "is_last_microbatch", False)
+        return bool(module.is_delay_grad_reduce or module.model_auto_sync or last)
 
 
 _FSDP_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -110,7 +112,9 @@ def attach_fsdp(engine: Any, binding: Any, model_chunks: Sequence[Any], compute:
         for param, bucket_id in buffer.param_to_param_group.items():
             members = tuple(i for i in buffer.bucket_to_bucket_group[bucket_id]
                             if buffer.parameter_groups[i].main_grad_buffer is not None)
-            group_of[id(param)] = groups.setdefault(members, FsdpBucketGroup(module, members))
+            if members not in groups:
+                groups[members] = FsdpBucketGroup(module, members)
+            group_of[id(param)] = groups[members]
         raw.update(_fsdp_pieces(buffer, binding))
         finishing.append(module)
     needs = [sorted({group_of[id(binding.params[task.key].orig_param)] for task in exchange.tasks},
