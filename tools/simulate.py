@@ -654,7 +654,8 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     time its busiest rank's bytes take on the link, which L leaves out) and over the best peer, its
     iteration over AdamW-FSDP's, #4486's iteration over AdamW's, Canzona's bytes per rank over the
     bound; last, the shorter variant's step and iteration when the clip acts every iteration (the
-    speculation policy then computes in the step; the gathers still go early)."""
+    speculation policy then computes in the step, and Muon's gathers, which carry its source, wait
+    for it: Shampoo's and SOAP's still go early)."""
     header = ("| model | GPUs | TP, EP, FSDP | optimizer step (ms): " + " / ".join(FSDP_STRATEGIES)
               + " | iteration (ms): " + " / ".join(FSDP_STRATEGIES) + " | canzona split gate/up: step, iteration "
               "(ms) | limit L (ms) | step / L | its bytes over the link (ms) | step / best peer | iteration / AdamW "

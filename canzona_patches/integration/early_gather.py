@@ -450,7 +450,7 @@ def gathers_apply(engine: Any, binding: Any, compute: EarlyCompute | None) -> bo
 
 
 def listen(engine: Any, raw: dict[tuple[str, int], torch.Tensor], needs: Sequence[Any], first: Any,
-               compute: EarlyCompute | None, source: EarlySources | None = None) -> EarlyGathers:
+           compute: EarlyCompute | None, source: EarlySources | None = None) -> EarlyGathers:
     """The early gathers over ``raw`` (on a side stream of ``first``'s device, made once, on
     CUDA), told by every bucket group in ``needs``; the registry rows that tell them installed."""
     from canzona_patches import registry

@@ -73,8 +73,8 @@ from .layouts import Grid, RankOf, Seconds, Work, merge, plan_tasks
 from .network import Topology
 from .result import Segment, StrategyResult
 from .simulate import (CANZONA_STRATEGIES, EXPERTS, Workload, checked_grid, matmul_weight, micro_batches, run_step,
-                       seconds_per_update)
-from .step import EarlyCompute, SimTask, StepRun, gather_riders
+                       seconds_per_update, work_riders)
+from .step import EarlyCompute, SimTask, StepRun
 
 FSDP_STRATEGIES: tuple[str, ...] = ("canzona", "every_holder", "owner_uniform", "adamw")
 """The designs :func:`simulate_fsdp` prices (module docstring)."""
@@ -372,17 +372,6 @@ def fsdp_units(stage: _Stage, topology: Topology, workload: Workload | None) -> 
     return [u for _, u in sorted(units, key=lambda pair: pair[0])]
 
 
-def _early_gather_riders(work: Work, topology: Topology, wire: WireConfig) -> list[Rider]:
-    """Each micro-group's early gather, dense and expert (keyed as :func:`fsdp_units` keys the
-    units), as the seconds it holds each rank's inter-node link; none for a design gathering in the step."""
-    if not work.early_gather:
-        return []
-    riders = gather_riders(topology, wire, work.dense)
-    for _, tasks in work.experts:
-        riders += gather_riders(topology, wire, tasks, lambda reduced_by: (EXPERTS, *reduced_by))
-    return riders
-
-
 def simulate_fsdp(
     specs: Sequence[ParamSpec],
     *,
@@ -433,7 +422,7 @@ def simulate_fsdp(
     count, micro, details = micro_batches(workload, stage.specs, dp_size, cluster, slowdown) if workload \
         else (1, 0.0, {})
     units = fsdp_units(stage, topology, workload)
-    riders = _early_gather_riders(work, topology, wire)
+    riders = work_riders(work, topology, wire)
     phases = fsdp_phases(units, micro=micro, count=count, sharding=sharding, riders=riders)
     early = _early(work, phases, early_compute, early_compute_bytes)
     origin = phases.reduced

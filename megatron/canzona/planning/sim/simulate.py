@@ -660,15 +660,19 @@ def _phases(ctx: _Context, work: Work, cluster: ClusterSpec, workload: Workload 
     backward = BACKWARD_SHARE * micro
     ag_exposed, ag_segments = overlap_forward(gather, micro - backward, origin=bubble)
     rs_origin = bubble + ag_exposed + fwd_bwd - backward
-    riders = _riders(work, Topology(cluster), ctx.wire) if work.early_gather and cluster.backend != "gloo" else []
+    riders = work_riders(work, Topology(cluster), ctx.wire) if cluster.backend != "gloo" else []
     rs_exposed, rs_segments = overlap_backward(reduce, backward, origin=rs_origin, riders=riders)
     return _Phases(reduce, gather, micro, fwd_bwd, bubble, ag_exposed, rs_exposed, ag_segments + rs_segments,
                    reduced_at(reduce, backward, riders), details)
 
 
-def _riders(work: Work, topology: Topology, wire: WireConfig) -> list[Rider]:
-    """The early gathers of every micro-group, dense and expert, as traffic on the inter-node
-    links the reduce-scatters still to come share (gloo issues them after backward instead)."""
+def work_riders(work: Work, topology: Topology, wire: WireConfig) -> list[Rider]:
+    """The early gathers of every micro-group, dense and expert (keyed as the buckets' reductions:
+    experts under :data:`EXPERTS`), as traffic on the inter-node links the reduce-scatters still
+    to come share; none for a design gathering in the step (under DDP, gloo issues them after
+    backward instead)."""
+    if not work.early_gather:
+        return []
     riders = gather_riders(topology, wire, work.dense)
     for _, tasks in work.experts:
         riders += gather_riders(topology, wire, tasks, lambda reduced_by: (EXPERTS, *reduced_by))
