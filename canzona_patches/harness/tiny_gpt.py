@@ -155,7 +155,7 @@ class TinyRun:
     matrix (``--canzona-matrices-reduce-first``); ``None``: the default (off without a batch
     to project)."""
     early_compute_bytes: int | None = None
-    """Their memory budget per rank (``--canzona-early-compute-budget``; default 1 GiB)."""
+    """Their memory budget per rank (``--canzona-early-compute-budget``; default 2 GiB)."""
     replay_grads: bool = False
     """After each forward-backward, replace every reduced gradient by one drawn from the
     parameter's global name and the step (``replayed_grad_seed``), the same at any DP and TP

@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from megatron.canzona.planning.memory import EARLY_COMPUTE_BYTES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 240
 # Peak bytes of the optimizer step (steady state + host-group buffers + the largest stacked
@@ -65,7 +67,7 @@ def test_a_full_size_rank_is_what_the_plan_predicts(case):
     steady = sum(rows[name]["bytes"] for name in STEADY)
     assert memory["steady_bytes"] == steady + 4 * state
     early = rows[EARLY_STATE]["bytes"] + rows[EARLY_DIRECTIONS]["bytes"]
-    assert early <= 2**30, "early compute keeps at most its budget (1 GiB by default)"
+    assert early <= EARLY_COMPUTE_BYTES, "early compute keeps at most its budget (2 GiB by default)"
     if "soap" not in case:  # Muon: no staging copy (its momentum advances at the commit), every group early
         assert rows[EARLY_STATE]["measured"] == 0
         # a direction per momentum element, in fp32 elements: a whole matrix that moves (TP-sharded
