@@ -96,6 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--early-compute-budget", "--canzona-early-compute-budget", dest="early_compute_budget", type=non_negative,
                    default=EARLY_COMPUTE_BYTES / 2**30, metavar="GIB",
                    help="most GiB early compute keeps per rank (pretrain_gpt.py's --canzona-early-compute-budget)")
+    p.add_argument("--fsdp-micro-groups", "--canzona-fsdp-micro-groups", dest="fsdp_micro_groups",
+                   choices=("one", "budget"), default=None,
+                   help="with --fsdp: the micro-groups of the run (default budget; pretrain_gpt.py's "
+                   "--canzona-fsdp-micro-groups auto takes one or budget by projection on CUDA, and says which in a "
+                   "[canzona] micro-groups line)")
     p.add_argument("--vocab-size", type=at_least(1), default=None,
                    help="the tokenizer's vocabulary (default: the model's), padded as Megatron pads it")
     fsdp_mode.add_fsdp_args(p)
@@ -235,7 +240,8 @@ def canzona_config(args: argparse.Namespace) -> CanzonaConfig:
     return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, alpha=args.alpha, layout=args.layout,
                          cluster=args.cluster,
                          # the GPU run this rank models computes early (auto: DP above 1, overlapped reduces)
-                         early_compute="on" if args.early_compute else "off", early_compute_bytes=early_budget(args))
+                         early_compute="on" if args.early_compute else "off", early_compute_bytes=early_budget(args),
+                         fsdp_micro_groups=getattr(args, "fsdp_micro_groups", None) or "budget")
 
 
 def fsdp_main(args: argparse.Namespace) -> int:

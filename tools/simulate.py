@@ -59,6 +59,8 @@ from megatron.canzona.planning.sim import (  # noqa: E402
 from megatron.canzona.planning.fsdp import SHARDING_STRATEGIES  # noqa: E402
 from megatron.canzona.planning.sim.cluster import presets  # noqa: E402
 from megatron.canzona.planning.sim.fsdp import FSDP_PEERS, FSDP_STRATEGIES, simulate_fsdp  # noqa: E402
+from megatron.canzona.planning.sim.choose import ONE_GROUP_BUDGET, faster_fsdp_groups, project_fsdp_groups  # noqa: E402
+from megatron.canzona.runtime.config import FSDP_MICRO_GROUPS  # noqa: E402
 from megatron.canzona.planning.sim.simulate import (  # noqa: E402
     INSTANCE_STRATEGIES,
     NEEDS_LAYERWISE_PLAN,
@@ -183,6 +185,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "default optim_grads_params): Canzona, NVIDIA/Megatron-LM #4486's every-holder Muon, an owner per "
                    f"matrix over FSDP2's uniform shards, AdamW ({', '.join(FSDP_STRATEGIES)}); FSDP's bucket "
                    "collectives run every micro-batch beside forward and backward")
+    p.add_argument("--fsdp-micro-groups", choices=FSDP_MICRO_GROUPS, default="auto",
+                   help="with --fsdp: Canzona's micro-groups, as the runtime's --canzona-fsdp-micro-groups (one, the "
+                   "planner's budget, or auto: one where its iterations with the clip idle and acting every iteration "
+                   "add up to less, on a cluster whose early gathers ride FSDP's link)")
     p.add_argument("--fsdp-cases", action="store_true",
                    help="docs/fsdp.md's projection table: Qwen3-8B at FSDP 64 and 256, Qwen3-32B at TP 4 x FSDP 64, "
                    "Qwen3-30B-A3B at EP 8 x FSDP 64 and 256 (optim_grads_params), Canzona as the runtime runs it by "
@@ -437,12 +443,29 @@ def project_fsdp(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, St
     workload = Workload(global_batch=run["global_batch"], micro_batch=run["micro_batch"], seq_length=run["seq_length"],
                         expert_activity=activity)
     wire = WireConfig(grad_bytes=4 if run["grad_reduce_in_fp32"] else 2)
-    results = {name: simulate_fsdp(
-        specs if name == "canzona" else fused_gate_up(specs), strategy=name, cluster=cluster, dp_size=run["dp"],
-        tp_size=run["tp"], ep_size=run["ep"], expert_tp_size=run["etp"], sharding=args.fsdp, optimizer=run["optimizer"],
-        calibration=calibrations[strategy_ns_method(name, run["ns_method"])] if calibrations else None,
-        workload=workload, wire=wire, bucket_size=args.bucket_size, alpha=run["alpha"], ns_method=run["ns_method"],
-        early_compute=run["early_compute"], clip_rate=run["clip_rate"], early_compute_bytes=run["early_compute_bytes"],
+    common = dict(cluster=cluster, dp_size=run["dp"], tp_size=run["tp"], ep_size=run["ep"], expert_tp_size=run["etp"],
+                  sharding=args.fsdp, optimizer=run["optimizer"], workload=workload, wire=wire,
+                  bucket_size=args.bucket_size, alpha=run["alpha"], ns_method=run["ns_method"],
+                  early_compute=run["early_compute"], clip_rate=run["clip_rate"],
+                  early_compute_bytes=run["early_compute_bytes"])
+
+    def calibration(name: str) -> Calibration | None:
+        return calibrations[strategy_ns_method(name, run["ns_method"])] if calibrations else None
+
+    setting = getattr(args, "fsdp_micro_groups", "auto")
+    groups = {}  # the runtime's choice (fsdp_group_budget), on a cluster whose gathers ride the link
+    if setting == "auto" and cluster.backend != "gloo":
+        groups = project_fsdp_groups(specs, calibration=calibration("canzona"),
+                                     **{k: v for k, v in common.items() if k != "clip_rate"})
+        setting = faster_fsdp_groups(groups)
+    run["fsdp_micro_groups"] = setting
+    if groups:
+        run["fsdp_micro_groups_projected_ms"] = {k: [1e3 * r.iteration_seconds for r in both]
+                                                 for k, both in groups.items()}
+    reuse = {0.0: 0, 1.0: 1}.get(run["clip_rate"]) if groups else None
+    results = {name: groups[setting][reuse] if name == "canzona" and reuse is not None else simulate_fsdp(
+        specs if name == "canzona" else fused_gate_up(specs), strategy=name, calibration=calibration(name),
+        tp_budget=ONE_GROUP_BUDGET if name == "canzona" and setting == "one" else None, **common,
     ) for name in FSDP_STRATEGIES}
     limit = physical_limit(specs, {**run, "dp_cp": run["dp"]}, cluster, calibrations)
     report = {"config": {**run, "cluster": cluster.name, "gpus_per_node": cluster.gpus_per_node,
@@ -474,6 +497,10 @@ def print_fsdp_report(report: dict[str, Any]) -> None:
         print(f" [simulate] note: {c['note']}")
     print(f" [simulate] canzona gathers each micro-group as its buckets reduce; early compute "
           f"{c['early_compute_decision']}")
+    projected = c.get("fsdp_micro_groups_projected_ms")
+    print(f" [simulate] micro-groups: {c['fsdp_micro_groups']}" + (
+        " (auto, iteration with the clip idle / acting every iteration: {:.1f} / {:.1f} ms in one, {:.1f} / {:.1f} ms "
+        "in the budget's)".format(*projected["one"], *projected["budget"]) if projected else ""))
     if c["early_compute"]:
         print(f" [simulate] {speculation_line(c['clip_rate'])}")
     print(f" [simulate] physical limit of the step (work spread perfectly, no communication): "
@@ -649,51 +676,50 @@ FSDP_CASES = (("qwen3-8b", 64, 1, 1), ("qwen3-8b", 256, 1, 1), ("qwen3-32b", 256
 def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     """docs/fsdp.md's projection table: per case, every design's step and iteration under
     Megatron-FSDP (``optim_grads_params``), Canzona as the runtime's defaults run it (early
-    gathers, early compute as :func:`fsdp_early_compute` decides) and with
-    ``--canzona-split-gate-up``, and the issue's targets: Canzona's step over the limit L (and the
-    time its busiest rank's bytes take on the link, which L leaves out) and over the best peer, its
-    iteration over AdamW-FSDP's, #4486's iteration over AdamW's, Canzona's bytes per rank over the
-    bound; last, the shorter variant's step and iteration when the clip acts every iteration (the
-    speculation policy then computes in the step, and Muon's gathers, which carry its source, wait
-    for it: Shampoo's and SOAP's still go early)."""
+    gathers, early compute as :func:`fsdp_early_compute` decides, Megatron's fused fc1), and the
+    issue's targets for those defaults: Canzona's step over the limit L (and the time its busiest
+    rank's bytes take on the link, which L leaves out) and over the best peer, its iteration over
+    AdamW-FSDP's, #4486's iteration over AdamW's, Canzona's bytes per rank over the bound; then the
+    same defaults when the clip acts every iteration (the speculation policy then computes in the
+    step, and Muon's gathers, which carry its source, wait for it: Shampoo's and SOAP's still go
+    early); last, the opt-in ``--canzona-split-gate-up`` (gate and up hosted apart: another
+    optimizer than Megatron's Muon, which orthogonalises the fused fc1), against its own limit."""
     header = ("| model | GPUs | TP, EP, FSDP | optimizer step (ms): " + " / ".join(FSDP_STRATEGIES)
-              + " | iteration (ms): " + " / ".join(FSDP_STRATEGIES) + " | canzona split gate/up: step, iteration "
-              "(ms) | limit L (ms) | step / L | its bytes over the link (ms) | step / best peer | iteration / AdamW "
-              "| #4486 iteration / AdamW | bytes / bound | clip acts every iteration: step (ms), step / L, iteration "
-              "(ms), iteration / AdamW |")
+              + " | iteration (ms): " + " / ".join(FSDP_STRATEGIES) + " | limit L (ms) | step / L | its bytes over "
+              "the link (ms) | step / best peer | iteration / AdamW | #4486 iteration / AdamW | bytes / bound | clip "
+              "acts every iteration: step (ms), step / L, iteration / AdamW | with --canzona-split-gate-up: step (ms), "
+              "step / its L, iteration / AdamW |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     cluster = resolve_cluster(args.cluster)
     rows = []
     for model, gpus, tp, ep in FSDP_CASES:
         base = {**vars(args), "model": model, "gpus": gpus, "tp": tp, "ep": ep, "pp": 1, "cp": 1, "global_batch": None,
-                "fsdp": args.fsdp or "optim_grads_params", "plot": None}
-        report, _ = project_fsdp(argparse.Namespace(**{**base, "split_gate_up": False}))
+                "fsdp": args.fsdp or "optim_grads_params", "plot": None, "split_gate_up": False}
+        report, _ = project_fsdp(argparse.Namespace(**base))
         split, _ = project_fsdp(argparse.Namespace(**{**base, "split_gate_up": True}))
-        report["canzona_split_gate_up"] = split["strategies"]["canzona"]
-        s, c = report["strategies"], report["config"]
-        # the variant whose iteration is shorter, against the limit of the matrices it runs
-        best, limit = min(((s["canzona"], report["physical_limit_seconds"]),
-                           (split["strategies"]["canzona"], split["physical_limit_seconds"])),
-                          key=lambda pair: pair[0]["iteration_seconds"])
-        gate_up = best is split["strategies"]["canzona"]
-        clipped, _ = project_fsdp(argparse.Namespace(**{**base, "split_gate_up": gate_up, "clip_rate": 1.0}))
+        clipped, _ = project_fsdp(argparse.Namespace(**{**base, "clip_rate": 1.0}))
+        report["canzona_split_gate_up"] = gate_up = split["strategies"]["canzona"]
         report["canzona_clip_acts"] = clipped = clipped["strategies"]["canzona"]
+        s, c = report["strategies"], report["config"]
+        canzona, limit = s["canzona"], report["physical_limit_seconds"]
         peer = min(s[n]["optimizer_step_seconds"] for n in FSDP_PEERS)
         adamw = s["adamw"]["iteration_seconds"]
         # the bytes a rank sends, at the all-to-all's speed on the link its group spans
         link = cluster.link(c["dp"] * c["tp"] > cluster.gpus_per_node).bytes_per_s * cluster.collectives.alltoall_efficiency
-        wire = best["step_bytes_per_rank"] / link
+        wire = canzona["step_bytes_per_rank"] / link
         print(f"| {model} | {gpus} | {c['tp']}, {c['ep']}, {c['dp']} | "
               + " / ".join(short_ms(s[n]["optimizer_step_seconds"]) for n in FSDP_STRATEGIES) + " | "
               + " / ".join(f"{1e3 * s[n]['iteration_seconds']:.0f}" for n in FSDP_STRATEGIES) + " | "
-              f"{short_ms(best['optimizer_step_seconds'])}, {1e3 * best['iteration_seconds']:.0f} | {short_ms(limit)} | "
-              f"{best['optimizer_step_seconds'] / limit:.2f} | {short_ms(wire)} | "
-              f"{best['optimizer_step_seconds'] / peer:.2f} | "
-              f"{best['iteration_seconds'] / adamw:.3f} | {s['every_holder']['iteration_seconds'] / adamw:.2f} | "
-              f"{best['step_bytes_per_rank'] / report['step_bytes_bound']:.2f} | "
+              f"{short_ms(limit)} | {canzona['optimizer_step_seconds'] / limit:.2f} | {short_ms(wire)} | "
+              f"{canzona['optimizer_step_seconds'] / peer:.2f} | "
+              f"{canzona['iteration_seconds'] / adamw:.3f} | {s['every_holder']['iteration_seconds'] / adamw:.2f} | "
+              f"{canzona['step_bytes_per_rank'] / report['step_bytes_bound']:.2f} | "
               f"{short_ms(clipped['optimizer_step_seconds'])}, {clipped['optimizer_step_seconds'] / limit:.2f}, "
-              f"{1e3 * clipped['iteration_seconds']:.0f}, {clipped['iteration_seconds'] / adamw:.3f} |", flush=True)
+              f"{clipped['iteration_seconds'] / adamw:.3f} | "
+              f"{short_ms(gate_up['optimizer_step_seconds'])}, "
+              f"{gate_up['optimizer_step_seconds'] / split['physical_limit_seconds']:.2f}, "
+              f"{gate_up['iteration_seconds'] / adamw:.3f} |", flush=True)
         rows.append(report)
     return rows
 

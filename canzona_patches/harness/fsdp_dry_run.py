@@ -76,7 +76,8 @@ def check_fsdp_args(p: argparse.ArgumentParser, args: argparse.Namespace, defaul
     (``canzona_patches/integration/arguments.py``); expert TP above 1 at EP above 1 is refused by
     the setup, in the run's words."""
     if not args.fsdp:
-        for flag, value in (("--data-parallel-sharding-strategy", args.strategy), ("--every-rank", args.every_rank)):
+        for flag, value in (("--data-parallel-sharding-strategy", args.strategy), ("--every-rank", args.every_rank),
+                            ("--fsdp-micro-groups", getattr(args, "fsdp_micro_groups", None))):
             if value:
                 p.error(f"{flag} describes Megatron-FSDP: add --fsdp, or drop {flag}")
         return

@@ -46,14 +46,14 @@ from megatron.canzona.optim.config import FieldError  # noqa: E402
 from megatron.canzona.planning import OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
 from megatron.canzona.planning.cost import NS_OPTIMIZERS  # noqa: E402
 from megatron.canzona.planning.speculation import EARLY_COMPUTE_SETTINGS  # noqa: E402
-from megatron.canzona.runtime.config import COSTS, LAYOUT_CHOICES, TP_MODES, CanzonaConfig  # noqa: E402
+from megatron.canzona.runtime.config import COSTS, FSDP_MICRO_GROUPS, LAYOUT_CHOICES, TP_MODES, CanzonaConfig  # noqa: E402
 from megatron.training.argument_utils import ArgumentGroupFactory  # noqa: E402
 
 CANZONA_ONLY_OPTIMIZERS = ("shampoo",)
 """Choices of ``--optimizer`` that only Canzona implements (Megatron 0.19.2 has no Shampoo)."""
 
 CANZONA_FLAG_FIELDS = ("alpha", "cost", "split_qkv", "split_qkv_per_head", "split_gate_up", "tp_mode", "tp_group_budget", "early_gather",
-                       "layout", "cluster")
+                       "layout", "cluster", "fsdp_micro_groups")
 """The fields of ``CanzonaConfig`` that a ``--canzona-<field>`` flag sets (``dest`` ``canzona_<field>``)."""
 
 
@@ -166,6 +166,12 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--canzona-tp-group-budget", type=float, default=defaults.tp_group_budget,
                        help="Most cost one host takes in one micro-group (default: about a quarter of "
                        "the busiest host's work, two groups at least on a host with two matrices).")
+    group.add_argument("--canzona-fsdp-micro-groups", choices=FSDP_MICRO_GROUPS, default=defaults.fsdp_micro_groups,
+                       help="Under --use-megatron-fsdp: one = every matrix in one micro-group, its gathers one "
+                       "all-to-all during backward; budget = the planner's groups (--canzona-tp-group-budget); "
+                       "auto (default) = one where its iterations projected on --canzona-cluster, the clip idle and "
+                       "acting, add up to less, on CUDA with the early gathers (a [canzona] micro-groups line says "
+                       "which), else budget. Bitwise the same either way.")
     switch("checksums", True,
            on="Record a SHA-256 of every checkpoint file as it is written, and verify them (spread over the "
            "ranks) before a load (default); a corrupt file is named in one line.",
@@ -357,6 +363,15 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
             "--canzona does not work with --optimizer-cpu-offload (the matrix update runs on "
             "the owning rank's device): drop --optimizer-cpu-offload")
     fsdp = getattr(args, "use_megatron_fsdp", False)
+    if args.canzona_fsdp_micro_groups != "auto" and not fsdp:
+        raise CanzonaArgumentError(
+            f"--canzona-fsdp-micro-groups {args.canzona_fsdp_micro_groups} groups the matrices under "
+            "--use-megatron-fsdp; the distributed optimizer's groups follow --canzona-tp-group-budget: drop "
+            "--canzona-fsdp-micro-groups")
+    if args.canzona_fsdp_micro_groups == "one" and args.canzona_tp_group_budget is not None:
+        raise CanzonaArgumentError(
+            "--canzona-fsdp-micro-groups one puts every matrix in one micro-group, and --canzona-tp-group-budget "
+            "caps a host's cost per group: drop one")
     if fsdp:
         _check_megatron_fsdp(args)
     elif not args.use_distributed_optimizer:

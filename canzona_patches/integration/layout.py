@@ -32,8 +32,12 @@ from megatron.canzona.planning.plan import BufferPlan
 from megatron.canzona.planning.speculation import EarlyComputeDecision, early_compute_decision
 from megatron.canzona.planning.sim import Workload, load_cluster
 from megatron.canzona.planning.sim.choose import (
+    ONE_GROUP_BUDGET,
+    faster_fsdp_groups,
     faster_layout,
+    fsdp_groups_line,
     layout_line,
+    project_fsdp_groups,
     project_layouts,
     project_reduce_orders,
     reduce_order_line,
@@ -229,16 +233,20 @@ def build_canzona_plan(
     fsdp = {"fsdp_strategy": ddp_config.data_parallel_sharding_strategy, "fsdp_bucket_size": ddp_config.bucket_size,
             "state": StateLayout.of(cfg.optimizer, cfg.matrix)}
     layouts = (FSDP_LAYOUT,) if uses_megatron_fsdp(ddp_config) else LAYOUTS if cfg.layout == "auto" else (cfg.layout,)
+    budget, line = cfg.tp_group_budget, None
+    if uses_megatron_fsdp(ddp_config):
+        budget, line = fsdp_group_budget(specs, cfg, ddp_config, wire=wire, dp_size=dp_size, tp_size=tp_size,
+                                         ep_size=ep_size, expert_tp_size=expert_tp_size, workload=workload)
     plans = {
         layout: make_plan(
             specs, dp_size=dp_size, tp_size=tp_size, cost_model=cost_model, alpha=cfg.alpha,
-            bucket_size=bucket_size, tp_budget=cfg.tp_group_budget, wire=wire,
+            bucket_size=bucket_size, tp_budget=budget, wire=wire,
             ep_size=ep_size, expert_tp_size=expert_tp_size, layout=layout, **fsdp,
         )
         for layout in layouts
     }
     if len(plans) == 1:
-        return next(iter(plans.values())), specs, None
+        return next(iter(plans.values())), specs, line
     cluster = projection_cluster(cfg, dp_size * tp_size * instances)
     results = project_layouts(specs, plans, cluster=cluster, optimizer=cfg.optimizer, wire=wire, workload=workload,
                               ns_method=cost_model.ns_method, instances=instances,
@@ -247,6 +255,34 @@ def build_canzona_plan(
                               matrices_first=matrices_first_setting(cfg, workload, ddp_config.overlap_grad_reduce, dp_size))
     choice = faster_layout(results)
     return plans[choice], specs, layout_line(choice, results, cluster, iteration=workload is not None)
+
+
+def fsdp_group_budget(specs: Sequence[ParamSpec], cfg: Any, ddp_config: Any, *, wire: WireConfig, dp_size: int,
+                      tp_size: int, ep_size: int, expert_tp_size: int,
+                      workload: Workload | None, cuda: bool | None = None) -> tuple[float | None, str | None]:
+    """The planner's micro-group budget under Megatron-FSDP (``--canzona-fsdp-micro-groups``) and,
+    where ``auto`` projected it, the log line of the choice. ``auto`` projects where the early
+    gathers ride FSDP's link (``cuda``: this process's CUDA by default; ``async``, early gathers on)
+    with the run's batch and no ``--canzona-tp-group-budget``; elsewhere it takes the planner's
+    groups."""
+    if cfg.fsdp_micro_groups == "one":
+        return ONE_GROUP_BUDGET, None
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    projected = (cfg.fsdp_micro_groups == "auto" and cfg.tp_group_budget is None and cfg.early_gather
+                 and cfg.tp_mode == "async" and cuda and workload is not None)
+    if not projected:
+        return cfg.tp_group_budget, None
+    strategy = ddp_config.data_parallel_sharding_strategy
+    cost_model = cfg.cost_model()
+    cluster = projection_cluster(cfg, dp_size * tp_size)
+    results = project_fsdp_groups(
+        specs, cluster=cluster, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
+        sharding=strategy, optimizer=cfg.optimizer, calibration=cost_model.calibration, workload=workload, wire=wire,
+        bucket_size=ddp_config.bucket_size, alpha=cfg.alpha, ns_method=cost_model.ns_method,
+        early_compute=early_compute_on(cfg, dp_size, strategy in ("optim_grads", "optim_grads_params")),
+        early_compute_bytes=cfg.early_compute_bytes)
+    choice = faster_fsdp_groups(results)
+    return (ONE_GROUP_BUDGET if choice == "one" else None), fsdp_groups_line(choice, results, cluster)
 
 
 def uses_megatron_fsdp(ddp_config: Any) -> bool:

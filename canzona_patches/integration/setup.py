@@ -42,6 +42,7 @@ from megatron.canzona.optim.split import FusedLayout
 from megatron.canzona.planning import LAYOUTS, CanzonaPlan, summarize_canzona
 from megatron.canzona.planning.schedule import Coord
 from megatron.canzona.planning.sim import Workload
+from megatron.canzona.planning.sim.choose import ONE_GROUP_BUDGET
 from megatron.canzona.runtime.config import CanzonaConfig
 from megatron.canzona.runtime.host_groups import HostGroupEngine
 
@@ -131,7 +132,9 @@ def make_setup(
     early = early_compute_line(config, dp_size, overlap, expert_dp)
     early_compute = (early_compute_choice(config, dp_size, overlap).on,
                      expert_dp is not None and early_compute_choice(config, expert_dp, overlap).on)
-    if choice is not None or order is not None:
+    if fsdp and choice is not None:  # each rank projected the micro-groups for itself
+        check_same_choices({"--canzona-fsdp-micro-groups auto": int(plan.budget == ONE_GROUP_BUDGET)})
+    elif choice is not None or order is not None:
         check_same_choices({"--canzona-layout auto": LAYOUTS.index(plan.layout),
                             "--canzona-matrices-reduce-first": int(matrices_first)})
     if first or summarize_here:

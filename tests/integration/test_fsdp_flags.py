@@ -125,3 +125,24 @@ def test_megatron_fsdps_expert_accumulation_at_expert_dp_1_is_named_at_start_up(
     assert (line is not None) == warned, line
     if warned:
         assert "\n" not in line and f"--data-parallel-sharding-strategy {strategy}" in line and "expert-DP 1" in line
+
+
+@pytest.mark.parametrize("groups", ["one", "budget"])
+def test_micro_groups_are_chosen_under_fsdp_and_refused_elsewhere(groups: str) -> None:
+    """``--canzona-fsdp-micro-groups`` groups the matrices under Megatron-FSDP: taken there, refused
+    in one line under the distributed optimizer (whose groups follow --canzona-tp-group-budget), and
+    ``one`` refused beside a budget per group."""
+    args = parse(*FSDP, "--canzona-fsdp-micro-groups", groups)
+    validate_canzona_args(args)
+    finalize_canzona_args(args)
+    with pytest.raises(CanzonaArgumentError, match=f"^--canzona-fsdp-micro-groups {groups} groups the matrices "
+                       "under --use-megatron-fsdp.*drop --canzona-fsdp-micro-groups$"):
+        validate_canzona_args(parse("--canzona", "--optimizer", "muon", "--use-distributed-optimizer",
+                                    "--canzona-fsdp-micro-groups", groups))
+    budget = parse(*FSDP, "--canzona-fsdp-micro-groups", groups, "--canzona-tp-group-budget", "5")
+    if groups == "budget":
+        validate_canzona_args(budget)
+        return
+    with pytest.raises(CanzonaArgumentError, match="^--canzona-fsdp-micro-groups one puts every matrix in one "
+                       "micro-group, and --canzona-tp-group-budget caps a host's cost per group: drop one$"):
+        validate_canzona_args(budget)

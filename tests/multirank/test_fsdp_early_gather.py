@@ -11,7 +11,8 @@ gather of every step here is issued before Megatron's loop that ends backward.
   made from a copy of the momentum, speculating that no clip acts; where one acts, the step gathers
   again.
 
-Against the same run gathering in the step (``--canzona-no-early-gather``), over 4 steps at DP 2
+Against the same run gathering in the step (``--canzona-no-early-gather``), in the planner's
+micro-groups and in one (``--canzona-fsdp-micro-groups one``), over 4 steps at DP 2
 (``optim_grads_params``, ``optim``; two micro-batches a step, so ``optim_grads_params``
 reduce-scatters twice a step and only the second is gathered), TP 2 x DP 2 (``optim_grads``) and
 EP 2 x DP 2 (a dense and an expert optimizer, the experts reduced over expert-DP 2):
@@ -68,6 +69,9 @@ def _variants(optimizer: str, layout: str) -> dict[str, TinyRun]:
         runs[f"{label}-early"] = replace(base, early_gather=True)
         if optimizer in SPECULATIVE:
             runs[f"{label}-compute"] = replace(base, early_gather=True, early_compute=True)
+        # every matrix in one micro-group (--canzona-fsdp-micro-groups one): one gather a step
+        runs[f"{label}-one"] = replace(base, early_gather=True, fsdp_micro_groups="one",
+                                       early_compute=optimizer in SPECULATIVE)
     if optimizer in SPECULATIVE:
         runs["acting-backoff"] = replace(runs["acting-early"], speculation="backoff")
     return runs
@@ -126,6 +130,9 @@ def test_gathers_in_backward_are_bitwise_the_steps(results, optimizer: str, fsdp
                 continue
             # every micro-group of every step, each once: issued from the reduce-scatters, in backward
             assert issued > 0 and issued % STEPS == 0 and in_backward == issued, (where, issued, in_backward)
+            if variant.endswith("one"):  # one gather a step per optimizer (the dense, the experts')
+                budget = results[(optimizer, fsdp, variant.split("-")[0] + "-early")][rank]["early_gathers"]
+                assert issued // STEPS <= 2 and issued <= budget, (where, issued, budget)
             if variant.endswith("compute"):
                 outcome = "committed" if variant.startswith("idle") else "recomputed"
                 # one record per optimizer (the dense, and at EP 2 the experts')

@@ -20,6 +20,10 @@ COSTS = ("flops", "numel")
 """What the planner balances: the optimizer's FLOPs per matrix, or its element count."""
 LAYOUT_CHOICES = (*LAYOUTS, "auto")
 """DP layouts of the matrix buffers, and ``auto``: the one projected faster."""
+FSDP_MICRO_GROUPS = ("auto", "one", "budget")
+"""``--canzona-fsdp-micro-groups``: ``one`` micro-group, the planner's ``budget`` of cost per host
+and group (``--canzona-tp-group-budget``, else about four groups on the busiest host), or ``auto``:
+the one projected faster (:func:`~megatron.canzona.planning.sim.choose.faster_fsdp_groups`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +53,11 @@ class CanzonaConfig:
     gathers and computes it (synchronous compute)."""
     tp_group_budget: float | None = None
     """Most cost one host takes in one micro-group (default: the planner's)."""
+    fsdp_micro_groups: Literal["auto", "one", "budget"] = "auto"
+    """Under Megatron-FSDP: every matrix in ``one`` micro-group, the planner's groups
+    (``budget``: ``tp_group_budget`` or its default), or ``auto``: ``one`` where it is projected
+    faster on ``cluster`` with the run's batch (the clip idle and acting, added), where the early
+    gathers ride FSDP's link (CUDA, ``async``), else ``budget`` (:func:`~megatron.canzona.planning.sim.choose.project_fsdp_groups`)."""
     early_gather: bool = True
     """``async``: issue each micro-group's gather to its hosts as soon as the buckets holding
     its matrices have reduced, before the step (the hosts apply the loss scale and the clip
@@ -95,6 +104,9 @@ class CanzonaConfig:
             raise ValueError(f"cost must be one of {', '.join(COSTS)}, got {self.cost!r}")
         if self.layout not in LAYOUT_CHOICES:
             raise ValueError(f"layout must be one of {', '.join(LAYOUT_CHOICES)}, got {self.layout!r}")
+        if self.fsdp_micro_groups not in FSDP_MICRO_GROUPS:
+            raise ValueError(f"fsdp_micro_groups must be one of {', '.join(FSDP_MICRO_GROUPS)}, "
+                             f"got {self.fsdp_micro_groups!r}")
         if self.early_compute not in EARLY_COMPUTE_SETTINGS:
             raise ValueError(f"early_compute must be one of {', '.join(EARLY_COMPUTE_SETTINGS)}, got {self.early_compute!r}")
         if self.speculation not in SPECULATION_RULES:

@@ -1,9 +1,11 @@
-"""``--canzona-layout auto``: the DP layout projected faster, and
-``--canzona-matrices-reduce-first``'s default: the reduce order projected faster, by the
-projection ``tools/simulate.py`` prints."""
+"""``--canzona-layout auto``: the DP layout projected faster,
+``--canzona-matrices-reduce-first``'s default: the reduce order projected faster, and
+``--canzona-fsdp-micro-groups auto``: the micro-groups projected faster under Megatron-FSDP, by
+the projection ``tools/simulate.py`` prints."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from ..comm import WireConfig
@@ -11,8 +13,12 @@ from ..memory import EARLY_COMPUTE_BYTES
 from ..plan import CanzonaPlan
 from ..specs import ParamSpec
 from .cluster import ClusterSpec
+from .fsdp import simulate_fsdp
 from .result import StrategyResult
 from .simulate import Workload, simulate
+
+ONE_GROUP_BUDGET = math.inf
+"""The planner's budget that puts every matrix in one micro-group (each host one run)."""
 
 
 def project_plan(specs: Sequence[ParamSpec], plan: CanzonaPlan, *, instances: int = 1, **kwargs) -> StrategyResult:
@@ -92,3 +98,41 @@ def layout_line(choice: str, results: Mapping[str, StrategyResult], cluster: Clu
             text += f", iteration {1e3 * r.iteration_seconds:.1f} ms"
         parts.append(text)
     return f"[canzona] layout auto -> {choice} (projected on {cluster.name}): " + " | ".join(parts)
+
+
+def project_fsdp_groups(specs: Sequence[ParamSpec], *, cluster: ClusterSpec,
+                        **kwargs) -> dict[str, tuple[StrategyResult, StrategyResult]]:
+    """Canzona's projected iteration under Megatron-FSDP (:func:`~.fsdp.simulate_fsdp` with
+    ``kwargs``) in one micro-group (``one``) and in the planner's default ones (``budget``), each
+    with the clip idle and with it acting every iteration (``clip_rate`` 0 and 1).
+
+    Under Megatron-FSDP every group's gather goes during backward, all of them before the step
+    (the early gathers), on a link FSDP's own collectives keep busy. One fused all-to-all holds
+    that link for its busiest rank's bytes; the default groups, cut per host by cost, hold it for
+    the sum of each group's busiest rank, and FSDP's geometry makes those differ: every layer's
+    bucket is cut at the same offsets, so a rank's shard lies in the same matrix of every layer,
+    and a group of the large matrices loads the ranks holding them and their hosts only. Where
+    the step gathers itself (Muon when the clip acts) the groups pipeline it, which one group
+    cannot."""
+    return {name: tuple(simulate_fsdp(specs, strategy="canzona", cluster=cluster, clip_rate=rate,
+                                      tp_budget=ONE_GROUP_BUDGET if name == "one" else None, **kwargs)
+                        for rate in (0.0, 1.0))
+            for name in ("one", "budget")}
+
+
+def faster_fsdp_groups(results: Mapping[str, Sequence[StrategyResult]]) -> str:
+    """``one`` where its iterations, the clip idle and acting, add up to strictly less than the
+    budget's, else ``budget``: how often the clip acts is not known before the run."""
+    def total(name: str) -> float:
+        return sum(r.iteration_seconds for r in results[name])
+    return "one" if total("one") < total("budget") else "budget"
+
+
+def fsdp_groups_line(choice: str, results: Mapping[str, Sequence[StrategyResult]], cluster: ClusterSpec) -> str:
+    """One log line: the micro-groups ``auto`` took and the projected iterations."""
+    def both(name: str) -> str:
+        idle, acting = results[name]
+        return f"{1e3 * idle.iteration_seconds:.1f} / {1e3 * acting.iteration_seconds:.1f} ms"
+    groups = results["budget"][0].details.get("num_groups", 0)
+    return (f"[canzona] micro-groups under Megatron-FSDP: {choice} (projected on {cluster.name}, iteration with the "
+            f"clip idle / acting: {both('one')} in one, {both('budget')} in the budget's {groups})")

@@ -228,6 +228,9 @@ class _Stage:
     bucket_size: int | None
     alpha: float
     wire: WireConfig
+    budget: float | None = None
+    """Canzona's ``tp_budget`` (:func:`~megatron.canzona.planning.planner.make_plan`): ``None`` the
+    default micro-groups, ``math.inf`` one micro-group."""
 
     def buckets(self, specs: Sequence[ParamSpec], dp_size: int, geometry: str | None = None) -> tuple[FsdpBucket, ...]:
         """Megatron-FSDP's buckets of the stage's sharding (or of ``geometry``: :data:`PER_PARAMETER`)."""
@@ -284,6 +287,7 @@ def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
     geometry = geometry or stage.sharding
     plan = make_plan(stage.specs, dp_size=g.dp_size, tp_size=g.tp_size, cost_model=stage.cost_model,
                      alpha=stage.alpha, wire=stage.wire, ep_size=g.ep_size, expert_tp_size=g.expert_tp_size,
+                     tp_budget=stage.budget if early_gather else None,
                      layout=FSDP_LAYOUT, fsdp_strategy=geometry, fsdp_bucket_size=stage.bucket_size,
                      state=StateLayout.of_cost(stage.cost_model))  # hosts keep the state, as the runtime plans them
     work = Work(mode="pipelined", dense=plan_tasks(plan, split_experts(stage.specs)[0], stage.seconds, g.rank,
@@ -393,6 +397,7 @@ def simulate_fsdp(
     clip_rate: float = 0.0,
     early_compute_bytes: int | None = EARLY_COMPUTE_BYTES,
     early_gather: bool = True,
+    tp_budget: float | None = None,
 ) -> StrategyResult:
     """One iteration of ``specs`` (one pipeline stage) under Megatron-FSDP's ``sharding`` with
     the design ``strategy`` (:data:`FSDP_STRATEGIES`, module docstring); ``bucket_size`` is
@@ -401,7 +406,9 @@ def simulate_fsdp(
     (every collective of the micro-batch is then exposed). ``early_compute``, ``clip_rate`` and
     ``early_compute_bytes`` are :func:`~.simulate.simulate`'s (``canzona`` only: the other designs
     gather in the step); ``early_gather`` False: ``canzona`` gathers in the step too, and computes
-    nothing early (the runtime's ``--canzona-no-early-gather``)."""
+    nothing early (the runtime's ``--canzona-no-early-gather``). ``tp_budget``: Canzona's
+    micro-group budget over Megatron-FSDP's shards (``math.inf``: one micro-group,
+    ``--canzona-fsdp-micro-groups one``)."""
     if strategy not in BUILDERS:
         raise ValueError(f"unknown FSDP strategy {strategy!r}; choose one of: {', '.join(FSDP_STRATEGIES)}")
     if optimizer not in OPTIMIZERS:
@@ -414,7 +421,7 @@ def simulate_fsdp(
     planning_cost = CostModel(kind=optimizer, ns_method=method, ns_dtype=cluster.gpu.ns_dtype)
     timing_cost = dataclasses.replace(planning_cost, calibration=calibration) if calibration else planning_cost
     stage = _Stage(list(specs), grid, seconds_per_update(timing_cost, cluster), planning_cost, sharding, bucket_size,
-                   alpha, wire)
+                   alpha, wire, tp_budget)
     work = BUILDERS[strategy](stage)
     work.early_gather = work.early_gather and early_gather
     slowdown = cluster.contention(grid.size)
