@@ -135,4 +135,5 @@ def fsdp_groups_line(choice: str, results: Mapping[str, Sequence[StrategyResult]
         return f"{1e3 * idle.iteration_seconds:.1f} / {1e3 * acting.iteration_seconds:.1f} ms"
     groups = results["budget"][0].details.get("num_groups", 0)
     return (f"[canzona] micro-groups under Megatron-FSDP: {choice} (projected on {cluster.name}, iteration with the "
-            f"clip idle / acting: {both('one')} in one, {both('budget')} in the budget's {groups})")
+            f"clip idle / acting every iteration: {both('one')} in one group, {both('budget')} in the planner's "
+            f"{groups})")
