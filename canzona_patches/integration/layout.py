@@ -196,7 +196,8 @@ def build_canzona_plan(
     ep_size: int = 1, expert_tp_size: int = 1, workload: Workload | None = None,
 ) -> tuple[CanzonaPlan, list[ParamSpec], str | None]:
     """The plan of this pipeline stage (every model chunk together), the specs it was made
-    from, and, for ``cfg.layout == "auto"``, the log line of the choice. ``cfg`` is a
+    from, and, for ``cfg.layout == "auto"`` (under Megatron-FSDP: for its micro-groups projected,
+    :func:`fsdp_group_budget`), the log line of the choice. ``cfg`` is a
     ``megatron.canzona.runtime.config.CanzonaConfig``; parameters are tagged for buffer
     routing (:func:`tag_params_for_buffers`) as a side effect. With expert parallelism
     (``ep_size`` > 1) the expert buffers are planned over the expert-data-parallel group
