@@ -122,7 +122,9 @@ def fsdp_report(args: argparse.Namespace, setup, config: dict, catalog: dict, *,
     rows = fsdp_rows(predicted, args.strategy)
     experts = predicted["experts"]
     return {
-        "config": {**config, "strategy": args.strategy, "fsdp": True},
+        "config": {**config, "strategy": args.strategy, "fsdp": True,
+                   "micro_groups": setup.config.fsdp_micro_groups,
+                   "num_groups": len({h.group for h in plan.hosts})},
         "build_seconds": build_seconds,
         "rows": rows,
         "catalog": catalog,
@@ -270,6 +272,10 @@ def print_fsdp_report(report: dict, rank: str) -> None:
     print(f"memory: {_gib(memory['steady_bytes'])} between steps, peak {_gib(memory['peak_bytes'])} in the "
           f"optimizer step ({memory['peak_over_steady']:.3f}x; Megatron-FSDP's own unsharded buckets in flight and "
           "the update functions' working set come on top)")
+    groups = report["config"]["num_groups"]
+    which = "one" if report["config"]["micro_groups"] == "one" else "the planner's"
+    print(f"micro-groups: {groups} ({which}; a CUDA run's --canzona-fsdp-micro-groups auto may take one, as its "
+          "[canzona] micro-groups line says: --fsdp-micro-groups one shows its buffers)")
     if report.get("ranks"):
         totals = [(sum(sum(part.values()) for part in (r["dense"], r["experts"] or {}) if part) * STATE_BYTES, r["rank"])
                   for r in report["ranks"]]

@@ -185,6 +185,8 @@ FSDP_CASES = {
                                "--data-parallel-sharding-strategy", "optim"),
     "qwen3-32b tp4 fsdp64 soap": ("--model", "qwen3-32b", "--tp", "4", "--dp", "64", "--rank", "13",
                                   "--optimizer", "soap", "--data-parallel-sharding-strategy", "optim_grads"),
+    # every matrix in one micro-group, as a CUDA run's --canzona-fsdp-micro-groups auto takes it at 8B
+    "qwen3-8b fsdp64 one group": ("--model", "qwen3-8b", "--dp", "64", "--rank", "5", "--fsdp-micro-groups", "one"),
 }
 
 
@@ -201,6 +203,8 @@ def test_a_full_size_megatron_fsdp_rank_is_predicted_from_its_plan(case):
     rows = {row["quantity"]: row for row in report["rows"]}
     c = report["config"]
     assert report["agree"] and report["catalog"]["ok"] and c["fsdp"] and not report["measured"]
+    one = "--fsdp-micro-groups" in FSDP_CASES[case]
+    assert c["micro_groups"] == ("one" if one else "budget") and (c["num_groups"] == 1) == one, c
     strategy = c["strategy"]
     buckets = report["bucket_geometry"]
     dp = int(FSDP_CASES[case][FSDP_CASES[case].index("--dp") + 1])
@@ -251,6 +255,7 @@ def test_every_ranks_fsdp_state_covers_the_model_once():
     (("--fsdp", "--pp", "2", "--dp", "4"), "--fsdp with --pp 2: megatron-core 0.19.2's Megatron-FSDP"),
     (("--fsdp", "--layout", "lean"), "under --fsdp the buckets and shards are Megatron-FSDP's: drop --layout"),
     (("--data-parallel-sharding-strategy", "optim"), "add --fsdp"),
+    (("--fsdp-micro-groups", "one"), "--fsdp-micro-groups describes Megatron-FSDP: add --fsdp"),
     (("--fsdp", "--model", "qwen3-moe-tiny", "--ep", "2", "--etp", "2", "--tp", "2", "--dp", "2"),
      "needs --expert-tensor-parallel-size 1"),
 ])
