@@ -54,7 +54,7 @@ from megatron.canzona.planning.pipeline import FIRST_FLAG, LAST_FLAG, stage_laye
 from megatron.canzona.planning.qwen3 import padded_vocab_size
 from megatron.canzona.planning.qwen3_moe import check_experts
 from megatron.canzona.optim.adaptive_muon import MOMENT2_METHODS, AdaptiveMuonConfig
-from megatron.canzona.runtime.config import LAYOUT_CHOICES, CanzonaConfig
+from megatron.canzona.runtime.config import FSDP_MICRO_GROUPS, LAYOUT_CHOICES, CanzonaConfig
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
@@ -97,10 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=EARLY_COMPUTE_BYTES / 2**30, metavar="GIB",
                    help="most GiB early compute keeps per rank (pretrain_gpt.py's --canzona-early-compute-budget)")
     p.add_argument("--fsdp-micro-groups", "--canzona-fsdp-micro-groups", dest="fsdp_micro_groups",
-                   choices=("one", "budget"), default=None,
-                   help="with --fsdp: the micro-groups of the run (default budget; pretrain_gpt.py's "
-                   "--canzona-fsdp-micro-groups auto takes one or budget by projection on CUDA, and says which in a "
-                   "[canzona] micro-groups line)")
+                   choices=FSDP_MICRO_GROUPS, default=None,
+                   help="with --fsdp: the micro-groups of the run (pretrain_gpt.py's --canzona-fsdp-micro-groups; "
+                   "default auto: as a CUDA run projects them on --cluster, at the recipes' batch)")
     p.add_argument("--vocab-size", type=at_least(1), default=None,
                    help="the tokenizer's vocabulary (default: the model's), padded as Megatron pads it")
     fsdp_mode.add_fsdp_args(p)
@@ -241,7 +240,7 @@ def canzona_config(args: argparse.Namespace) -> CanzonaConfig:
                          cluster=args.cluster,
                          # the GPU run this rank models computes early (auto: DP above 1, overlapped reduces)
                          early_compute="on" if args.early_compute else "off", early_compute_bytes=early_budget(args),
-                         fsdp_micro_groups=getattr(args, "fsdp_micro_groups", None) or "budget")
+                         fsdp_micro_groups=getattr(args, "fsdp_micro_groups", None) or "auto")
 
 
 def fsdp_main(args: argparse.Namespace) -> int:

@@ -32,6 +32,9 @@ from megatron.canzona.planning.geometry import default_bucket_size
 from megatron.canzona.planning.grid import expert_coordinates
 from megatron.canzona.planning.memory import STATE_BYTES, STATE_KINDS, StateLayout, fsdp_state_elements, rank_memory
 
+RECIPE_BATCH = dict(global_batch=128, micro_batch=1, seq_length=4096)
+"""The Qwen3 recipes' batch (``examples/qwen3/common.sh``): what a CUDA run's
+``--canzona-fsdp-micro-groups auto`` is projected with here."""
 SHARDED = {"optim": (False, False), "optim_grads": (False, True), "optim_grads_params": (True, True)}
 """Sharding strategy -> (model weights sharded, gradients sharded): Megatron-FSDP's buffers
 (``ParamAndGradBuffer``); the fp32 main weights are sharded under each of them."""
@@ -99,14 +102,18 @@ def fsdp_setup(args: argparse.Namespace, model, canzona, *, host_ranks: dict, ex
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from canzona_patches.integration.setup import make_setup
+    from megatron.canzona.planning.sim import Workload
 
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, use_megatron_fsdp=True,
         data_parallel_sharding_strategy=args.strategy, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
         bucket_size=args.bucket_size,
     )
+    per_step = args.dp * args.cp * RECIPE_BATCH["micro_batch"]  # the global batch rounded up to DP x micro
+    workload = Workload(**{**RECIPE_BATCH, "global_batch": -(-RECIPE_BATCH["global_batch"] // per_step) * per_step})
+    # the micro-groups a CUDA run takes (auto: projected with the recipes' batch), as the early compute
     return make_setup([model], ddp_config, canzona, dp_size=args.dp, tp_size=args.tp, ep_size=args.ep,
-                      expert_tp_size=expert_tp_size, host_ranks=host_ranks, log=False)
+                      expert_tp_size=expert_tp_size, host_ranks=host_ranks, log=False, workload=workload, cuda=True)
 
 
 def fsdp_report(args: argparse.Namespace, setup, config: dict, catalog: dict, *, dp_rank: int, tp_rank: int,
@@ -273,9 +280,9 @@ def print_fsdp_report(report: dict, rank: str) -> None:
           f"optimizer step ({memory['peak_over_steady']:.3f}x; Megatron-FSDP's own unsharded buckets in flight and "
           "the update functions' working set come on top)")
     groups = report["config"]["num_groups"]
-    which = "one" if report["config"]["micro_groups"] == "one" else "the planner's"
-    print(f"micro-groups: {groups} ({which}; a CUDA run's --canzona-fsdp-micro-groups auto may take one, as its "
-          "[canzona] micro-groups line says: --fsdp-micro-groups one shows its buffers)")
+    setting = report["config"]["micro_groups"]
+    how = " (as a CUDA run projects them at the recipes' batch, 128 x 4,096)" if setting == "auto" else ""
+    print(f"micro-groups: {groups}, --fsdp-micro-groups {setting}{how}")
     if report.get("ranks"):
         totals = [(sum(sum(part.values()) for part in (r["dense"], r["experts"] or {}) if part) * STATE_BYTES, r["rank"])
                   for r in report["ranks"]]

@@ -193,7 +193,7 @@ def node_note(tp_size: int, ep_size: int = 1, expert_tp_size: int = 1) -> str | 
 
 def build_canzona_plan(
     model_chunks: Sequence[torch.nn.Module], ddp_config: Any, cfg: Any, *, dp_size: int, tp_size: int,
-    ep_size: int = 1, expert_tp_size: int = 1, workload: Workload | None = None,
+    ep_size: int = 1, expert_tp_size: int = 1, workload: Workload | None = None, cuda: bool | None = None,
 ) -> tuple[CanzonaPlan, list[ParamSpec], str | None]:
     """The plan of this pipeline stage (every model chunk together), the specs it was made
     from, and, for ``cfg.layout == "auto"`` (under Megatron-FSDP: for its micro-groups projected,
@@ -237,7 +237,7 @@ def build_canzona_plan(
     budget, line = cfg.tp_group_budget, None
     if uses_megatron_fsdp(ddp_config):
         budget, line = fsdp_group_budget(specs, cfg, ddp_config, wire=wire, dp_size=dp_size, tp_size=tp_size,
-                                         ep_size=ep_size, expert_tp_size=expert_tp_size, workload=workload)
+                                         ep_size=ep_size, expert_tp_size=expert_tp_size, workload=workload, cuda=cuda)
     plans = {
         layout: make_plan(
             specs, dp_size=dp_size, tp_size=tp_size, cost_model=cost_model, alpha=cfg.alpha,

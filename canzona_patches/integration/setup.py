@@ -104,6 +104,7 @@ def make_setup(
     model_chunks: list[torch.nn.Module], ddp_config: Any, config: CanzonaConfig, *, dp_size: int, tp_size: int,
     ep_size: int = 1, expert_tp_size: int | None = None, workload: Workload | None = None,
     host_ranks: dict[Coord, int] | None = None, summarize_here: bool = False, log: bool = True,
+    cuda: bool | None = None,
 ) -> CanzonaSetup:
     """The setup of ``model_chunks`` (before DDP wraps them; their parameters are tagged for
     buffer routing) at the given parallel sizes. The first rank of each pipeline stage (DP and
@@ -111,13 +112,15 @@ def make_setup(
     this rank too.
 
     ``expert_tp_size`` defaults to 1 under expert parallelism, the TP size at EP 1 (experts are
-    then dense parameters); ``setup_from_args`` passes the run's."""
+    then dense parameters); ``setup_from_args`` passes the run's. ``cuda``: choose as a run with
+    or without CUDA would (default: this process's; ``tools/dry_run.py`` models a CUDA run)."""
     expert_tp_size = (1 if ep_size > 1 else tp_size) if expert_tp_size is None else expert_tp_size
     fsdp = uses_megatron_fsdp(ddp_config)
     if ep_size > 1 or any(getattr(chunk.config, "num_moe_experts", None) for chunk in model_chunks):
         check_expert_sizes(tp_size, ep_size, expert_tp_size, fsdp=fsdp)
     plan, specs, choice = build_canzona_plan(model_chunks, ddp_config, config, dp_size=dp_size, tp_size=tp_size,
-                                             ep_size=ep_size, expert_tp_size=expert_tp_size, workload=workload)
+                                             ep_size=ep_size, expert_tp_size=expert_tp_size, workload=workload,
+                                             cuda=cuda)
     first, stage = _stage_first_rank()
     first = first and log
     summary = None

@@ -331,6 +331,7 @@ def _dry_run_flags(name: str, geometry: dict) -> list[str]:
     flags = ["--fsdp", "--data-parallel-sharding-strategy", strategy, "--optimizer", optimizer,
              "--model", "qwen3-moe-tiny" if "--num-experts" in extra else "qwen3-tiny", "--vocab-size", str(vocab),
              "--tp", str(tp), "--cp", str(cp), "--ep", str(ep), "--dp", str(nproc // (tp * cp)), "--every-rank",
+             "--fsdp-micro-groups", "budget",  # a CPU run's (auto projects only on CUDA)
              # --bf16 reduces in fp32 (Megatron's --accumulate-allreduce-grads-in-fp32), as the plan prices it
              *(("--params-dtype", "bf16", "--grad-reduce-in-fp32") if "--bf16" in extra else ("--params-dtype", "fp32"))]
     return flags + (["--bucket-size", value["--ddp-bucket-size"]] if "--ddp-bucket-size" in value else [])
