@@ -541,7 +541,7 @@ BAD_INPUTS = (
              env=(("TRAIN_ITERS", "1"), ("WARMUP_ITERS", "0")), prepare="checkpoint"),
     BadInput("edited-checksum-file", "resume", prepare="sidecar"),
     BadInput("canzona-flag-with-adamw", "unread", ("--canzona-split-gate-up",), env=(("VARIANT", "adamw"),)),
-    BadInput("early-compute-budget-under-sync", "unread", ("--canzona-early-compute-budget", "2"),
+    BadInput("early-compute-budget-under-sync", "unread", ("--canzona-early-compute-budget", "3"),
              env=(("VARIANT", "sync"),)),
     BadInput("shampoo-flag-with-muon", "unread", ("--shampoo-epsilon", "1e-10")),
     BadInput("megatron-muon-flag-under-canzona", "unread", ("--muon-tp-mode", "distributed")),
