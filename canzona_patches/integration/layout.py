@@ -280,10 +280,18 @@ def fsdp_group_budget(specs: Sequence[ParamSpec], cfg: Any, ddp_config: Any, *, 
         specs, cluster=cluster, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
         sharding=strategy, optimizer=cfg.optimizer, calibration=cost_model.calibration, workload=workload, wire=wire,
         bucket_size=ddp_config.bucket_size, alpha=cfg.alpha, ns_method=cost_model.ns_method,
-        early_compute=early_compute_on(cfg, dp_size, strategy in ("optim_grads", "optim_grads_params")),
+        early_compute=early_compute_on(cfg, dp_size, reduces_in_backward(ddp_config)),
         early_compute_bytes=cfg.early_compute_bytes)
     choice = faster_fsdp_groups(results)
     return (ONE_GROUP_BUDGET if choice == "one" else None), fsdp_groups_line(choice, results, cluster)
+
+
+def reduces_in_backward(ddp_config: Any) -> bool:
+    """Whether gradients are reduced while backward runs, leaving a tail for early compute:
+    ``--overlap-grad-reduce``, or Megatron-FSDP reduce-scattering sharded gradients (``optim_grads``,
+    ``optim_grads_params``)."""
+    sharded = ddp_config.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+    return bool(ddp_config.overlap_grad_reduce or (uses_megatron_fsdp(ddp_config) and sharded))
 
 
 def uses_megatron_fsdp(ddp_config: Any) -> bool:

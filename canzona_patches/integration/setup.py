@@ -31,6 +31,7 @@ from canzona_patches.integration.layout import (
     early_compute_line,
     full_param_layouts,
     node_note,
+    reduces_in_backward,
     stacked_expert_blocks,
     uses_megatron_fsdp,
     wire_config,
@@ -129,8 +130,7 @@ def make_setup(
     matrices_first, order = (False, None) if fsdp else choose_matrices_first(
         plan, specs, config, wire=wire, workload=workload, overlap=ddp_config.overlap_grad_reduce,
         instances=getattr(ddp_config, "num_distributed_optimizer_instances", 1))
-    overlap = ddp_config.overlap_grad_reduce or (  # Megatron-FSDP reduce-scatters sharded gradients in backward
-        fsdp and ddp_config.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"))
+    overlap = reduces_in_backward(ddp_config)
     expert_dp = plan.experts.dp_size if plan.experts is not None else None
     early = early_compute_line(config, dp_size, overlap, expert_dp)
     early_compute = (early_compute_choice(config, dp_size, overlap).on,

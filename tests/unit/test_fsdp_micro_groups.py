@@ -27,8 +27,9 @@ from canzona_patches.integration.layout import fsdp_group_budget
 pytestmark = pytest.mark.quick
 
 RECIPE = Workload(global_batch=128, micro_batch=1, seq_length=4096)
-DDP = SimpleNamespace(data_parallel_sharding_strategy="optim_grads_params", bucket_size=None)
-"""The two fields of Megatron's DistributedDataParallelConfig the choice reads."""
+DDP = SimpleNamespace(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params", bucket_size=None,
+                      overlap_grad_reduce=True)
+"""The fields of Megatron's DistributedDataParallelConfig the choice reads."""
 
 
 @pytest.fixture(scope="module")
