@@ -45,6 +45,7 @@ from megatron.canzona.planning import (  # noqa: E402
     get_qwen3_config,
     qwen3_specs,
 )
+from megatron.canzona.planning.cost import NS_OPTIMIZERS  # noqa: E402
 from megatron.canzona.planning.geometry import default_bucket_size  # noqa: E402
 from megatron.canzona.planning.memory import EARLY_COMPUTE_BYTES  # noqa: E402
 from megatron.canzona.planning.sim import (  # noqa: E402
@@ -64,6 +65,7 @@ from megatron.canzona.runtime.config import FSDP_MICRO_GROUPS  # noqa: E402
 from megatron.canzona.planning.sim.simulate import (  # noqa: E402
     INSTANCE_STRATEGIES,
     NEEDS_LAYERWISE_PLAN,
+    TP_MODE_STRATEGIES,
     seconds_per_update,
     strategy_ns_method,
 )
@@ -77,10 +79,11 @@ from megatron.canzona.planning.specs import elementwise_specs, matrix_specs  # n
 
 RECIPE_DIR = os.path.join(ROOT, "examples", "qwen3")
 DEFAULT_CLUSTER = "h100-ib400"
-DEFAULT_STRATEGIES = ("canzona", "canzona_lean", "megatron_layerwise", "layer_sharded", "megatron_main", "sync",
-                      "zero1", "adamw")
-PEERS = ("megatron_layerwise", "layer_sharded", "megatron_main")
-"""The layouts Megatron users pick today, which Canzona's step is held against."""
+DEFAULT_STRATEGIES = ("canzona", "canzona_lean", "megatron_layerwise", "megatron_tp_blockwise",
+                      "megatron_tp_distributed", "layer_sharded", "megatron_main", "sync", "zero1", "adamw")
+PEERS = ("megatron_layerwise", "megatron_tp_blockwise", "megatron_tp_distributed", "layer_sharded", "megatron_main")
+"""The layouts Megatron users pick today, which Canzona's step is held against (the
+``--muon-tp-mode`` ones, Muon's only: :data:`TP_MODE_STRATEGIES`)."""
 RECIPE_KEYS = {"TP": "tp", "CP": "cp", "PP": "pp", "EP": "ep", "ETP": "etp", "MICRO_BATCH": "micro_batch",
                "GLOBAL_BATCH": "global_batch", "SEQ_LENGTH": "seq_length", "PP_FIRST_LAYERS": "first_stage_layers",
                "PP_LAST_LAYERS": "last_stage_layers"}
@@ -203,6 +206,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.instances > 1 and args.fsdp:
         p.error("--num-distributed-optimizer-instances is the distributed optimizer's; Megatron-FSDP has its own "
                 "hybrid sharding (--outer-dp-sharding-strategy): drop one of them")
+    if args.optimizer not in NS_OPTIMIZERS:  # Megatron's --muon-tp-mode is Muon's
+        named = [n for n in args.strategies if n in TP_MODE_STRATEGIES]
+        if named and args.strategies != list(DEFAULT_STRATEGIES):
+            p.error(f"--strategies {' '.join(named)}: Megatron's --muon-tp-mode is Muon's; --optimizer "
+                    f"{args.optimizer} has no Newton-Schulz: drop them")
+        args.strategies = [n for n in args.strategies if n not in TP_MODE_STRATEGIES]
     if args.instances > 1:
         dropped = [n for n in args.strategies if n not in INSTANCE_STRATEGIES]
         args.strategies = [n for n in args.strategies if n in INSTANCE_STRATEGIES]
@@ -538,7 +547,7 @@ def print_report(report: dict[str, Any]) -> None:
     print(f" [simulate] physical limit of the step (work spread perfectly, no communication): "
           f"{ms(report['physical_limit_seconds']).strip()} ms{where}")
     for name, s in report["strategies"].items():
-        print(f" {name:<19}| iteration (ms): {ms(s['iteration_seconds'])} | optimizer step (ms): "
+        print(f" {name:<24}| iteration (ms): {ms(s['iteration_seconds'])} | optimizer step (ms): "
               f"{ms(s['optimizer_step_seconds'])} | exposed comm (ms): {ms(s['exposed_comm_seconds'])} | "
               f"step / canzona: {s['step_ratio_to_canzona']:6.2f} | iteration / canzona: "
               f"{s['iteration_ratio_to_canzona']:5.2f} | step / limit: {s['step_over_limit']:5.2f} |")
@@ -560,7 +569,7 @@ def ms(seconds: float) -> str:
 
 KIND_COLOURS = {"forward_backward": "tab:gray", "bubble": "lightgray", "grad_reduce": "tab:purple",
                 "param_gather": "tab:cyan", "gather": "tab:blue", "step_gather": "tab:olive", "compute": "tab:orange",
-                "scatter": "tab:green", "apply": "tab:red", "adamw": "tab:brown"}
+                "scatter": "tab:green", "gram all-reduce": "tab:pink", "apply": "tab:red", "adamw": "tab:brown"}
 
 
 def plot_ranks(result: StrategyResult, limit: int = 6) -> list[int]:
@@ -613,8 +622,8 @@ def plot(report: dict[str, Any], results: dict[str, StrategyResult], names: tupl
 
 CASES = ("qwen3-1.7b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b")
 CASE_GPUS = (64, 128, 256)
-CASE_STRATEGIES = ("canzona", "canzona_lean", "megatron_layerwise", "layer_sharded", "megatron_main", "sync", "zero1",
-                   "adamw")
+CASE_STRATEGIES = ("canzona", "canzona_lean", "megatron_layerwise", "megatron_tp_blockwise", "megatron_tp_distributed",
+                   "layer_sharded", "megatron_main", "sync", "zero1", "adamw")
 
 
 def short_ms(seconds: float) -> str:

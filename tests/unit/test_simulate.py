@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron.canzona.planning import Calibration, CostModel, ParamSpec, WireConfig, make_plan, muon_flops, plan_zero1
+from megatron.canzona.planning.cost import gram_reductions, ns_flops, sharded_ns_flops
 from megatron.canzona.planning.lean import balanced_homes
 from megatron.canzona.planning.sim import ClusterSpec, Workload, load_calibration, load_cluster, simulate
 from megatron.canzona.planning.sim.step import SimTask, StepRun, run_host_groups
@@ -103,6 +104,40 @@ def test_duplicated_and_layer_sharded_tp_modes():
                      plan=layout(spec))
     a2a = 10e-6 + NUMEL / 2 * 4 / (100e9 * 0.5)
     assert homed.optimizer_step_seconds == pytest.approx(2 * a2a + COMPUTE + apply, rel=1e-12)
+
+
+def test_blockwise_and_distributed_tp_modes():
+    """Megatron's default ``blockwise``: each TP rank orthogonalises its own (M/2) × N slice, nothing
+    moves; ``distributed``: each TP rank its slice of the whole matrix's Newton-Schulz (the N × N
+    products on both), one all-reduce (ring reduce-scatter and all-gather) of the bf16 N × N Gram
+    matrix a step. Muon's only."""
+    spec = matrix(tp_size=2)
+    apply = NUMEL / 2 * 14 / 1e12
+    momentum = 12 * NUMEL / 2 / 1e12
+    block = simulate([spec], strategy="megatron_tp_blockwise", cluster=cluster(), dp_size=1, tp_size=2, wire=WIRE,
+                     plan=layout(spec))
+    assert block.optimizer_step_seconds == pytest.approx(muon_flops(M // 2, N) / 50e12 + momentum + apply, rel=1e-12)
+    assert block.step_bytes_per_rank == 0.0
+    dist = simulate([spec], strategy="megatron_tp_distributed", cluster=cluster(), dp_size=1, tp_size=2, wire=WIRE,
+                    plan=layout(spec))
+    a, b = min(M, N), max(M, N)  # the TP-split side (M rows) is the short one here: the Gram matrix is N × N
+    assert sharded_ns_flops(M, N, 2) == 5 * (4 * N * N * M / 2 + 2 * N**3)
+    all_reduce = 2 * (10e-6 + 0.5 * N * N * 2 / 100e9)
+    assert dist.optimizer_step_seconds == pytest.approx(
+        5 * all_reduce + sharded_ns_flops(M, N, 2) / 50e12 + momentum + apply, rel=1e-12)
+    assert dist.step_bytes_per_rank == 5 * 2 * 0.5 * N * N * 2
+    assert sharded_ns_flops(N, M, 1) == ns_flops(M, N) == muon_flops(a, b)  # one shard, long side split: the whole
+    tall = ParamSpec(name="w", global_shape=(N, M), tp_dim=0, tp_size=2)  # the long side split: the small Gram
+    dist = simulate([tall], strategy="megatron_tp_distributed", cluster=cluster(), dp_size=1, tp_size=2, wire=WIRE,
+                    plan=layout(tall))
+    assert dist.step_bytes_per_rank == 5 * 2 * 0.5 * M * M * 2
+    assert sharded_ns_flops(N, M, 2) < muon_flops(N, M)
+    for method in ("standard", "gram"):
+        assert sharded_ns_flops(N, M, 1, method=method) == ns_flops(N, M, method=method)
+    assert (gram_reductions(), gram_reductions(method="gram"), gram_reductions(method="gram", dtype="float32")) == (5, 3, 1)
+    with pytest.raises(ValueError, match="Muon's"):
+        simulate([spec], strategy="megatron_tp_blockwise", cluster=cluster(), dp_size=1, tp_size=2, wire=WIRE,
+                 plan=layout(spec), optimizer="shampoo")
 
 
 def test_sync_all_reduces_and_every_rank_computes():

@@ -94,6 +94,30 @@ def ns_flops(m: int, n: int, ns_steps: int = 5, method: str = "standard", dtype:
     return float(4 * runs * a * a * b + 2 * a**3 * (4 * ns_steps - 3 * runs))
 
 
+def sharded_ns_flops(split: int, other: int, shards: int, ns_steps: int = 5, method: str = "standard",
+                     dtype: str = "bfloat16") -> float:
+    """FLOPs on each of ``shards`` ranks orthogonalising one matrix together, each holding an equal
+    slice of its side of ``split`` elements (its other side ``other``): Megatron's ``--muon-tp-mode
+    distributed``. The Gram matrix is taken on the unsplit side, ``other × other``, from every
+    rank's slice and summed over the ranks (:func:`gram_reductions` all-reduces); the products
+    with the split side divide among the ranks, those on the ``other``-square run on every one.
+    With ``shards`` 1 and the split side the long one this is :func:`ns_flops`; with the short side
+    split the Gram matrix is the large square (emerging-optimizers warns of it)."""
+    a, b = other, split / shards
+    if method == "standard":
+        return float(ns_steps * (4 * a * a * b + 2 * a**3))
+    if method != "gram":
+        raise ValueError(f"a sharded Newton-Schulz runs 'standard' or 'gram', got {method!r}")
+    runs = len(gram_runs(ns_steps, dtype))
+    return float(4 * runs * a * a * b + 2 * a**3 * (4 * ns_steps - 3 * runs))
+
+
+def gram_reductions(ns_steps: int = 5, method: str = "standard", dtype: str = "bfloat16") -> int:
+    """All-reduces of the Gram matrix in one sharded Newton-Schulz (:func:`sharded_ns_flops`):
+    one a step for ``standard``, one a run between restarts for ``gram``."""
+    return ns_steps if method == "standard" else len(gram_runs(ns_steps, dtype))
+
+
 def ns_method_for(m: int, n: int, ns_steps: int, method: str, dtype: str, measured: MeasuredMethods = ()) -> str:
     """``standard`` or ``gram``: ``method`` itself, or for ``auto`` the method ``measured`` found
     faster for the shape (a calibration on the run's machine), else gram where its FLOPs are

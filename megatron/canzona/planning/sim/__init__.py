@@ -49,6 +49,12 @@ Strategies (:data:`STRATEGIES`):
   and every TP rank computes every matrix whole (bench_step's ``sync`` at TP 1);
 * ``megatron_layerwise`` -- Megatron-Core's layer-wise layout, ``muon_tp_mode duplicated``:
   one blocking TP all-gather per matrix, then every TP rank computes it;
+* ``megatron_tp_blockwise`` -- the same layout under Megatron's default ``muon_tp_mode
+  blockwise``: each TP rank orthogonalises its own slice of a TP-sharded matrix alone (another
+  optimizer than the whole matrix's), nothing gathered; Muon only;
+* ``megatron_tp_distributed`` -- the same layout, ``muon_tp_mode distributed``: the TP ranks of
+  a TP-sharded matrix orthogonalise it together, each on its slice, an all-reduce of the Gram
+  matrix per Newton-Schulz step (:func:`~megatron.canzona.planning.cost.sharded_ns_flops`); Muon only;
 * ``layer_sharded`` -- the same layout, one home TP rank per matrix, one blocking fused
   all-to-all each way, no overlap (Megatron-LM's proposed ``--muon-tp-mode layer_sharded``);
 * ``megatron_main`` -- Megatron-LM main's layer-wise layout (after 0.19.2; modelled in

@@ -7,6 +7,7 @@ elements per rank, and the buffers whose buckets are reduced and gathered over D
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -134,6 +135,34 @@ def buffer_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Second
     """Synchronous tasks of a DP layout: every rank holding a piece computes the matrix
     (a matrix every TP rank holds whole: each TP rank its own copy)."""
     return sim_tasks(buffer_schedule([buffer], specs, tp_size), specs, seconds, rank)
+
+
+Sharded = Callable[[ParamSpec], tuple[float, int, float]]
+"""``spec -> (seconds, all-reduces, bytes of each)`` of one TP rank's share of a TP-sharded
+parameter under a Megatron ``muon_tp_mode`` (:func:`~.simulate.tp_sharded_seconds`): with
+all-reduces, its TP ranks orthogonalise each matrix together (``distributed``); without, each
+its own slice alone (``blockwise``)."""
+
+
+def tp_sharded_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
+                     tp_size: int, sharded: Sharded) -> list[SimTask]:
+    """Megatron's layer-wise Muon under ``--muon-tp-mode blockwise`` or ``distributed``:
+    :func:`buffer_tasks`, but no TP-sharded matrix is gathered: each TP rank holding one computes
+    its share (``sharded``), alone or with its Gram matrices all-reduced among them."""
+    by_key = _spec_map(specs)
+    out: list[SimTask] = []
+    for task in buffer_tasks(buffer, list(specs), seconds, rank, tp_size):
+        assert task.reduced_by is not None
+        spec = by_key[(task.reduced_by[0], task.name)]
+        if not spec.tp_sharded:
+            out.append(task)
+            continue
+        share, reductions, each = sharded(spec)
+        if reductions:
+            out.append(dataclasses.replace(task, seconds=share, reductions=reductions, reduce_bytes=each))
+        else:
+            out += [dataclasses.replace(task, holders=(holder,), seconds=share) for holder in task.holders]
+    return out
 
 
 def home_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,

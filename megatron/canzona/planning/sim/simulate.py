@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..comm import WireConfig
-from ..cost import OPTIMIZERS, Calibration, CostModel
+from ..cost import (
+    MOMENT2_FLOPS_PER_ELEMENT,
+    NS_OPTIMIZERS,
+    OPTIMIZERS,
+    Calibration,
+    CostModel,
+    gram_reductions,
+    sharded_ns_flops,
+)
 from ..experts import split_experts
 from ..memory import EARLY_COMPUTE_BYTES, STATE_BYTES
 from ..geometry import default_bucket_size
@@ -25,6 +33,7 @@ from .layouts import (
     Grid,
     RankOf,
     Seconds,
+    Sharded,
     TaskBuilder,
     Work,
     adamw_elements,
@@ -32,6 +41,7 @@ from .layouts import (
     home_tasks,
     merge,
     plan_tasks,
+    tp_sharded_tasks,
 )
 from .network import Topology
 from .result import Segment, StrategyResult
@@ -47,8 +57,8 @@ from .step import (
 )
 
 STRATEGIES: tuple[str, ...] = (
-    "canzona", "canzona_lean", "canzona_tp_sync", "sync", "megatron_layerwise", "layer_sharded", "megatron_main",
-    "zero1", "adamw",
+    "canzona", "canzona_lean", "canzona_tp_sync", "sync", "megatron_layerwise", "megatron_tp_blockwise",
+    "megatron_tp_distributed", "layer_sharded", "megatron_main", "zero1", "adamw",
 )
 """Strategies :func:`simulate` knows (package docstring). To add one, write a builder that
 returns a :class:`~.layouts.Work` and register it in :data:`BUILDERS`."""
@@ -57,7 +67,12 @@ INLINE_SECONDS = 1e6
 (inside a backward that holds them all, whatever they take)."""
 EXPERTS = "experts"
 """First element of an expert matrix bucket's key in the reductions (:func:`_bucket_syncs`)."""
-NEEDS_LAYERWISE_PLAN = ("megatron_layerwise", "layer_sharded")
+NEEDS_LAYERWISE_PLAN = ("megatron_layerwise", "megatron_tp_blockwise", "megatron_tp_distributed", "layer_sharded")
+TP_MODE_STRATEGIES = {"megatron_tp_blockwise": "blockwise", "megatron_tp_distributed": "distributed"}
+"""Megatron's layer-wise Muon under another ``--muon-tp-mode`` than ``duplicated``
+(``megatron_layerwise``), by strategy: ``blockwise`` is its default, each TP rank
+orthogonalising its own slice of a TP-sharded matrix alone (another optimizer than the whole
+matrix's); ``distributed`` computes the whole matrix's, the TP ranks together."""
 INSTANCE_STRATEGIES = ("canzona", "canzona_lean", "canzona_tp_sync", "zero1", "adamw")
 """The strategies that run with several distributed-optimizer instances
 (``--num-distributed-optimizer-instances``): Megatron's distributed optimizer under them. Its
@@ -153,6 +168,9 @@ class _Context:
     instances: int = 1
     """Distributed-optimizer instances: :attr:`grid` is one instance's ranks (its DP group the
     intra-instance one), and every instance does the same."""
+    tp_modes: Mapping[str, Sharded] = dataclasses.field(default_factory=dict)
+    """One TP rank's share of a TP-sharded parameter by Megatron's ``muon_tp_mode``
+    (:func:`tp_sharded_seconds`); empty for an optimizer without Newton-Schulz."""
 
     @property
     def dp_size(self) -> int:
@@ -250,7 +268,7 @@ def _zero1_work(ctx: _Context) -> Work:
     return _dp_layout_work(ctx, dense, _zero1(ctx, g.expert_dp_size, ctx.experts), "per_matrix", tasks)
 
 
-def _layerwise_work(ctx: _Context, sharded: bool) -> Work:
+def _layerwise_work(ctx: _Context, sharded: bool, tp_mode: str = "duplicated") -> Work:
     if not isinstance(ctx.plan, DPPlan) or (ctx.experts and not isinstance(ctx.expert_plan, DPPlan)):
         raise ValueError(
             "megatron_layerwise and layer_sharded run Megatron-Core's layer-wise layout: pass plan= (and expert_plan= "
@@ -258,6 +276,14 @@ def _layerwise_work(ctx: _Context, sharded: bool) -> Work:
         )
     if sharded:
         return _dp_layout_work(ctx, ctx.plan, ctx.expert_plan, "blocking", _costed(home_tasks, ctx.seconds))
+    if tp_mode != "duplicated":
+        if tp_mode not in ctx.tp_modes:
+            raise ValueError(f"--muon-tp-mode {tp_mode} is Megatron's Muon's: the optimizer must be one of "
+                             f"{', '.join(NS_OPTIMIZERS)}, not {ctx.cost_model.kind}")
+        sharded_seconds = ctx.tp_modes[tp_mode]
+        return _dp_layout_work(ctx, ctx.plan, ctx.expert_plan, "per_matrix",
+                               lambda buffer, specs, rank, tp_size: tp_sharded_tasks(
+                                   buffer, specs, ctx.seconds, rank, tp_size, sharded_seconds))
     return _dp_layout_work(ctx, ctx.plan, ctx.expert_plan, "per_matrix", _costed(buffer_tasks, ctx.seconds))
 
 
@@ -315,6 +341,8 @@ BUILDERS: dict[str, Callable[[_Context], Work]] = {
     "canzona_tp_sync": lambda ctx: _canzona(ctx, synchronous=True),
     "sync": _sync_work,
     "megatron_layerwise": lambda ctx: _layerwise_work(ctx, sharded=False),
+    **{name: (lambda ctx, mode=mode: _layerwise_work(ctx, sharded=False, tp_mode=mode))
+       for name, mode in TP_MODE_STRATEGIES.items()},
     "layer_sharded": lambda ctx: _layerwise_work(ctx, sharded=True),
     "megatron_main": _megatron_main_work,
     "zero1": _zero1_work,
@@ -335,6 +363,41 @@ def seconds_per_update(cost_model: CostModel, cluster: ClusterSpec) -> Seconds:
         else:
             cost, numel = cost_model.part_costs(spec)[part], spec.global_numel // len(spec.parts)
         return cost if cost_model.calibration is not None else cost / rate + MOMENTUM_BYTES_PER_ELEMENT * numel / memory
+
+    return seconds
+
+
+def tp_sharded_seconds(cost_model: CostModel, cluster: ClusterSpec, mode: str) -> Sharded:
+    """One TP rank's share of a TP-sharded parameter under Megatron's ``--muon-tp-mode mode``:
+    ``(seconds, all-reduces, bytes of each)``. ``blockwise``: Newton-Schulz of its own slice of
+    each matrix, alone. ``distributed``: of the whole matrix, the TP ranks together, each on its
+    slice of the TP-split side (:func:`~..cost.sharded_ns_flops`), the Gram matrices all-reduced
+    in the iteration's dtype. Megatron's Muon runs the standard method; a calibration scales
+    each matrix's FLOPs by its shape's measured seconds per FLOP."""
+    if mode not in TP_MODE_STRATEGIES.values():
+        raise ValueError(f"unknown --muon-tp-mode {mode!r}; choose one of {', '.join(TP_MODE_STRATEGIES.values())}")
+    rate, memory = cluster.gpu.optimizer_flops_per_s, cluster.gpu.memory_bytes_per_s
+    width = 2 if cost_model.ns_dtype in ("bfloat16", "float16") else 4
+    calibrated = cost_model.calibration is not None
+
+    def seconds(spec: ParamSpec) -> tuple[float, int, float]:
+        assert spec.tp_dim is not None
+        shards, total, reductions, nbytes = spec.tp_size, 0.0, 0, 0.0
+        for m, n in spec.matrices:
+            split, other = (m, n) if spec.tp_dim == 0 else (n, m)
+            if mode == "blockwise":
+                local = (m // shards, n) if spec.tp_dim == 0 else (m, n // shards)
+                total += cost_model.matrix_cost(*local) if calibrated else cost_model.flops(*local) / rate
+                continue
+            flops = sharded_ns_flops(split, other, shards, cost_model.ns_steps, "standard", cost_model.ns_dtype)
+            if cost_model.kind == "adaptive_muon":
+                flops += MOMENT2_FLOPS_PER_ELEMENT * m * n / shards
+            total += flops * cost_model.matrix_cost(m, n) / cost_model.flops(m, n) if calibrated else flops / rate
+            count = gram_reductions(cost_model.ns_steps, "standard", cost_model.ns_dtype)
+            reductions, nbytes = reductions + count, nbytes + count * other * other * width
+        if not calibrated:
+            total += MOMENTUM_BYTES_PER_ELEMENT * spec.global_numel / shards / memory
+        return total, reductions, nbytes / reductions if reductions else 0.0
 
     return seconds
 
@@ -444,7 +507,9 @@ def simulate(
     planning_cost = CostModel(kind=optimizer, **ns)  # the runtime plans with the FLOP formulas
     timing_cost = CostModel(kind=optimizer, calibration=calibration, **ns) if calibration else planning_cost
     ctx = _Context(list(specs), grid, seconds_per_update(timing_cost, cluster), planning_cost, bucket_size, plan,
-                   expert_plan, wire, overlap, alpha, instances)
+                   expert_plan, wire, overlap, alpha, instances,
+                   {mode: tp_sharded_seconds(timing_cost, cluster, mode) for mode in TP_MODE_STRATEGIES.values()}
+                   if optimizer in NS_OPTIMIZERS else {})
     work = BUILDERS[strategy](ctx)
     slowdown = cluster.contention(grid.size * instances * pp_size)
     phases = _phases(ctx, work, cluster, workload, pp_size, slowdown,

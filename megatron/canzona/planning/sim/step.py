@@ -14,7 +14,9 @@ ways to run the tasks of a step:
   Megatron-LM's ``layer_sharded``).
 * :func:`run_per_matrix` -- synchronous compute matrix by matrix: each rank all-gathers a
   matrix's pieces from its other holders (a blocking ring) and computes it (Megatron's
-  ``muon_tp_mode duplicated``, stock ZeRO-1, Moonlight's synchronous compute).
+  ``muon_tp_mode duplicated``, stock ZeRO-1, Moonlight's synchronous compute); a task with
+  :attr:`SimTask.reductions` is computed by its holders together, each on its own piece, its Gram
+  matrices all-reduced among them (``muon_tp_mode distributed``).
 
 With ``reduced_at`` the pipelined groups' gathers go before the step as their buckets reduce;
 with an :class:`EarlyCompute` too, each group is computed before the step once gathered and
@@ -77,6 +79,12 @@ class SimTask:
     commit_elements: int = 0
     """Elements whose state its host advances when the step commits it, computed early (Muon's
     momentum: :data:`COMMIT_BYTES_PER_ELEMENT` each, before its scatter)."""
+    reductions: int = 0
+    """Its holders orthogonalise it together, each its own piece, with ``reductions`` all-reduces of
+    its Gram matrix among them instead of a gather (Megatron's ``muon_tp_mode distributed``); then
+    ``seconds`` is one holder's share (:func:`~megatron.canzona.planning.cost.sharded_ns_flops`)."""
+    reduce_bytes: float = 0.0
+    """Bytes of each of those all-reduces."""
 
     @property
     def numel(self) -> int:
@@ -368,13 +376,19 @@ def run_per_matrix(run: StepRun, tasks: Sequence[SimTask]) -> None:
     applied: dict[int, float] = {}
     for task in tasks:
         ranks = [r for r, _ in task.holders]
-        gather = run.topology.ring(task.numel * size, ranks)
+        share = (len(ranks) - 1) / len(ranks)
+        if task.reductions:  # a ring reduce-scatter and all-gather per all-reduce
+            gather = 2 * task.reductions * run.topology.ring(task.reduce_bytes, ranks)
+            sent, kind = 2 * task.reductions * task.reduce_bytes * share, "gram all-reduce"
+        else:
+            gather = run.topology.ring(task.numel * size, ranks)
+            sent, kind = task.numel * size * share, "gather"
         for r, n in task.holders:
             if gather > 0:
                 start = run.clock[r]
                 run.clock[r] = start + gather
-                run.sent[r] += task.numel * size * (len(ranks) - 1) / len(ranks)
-                run.segments.append(Segment(r, "comm", "gather", start, start + gather, task.name))
+                run.sent[r] += sent
+                run.segments.append(Segment(r, "comm", kind, start, start + gather, task.name))
             run.work(r, task.seconds, "compute", task.name)
             applied[r] = applied.get(r, 0.0) + n
     for r in run.members:
