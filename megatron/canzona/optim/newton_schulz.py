@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -23,6 +23,11 @@ import torch
 from megatron.canzona.planning.cost import gram_runs, ns_method_for
 
 Coefficients = tuple[float, float, float]
+AllReduce = Callable[[torch.Tensor], None]
+"""Sums a tensor in place over the ranks that share a matrix (:func:`newton_schulz_sharded`):
+every one of them calls it with the same shapes, in the same order."""
+Gram = Callable[[torch.Tensor], torch.Tensor]
+"""``X -> X Xᵀ`` of a ``(k, n, m)`` stack: the local product, or its sum over the ranks sharing X."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,67 @@ def newton_schulz(
     return out.mT if transpose else out
 
 
+def newton_schulz_sharded(
+    x: torch.Tensor,
+    *,
+    all_reduce: AllReduce,
+    split_dim: int,
+    num_steps: int = 5,
+    coefficients: str = "quintic",
+    dtype: torch.dtype = torch.bfloat16,
+    eps: float = 1e-7,
+    method: str = "standard",
+) -> torch.Tensor:
+    """:func:`newton_schulz` of a matrix (or stack) whose side ``split_dim`` (-2: rows, -1:
+    columns) is cut among ranks, each calling this with its slice ``x`` and the same arguments;
+    returns this rank's slice of the result.
+
+    Newton-Schulz multiplies on the left by polynomials of ``X Xᵀ`` (equally, on the right by
+    ones of ``Xᵀ X``), so with the cut side as ``X``'s columns the Gram matrix is the sum of the
+    slices' own and each rank updates its own columns. Per step (``standard``) or per run between
+    restarts (``gram``) that sum is one ``all_reduce`` of an ``n × n`` matrix, ``n`` the uncut
+    side, reduced in fp32 (fp64 for fp64) from the slices' products in ``dtype``; the Frobenius
+    norm is one more, of a scalar per matrix. The cut side should be the long one: the products on
+    the ``n``-square run on every rank (:func:`~megatron.canzona.planning.cost.sharded_ns_flops`).
+    ``method`` is ``standard`` or ``gram``, the same on every rank (``auto`` would decide per
+    slice). The sums run in another order than one device's products, so the result equals
+    :func:`newton_schulz` of the whole matrix to rounding, not bit for bit.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"newton_schulz_sharded needs a (..., m, n) tensor, got shape {tuple(x.shape)}.")
+    if split_dim not in (-2, -1, x.ndim - 2, x.ndim - 1):
+        raise ValueError(f"split_dim must name one of the last two dimensions (-2: rows, -1: columns), got {split_dim}")
+    if method not in ("standard", "gram"):
+        raise ValueError(f"a sharded Newton-Schulz runs 'standard' or 'gram' on every rank, got {method!r}")
+    schedule = NS_COEFFICIENTS[coefficients]
+    out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    transpose = split_dim in (-2, x.ndim - 2)  # rows cut: iterate on the transpose, whose columns are
+    if transpose:
+        x = x.mT
+    rows, cols = x.shape[-2:]
+    stack = x.to(out_dtype).reshape(-1, rows, cols)
+    squares = stack.square().sum(dim=(-2, -1), keepdim=True)
+    all_reduce(squares)
+    X = (stack / squares.sqrt().clamp_min(eps)).to(dtype)
+
+    def gram(X: torch.Tensor) -> torch.Tensor:
+        total = torch.bmm(X, X.mT).to(out_dtype)
+        all_reduce(total)
+        return total.to(dtype)
+
+    steps = list(schedule.iterate(num_steps))
+    if method == "gram":
+        X = gram_iterations(X, steps, gram_runs(num_steps, str(dtype).removeprefix("torch.")), gram)
+    else:
+        X = _standard_iterations(X, steps, gram)
+    out = X.to(out_dtype).reshape(*x.shape[:-2], rows, cols)
+    return out.mT if transpose else out
+
+
+def _local_gram(X: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(X, X.mT)
+
+
 def _polynomial(gram: torch.Tensor, b: float, c: float) -> torch.Tensor:
     """``b A + c A²`` of a stack of Gram matrices, one batched product."""
     if c != 0.0:
@@ -136,11 +202,11 @@ def _polynomial(gram: torch.Tensor, b: float, c: float) -> torch.Tensor:
     return gram * b
 
 
-def _standard_iterations(X: torch.Tensor, steps: list[Coefficients]) -> torch.Tensor:
+def _standard_iterations(X: torch.Tensor, steps: list[Coefficients], gram: Gram = _local_gram) -> torch.Tensor:
     for a, b, c in steps:
         # The same three batched GEMMs whether the stack holds one matrix or many, so a
         # batched call reproduces the looped result kernel for kernel.
-        X = torch.baddbmm(X, _polynomial(torch.bmm(X, X.mT), b, c), X, beta=a, alpha=1.0)
+        X = torch.baddbmm(X, _polynomial(gram(X), b, c), X, beta=a, alpha=1.0)
     return X
 
 
@@ -149,7 +215,8 @@ def _symmetric(matrix: torch.Tensor) -> torch.Tensor:
     return torch.add(matrix, matrix.mT).mul_(0.5)
 
 
-def gram_iterations(X: torch.Tensor, steps: list[Coefficients], runs: list[int]) -> torch.Tensor:
+def gram_iterations(X: torch.Tensor, steps: list[Coefficients], runs: list[int],
+                    gram_of: Gram = _local_gram) -> torch.Tensor:
     """Newton-Schulz on the Gram matrix of the ``(k, n, m)`` stack ``X`` (``n <= m``).
 
     Every iterate is a polynomial in the first Gram matrix times the input,
@@ -159,12 +226,12 @@ def gram_iterations(X: torch.Tensor, steps: list[Coefficients], runs: list[int])
     run. Between ``runs`` of steps (reduced precision,
     :data:`~megatron.canzona.planning.cost.GRAM_RESTART_EVERY`) the iterate is formed and its Gram
     matrix taken again, which bounds the growth of ``Q`` and so its rounding. ``A`` and ``Q``
-    are symmetrised after each product.
+    are symmetrised after each product. ``gram_of`` forms each run's first Gram matrix.
     """
     start = 0
     for length in runs:
         run, start = steps[start:start + length], start + length
-        gram = _symmetric(torch.bmm(X, X.mT))
+        gram = _symmetric(gram_of(X))
         accumulated = None
         for index, (a, b, c) in enumerate(run):
             poly = _polynomial(gram, b, c)
