@@ -45,6 +45,7 @@ from megatron.canzona.planning import (  # noqa: E402
     get_qwen3_config,
     qwen3_specs,
 )
+from megatron.canzona.planning.balance import TP_TOGETHER  # noqa: E402
 from megatron.canzona.planning.cost import NS_OPTIMIZERS  # noqa: E402
 from megatron.canzona.planning.geometry import default_bucket_size  # noqa: E402
 from megatron.canzona.planning.memory import EARLY_COMPUTE_BYTES  # noqa: E402
@@ -148,6 +149,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split-gate-up", action="store_true",
                    help="Canzona hosts gate and up of every SwiGLU fc1 apart (--canzona-split-gate-up); the "
                    "other strategies keep the fused fc1, as Megatron's optimizers do")
+    p.add_argument("--tp-together", choices=TP_TOGETHER, default="off",
+                   help="Canzona's TP-sharded matrices computed by their TP ranks together, each its shard, their "
+                   "Gram matrices summed over NVLink in fp32: auto, those whose update alone costs more than the mean "
+                   "per GPU; all, every one whose TP-split side is its long one. A projection of a step the runtime "
+                   "does not run yet (default off)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="Canzona's micro-groups without pipelining (gather, compute, scatter in turn)")
     p.add_argument("--early-compute", action="store_true", default=None,
@@ -266,7 +272,8 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": cfg.name, "gpus": args.gpus, "dp": dp, "dp_cp": dp * sizes["cp"], **sizes,
             "global_batch": global_batch, "note": note,
             "optimizer": args.optimizer, "ns_method": args.muon_ns_method, "split_qkv": args.split_qkv,
-            "split_qkv_per_head": getattr(args, "split_qkv_per_head", False), "split_gate_up": getattr(args, "split_gate_up", False), "alpha": args.alpha,
+            "split_qkv_per_head": getattr(args, "split_qkv_per_head", False), "split_gate_up": getattr(args, "split_gate_up", False),
+            "tp_together": getattr(args, "tp_together", "off"), "alpha": args.alpha,
             "grad_reduce_in_fp32": not args.grad_reduce_in_bf16, "overlap": args.overlap,
             "bucket_size": args.bucket_size or default_bucket_size(dp * sizes["cp"]),
             "early_compute": bool(getattr(args, "early_compute", False)), "clip_rate": getattr(args, "clip_rate", 0.0),
@@ -341,6 +348,7 @@ def simulate_stage(specs: list, run: dict[str, Any], cluster: ClusterSpec, calib
             early_compute=run.get("early_compute", False), clip_rate=run.get("clip_rate", 0.0),
             early_compute_bytes=run.get("early_compute_bytes", EARLY_COMPUTE_BYTES), matrices_first=matrices_first,
             instances=run.get("instances", 1) if name in INSTANCE_STRATEGIES else 1,
+            tp_together=run["tp_together"] if name.startswith("canzona") else "off",
         ) for matrices_first in ((False, True) if first == "auto" and run.get("early_compute") and
                                  name.startswith("canzona") else (first == "on",))]
         out[name] = min(results, key=lambda r: r.iteration_seconds)  # auto: the shorter, backward order on a tie
@@ -456,7 +464,7 @@ def project_fsdp(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, St
                   sharding=args.fsdp, optimizer=run["optimizer"], workload=workload, wire=wire,
                   bucket_size=args.bucket_size, alpha=run["alpha"], ns_method=run["ns_method"],
                   early_compute=run["early_compute"], clip_rate=run["clip_rate"],
-                  early_compute_bytes=run["early_compute_bytes"])
+                  early_compute_bytes=run["early_compute_bytes"], tp_together=run["tp_together"])
 
     def calibration(name: str) -> Calibration | None:
         return calibrations[strategy_ns_method(name, run["ns_method"])] if calibrations else None

@@ -59,6 +59,29 @@ variable-size shards cut at parameter boundaries, nothing split, uneven collecti
 where that saves padding, their pieces gathered to a host in the step)."""
 
 
+TP_TOGETHER: tuple[str, ...] = ("off", "auto", "all")
+"""Which TP-sharded matrices their TP ranks compute together, each on its own shard, instead of
+one host gathering them (``--canzona-tp-together``): ``off``, none; ``auto``, each whose update
+alone costs more than the stage's mean per GPU (it would set the step's floor); ``all``, every
+one that may be (:func:`computed_together`)."""
+
+
+def computed_together(spec: ParamSpec, cost_model: CostModel, mean_load: float, mode: str) -> bool:
+    """Whether ``spec``'s TP ranks compute its update together (:data:`TP_TOGETHER`): Muon, a
+    TP-sharded parameter that is one matrix (not split into Q/K/V or hosted in parts) whose
+    TP-split side is its long one (else the Gram matrix summed among them is the long side's
+    square), and, for ``auto``, whose whole update costs more than ``mean_load``."""
+    if mode not in TP_TOGETHER:
+        raise ValueError(f"unknown --canzona-tp-together {mode!r}; choose one of {', '.join(TP_TOGETHER)}")
+    if mode == "off" or cost_model.kind != "muon" or not spec.tp_sharded or len(spec.matrices) != 1 \
+            or len(spec.parts) != 1:
+        return False
+    m, n = spec.matrices[0]
+    if (m, n)[spec.tp_dim or 0] < (n, m)[spec.tp_dim or 0]:
+        return False
+    return mode == "all" or cost_model.cost(spec) > mean_load
+
+
 MAX_PADDING = 0.05
 """Padding, as a fraction of the matrix buffers' parameter elements, above which a lean fill
 is never taken. Padding costs memory on every GPU (the parameter and gradient buffers), which
@@ -88,19 +111,37 @@ class _Stage:
     cost_model: CostModel
     """What the costs came from; also says which updates go narrower than fp32
     (:func:`~megatron.canzona.planning.comm.narrow_bytes`)."""
+    together: frozenset[tuple[int, str]] = frozenset()
+    """``(chunk, name)`` of the TP-sharded matrices their TP ranks compute together
+    (:func:`computed_together`): their cost is each TP rank's share, and every TP rank of their
+    DP rank computes one, as for a matrix every TP rank holds whole."""
 
     @classmethod
     def of(cls, mats: list[list[ParamSpec]], cost_model: CostModel, *, dp_size: int, tp_size: int, alpha: float,
-           wire: WireConfig, base: tuple[float, ...] = ()) -> _Stage:
+           wire: WireConfig, base: tuple[float, ...] = (), together: str = "off") -> _Stage:
         costs = [[cost_model.cost(s) for s in chunk] for chunk in mats]
         parts = [[cost_model.part_costs(s) for s in chunk] for chunk in mats]
         flat = [(s, c) for chunk, chunk_costs in zip(mats, costs) for s, c in zip(chunk, chunk_costs)]
-        work = sum(c * (1 if s.tp_sharded else tp_size) for s, c in flat)
+        mean = sum(c * (1 if s.tp_sharded else tp_size) for s, c in flat) / (dp_size * tp_size)
+        shared = set()
+        for k, chunk in enumerate(mats):
+            for i, s in enumerate(chunk):
+                if computed_together(s, cost_model, mean, together):
+                    shared.add((k, s.name))
+                    costs[k][i] = cost_model.shared_cost(s)
+                    parts[k][i] = [costs[k][i]]
+        flat = [(s, c, (k, s.name) in shared) for k, (chunk, chunk_costs) in enumerate(zip(mats, costs))
+                for s, c in zip(chunk, chunk_costs)]
+        work = sum(c * (1 if s.tp_sharded and not t else tp_size) for s, c, t in flat)
         largest = max((c for chunk in parts for part_costs in chunk for c in part_costs), default=0.0)
         bound = max(work / (dp_size * tp_size), largest) or 1.0
-        byte_scale = sum(s.numel for s, _ in flat) * (wire.grad_bytes + wire.param_bytes) + 1.0
+        byte_scale = sum(s.numel for s, _, _ in flat) * (wire.grad_bytes + wire.param_bytes) + 1.0
         return cls(mats, costs, parts, dp_size, tp_size, alpha, wire, bound, byte_scale,
-                   base or (0.0,) * (dp_size * tp_size), cost_model)
+                   base or (0.0,) * (dp_size * tp_size), cost_model, frozenset(shared))
+
+    def alone(self, chunk: int, spec: ParamSpec) -> bool:
+        """Whether one TP rank computes ``spec`` (TP-sharded, not computed together)."""
+        return spec.tp_sharded and (chunk, spec.name) not in self.together
 
     def dp_base(self) -> list[float]:
         """Base compute per DP rank, its TP ranks summed."""
@@ -108,7 +149,7 @@ class _Stage:
 
     def row_costs(self) -> list[float]:
         """What each matrix costs the DP rank holding it whole (every TP rank's copy counts)."""
-        return [c * (1 if s.tp_sharded else self.tp_size) for chunk, costs in zip(self.mats, self.costs)
+        return [c * (1 if self.alone(k, s) else self.tp_size) for k, (chunk, costs) in enumerate(zip(self.mats, self.costs))
                 for s, c in zip(chunk, costs)]
 
     def hosts(self, buffers: list[BufferPlan], prefer_holders: bool = False, state: StateLayout | None = None,
@@ -118,7 +159,7 @@ class _Stage:
         a split matrix is hosted by a rank holding some of it; ``state``: the optimizer whose
         state hosts keep under Megatron-FSDP, balanced as well as compute (``balance_state``)
         around the state each GPU already keeps (``base_state``)."""
-        items = _host_items(buffers, self.mats, self.parts, self.cost_model, state)
+        items = _host_items(buffers, self.mats, self.parts, self.cost_model, state, self.together)
         rs, ag, messages = collective_bytes(buffers, self.dp_size, self.wire)
         hosts, ranks = assign_hosts(
             items, dp_size=self.dp_size, tp_size=self.tp_size, alpha=self.alpha, wire=self.wire, base_bytes=rs + ag,
@@ -147,6 +188,7 @@ def plan_canzona(
     fsdp_bucket_size: int | None = None,
     state: StateLayout | None = None,
     base_state: Sequence[Sequence[int]] | None = None,
+    tp_together: str = "off",
 ) -> CanzonaPlan:
     """The Canzona plan of the parameters ``specs`` (one pipeline stage, any model chunks),
     its matrix buffers laid out ``layout`` (:data:`LAYOUTS`), or Megatron-FSDP's (``fsdp``:
@@ -159,7 +201,10 @@ def plan_canzona(
     matrices'), which the hosts fill around.
 
     ``base_loads[dp_rank][tp_rank]``: compute each GPU already has (its expert work); homes
-    and hosts fill around it. The plan's loads and budget count this plan's work only."""
+    and hosts fill around it. The plan's loads and budget count this plan's work only.
+
+    ``tp_together`` (:data:`TP_TOGETHER`): the TP-sharded matrices whose TP ranks compute them
+    together, each its own shard's task on one DP rank (:attr:`Host.together`)."""
     check_inputs(dp_size, alpha, bucket_size)
     check_tp_size(tp_size)
     check_layout(layout)
@@ -170,7 +215,7 @@ def plan_canzona(
         raise ValueError(f"model chunks must be numbered 0, 1, ...; got {chunks}")
     mats = [matrix_specs([s for s in specs if s.chunk == c]) for c in chunks]
     stage = _Stage.of(mats, cost_model, dp_size=dp_size, tp_size=tp_size, alpha=alpha, wire=wire or WireConfig(),
-                      base=base)
+                      base=base, together=tp_together)
     # The whole layout pads nothing, so it keeps Megatron's own bucket rule (a bucket closing
     # later only where that makes its shards equal): its last bucket closes where AdamW's would.
     if layout == "whole":
@@ -210,7 +255,8 @@ def _whole_fill(stage: _Stage, ranges: list[list[tuple[int, int]]]) -> list[Buff
                 even.append([[k + a + i for i in shard] for shard in shards])
         k += len(chunk)
     owners = whole_owners(
-        [c for chunk in stage.costs for c in chunk], [s.numel for s in flat], [s.tp_sharded for s in flat],
+        [c for chunk in stage.costs for c in chunk], [s.numel for s in flat],
+        [stage.alone(k, s) for k, chunk in enumerate(stage.mats) for s in chunk],
         dp_size=stage.dp_size, tp_size=stage.tp_size, alpha=stage.alpha, bound=stage.bound, base=stage.base,
         parts=[p for chunk in stage.parts for p in chunk], even=even,
     )
@@ -279,8 +325,10 @@ def _flat_base(base_loads: Sequence[Sequence[float]] | None, dp_size: int, tp_si
 
 
 def _host_items(buffers: list[BufferPlan], mats: list[list[ParamSpec]], parts: list[list[list[float]]],
-                cost_model: CostModel, state: StateLayout | None = None) -> list[HostItem]:
-    """Every matrix of every chunk (every part of one hosted in parts), in chunk then buffer order."""
+                cost_model: CostModel, state: StateLayout | None = None,
+                together: frozenset[tuple[int, str]] = frozenset()) -> list[HostItem]:
+    """Every matrix of every chunk (every part of one hosted in parts), in chunk then buffer order;
+    one ``together`` is placed as a matrix every TP rank computes, at its shared cost."""
     items = []
     for chunk, (buffer, specs, part_costs) in enumerate(zip(buffers, mats, parts)):
         by_name = {s.name: (s, c) for s, c in zip(specs, part_costs)}
@@ -289,8 +337,10 @@ def _host_items(buffers: list[BufferPlan], mats: list[list[ParamSpec]], parts: l
             pieces = buffer.pieces(p)
             for k, ((lo, hi, _), cost) in enumerate(zip(spec.parts, costs)):
                 span = None if len(costs) == 1 else (lo, hi)
+                shared = (chunk, p.name) in together
                 items.append(HostItem(
-                    cost=cost if span else p.cost, dp_rank=p.host, tp_sharded=spec.tp_sharded,
+                    cost=cost if span or shared else p.cost, dp_rank=p.host, tp_sharded=spec.tp_sharded and not shared,
+                    together=shared,
                     pieces=tuple((d, end - start) for d, start, end in within(pieces, lo, hi)),
                     chunk=chunk, name=p.name, part=k, span=span, bucket=p.bucket, update_bytes=narrow_bytes(cost_model, spec, k),
                     state=0 if state is None else fsdp_host_elements(state, spec, k),
@@ -314,7 +364,7 @@ def _assemble(
     groups = schedule_groups(costs, host_rank, budget=budget, at_least_two=not user_budget, local=local, ready=ready)
     entries = [
         Host(name=item.name, chunk=item.chunk, dp_rank=d, tp_rank=t, group=g, cost=item.cost, part=item.part,
-             span=item.span)
+             span=item.span, together=item.together)
         for item, (d, t), g in zip(items, hosts, groups)
     ]
     entries.sort(key=lambda h: (h.group, -h.cost, h.chunk, h.name, h.part))

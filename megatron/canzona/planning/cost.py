@@ -287,6 +287,34 @@ class CostModel:
             return flops * self._seconds_per_flop() if self.calibration else flops
         return sum(self.matrix_cost(m, n) for m, n in spec.matrices)
 
+    def shared_cost(self, spec: ParamSpec) -> float:
+        """Cost on each TP rank of ``spec``'s update computed by its TP ranks together, each on its
+        shard, the Gram matrices summed among them (:func:`sharded_ns_flops`, by the method this
+        model takes for the whole matrix); a calibration scales each matrix's FLOPs by its shape's
+        measured seconds per FLOP. Newton-Schulz optimizers, TP-sharded parameters."""
+        if self.kind not in NS_OPTIMIZERS or spec.tp_dim is None:
+            raise ValueError(f"{spec.name}: only a TP-sharded matrix of a Newton-Schulz optimizer is computed by its "
+                             f"TP ranks together (this: {self.kind}, TP dim {spec.tp_dim})")
+        total = 0.0
+        for m, n in spec.matrices:
+            split, other = (m, n) if spec.tp_dim == 0 else (n, m)
+            method = ns_method_for(m, n, self.ns_steps, self.ns_method, self.ns_dtype, self.ns_measured)
+            flops = sharded_ns_flops(split, other, spec.tp_size, self.ns_steps, method, self.ns_dtype)
+            if self.kind == "adaptive_muon":
+                flops += MOMENT2_FLOPS_PER_ELEMENT * m * n / spec.tp_size
+            total += flops if self.calibration is None else flops * self.matrix_cost(m, n) / self.flops(m, n)
+        return total
+
+    def shared_reductions(self, spec: ParamSpec) -> list[tuple[int, int]]:
+        """``(all-reduces, elements of each)`` of the Gram matrices of ``spec``'s matrices when its
+        TP ranks compute it together (:meth:`shared_cost`)."""
+        out = []
+        for m, n in spec.matrices:
+            other = n if spec.tp_dim == 0 else m
+            method = ns_method_for(m, n, self.ns_steps, self.ns_method, self.ns_dtype, self.ns_measured)
+            out.append((gram_reductions(self.ns_steps, method, self.ns_dtype), other * other))
+        return out
+
     def part_costs(self, spec: ParamSpec) -> list[float]:
         """Cost of each part of ``spec`` hosted apart (:attr:`ParamSpec.parts`); they add up to
         :meth:`cost`."""

@@ -106,6 +106,7 @@ def plan_with_experts(
     fsdp_strategy: str = "optim_grads_params",
     fsdp_bucket_size: int | None = None,
     state: StateLayout | None = None,
+    tp_together: str = "off",
 ) -> CanzonaPlan:
     """The plan of a stage whose ``specs`` may hold expert-parallel parameters: expert buffers
     over expert DP x expert TP (``plan.experts``), dense ones over DP x TP, balanced together
@@ -128,7 +129,8 @@ def plan_with_experts(
     bucket_size = default_bucket_size(dp_size) if bucket_size is None else bucket_size
     stage = _ExpertStage(dense, experts, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
                          common=dict(cost_model=cost_model, alpha=alpha, bucket_size=bucket_size, wire=wire, budget=budget,
-                                     layout=layout, fsdp_strategy=fsdp_strategy, fsdp_bucket_size=fsdp_bucket_size))
+                                     layout=layout, fsdp_strategy=fsdp_strategy, fsdp_bucket_size=fsdp_bucket_size,
+                                     tp_together=tp_together))
     if not experts:
         return dataclasses.replace(stage.dense_plan(None, state), ep_size=ep_size)
     check_expert_specs(experts, expert_tp_size)

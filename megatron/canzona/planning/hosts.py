@@ -77,6 +77,9 @@ class HostItem:
     (:func:`~megatron.canzona.planning.comm.narrow_bytes`); ``None``: the wire's."""
     state: int = 0
     """Elements of optimizer state its host keeps (what ``balance_state`` evens out)."""
+    together: bool = False
+    """A TP-sharded matrix its TP ranks compute together, each its own shard (placed as one every
+    TP rank computes, ``tp_sharded`` False, at each TP rank's cost)."""
 
 
 class _Ranks:

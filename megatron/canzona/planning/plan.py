@@ -145,6 +145,10 @@ class Host:
     span: tuple[int, int] | None = None
     """Elements ``[lo, hi)`` of the flattened local tensor this part covers; ``None``: the
     whole parameter."""
+    together: bool = False
+    """A TP-sharded matrix its TP ranks compute together (``tp_rank`` ``None``): each TP rank of
+    DP rank ``dp_rank`` gathers its own shard and computes it, the shards' Newton-Schulz summing
+    their Gram matrices among them (``--canzona-tp-together``); ``cost`` is each one's share."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,7 @@ def make_plan(
     fsdp_strategy: str = "optim_grads_params",
     fsdp_bucket_size: int | None = None,
     state: StateLayout | None = None,
+    tp_together: str = "off",
 ) -> CanzonaPlan:
     """DP layouts (``layout``: ``whole`` or ``lean``, :data:`~megatron.canzona.planning.balance.LAYOUTS`) and one host (DP rank, TP rank) per matrix, in pipelined micro-groups.
 
@@ -50,10 +51,13 @@ def make_plan(
     parallel group, ``dp_size * tp_size / (ep_size * expert_tp_size)`` GPUs, and expert TP
     ``expert_tp_size`` (``plan.experts``); the dense plan then fills around each GPU's expert
     work (``joint_balance``; off plans the dense matrices as if there were no experts).
+
+    ``tp_together`` (:data:`~megatron.canzona.planning.balance.TP_TOGETHER`): which TP-sharded
+    matrices their TP ranks compute together, each its own shard, instead of one host.
     """
     return plan_with_experts(
         specs, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
         cost_model=cost_model or CostModel(), alpha=alpha, bucket_size=bucket_size, wire=wire, budget=tp_budget,
         joint_balance=joint_balance, layout=layout, fsdp_strategy=fsdp_strategy, fsdp_bucket_size=fsdp_bucket_size,
-        state=state,
+        state=state, tp_together=tp_together,
     )

@@ -55,6 +55,9 @@ class Task:
     (``pieces`` count from ``lo``); ``None``: the whole parameter."""
     cost: float = 0.0
     """Cost of the update in the plan's cost unit."""
+    together: bool = False
+    """TP rank ``column``'s shard of a TP-sharded matrix its TP ranks compute together
+    (:attr:`~megatron.canzona.planning.plan.Host.together`): its host computes with theirs."""
 
     def __post_init__(self) -> None:
         cursor = 0
@@ -132,7 +135,7 @@ def plan_schedule(plan: CanzonaPlan, *, synchronous: bool = False) -> Schedule:
             key = task_key(h.name, h.chunk, chunks, column, None if h.span is None else h.part)
             tasks.append(Task(key=key, name=h.name, chunk=h.chunk, pieces=pieces, tp_sharded=sharded,
                               column=column or 0, host=host, group=h.group, bucket=placement.bucket, cost=h.cost,
-                              part=h.part, span=h.span))
+                              part=h.part, span=h.span, together=h.together))
     return Schedule(tuple(tasks), plan.tp_size, plan.dp_size)
 
 

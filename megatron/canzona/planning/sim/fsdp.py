@@ -59,7 +59,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ..comm import WireConfig
-from ..cost import OPTIMIZERS, Calibration, CostModel
+from ..cost import NS_OPTIMIZERS, OPTIMIZERS, Calibration, CostModel
 from ..experts import split_experts
 from ..fsdp import FSDP_LAYOUT, PER_PARAMETER, SHARDING_STRATEGIES, FsdpBucket, fsdp_buckets, fsdp_buffer
 from ..memory import EARLY_COMPUTE_BYTES, HOLDER_MOMENTUM_OPTIMIZERS, STATE_BYTES, StateLayout
@@ -69,11 +69,11 @@ from ..speculation import SpeculationRates, expected_rates
 from ..specs import ParamSpec, matrix_specs
 from .cluster import ClusterSpec
 from .iteration import BACKWARD_SHARE, Rider
-from .layouts import Grid, RankOf, Seconds, Work, merge, plan_tasks
+from .layouts import Grid, RankOf, Seconds, Sharded, Work, merge, plan_tasks
 from .network import Topology
 from .result import Segment, StrategyResult
-from .simulate import (CANZONA_STRATEGIES, EXPERTS, Workload, checked_grid, matmul_weight, micro_batches, run_step,
-                       seconds_per_update, work_riders)
+from .simulate import (CANZONA_STRATEGIES, EXPERTS, TOGETHER_REDUCE_BYTES, Workload, checked_grid, matmul_weight,
+                       micro_batches, run_step, seconds_per_update, tp_sharded_seconds, work_riders)
 from .step import EarlyCompute, SimTask, StepRun
 
 FSDP_STRATEGIES: tuple[str, ...] = ("canzona", "every_holder", "owner_uniform", "adamw")
@@ -231,6 +231,10 @@ class _Stage:
     budget: float | None = None
     """Canzona's ``tp_budget`` (:func:`~megatron.canzona.planning.planner.make_plan`): ``None`` the
     default micro-groups, ``math.inf`` one micro-group."""
+    tp_together: str = "off"
+    """Canzona's ``--canzona-tp-together`` (:data:`~megatron.canzona.planning.balance.TP_TOGETHER`)."""
+    together: Sharded | None = None
+    """One TP rank's share of a matrix its TP ranks compute together (``tp_together``)."""
 
     def buckets(self, specs: Sequence[ParamSpec], dp_size: int, geometry: str | None = None) -> tuple[FsdpBucket, ...]:
         """Megatron-FSDP's buckets of the stage's sharding (or of ``geometry``: :data:`PER_PARAMETER`)."""
@@ -289,9 +293,11 @@ def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
                      alpha=stage.alpha, wire=stage.wire, ep_size=g.ep_size, expert_tp_size=g.expert_tp_size,
                      tp_budget=stage.budget if early_gather else None,
                      layout=FSDP_LAYOUT, fsdp_strategy=geometry, fsdp_bucket_size=stage.bucket_size,
-                     state=StateLayout.of_cost(stage.cost_model))  # hosts keep the state, as the runtime plans them
+                     state=StateLayout.of_cost(stage.cost_model),  # hosts keep the state, as the runtime plans them
+                     tp_together=stage.tp_together if early_gather else "off")
     work = Work(mode="pipelined", dense=plan_tasks(plan, split_experts(stage.specs)[0], stage.seconds, g.rank,
-                                                   cost_model=stage.cost_model), early_gather=early_gather)
+                                                   cost_model=stage.cost_model, shared=stage.together),
+                early_gather=early_gather)
     for k, kind in enumerate(stage.kinds()):
         buckets = stage.buckets(kind.specs, kind.dp, geometry)
         for rank, members in kind.copies:
@@ -299,7 +305,7 @@ def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
             if k:
                 assert plan.experts is not None
                 work.experts.append((members, plan_tasks(plan.experts, kind.specs, stage.seconds, rank,
-                                                         cost_model=stage.cost_model)))
+                                                         cost_model=stage.cost_model, shared=stage.together)))
     return work
 
 
@@ -398,6 +404,7 @@ def simulate_fsdp(
     early_compute_bytes: int | None = EARLY_COMPUTE_BYTES,
     early_gather: bool = True,
     tp_budget: float | None = None,
+    tp_together: str = "off",
 ) -> StrategyResult:
     """One iteration of ``specs`` (one pipeline stage) under Megatron-FSDP's ``sharding`` with
     the design ``strategy`` (:data:`FSDP_STRATEGIES`, module docstring); ``bucket_size`` is
@@ -408,7 +415,8 @@ def simulate_fsdp(
     gather in the step); ``early_gather`` False: ``canzona`` gathers in the step too, and computes
     nothing early (the runtime's ``--canzona-no-early-gather``). ``tp_budget``: Canzona's
     micro-group budget over Megatron-FSDP's shards (``math.inf``: one micro-group,
-    ``--canzona-fsdp-micro-groups one``)."""
+    ``--canzona-fsdp-micro-groups one``). ``tp_together``: Canzona's TP-sharded matrices computed
+    by their TP ranks together (:func:`~.simulate.simulate`'s; ``off``, the runtime's only choice today)."""
     if strategy not in BUILDERS:
         raise ValueError(f"unknown FSDP strategy {strategy!r}; choose one of: {', '.join(FSDP_STRATEGIES)}")
     if optimizer not in OPTIMIZERS:
@@ -420,8 +428,10 @@ def simulate_fsdp(
     method = ns_method if strategy in CANZONA_STRATEGIES else "standard"
     planning_cost = CostModel(kind=optimizer, ns_method=method, ns_dtype=cluster.gpu.ns_dtype)
     timing_cost = dataclasses.replace(planning_cost, calibration=calibration) if calibration else planning_cost
+    together = tp_sharded_seconds(timing_cost, cluster, "distributed", TOGETHER_REDUCE_BYTES) \
+        if optimizer in NS_OPTIMIZERS else None
     stage = _Stage(list(specs), grid, seconds_per_update(timing_cost, cluster), planning_cost, sharding, bucket_size,
-                   alpha, wire, tp_budget)
+                   alpha, wire, tp_budget, tp_together, together)
     work = BUILDERS[strategy](stage)
     work.early_gather = work.early_gather and early_gather
     slowdown = cluster.contention(grid.size)

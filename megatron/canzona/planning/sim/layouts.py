@@ -24,6 +24,13 @@ Seconds = Callable[..., float]
 its parts hosted apart) on one rank."""
 RankOf = Callable[[int, int], int]
 """Stage rank of a ``(dp_rank, tp_rank)`` of a plan's grid."""
+Sharded = Callable[[ParamSpec], tuple[float, int, float]]
+"""``spec -> (seconds, all-reduces, bytes of each)`` of one TP rank's share of a TP-sharded
+parameter under a Megatron ``muon_tp_mode`` (:func:`~.simulate.tp_sharded_seconds`): with
+all-reduces, its TP ranks orthogonalise each matrix together (``distributed``); without, each
+its own slice alone (``blockwise``)."""
+
+
 TaskBuilder = Callable[[BufferPlan, list[ParamSpec], RankOf, int], list[SimTask]]
 """``(matrix buffer, its specs, rank of (dp, tp), TP size) -> tasks`` of a DP layout."""
 
@@ -96,10 +103,13 @@ def _spec_map(specs: Sequence[ParamSpec]) -> dict[tuple[int, str], ParamSpec]:
 
 
 def sim_tasks(schedule: Schedule, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
-              narrow: Mapping[str, int] | None = None, state: StateLayout | None = None) -> list[SimTask]:
+              narrow: Mapping[str, int] | None = None, state: StateLayout | None = None,
+              shared: Sharded | None = None) -> list[SimTask]:
     """The schedule's tasks (:mod:`..schedule`) on the stage's ranks, each with its update's
     seconds (and, in ``narrow``, its update's bytes per element on the wire; with ``state``,
-    what computing it early keeps): what the simulator runs."""
+    what computing it early keeps): what the simulator runs. A task of a matrix its TP ranks
+    compute together (:attr:`~..schedule.Task.together`) costs its host ``shared(spec)``: its
+    share and the all-reduces among the TP ranks of its DP rank."""
     by_key = _spec_map(specs)
     narrow = narrow or {}
     out = []
@@ -110,15 +120,23 @@ def sim_tasks(schedule: Schedule, specs: Sequence[ParamSpec], seconds: Seconds, 
             sum(state.numel(rows, cols).values()) * state.staged
             + state.direction_elements(rows, cols, narrow=t.key in narrow) for rows, cols in matrices)
         advanced = 0 if state is None or state.staged else sum(rows * cols for rows, cols in matrices)
+        if t.together:  # its share of the matrix: early, advanced and the work per TP rank
+            if shared is None or t.host is None:
+                raise ValueError(f"{t.key}: a matrix its TP ranks compute together needs their shared cost (shared=)")
+            share, reductions, each = shared(spec)
+            early, advanced = early // schedule.tp_size, advanced // schedule.tp_size
+            sharers = tuple(rank(t.host[0], c) for c in range(schedule.tp_size))
+        else:
+            share, reductions, each, sharers = seconds(spec) if t.span is None else seconds(spec, t.part), 0, 0.0, ()
         out.append(SimTask(t.name, tuple((rank(*coord), hi - lo) for coord, lo, hi in t.holders(schedule.tp_size)),
-                           None if t.host is None else rank(*t.host),
-                           seconds(spec) if t.span is None else seconds(spec, t.part), t.group,
-                           (t.chunk, t.bucket), narrow.get(t.key), early, advanced))
+                           None if t.host is None else rank(*t.host), share, t.group,
+                           (t.chunk, t.bucket), narrow.get(t.key), early, advanced, reductions, each, sharers))
     return out
 
 
 def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
-               *, synchronous: bool = False, cost_model: CostModel | None = None) -> list[SimTask]:
+               *, synchronous: bool = False, cost_model: CostModel | None = None,
+               shared: Sharded | None = None) -> list[SimTask]:
     """A task per host of ``plan`` (per TP rank for a matrix every TP rank holds), in its
     micro-group; ``synchronous``: computed by every holder (``--canzona-tp-mode sync``);
     ``cost_model``: the optimizer, whose whole matrices' bf16 Muon directions go back in bf16."""
@@ -127,7 +145,7 @@ def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, 
     state = None
     if cost_model is not None:
         state = StateLayout.of_cost(cost_model)
-    return sim_tasks(schedule, specs, seconds, rank, narrow, state)
+    return sim_tasks(schedule, specs, seconds, rank, narrow, state, shared)
 
 
 def buffer_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
@@ -135,13 +153,6 @@ def buffer_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Second
     """Synchronous tasks of a DP layout: every rank holding a piece computes the matrix
     (a matrix every TP rank holds whole: each TP rank its own copy)."""
     return sim_tasks(buffer_schedule([buffer], specs, tp_size), specs, seconds, rank)
-
-
-Sharded = Callable[[ParamSpec], tuple[float, int, float]]
-"""``spec -> (seconds, all-reduces, bytes of each)`` of one TP rank's share of a TP-sharded
-parameter under a Megatron ``muon_tp_mode`` (:func:`~.simulate.tp_sharded_seconds`): with
-all-reduces, its TP ranks orthogonalise each matrix together (``distributed``); without, each
-its own slice alone (``blockwise``)."""
 
 
 def tp_sharded_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,

@@ -8,15 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..comm import WireConfig
-from ..cost import (
-    MOMENT2_FLOPS_PER_ELEMENT,
-    NS_OPTIMIZERS,
-    OPTIMIZERS,
-    Calibration,
-    CostModel,
-    gram_reductions,
-    sharded_ns_flops,
-)
+from ..cost import NS_OPTIMIZERS, OPTIMIZERS, Calibration, CostModel
 from ..experts import split_experts
 from ..memory import EARLY_COMPUTE_BYTES, STATE_BYTES
 from ..geometry import default_bucket_size
@@ -68,6 +60,9 @@ INLINE_SECONDS = 1e6
 EXPERTS = "experts"
 """First element of an expert matrix bucket's key in the reductions (:func:`_bucket_syncs`)."""
 NEEDS_LAYERWISE_PLAN = ("megatron_layerwise", "megatron_tp_blockwise", "megatron_tp_distributed", "layer_sharded")
+TOGETHER_REDUCE_BYTES = 4
+"""Bytes per element of the Gram matrices Canzona's TP ranks sum when they compute a matrix
+together (:func:`~megatron.canzona.optim.newton_schulz.newton_schulz_sharded` reduces in fp32)."""
 TP_MODE_STRATEGIES = {"megatron_tp_blockwise": "blockwise", "megatron_tp_distributed": "distributed"}
 """Megatron's layer-wise Muon under another ``--muon-tp-mode`` than ``duplicated``
 (``megatron_layerwise``), by strategy: ``blockwise`` is its default, each TP rank
@@ -171,6 +166,10 @@ class _Context:
     tp_modes: Mapping[str, Sharded] = dataclasses.field(default_factory=dict)
     """One TP rank's share of a TP-sharded parameter by Megatron's ``muon_tp_mode``
     (:func:`tp_sharded_seconds`); empty for an optimizer without Newton-Schulz."""
+    tp_together: str = "off"
+    """Canzona's ``--canzona-tp-together`` (:data:`~..balance.TP_TOGETHER`)."""
+    together: Sharded | None = None
+    """One TP rank's share of a matrix its TP ranks compute together in Canzona's step."""
 
     @property
     def dp_size(self) -> int:
@@ -195,12 +194,12 @@ def _canzona(ctx: _Context, synchronous: bool = False, layout: str = "whole") ->
     if plan is None:
         plan = make_plan(ctx.specs, dp_size=g.dp_size, tp_size=g.tp_size, cost_model=ctx.cost_model, alpha=ctx.alpha,
                          bucket_size=ctx.bucket_size, wire=ctx.wire, ep_size=g.ep_size, expert_tp_size=g.expert_tp_size,
-                         layout=layout)
+                         layout=layout, tp_together=ctx.tp_together)
     if not isinstance(plan, CanzonaPlan):
         raise TypeError(f"canzona needs a CanzonaPlan (make_plan(...)), got {type(plan).__name__}")
     mode = "blocking" if synchronous or not ctx.overlap else "pipelined"
     work = Work(mode=mode, dense=plan_tasks(plan, ctx.dense, ctx.seconds, g.rank, synchronous=synchronous,
-                                            cost_model=ctx.cost_model))
+                                            cost_model=ctx.cost_model, shared=ctx.together))
     # As the runtime: every micro-group's gather (none at expert TP 1 in the whole layout) goes
     # as its buckets reduce, the dense ones' and the experts'.
     work.early_gather = mode == "pipelined"
@@ -211,7 +210,8 @@ def _canzona(ctx: _Context, synchronous: bool = False, layout: str = "whole") ->
         for e in range(g.ep_size):
             rank = _expert_rank(g, e)
             work.experts.append((g.expert_members(e), plan_tasks(ex, ctx.experts, ctx.seconds, rank,
-                                                                  synchronous=synchronous, cost_model=ctx.cost_model)))
+                                                                  synchronous=synchronous, cost_model=ctx.cost_model,
+                                                                  shared=ctx.together)))
             work.adamw = merge(work.adamw, adamw_elements(_elementwise(ex.layouts), rank, ex.tp_size))
         work.reduced.append(Buffers(_reduced(ex.layouts), g.expert_dp_group()))
     return work
@@ -367,34 +367,34 @@ def seconds_per_update(cost_model: CostModel, cluster: ClusterSpec) -> Seconds:
     return seconds
 
 
-def tp_sharded_seconds(cost_model: CostModel, cluster: ClusterSpec, mode: str) -> Sharded:
+def tp_sharded_seconds(cost_model: CostModel, cluster: ClusterSpec, mode: str, reduce_dtype_bytes: int | None = None) -> Sharded:
     """One TP rank's share of a TP-sharded parameter under Megatron's ``--muon-tp-mode mode``:
     ``(seconds, all-reduces, bytes of each)``. ``blockwise``: Newton-Schulz of its own slice of
     each matrix, alone. ``distributed``: of the whole matrix, the TP ranks together, each on its
-    slice of the TP-split side (:func:`~..cost.sharded_ns_flops`), the Gram matrices all-reduced
-    in the iteration's dtype. Megatron's Muon runs the standard method; a calibration scales
-    each matrix's FLOPs by its shape's measured seconds per FLOP."""
+    slice of the TP-split side (:meth:`~..cost.CostModel.shared_cost`: by the model's method, which
+    for Megatron's Muon is the standard one), the Gram matrices all-reduced in
+    ``reduce_dtype_bytes`` per element (default the iteration's dtype, as Megatron's Muon; Canzona's
+    ``--canzona-tp-together`` sums them in fp32). A calibration scales each matrix's FLOPs by its
+    shape's measured seconds per FLOP."""
     if mode not in TP_MODE_STRATEGIES.values():
         raise ValueError(f"unknown --muon-tp-mode {mode!r}; choose one of {', '.join(TP_MODE_STRATEGIES.values())}")
     rate, memory = cluster.gpu.optimizer_flops_per_s, cluster.gpu.memory_bytes_per_s
-    width = 2 if cost_model.ns_dtype in ("bfloat16", "float16") else 4
+    width = reduce_dtype_bytes or (2 if cost_model.ns_dtype in ("bfloat16", "float16") else 4)
     calibrated = cost_model.calibration is not None
 
     def seconds(spec: ParamSpec) -> tuple[float, int, float]:
         assert spec.tp_dim is not None
-        shards, total, reductions, nbytes = spec.tp_size, 0.0, 0, 0.0
-        for m, n in spec.matrices:
-            split, other = (m, n) if spec.tp_dim == 0 else (n, m)
-            if mode == "blockwise":
+        shards = spec.tp_size
+        if mode == "blockwise":
+            total = 0.0
+            for m, n in spec.matrices:
                 local = (m // shards, n) if spec.tp_dim == 0 else (m, n // shards)
                 total += cost_model.matrix_cost(*local) if calibrated else cost_model.flops(*local) / rate
-                continue
-            flops = sharded_ns_flops(split, other, shards, cost_model.ns_steps, "standard", cost_model.ns_dtype)
-            if cost_model.kind == "adaptive_muon":
-                flops += MOMENT2_FLOPS_PER_ELEMENT * m * n / shards
-            total += flops * cost_model.matrix_cost(m, n) / cost_model.flops(m, n) if calibrated else flops / rate
-            count = gram_reductions(cost_model.ns_steps, "standard", cost_model.ns_dtype)
-            reductions, nbytes = reductions + count, nbytes + count * other * other * width
+            reductions, nbytes = 0, 0.0
+        else:
+            total = cost_model.shared_cost(spec) if calibrated else cost_model.shared_cost(spec) / rate
+            sums = cost_model.shared_reductions(spec)
+            reductions, nbytes = sum(c for c, _ in sums), float(sum(c * e * width for c, e in sums))
         if not calibrated:
             total += MOMENTUM_BYTES_PER_ELEMENT * spec.global_numel / shards / memory
         return total, reductions, nbytes / reductions if reductions else 0.0
@@ -459,6 +459,7 @@ def simulate(
     matrices_first: bool = False,
     early_inline: bool = False,
     instances: int = 1,
+    tp_together: str = "off",
 ) -> StrategyResult:
     """One iteration of the pipeline stage whose parameters are ``specs`` (package docstring).
 
@@ -492,7 +493,11 @@ def simulate(
     ranks: the plan, the buckets' reduce-scatter and all-gather and the step are one instance's,
     every instance stepping the whole model; after each bucket's reduce-scatter its shards are
     all-reduced across the instances (:func:`instance_groups`). ``details["bytes"]`` says per rank
-    and iteration what the bucket collectives send over which link (:func:`reduction_bytes`)."""
+    and iteration what the bucket collectives send over which link (:func:`reduction_bytes`).
+
+    ``tp_together`` (Canzona's strategies, :data:`~..balance.TP_TOGETHER`): the TP-sharded matrices
+    whose TP ranks compute them together, each its shard, summing their Gram matrices over their
+    link in fp32; ``off`` (the runtime's only choice today) hosts every matrix on one rank."""
     if strategy in BUILDERS and instances != 1 and strategy not in INSTANCE_STRATEGIES:
         raise ValueError(f"{strategy} runs one optimizer instance (Megatron's layer-wise Muon refuses several; the "
                          f"synchronous layout has no distributed optimizer); instances with: {', '.join(INSTANCE_STRATEGIES)}")
@@ -506,10 +511,12 @@ def simulate(
     ns = {"ns_method": strategy_ns_method(strategy, ns_method), "ns_dtype": cluster.gpu.ns_dtype}
     planning_cost = CostModel(kind=optimizer, **ns)  # the runtime plans with the FLOP formulas
     timing_cost = CostModel(kind=optimizer, calibration=calibration, **ns) if calibration else planning_cost
+    ns_optimizer = optimizer in NS_OPTIMIZERS
     ctx = _Context(list(specs), grid, seconds_per_update(timing_cost, cluster), planning_cost, bucket_size, plan,
                    expert_plan, wire, overlap, alpha, instances,
                    {mode: tp_sharded_seconds(timing_cost, cluster, mode) for mode in TP_MODE_STRATEGIES.values()}
-                   if optimizer in NS_OPTIMIZERS else {})
+                   if ns_optimizer else {}, tp_together,
+                   tp_sharded_seconds(timing_cost, cluster, "distributed", TOGETHER_REDUCE_BYTES) if ns_optimizer else None)
     work = BUILDERS[strategy](ctx)
     slowdown = cluster.contention(grid.size * instances * pp_size)
     phases = _phases(ctx, work, cluster, workload, pp_size, slowdown,

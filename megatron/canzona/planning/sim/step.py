@@ -85,6 +85,10 @@ class SimTask:
     ``seconds`` is one holder's share (:func:`~megatron.canzona.planning.cost.sharded_ns_flops`)."""
     reduce_bytes: float = 0.0
     """Bytes of each of those all-reduces."""
+    sharers: tuple[int, ...] = ()
+    """The hosts computing it together, each its own shard and task (Canzona's
+    ``--canzona-tp-together``): its host's compute then includes ``reductions`` all-reduces
+    among them (over their link, in the compute's stream) and ``seconds`` is its share."""
 
     @property
     def numel(self) -> int:
@@ -187,8 +191,12 @@ def _scatter(run: StepRun, tasks: Sequence[SimTask]) -> Flows:
 def _compute(run: StepRun, tasks: Sequence[SimTask]) -> dict[int, float]:
     seconds: dict[int, float] = {}
     for task in tasks:
+        extra = 0.0
+        if task.sharers and task.host is not None:  # a ring reduce-scatter and all-gather per all-reduce
+            extra = 2 * task.reductions * run.topology.ring(task.reduce_bytes, task.sharers)
+            run.sent[task.host] += 2 * task.reductions * task.reduce_bytes * (len(task.sharers) - 1) / len(task.sharers)
         for r in [task.host] if task.host is not None else [r for r, _ in task.holders]:
-            seconds[r] = seconds.get(r, 0.0) + task.seconds
+            seconds[r] = seconds.get(r, 0.0) + task.seconds + extra
     return seconds
 
 
