@@ -152,8 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-together", choices=TP_TOGETHER, default="off",
                    help="Canzona's TP-sharded matrices computed by their TP ranks together, each its shard, their "
                    "Gram matrices summed over NVLink in fp32: auto, those whose update alone costs more than the mean "
-                   "per GPU; all, every one whose TP-split side is its long one. A projection of a step the runtime "
-                   "does not run yet (default off)")
+                   "per GPU; all, every one whose TP-split side is its long one (the runtime's --canzona-tp-together, "
+                   "which runs under --use-megatron-fsdp only: without --fsdp a projection; default off)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="Canzona's micro-groups without pipelining (gather, compute, scatter in turn)")
     p.add_argument("--early-compute", action="store_true", default=None,

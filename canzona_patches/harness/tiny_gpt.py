@@ -137,6 +137,8 @@ class TinyRun:
     """Canzona (async): issue host-group gathers as buckets reduce (``--canzona-no-early-gather``: False)."""
     fsdp_micro_groups: str = "auto"
     """Under Megatron-FSDP: ``--canzona-fsdp-micro-groups`` (``one``, ``budget``; ``auto`` is ``budget`` on gloo)."""
+    tp_together: str = "off"
+    """Under Megatron-FSDP with Muon: ``--canzona-tp-together`` (``auto``, ``all``)."""
     muon_ns_dtype: str = "float32"
     """Canzona's Muon: the Newton-Schulz dtype (``bfloat16`` is Megatron's default precision)."""
     muon_ns_method: str = "standard"
@@ -496,7 +498,7 @@ def canzona_config(run: TinyRun):
         tp_mode=run.tp_mode, layout=run.canzona_layout, early_gather=run.early_gather,
         early_compute=(run.early_compute if isinstance(run.early_compute, str) else "on" if run.early_compute else "off")
         if run.early_gather else "off", speculation=run.speculation,
-        matrices_first=run.matrices_first, fsdp_micro_groups=run.fsdp_micro_groups,
+        matrices_first=run.matrices_first, fsdp_micro_groups=run.fsdp_micro_groups, tp_together=run.tp_together,
         **({} if run.early_compute_bytes is None else {"early_compute_bytes": run.early_compute_bytes}),
     )
 

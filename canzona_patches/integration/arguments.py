@@ -44,6 +44,7 @@ from megatron.canzona.data import check_blend_words, check_tokenizer_model  # no
 from megatron.canzona.optim import AdaptiveMuonConfig, MuonConfig, ShampooConfig, SOAPConfig  # noqa: E402
 from megatron.canzona.optim.config import FieldError  # noqa: E402
 from megatron.canzona.planning import OPTIMIZERS  # noqa: E402  (--canzona accepts exactly these)
+from megatron.canzona.planning.balance import TP_TOGETHER  # noqa: E402
 from megatron.canzona.planning.cost import NS_OPTIMIZERS  # noqa: E402
 from megatron.canzona.planning.speculation import EARLY_COMPUTE_SETTINGS  # noqa: E402
 from megatron.canzona.runtime.config import COSTS, FSDP_MICRO_GROUPS, LAYOUT_CHOICES, TP_MODES, CanzonaConfig  # noqa: E402
@@ -53,7 +54,7 @@ CANZONA_ONLY_OPTIMIZERS = ("shampoo",)
 """Choices of ``--optimizer`` that only Canzona implements (Megatron 0.19.2 has no Shampoo)."""
 
 CANZONA_FLAG_FIELDS = ("alpha", "cost", "split_qkv", "split_qkv_per_head", "split_gate_up", "tp_mode", "tp_group_budget", "early_gather",
-                       "layout", "cluster", "fsdp_micro_groups")
+                       "layout", "cluster", "fsdp_micro_groups", "tp_together")
 """The fields of ``CanzonaConfig`` that a ``--canzona-<field>`` flag sets (``dest`` ``canzona_<field>``)."""
 
 
@@ -172,6 +173,13 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
                        "auto (default) = one where its iterations projected on --canzona-cluster, the clip idle and "
                        "acting, add up to less, on CUDA with the early gathers (a [canzona] micro-groups line says "
                        "which), else budget. Bitwise the same either way.")
+    group.add_argument("--canzona-tp-together", choices=TP_TOGETHER, default=defaults.tp_together,
+                       help="Under --use-megatron-fsdp with --optimizer muon and TP: the TP-sharded matrices whose "
+                       "TP ranks compute them together, each gathering and computing its own shard, their "
+                       "Newton-Schulz summing the shards' Gram matrices over the TP group (equal to one host's to "
+                       "rounding, not bitwise): auto = those whose update alone costs more than the mean per GPU "
+                       "(Qwen3-32B's fc1 and fc2), all = every one whose TP-split side is its long one, off "
+                       "(default) = one host per matrix.")
     switch("checksums", True,
            on="Record a SHA-256 of every checkpoint file as it is written, and verify them (spread over the "
            "ranks) before a load (default); a corrupt file is named in one line.",
@@ -368,6 +376,14 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
             f"--canzona-fsdp-micro-groups {args.canzona_fsdp_micro_groups} groups the matrices under "
             "--use-megatron-fsdp; the distributed optimizer's groups follow --canzona-tp-group-budget: drop "
             "--canzona-fsdp-micro-groups")
+    if args.canzona_tp_together != "off":
+        unread = ("--use-megatron-fsdp" if not fsdp else "--optimizer muon" if args.optimizer != "muon"
+                  else "--tensor-model-parallel-size above 1" if args.tensor_model_parallel_size == 1
+                  else "--canzona-tp-mode async" if args.canzona_tp_mode != "async" else None)
+        if unread is not None:
+            raise CanzonaArgumentError(
+                f"--canzona-tp-together {args.canzona_tp_together} computes TP-sharded Muon matrices on their TP "
+                f"ranks together under Megatron-FSDP; it needs {unread}: add that, or drop --canzona-tp-together")
     if args.canzona_fsdp_micro_groups == "one" and args.canzona_tp_group_budget is not None:
         raise CanzonaArgumentError(
             "--canzona-fsdp-micro-groups one puts every matrix in one micro-group, and --canzona-tp-group-budget "

@@ -170,8 +170,9 @@ def _plan_tasks(plan: CanzonaPlan, params: dict[tuple[int, str], torch.nn.Parame
         param = params.get((task.chunk, task.name))
         if param is None:
             raise RuntimeError(f"the plan names {task.name} (chunk {task.chunk}), which the model does not have; re-plan")
-        if task.tp_sharded != (bool(getattr(param, "tensor_model_parallel", False)) and plan.tp_size > 1):
-            raise RuntimeError(f"the plan treats {task.name} as {'' if task.tp_sharded else 'not '}TP-sharded, the "
+        sharded = task.tp_sharded or task.together  # one host, or each TP rank its shard
+        if sharded != (bool(getattr(param, "tensor_model_parallel", False)) and plan.tp_size > 1):
+            raise RuntimeError(f"the plan treats {task.name} as {'' if sharded else 'not '}TP-sharded, the "
                                f"model does not; re-plan with this model's tensor-parallel layout")
         shape = tuple(param.shape) if shapes is None else shapes[(task.chunk, task.name)]
         if task.span is not None:  # a part hosted apart: a block of whole rows of every TP shard
@@ -183,7 +184,8 @@ def _plan_tasks(plan: CanzonaPlan, params: dict[tuple[int, str], torch.nn.Parame
             counts[(task.chunk, task.name)] = max(counts.get((task.chunk, task.name), 0), task.part + 1)
         tasks.append(MatrixTask(task=task, local_shape=shape,
                                 tp_dim=param.partition_dim if task.tp_sharded else None,
-                                stride=tp_strides[(task.chunk, task.name)] if task.tp_sharded and task.span is None else 1))
+                                stride=tp_strides[(task.chunk, task.name)] if task.tp_sharded and task.span is None else 1,
+                                together=param.partition_dim if task.together else None))
         layouts[task.key] = None if task.span is not None else fused_layouts[(task.chunk, task.name)]
         names[task.key], task_params[task.key] = global_names[param], param
         keys_of.setdefault((task.chunk, task.name), []).append(

@@ -117,9 +117,14 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
                                  tp_size=plan.tp_size, mode=setup.config.tp_mode)
         inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts,
                    local=local_elements if self.fsdp else None)
+        together = any(task.together is not None for task in binding.tasks)  # the plan's, the same on every rank
+        if together:
+            tp_group = ranks.tp
+            inner.tp_all_reduce = lambda tensor: dist.all_reduce(tensor, group=tp_group)
         compute = EarlyCompute(
             compute=inner.stage_compute, discard=inner.discard_staged, scale=self._early_scale,
-            groups=early_groups(inner, setup.config.early_compute_bytes)) if setup.early_compute[ranks.expert] else None
+            groups=early_groups(inner, setup.config.early_compute_bytes, ranks.tp if together else None)
+        ) if setup.early_compute[ranks.expert] else None
         if not setup.config.early_gather:
             early = None
         elif self.fsdp:  # the holders keep Muon's momentum: its source is gathered early, speculating
@@ -357,14 +362,22 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         return (~torch.isfinite(norms).all()).to(torch.float32).reshape(1)
 
 
-def early_groups(inner: CanzonaOptimizer, budget_bytes: int) -> frozenset[int]:
+def early_groups(inner: CanzonaOptimizer, budget_bytes: int, together: Any = None) -> frozenset[int]:
     """The micro-groups this rank computes early within ``budget_bytes``
-    (:func:`~megatron.canzona.planning.memory.early_compute_groups`, as the memory model picks them)."""
+    (:func:`~megatron.canzona.planning.memory.early_compute_groups`, as the memory model picks them).
+    ``together``: the TP group of ranks that compute matrices together (:attr:`MatrixTask.together`),
+    whose Newton-Schulz is a collective among them: the groups every one of them picks (one
+    all-reduce at start-up), so that each computes a shared matrix early or in the step alike."""
     engine = inner.engine
     assert engine is not None
-    return early_compute_groups(
+    mine = early_compute_groups(
         ((max(t.task.bucket for t in e.tasks), e.index, sum(inner.early_elements(t.key) for b in e.computed for t in b))
          for e in engine.exchanges), budget_bytes // STATE_BYTES)
+    if together is None or dist.get_world_size(together) == 1:
+        return mine
+    picked = torch.tensor([e.index in mine for e in engine.exchanges], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(picked, op=dist.ReduceOp.MIN, group=together)
+    return frozenset(e.index for e, keep in zip(engine.exchanges, picked.tolist()) if keep)
 
 
 NONFINITE_SKIP = "Canzona: skipping the optimizer step, a gradient holds inf or NaN"

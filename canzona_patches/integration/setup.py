@@ -143,7 +143,7 @@ def make_setup(
     if first or summarize_here:
         summary = summarize_canzona(plan, specs, config.cost_model(), wire)
     if first:
-        for line in (choice, early, order, qkv_line(config, model_chunks[0].config)):
+        for line in (choice, early, order, qkv_line(config, model_chunks[0].config), together_line(config, plan)):
             if line is not None:
                 print(line if stage is None else line.replace("[canzona]", f"[canzona] stage {stage}:"), flush=True)
         _log_plan(plan, summary, stage)
@@ -185,6 +185,18 @@ def check_same_choices(choices: dict[str, int], group: Any = None) -> None:
         raise RuntimeError(
             f"the ranks projected different choices for {', '.join(differ)} (nodes of different sizes?): "
             "give the choice explicitly, or --canzona-cluster with the node size of every node")
+
+
+def together_line(cfg: CanzonaConfig, plan: Any) -> str | None:
+    """The start-up line of ``--canzona-tp-together`` (none without it): which matrices their TP
+    ranks compute together."""
+    if cfg.tp_together == "off":
+        return None
+    shared = [h for h in plan.hosts if h.together]
+    kinds = sorted({h.name.rsplit(".", 2)[-2] for h in shared})
+    return (f"[canzona] TP together ({cfg.tp_together}): {len(shared)} of {len(plan.hosts)} matrices computed by their "
+            f"{plan.tp_size} TP ranks together, each its own shard, the Gram matrices summed over the TP group"
+            + (f" ({', '.join(kinds)})" if kinds else ""))
 
 
 def qkv_line(cfg: CanzonaConfig, tc: Any) -> str | None:

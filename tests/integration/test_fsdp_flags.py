@@ -10,6 +10,7 @@ import pytest
 from canzona_patches.integration.arguments import (
     FSDP_REFUSED,
     CanzonaArgumentError,
+    canzona_config_from_args,
     finalize_canzona_args,
     validate_canzona_args,
 )
@@ -146,3 +147,24 @@ def test_micro_groups_are_chosen_under_fsdp_and_refused_elsewhere(groups: str) -
     with pytest.raises(CanzonaArgumentError, match="^--canzona-fsdp-micro-groups one puts every matrix in one "
                        "micro-group, and --canzona-tp-group-budget caps a host's cost per group: drop one$"):
         validate_canzona_args(budget)
+
+
+@pytest.mark.parametrize("together", ["auto", "all"])
+def test_tp_together_is_taken_with_fsdp_muon_and_tp_and_refused_without_each(together: str) -> None:
+    """``--canzona-tp-together`` computes TP-sharded Muon matrices on their TP ranks together under
+    Megatron-FSDP: taken there, refused in one line naming what it needs where any of it is missing."""
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    args = parse(*FSDP, *tp2, "--canzona-tp-together", together)
+    validate_canzona_args(args)
+    finalize_canzona_args(args)
+    assert canzona_config_from_args(args).tp_together == together
+    missing = {
+        "--use-megatron-fsdp": ["--canzona", "--optimizer", "muon", "--use-distributed-optimizer", *tp2],
+        "--optimizer muon": [*FSDP[:2], "shampoo", *FSDP[3:], *tp2],
+        "--tensor-model-parallel-size above 1": FSDP,
+        "--canzona-tp-mode async": [*FSDP, *tp2, "--canzona-tp-mode", "sync"],
+    }
+    for needed, words in missing.items():
+        with pytest.raises(CanzonaArgumentError, match=f"^--canzona-tp-together {together} computes TP-sharded Muon "
+                           f"matrices .* it needs {needed}: add that, or drop --canzona-tp-together$"):
+            validate_canzona_args(parse(*words, "--canzona-tp-together", together))

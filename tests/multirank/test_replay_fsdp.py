@@ -5,16 +5,23 @@ attached to its optimizer parameter). DP 4 in ``optim_grads_params`` and TP 2 x 
 ``optim_grads``, Muon's momentum kept on the holders (Muon, AdaMuon, NorMuon), Shampoo and SOAP with
 their state on the hosts: every matrix within ``MAX_ULPS`` of the one-device result. Measured:
 Muon, AdaMuon, NorMuon 0 ulp (bitwise), Shampoo 0.125, SOAP 4.19, the same as the distributed
-optimizer's layouts on the same machine."""
+optimizer's layouts on the same machine.
+
+With ``--canzona-tp-together all`` (TP 2 x DP 2, ``optim_grads``, Muon) fc1, fc2 and the attention
+projection are computed by their two TP ranks together, each its own shard, their Gram matrices
+summed over the TP group: not bitwise (the sums run in another order), every matrix within
+:data:`TOGETHER_MAX_ULPS` of the one-device result."""
 
 from __future__ import annotations
+
+import collections
 
 import pytest
 
 from megatron.canzona.runtime import LaunchConfig, launch
 
 from canzona_patches.harness.tiny_gpt import train_tiny_gpts
-from .test_replay_exactness import LAUNCH_TIMEOUT_S, _run, check_against_one_device
+from .test_replay_exactness import LAUNCH_TIMEOUT_S, _run, check_against_one_device, one_device, ulps
 from . import CPU_RANKS
 
 pytestmark = [*CPU_RANKS]
@@ -25,13 +32,18 @@ CASES = {
     "tp2_dp2_fsdp_optim_grads": dict(tp_size=2, fsdp="optim_grads", overlap_grad_reduce=True),
 }
 """Case -> the TinyRun fields that make it (4 ranks each, one launch for all)."""
+TOGETHER = ("tp2_dp2_fsdp_together", dict(tp_size=2, fsdp="optim_grads", overlap_grad_reduce=True, tp_together="all"))
+"""Muon's case with the TP-sharded matrices computed by their TP ranks together."""
+TOGETHER_MAX_ULPS = 64
+"""Measured: 6 ulp (Newton-Schulz in fp32, the Gram matrices summed over 2 ranks in fp32)."""
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[tuple[str, str], list[dict]]:
-    cases = [(optimizer, case) for optimizer in OPTIMIZERS for case in CASES]
+    cases = [(optimizer, case) for optimizer in OPTIMIZERS for case in CASES] + [("muon", TOGETHER[0])]
+    every = CASES | dict([TOGETHER])
     per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=4, timeout_s=LAUNCH_TIMEOUT_S),
-                      [_run(*key, cases=CASES) for key in cases])
+                      [_run(*key, cases=every) for key in cases])
     return {key: [rank[i] for rank in per_rank] for i, key in enumerate(cases)}
 
 
@@ -40,3 +52,19 @@ def results() -> dict[tuple[str, str], list[dict]]:
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_the_fsdp_step_equals_one_device_math(results, optimizer: str, case: str) -> None:
     check_against_one_device(results[(optimizer, case)], _run(optimizer, case, CASES), optimizer, case)
+
+
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
+def test_matrices_computed_by_their_tp_ranks_together_equal_one_device_math(results) -> None:
+    name, fields = TOGETHER
+    per_rank = results[("muon", name)]
+    run = _run("muon", name, dict([TOGETHER]))
+    computed = collections.Counter(n for result in per_rank for n in result["updated"])
+    shared = {n.split(".")[-2] for n, ranks in computed.items() if ranks == 2}  # each of its two TP ranks
+    assert shared == {"linear_fc1", "linear_fc2", "linear_proj"}, computed
+    assert all(ranks == 1 for n, ranks in computed.items() if n.split(".")[-2] not in shared), computed
+    initial = per_rank[0]["initial_params"]
+    expected = one_device(run, initial)
+    worst = max(ulps(result["params"][n], value) for result in per_rank for n, value in expected.items())
+    print(f"\n[replay] muon {name}: largest difference {worst:.3g} ulp (bound {TOGETHER_MAX_ULPS})", flush=True)
+    assert 0 < worst <= TOGETHER_MAX_ULPS

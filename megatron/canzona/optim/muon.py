@@ -36,7 +36,8 @@ import torch
 
 from megatron.canzona.optim.common import OptimizerState, Refresh, state_dtype_for
 from megatron.canzona.optim.config import MuonConfig, resolve_dtype
-from megatron.canzona.optim.newton_schulz import newton_schulz
+from megatron.canzona.optim.newton_schulz import AllReduce, newton_schulz, newton_schulz_sharded
+from megatron.canzona.planning.cost import ns_method_for
 
 
 @dataclasses.dataclass
@@ -172,3 +173,23 @@ def muon_from_source(
     (:func:`muon_source_`), on a host that keeps no momentum."""
     state.step += 1
     return _scaled(orthogonalized(source, config), config)
+
+
+@torch.no_grad()
+def muon_from_source_sharded(
+    source: torch.Tensor, state: MuonSourceState, config: MuonConfig, refresh: Refresh | None = None, *,
+    all_reduce: AllReduce, split_dim: int, shape: tuple[int, int],
+) -> torch.Tensor:
+    """:func:`muon_from_source` of one shard (or a stack of shards) of ``shape``-sized matrices whose
+    side ``split_dim`` is cut among ranks that call this together, each with its shard: their
+    Newton-Schulz sums the shards' Gram matrices with ``all_reduce``
+    (:func:`~megatron.canzona.optim.newton_schulz.newton_schulz_sharded`; equal to the whole
+    matrix's to rounding), by the method the config takes for ``shape``, and the direction is
+    scaled by ``shape``'s :func:`muon_scale`. Returns this rank's shard of the direction."""
+    state.step += 1
+    method = ns_method_for(*shape, config.num_ns_steps, config.ns_method, config.ns_dtype, config.ns_measured)
+    orthogonal = newton_schulz_sharded(
+        source, all_reduce=all_reduce, split_dim=split_dim, num_steps=config.num_ns_steps,
+        coefficients=config.coefficients, dtype=resolve_dtype(config.ns_dtype), eps=config.eps, method=method,
+    ).to(source.dtype)
+    return orthogonal * muon_scale(*shape, config.scale_mode, config.extra_scale_factor)

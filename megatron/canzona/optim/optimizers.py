@@ -308,11 +308,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 buckets[(len(buckets),)].append(job)
         return [sorted(bucket, key=lambda job: self._refresh_offset(job[0], config)) for bucket in buckets.values()]
 
-    def _run_jobs(self, jobs: list[_Job], config: Any, *, staged: bool = False) -> dict[tuple[int, int], torch.Tensor]:
+    def _run_jobs(self, jobs: list[_Job], config: Any, *, staged: bool = False,
+                  update: Callable[..., torch.Tensor] | None = None) -> dict[tuple[int, int], torch.Tensor]:
         """Run every job, a bucket of same-shape ones in one batched call on its stacked
         state; directions by (owner id, piece). ``staged``: the updates run on staging copies
         of the state and leave the state as it was, until :meth:`commit_staged` makes them the
-        state (or :meth:`discard_staged` drops them)."""
+        state (or :meth:`discard_staged` drops them). ``update``: the update function of these
+        jobs, in place of the optimizer's (same arguments)."""
+        update_fn = update or self.update_fn
         directions: dict[tuple[int, int], torch.Tensor] = {}
         for bucket in self._buckets(jobs, config):
             grads = [grad for _, _, grad in bucket]
@@ -326,12 +329,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 members = self._members(bucket)
                 state = _staging_copy(state, self._spares.pop(members, None))
                 storage = state.tensors()
-                out = self.update_fn(batch, state, config, refresh)
+                out = update_fn(batch, state, config, refresh)
                 if stack is not None:  # as a stack keeps what an update replaced: in its storage
                     _absorb(state, storage)
                 self._staged[members] = _Staged(bucket, stack, state, refresh, config)
             else:
-                out = self.update_fn(batch, state, config, refresh)
+                out = update_fn(batch, state, config, refresh)
                 self._commit(bucket, state, stack)
                 self._warn_failed(bucket, refresh, state.step)
             for position, (owner, index, _) in enumerate(bucket):

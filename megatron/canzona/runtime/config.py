@@ -7,6 +7,7 @@ from typing import Literal
 
 from megatron.canzona.optim import MATRIX_OPTIMIZERS, AdamWConfig, MuonConfig, ShampooConfig, SOAPConfig
 from megatron.canzona.planning import DEFAULT_ALPHA, LAYOUTS, OPTIMIZERS, CostModel
+from megatron.canzona.planning.balance import TP_TOGETHER
 from megatron.canzona.planning.memory import EARLY_COMPUTE_BYTES
 from megatron.canzona.planning.speculation import (
     EARLY_COMPUTE_SETTINGS,
@@ -58,6 +59,11 @@ class CanzonaConfig:
     (``budget``: ``tp_group_budget`` or its default), or ``auto``: ``one`` where it is projected
     faster on ``cluster`` with the run's batch (the clip idle and acting, added), where the early
     gathers ride FSDP's link (CUDA, ``async``), else ``budget`` (:func:`~megatron.canzona.planning.sim.choose.project_fsdp_groups`)."""
+    tp_together: Literal["off", "auto", "all"] = "off"
+    """Under Megatron-FSDP with Muon: the TP-sharded matrices whose TP ranks compute them together,
+    each gathering and computing its own shard, their Newton-Schulz summing the shards' Gram
+    matrices over the TP group (:data:`~megatron.canzona.planning.balance.TP_TOGETHER`; equal to
+    one host's to rounding, not bitwise); ``off``: one host per matrix."""
     early_gather: bool = True
     """``async``: issue each micro-group's gather to its hosts as soon as the buckets holding
     its matrices have reduced, before the step (the hosts apply the loss scale and the clip
@@ -107,6 +113,8 @@ class CanzonaConfig:
         if self.fsdp_micro_groups not in FSDP_MICRO_GROUPS:
             raise ValueError(f"fsdp_micro_groups must be one of {', '.join(FSDP_MICRO_GROUPS)}, "
                              f"got {self.fsdp_micro_groups!r}")
+        if self.tp_together not in TP_TOGETHER:
+            raise ValueError(f"tp_together must be one of {', '.join(TP_TOGETHER)}, got {self.tp_together!r}")
         if self.early_compute not in EARLY_COMPUTE_SETTINGS:
             raise ValueError(f"early_compute must be one of {', '.join(EARLY_COMPUTE_SETTINGS)}, got {self.early_compute!r}")
         if self.speculation not in SPECULATION_RULES:

@@ -80,6 +80,11 @@ class MatrixTask:
     update dtype (fp32)."""
     update_scale: float = 1.0
     """The factor of a narrow direction (:attr:`update_dtype`)."""
+    together: int | None = None
+    """For TP rank :attr:`column`'s shard of a TP-sharded matrix its TP ranks compute together
+    (the schedule's :attr:`~megatron.canzona.planning.schedule.Task.together`), the matrix's TP
+    dimension: its host's Newton-Schulz sums the Gram matrices with its TP peers', and the matrix
+    is :meth:`matrix_shape`; ``None``: computed alone."""
 
     def __post_init__(self) -> None:
         key = self.task.key
@@ -98,6 +103,10 @@ class MatrixTask:
             raise ValueError(f"{key}: the engine needs a host per task (its mode decides who computes)")
         if self.update_dtype is not None and (self.update_dtype.itemsize >= 4 or self.task.is_local()):
             raise ValueError(f"{key}: a narrow update dtype must be under 4 bytes and for a task that moves")
+        if (self.together is not None) != self.task.together or self.together not in (0, 1, None) \
+                or (self.together is not None and self.tp_dim is not None):
+            raise ValueError(f"{key}: computed together {self.together} disagrees with the schedule "
+                             f"({self.task.together}), or is not one TP rank's shard (TP dim {self.tp_dim})")
 
     @property
     def key(self) -> str:
@@ -139,6 +148,15 @@ class MatrixTask:
     def is_local(self) -> bool:
         """Whether the host holds the whole matrix itself (nothing to move)."""
         return self.task.is_local()
+
+    def matrix_shape(self, tp_size: int) -> tuple[int, int]:
+        """Shape of the matrix whose update this is: :meth:`full_shape`, or for a shard computed
+        :attr:`together`, the whole TP-sharded matrix's (what its Muon scale is taken of)."""
+        if self.together is None:
+            return self.full_shape(tp_size)
+        shape = list(self.local_shape)
+        shape[self.together] *= tp_size
+        return (shape[0], shape[1])
 
 
 @dataclass(kw_only=True)

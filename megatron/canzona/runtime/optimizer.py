@@ -41,7 +41,8 @@ from megatron.canzona.optim import (
 )
 from megatron.canzona.optim.common import state_dtype_for
 from megatron.canzona.optim.config import resolve_dtype
-from megatron.canzona.optim.muon import muon_scale, muon_source_
+from megatron.canzona.optim.muon import muon_from_source_sharded, muon_scale, muon_source_
+from megatron.canzona.optim.newton_schulz import AllReduce
 from megatron.canzona.optim.split import FusedLayout, GateUpLayout, QKVLayout
 from megatron.canzona.planning.comm import NARROW_DTYPE_BYTES
 from megatron.canzona.runtime.host_groups import (
@@ -104,6 +105,10 @@ class CanzonaOptimizer(MatrixOptimizer):
         self._unscaled: MuonConfig | None = None
         """:func:`unscaled` of the config, made at the first step with a narrow task."""
         self._local: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.tp_all_reduce: AllReduce | None = None
+        """Sums a tensor in place over this rank's TP group: how the shards of a matrix its TP ranks
+        compute together (:attr:`MatrixTask.together`) sum their Gram matrices; set before the first
+        step where there are such tasks."""
 
     def bind(
         self, pieces: Mapping[torch.Tensor, Sequence[PieceRef]], engine: HostGroupEngine,
@@ -133,6 +138,11 @@ class CanzonaOptimizer(MatrixOptimizer):
         missing = [t.key for t in engine.tasks if engine.computes(t) and t.key not in layouts]
         if missing:
             raise ValueError(f"no fused layout given for {missing[:3]}")
+        together = [t.key for t in engine.tasks if t.together is not None]
+        if together and (self.math != "muon" or not self.momentum_on_holders
+                         or any(layouts.get(key) is not None for key in together)):
+            raise ValueError(f"{together[0]}: a matrix its TP ranks compute together is Muon's, one matrix (no "
+                             "split layout), its momentum on the holders (Megatron-FSDP)")
         self._refs, self.engine, self._layouts = refs, engine, dict(layouts)
         self._local = local
         self._names = dict(names or {})
@@ -322,22 +332,47 @@ class CanzonaOptimizer(MatrixOptimizer):
         """Full-matrix directions: fused matrices split, same-shape pieces batched, merged back;
         a narrow task's unscaled (:func:`narrow_updates`)."""
         jobs, narrow = [], []
+        together: dict[tuple[int, bool], list] = {}  # by TP dimension and narrowness, in the keys' order
         counts = []
         for key, grad in zip(keys, full_grads):
             pieces = split_pieces(grad, self._layouts[key])
             self._declare(key, len(pieces))
-            mine = narrow if self._tasks[key].update_dtype is not None else jobs
+            task = self._tasks[key]
+            if task.together is not None:
+                mine = together.setdefault((task.together, task.update_dtype is not None), [])
+            else:
+                mine = narrow if task.update_dtype is not None else jobs
             mine.extend((key, i, piece) for i, piece in enumerate(pieces))
             counts.append(len(pieces))
         directions = self._run_jobs(jobs, self.config, staged=staged)
-        if narrow:
+        if narrow or any(is_narrow for _, is_narrow in together):
             if self._unscaled is None:
                 self._unscaled = unscaled(self.config)
+        if narrow:
             directions.update(self._run_jobs(narrow, self._unscaled, staged=staged))
+        for (dim, is_narrow), shards in together.items():  # the same on every TP peer, in the same order
+            directions.update(self._run_jobs(shards, self._unscaled if is_narrow else self.config, staged=staged,
+                                             update=self._together_update(dim)))
         return [
             merge_pieces([directions[(id(key), i)] for i in range(count)], self._layouts[key])
             for key, count in zip(keys, counts)
         ]
+
+
+    def _together_update(self, dim: int) -> Callable[..., torch.Tensor]:
+        """Muon's update of a stack of shards of matrices cut along ``dim`` over the TP group,
+        computed with the TP peers' (:func:`~megatron.canzona.optim.muon.muon_from_source_sharded`)."""
+        reduce, tp_size = self.tp_all_reduce, self._engine().tp_size
+        if reduce is None:
+            raise RuntimeError("a matrix its TP ranks compute together needs the TP group's all-reduce: set "
+                               "CanzonaOptimizer.tp_all_reduce before the first step")
+
+        def update(batch: torch.Tensor, state: Any, config: MuonConfig, refresh: Any = None) -> torch.Tensor:
+            rows, cols = batch.shape[-2:]
+            shape = (rows * tp_size, cols) if dim == 0 else (rows, cols * tp_size)
+            return muon_from_source_sharded(batch, state, config, refresh, all_reduce=reduce,
+                                            split_dim=-2 if dim == 0 else -1, shape=shape)
+        return update
 
 
 def unscaled(config: MuonConfig) -> MuonConfig:
@@ -358,7 +393,7 @@ def narrow_updates(tasks: Sequence[MatrixTask], *, math: str, config: Any, layou
     out = []
     for task in tasks:
         if layouts.get(task.key) is None and not task.is_local():
-            rows, cols = task.full_shape(tp_size)
+            rows, cols = task.matrix_shape(tp_size)
             task = dataclasses.replace(task, update_dtype=dtype, update_scale=muon_scale(
                 rows, cols, config.scale_mode, config.extra_scale_factor))
         out.append(task)

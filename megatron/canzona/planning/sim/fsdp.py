@@ -416,7 +416,7 @@ def simulate_fsdp(
     nothing early (the runtime's ``--canzona-no-early-gather``). ``tp_budget``: Canzona's
     micro-group budget over Megatron-FSDP's shards (``math.inf``: one micro-group,
     ``--canzona-fsdp-micro-groups one``). ``tp_together``: Canzona's TP-sharded matrices computed
-    by their TP ranks together (:func:`~.simulate.simulate`'s; ``off``, the runtime's only choice today)."""
+    by their TP ranks together (:func:`~.simulate.simulate`'s; the runtime's ``--canzona-tp-together``)."""
     if strategy not in BUILDERS:
         raise ValueError(f"unknown FSDP strategy {strategy!r}; choose one of: {', '.join(FSDP_STRATEGIES)}")
     if optimizer not in OPTIMIZERS:

@@ -497,7 +497,8 @@ def simulate(
 
     ``tp_together`` (Canzona's strategies, :data:`~..balance.TP_TOGETHER`): the TP-sharded matrices
     whose TP ranks compute them together, each its shard, summing their Gram matrices over their
-    link in fp32; ``off`` (the runtime's only choice today) hosts every matrix on one rank."""
+    link in fp32 (the runtime's ``--canzona-tp-together``, which runs under Megatron-FSDP only);
+    ``off`` hosts every matrix on one rank."""
     if strategy in BUILDERS and instances != 1 and strategy not in INSTANCE_STRATEGIES:
         raise ValueError(f"{strategy} runs one optimizer instance (Megatron's layer-wise Muon refuses several; the "
                          f"synchronous layout has no distributed optimizer); instances with: {', '.join(INSTANCE_STRATEGIES)}")
