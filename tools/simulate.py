@@ -699,25 +699,32 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     AdamW-FSDP's, #4486's iteration over AdamW's, Canzona's bytes per rank over the bound; then the
     same defaults when the clip acts every iteration (the speculation policy then computes in the
     step, and Muon's gathers, which carry its source, wait for it: Shampoo's and SOAP's still go
-    early); last, the opt-in ``--canzona-split-gate-up`` (gate and up hosted apart: another
-    optimizer than Megatron's Muon, which orthogonalises the fused fc1), against its own limit."""
+    early); then the opt-in ``--canzona-split-gate-up`` (gate and up hosted apart: another
+    optimizer than Megatron's Muon, which orthogonalises the fused fc1), against its own limit;
+    last, at TP > 1, the opt-in ``--canzona-tp-together auto`` (the largest TP-sharded matrices
+    computed by their TP ranks together: the same optimizer, to rounding)."""
     header = ("| model | GPUs | TP, EP, FSDP | optimizer step (ms): " + " / ".join(FSDP_STRATEGIES)
               + " | iteration (ms): " + " / ".join(FSDP_STRATEGIES) + " | limit L (ms) | step / L | its bytes over "
               "the link (ms) | step / best peer | iteration / AdamW | #4486 iteration / AdamW | bytes / bound | clip "
               "acts every iteration: step (ms), step / L, iteration / AdamW | with --canzona-split-gate-up: step (ms), "
-              "step / its L, iteration / AdamW |")
+              "step / its L, iteration / AdamW | with --canzona-tp-together auto: step (ms), iteration / AdamW, bytes / "
+              "bound |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     cluster = resolve_cluster(args.cluster)
     rows = []
     for model, gpus, tp, ep in FSDP_CASES:
         base = {**vars(args), "model": model, "gpus": gpus, "tp": tp, "ep": ep, "pp": 1, "cp": 1, "global_batch": None,
-                "fsdp": args.fsdp or "optim_grads_params", "plot": None, "split_gate_up": False}
+                "fsdp": args.fsdp or "optim_grads_params", "plot": None, "split_gate_up": False, "tp_together": "off"}
         report, _ = project_fsdp(argparse.Namespace(**base))
         split, _ = project_fsdp(argparse.Namespace(**{**base, "split_gate_up": True}))
         clipped, _ = project_fsdp(argparse.Namespace(**{**base, "clip_rate": 1.0}))
         report["canzona_split_gate_up"] = gate_up = split["strategies"]["canzona"]
         report["canzona_clip_acts"] = clipped = clipped["strategies"]["canzona"]
+        together = None
+        if tp > 1:
+            shared, _ = project_fsdp(argparse.Namespace(**{**base, "tp_together": "auto"}))
+            report["canzona_tp_together"] = together = shared["strategies"]["canzona"]
         s, c = report["strategies"], report["config"]
         canzona, limit = s["canzona"], report["physical_limit_seconds"]
         peer = min(s[n]["optimizer_step_seconds"] for n in FSDP_PEERS)
@@ -736,7 +743,10 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
               f"{clipped['iteration_seconds'] / adamw:.3f} | "
               f"{short_ms(gate_up['optimizer_step_seconds'])}, "
               f"{gate_up['optimizer_step_seconds'] / split['physical_limit_seconds']:.2f}, "
-              f"{gate_up['iteration_seconds'] / adamw:.3f} |", flush=True)
+              f"{gate_up['iteration_seconds'] / adamw:.3f} | "
+              + ("(TP 1)" if together is None else f"{short_ms(together['optimizer_step_seconds'])}, "
+                 f"{together['iteration_seconds'] / adamw:.3f}, "
+                 f"{together['step_bytes_per_rank'] / report['step_bytes_bound']:.2f}") + " |", flush=True)
         rows.append(report)
     return rows
 

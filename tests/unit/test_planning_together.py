@@ -9,6 +9,7 @@ import pytest
 
 from megatron.canzona.planning import CostModel, ParamSpec, make_plan, plan_schedule, qwen3_specs
 from megatron.canzona.planning.balance import TP_TOGETHER, computed_together
+from megatron.canzona.planning.comm import WireConfig, gram_reductions, rank_index, traffic
 from megatron.canzona.planning.cost import sharded_ns_flops
 from megatron.canzona.planning.plan import CanzonaPlan
 from megatron.canzona.planning.sim import ClusterSpec, simulate
@@ -65,6 +66,9 @@ def test_a_matrix_computed_together_is_a_task_per_tp_rank_on_one_dp_rank(layout)
         (True, False, c, (host.dp_rank, c)) for c in (0, 1)]
     assert [t.pieces for t in tasks][0] == tasks[1].pieces  # each TP rank's shard, the same DP pieces
     assert CanzonaPlan.from_json(plan.to_json()) == plan
+    grams = [traffic([], tasks, dp_size=2, tp_size=2, wire=WireConfig(), grams=gram_reductions(tasks, specs, MUON))
+             [rank_index(*t.host, 2)].tp_gram for t in tasks]
+    assert grams == [5 * 2 * 0.5 * 256 * 256 * 4] * 2  # each co-host: five ring all-reduces of the fp32 Gram matrix
 
 
 def test_qwen3_32b_under_fsdp_takes_fc1_and_fc2_and_lowers_the_busiest_gpu():

@@ -20,7 +20,7 @@ host groups and one per ring step of a bucket collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from .cost import CostModel
@@ -77,6 +77,10 @@ class RankTraffic:
     sync_gather: float = 0.0
     """Pieces every holder gathers (``--canzona-tp-mode sync``): over the TP group, in the
     step."""
+    tp_gram: float = 0.0
+    """Gram matrices of the matrices its TP ranks compute together (``--canzona-tp-together``),
+    all-reduced over the TP group in :data:`GRAM_REDUCE_BYTES` per element, with the compute
+    (in backward's tail with early compute, else in the step)."""
     messages: int = 0
     """Point-to-point messages and collective rounds, for the latency term."""
 
@@ -95,18 +99,36 @@ def rank_index(dp_rank: int, tp_rank: int, tp_size: int) -> int:
 
 def traffic(
     buffers: Iterable[BufferPlan], tasks: Iterable[Task], *, dp_size: int, tp_size: int, wire: WireConfig,
-    narrow: Mapping[str, int] | None = None,
+    narrow: Mapping[str, int] | None = None, grams: Mapping[str, Sequence[tuple[int, int]]] | None = None,
 ) -> list[RankTraffic]:
     """Bytes sent per rank (index ``dp_rank * tp_size + tp_rank``) in one step, for the
     buckets of ``buffers`` and the schedule's ``tasks`` (:mod:`.schedule`); ``narrow``: the
-    tasks whose update goes back narrower (:func:`narrow_update_bytes`)."""
+    tasks whose update goes back narrower (:func:`narrow_update_bytes`); ``grams``: per task its
+    TP ranks compute together, ``(all-reduces, elements of each)`` of its Gram matrices
+    (:meth:`~.cost.CostModel.shared_reductions`)."""
     out = [RankTraffic() for _ in range(dp_size * tp_size)]
     rs, ag, messages = collective_bytes(buffers, dp_size, wire)
     for rank in out:
         rank.reduce_scatter, rank.all_gather, rank.messages = rs, ag, messages
     for task in tasks:
         add_task_traffic(out, task, tp_size, wire, (narrow or {}).get(task.key))
+        if task.together and task.host is not None:  # a ring reduce-scatter and all-gather per all-reduce
+            host = out[rank_index(*task.host, tp_size)]
+            for count, elements in (grams or {})[task.key]:
+                host.tp_gram += count * 2 * (tp_size - 1) / tp_size * elements * GRAM_REDUCE_BYTES
+                host.messages += count * 2 * (tp_size - 1)
     return out
+
+
+GRAM_REDUCE_BYTES = 4
+"""Bytes per element of the Gram matrices the TP ranks of a matrix computed together sum
+(:func:`~megatron.canzona.optim.newton_schulz.newton_schulz_sharded` reduces in fp32)."""
+
+
+def gram_reductions(tasks: Iterable[Task], specs: Iterable[ParamSpec], cost_model: CostModel) -> dict[str, list[tuple[int, int]]]:
+    """Task key -> ``(all-reduces, elements of each)`` of the tasks computed together (:func:`traffic`'s ``grams``)."""
+    by_name = {(s.chunk, s.name): s for s in specs}
+    return {t.key: cost_model.shared_reductions(by_name[(t.chunk, t.name)]) for t in tasks if t.together}
 
 
 NARROW_DTYPE_BYTES = {"bfloat16": 2, "float16": 2}

@@ -58,7 +58,7 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from ..comm import WireConfig
+from ..comm import GRAM_REDUCE_BYTES, WireConfig
 from ..cost import NS_OPTIMIZERS, OPTIMIZERS, Calibration, CostModel
 from ..experts import split_experts
 from ..fsdp import FSDP_LAYOUT, PER_PARAMETER, SHARDING_STRATEGIES, FsdpBucket, fsdp_buckets, fsdp_buffer
@@ -72,7 +72,7 @@ from .iteration import BACKWARD_SHARE, Rider
 from .layouts import Grid, RankOf, Seconds, Sharded, Work, merge, plan_tasks
 from .network import Topology
 from .result import Segment, StrategyResult
-from .simulate import (CANZONA_STRATEGIES, EXPERTS, TOGETHER_REDUCE_BYTES, Workload, checked_grid, matmul_weight,
+from .simulate import (CANZONA_STRATEGIES, EXPERTS, Workload, checked_grid, matmul_weight,
                        micro_batches, run_step, seconds_per_update, tp_sharded_seconds, work_riders)
 from .step import EarlyCompute, SimTask, StepRun
 
@@ -428,7 +428,7 @@ def simulate_fsdp(
     method = ns_method if strategy in CANZONA_STRATEGIES else "standard"
     planning_cost = CostModel(kind=optimizer, ns_method=method, ns_dtype=cluster.gpu.ns_dtype)
     timing_cost = dataclasses.replace(planning_cost, calibration=calibration) if calibration else planning_cost
-    together = tp_sharded_seconds(timing_cost, cluster, "distributed", TOGETHER_REDUCE_BYTES) \
+    together = tp_sharded_seconds(timing_cost, cluster, "distributed", GRAM_REDUCE_BYTES) \
         if optimizer in NS_OPTIMIZERS else None
     stage = _Stage(list(specs), grid, seconds_per_update(timing_cost, cluster), planning_cost, sharding, bucket_size,
                    alpha, wire, tp_budget, tp_together, together)

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..comm import WireConfig
+from ..comm import GRAM_REDUCE_BYTES, WireConfig
 from ..cost import NS_OPTIMIZERS, OPTIMIZERS, Calibration, CostModel
 from ..experts import split_experts
 from ..memory import EARLY_COMPUTE_BYTES, STATE_BYTES
@@ -60,9 +60,6 @@ INLINE_SECONDS = 1e6
 EXPERTS = "experts"
 """First element of an expert matrix bucket's key in the reductions (:func:`_bucket_syncs`)."""
 NEEDS_LAYERWISE_PLAN = ("megatron_layerwise", "megatron_tp_blockwise", "megatron_tp_distributed", "layer_sharded")
-TOGETHER_REDUCE_BYTES = 4
-"""Bytes per element of the Gram matrices Canzona's TP ranks sum when they compute a matrix
-together (:func:`~megatron.canzona.optim.newton_schulz.newton_schulz_sharded` reduces in fp32)."""
 TP_MODE_STRATEGIES = {"megatron_tp_blockwise": "blockwise", "megatron_tp_distributed": "distributed"}
 """Megatron's layer-wise Muon under another ``--muon-tp-mode`` than ``duplicated``
 (``megatron_layerwise``), by strategy: ``blockwise`` is its default, each TP rank
@@ -517,7 +514,7 @@ def simulate(
                    expert_plan, wire, overlap, alpha, instances,
                    {mode: tp_sharded_seconds(timing_cost, cluster, mode) for mode in TP_MODE_STRATEGIES.values()}
                    if ns_optimizer else {}, tp_together,
-                   tp_sharded_seconds(timing_cost, cluster, "distributed", TOGETHER_REDUCE_BYTES) if ns_optimizer else None)
+                   tp_sharded_seconds(timing_cost, cluster, "distributed", GRAM_REDUCE_BYTES) if ns_optimizer else None)
     work = BUILDERS[strategy](ctx)
     slowdown = cluster.contention(grid.size * instances * pp_size)
     phases = _phases(ctx, work, cluster, workload, pp_size, slowdown,
