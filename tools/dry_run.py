@@ -54,6 +54,7 @@ from megatron.canzona.planning.pipeline import FIRST_FLAG, LAST_FLAG, stage_laye
 from megatron.canzona.planning.qwen3 import padded_vocab_size
 from megatron.canzona.planning.qwen3_moe import check_experts
 from megatron.canzona.optim.adaptive_muon import MOMENT2_METHODS, AdaptiveMuonConfig
+from megatron.canzona.planning.balance import TP_TOGETHER
 from megatron.canzona.runtime.config import FSDP_MICRO_GROUPS, LAYOUT_CHOICES, CanzonaConfig
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -100,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=FSDP_MICRO_GROUPS, default=None,
                    help="with --fsdp: the micro-groups of the run (pretrain_gpt.py's --canzona-fsdp-micro-groups; "
                    "default auto: as a CUDA run projects them on --cluster, at the recipes' batch)")
+    p.add_argument("--tp-together", "--canzona-tp-together", dest="tp_together", choices=TP_TOGETHER, default=None,
+                   help="with --fsdp, Muon and TP: the TP-sharded matrices whose TP ranks compute them together "
+                   "(pretrain_gpt.py's --canzona-tp-together; default off)")
     p.add_argument("--vocab-size", type=at_least(1), default=None,
                    help="the tokenizer's vocabulary (default: the model's), padded as Megatron pads it")
     fsdp_mode.add_fsdp_args(p)
@@ -240,7 +244,8 @@ def canzona_config(args: argparse.Namespace) -> CanzonaConfig:
                          cluster=args.cluster,
                          # the GPU run this rank models computes early (auto: DP above 1, overlapped reduces)
                          early_compute="on" if args.early_compute else "off", early_compute_bytes=early_budget(args),
-                         fsdp_micro_groups=getattr(args, "fsdp_micro_groups", None) or "auto")
+                         fsdp_micro_groups=getattr(args, "fsdp_micro_groups", None) or "auto",
+                         tp_together=getattr(args, "tp_together", None) or "off")
 
 
 def fsdp_main(args: argparse.Namespace) -> int:

@@ -80,10 +80,15 @@ def check_fsdp_args(p: argparse.ArgumentParser, args: argparse.Namespace, defaul
     the setup, in the run's words."""
     if not args.fsdp:
         for flag, value in (("--data-parallel-sharding-strategy", args.strategy), ("--every-rank", args.every_rank),
-                            ("--fsdp-micro-groups", getattr(args, "fsdp_micro_groups", None))):
+                            ("--fsdp-micro-groups", getattr(args, "fsdp_micro_groups", None)),
+                            ("--tp-together", getattr(args, "tp_together", None))):
             if value:
                 p.error(f"{flag} describes Megatron-FSDP: add --fsdp, or drop {flag}")
         return
+    together = getattr(args, "tp_together", None)
+    if together not in (None, "off") and (args.optimizer != "muon" or args.tp == 1):
+        p.error(f"--tp-together {together} computes TP-sharded Muon matrices on their TP ranks together: it needs "
+                "--optimizer muon and --tp above 1 (as pretrain_gpt.py): add them, or drop --tp-together")
     args.strategy = args.strategy or "optim_grads_params"
     # megatron.training resolves the bucket size before Megatron-FSDP sees it, as for DDP (with
     # overlapped reduces, as the recipes run; over DP x CP)
@@ -130,7 +135,8 @@ def fsdp_report(args: argparse.Namespace, setup, config: dict, catalog: dict, *,
     experts = predicted["experts"]
     return {
         "config": {**config, "strategy": args.strategy, "fsdp": True,
-                   "micro_groups": setup.config.fsdp_micro_groups,
+                   "micro_groups": setup.config.fsdp_micro_groups, "tp_together": setup.config.tp_together,
+                   "computed_together": sum(h.together for h in plan.hosts),
                    "num_groups": len({h.group for h in plan.hosts})},
         "build_seconds": build_seconds,
         "rows": rows,
@@ -283,6 +289,9 @@ def print_fsdp_report(report: dict, rank: str) -> None:
     setting = report["config"]["micro_groups"]
     how = " (as a CUDA run projects them at the recipes' batch, 128 x 4,096)" if setting == "auto" else ""
     print(f"micro-groups: {groups}, --fsdp-micro-groups {setting}{how}")
+    if report["config"]["tp_together"] != "off":
+        print(f"computed by their TP ranks together: {report['config']['computed_together']} matrices "
+              f"(--tp-together {report['config']['tp_together']}; each rank's host buffers are its own shard's)")
     if report.get("ranks"):
         totals = [(sum(sum(part.values()) for part in (r["dense"], r["experts"] or {}) if part) * STATE_BYTES, r["rank"])
                   for r in report["ranks"]]

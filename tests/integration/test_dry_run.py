@@ -259,6 +259,8 @@ def test_every_ranks_fsdp_state_covers_the_model_once():
     (("--fsdp", "--layout", "lean"), "under --fsdp the buckets and shards are Megatron-FSDP's: drop --layout"),
     (("--data-parallel-sharding-strategy", "optim"), "add --fsdp"),
     (("--fsdp-micro-groups", "one"), "--fsdp-micro-groups describes Megatron-FSDP: add --fsdp"),
+    (("--tp-together", "auto"), "--tp-together describes Megatron-FSDP: add --fsdp"),
+    (("--fsdp", "--tp-together", "all", "--dp", "2"), "it needs --optimizer muon and --tp above 1"),
     (("--fsdp", "--model", "qwen3-moe-tiny", "--ep", "2", "--etp", "2", "--tp", "2", "--dp", "2"),
      "needs --expert-tensor-parallel-size 1"),
 ])
@@ -267,3 +269,21 @@ def test_fsdp_refusals_are_one_line_with_the_fix(args, hint):
     assert out.returncode == 2
     assert hint in out.stderr and "Traceback" not in out.stderr
     assert len([line for line in out.stderr.splitlines() if "error:" in line]) == 1
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_matrices_computed_together_shrink_the_hosts_buffers_to_their_shards():
+    """``--tp-together auto`` at Qwen3-32B TP 4 x FSDP 64: fc1 and fc2 of every layer (128 matrices)
+    computed by their TP ranks together, each rank's host-group buffers holding its own shard's, so
+    fewer than with one host per matrix on the same rank."""
+    args = ("--fsdp", "--model", "qwen3-32b", "--tp", "4", "--dp", "64", "--rank", "13", "--json")
+    reports = {}
+    for together in ("off", "auto"):
+        out = dry_run(*args, "--tp-together", together)
+        assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+        reports[together] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [reports[t]["config"]["computed_together"] for t in ("off", "auto")] == [0, 128]
+    buffers = {t: {row["quantity"]: row["predicted"] for row in r["rows"]}["host-group buffers alive at once"]
+               for t, r in reports.items()}
+    assert buffers["auto"] < buffers["off"], buffers
+    assert reports["auto"]["agree"] and reports["auto"]["memory"]["peak_bytes"] < reports["off"]["memory"]["peak_bytes"]
