@@ -358,7 +358,6 @@ class CanzonaOptimizer(MatrixOptimizer):
             for key, count in zip(keys, counts)
         ]
 
-
     def _together_update(self, dim: int) -> Callable[..., torch.Tensor]:
         """Muon's update of a stack of shards of matrices cut along ``dim`` over the TP group,
         computed with the TP peers' (:func:`~megatron.canzona.optim.muon.muon_from_source_sharded`)."""
