@@ -154,6 +154,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "Gram matrices summed over NVLink in fp32: auto, those whose update alone costs more than the mean "
                    "per GPU; all, every one whose TP-split side is its long one (the runtime's --canzona-tp-together, "
                    "which runs under --use-megatron-fsdp only: without --fsdp a projection; default off)")
+    p.add_argument("--narrow-gathers", action="store_true",
+                   help="with --fsdp: Canzona's Muon gathers each whole matrix's Newton-Schulz input in bf16, its "
+                   "holders normalising it by the matrix's norm first (half the gathers' bytes; not bitwise). A "
+                   "projection of a design the runtime does not have")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="Canzona's micro-groups without pipelining (gather, compute, scatter in turn)")
     p.add_argument("--early-compute", action="store_true", default=None,
@@ -209,6 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.plot and wrong:
         p.error(f"--plot-strategies {' '.join(wrong)}: {'with' if args.fsdp else 'without'} --fsdp choose among "
                 f"{', '.join(FSDP_STRATEGIES if args.fsdp else STRATEGIES)}")
+    if args.narrow_gathers and not (args.fsdp or args.fsdp_cases):
+        p.error("--narrow-gathers projects Muon's gathers under Megatron-FSDP, whose holders keep its momentum: add --fsdp")
     if args.instances > 1 and args.fsdp:
         p.error("--num-distributed-optimizer-instances is the distributed optimizer's; Megatron-FSDP has its own "
                 "hybrid sharding (--outer-dp-sharding-strategy): drop one of them")
@@ -464,7 +470,8 @@ def project_fsdp(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, St
                   sharding=args.fsdp, optimizer=run["optimizer"], workload=workload, wire=wire,
                   bucket_size=args.bucket_size, alpha=run["alpha"], ns_method=run["ns_method"],
                   early_compute=run["early_compute"], clip_rate=run["clip_rate"],
-                  early_compute_bytes=run["early_compute_bytes"], tp_together=run["tp_together"])
+                  early_compute_bytes=run["early_compute_bytes"], tp_together=run["tp_together"],
+                  narrow_gathers=getattr(args, "narrow_gathers", False))
 
     def calibration(name: str) -> Calibration | None:
         return calibrations[strategy_ns_method(name, run["ns_method"])] if calibrations else None

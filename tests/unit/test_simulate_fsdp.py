@@ -93,6 +93,22 @@ def test_fsdp_phases_refuses_an_unknown_sharding():
         fsdp_phases([], micro=1.0, count=1, sharding="no_shard")
 
 
+def test_narrow_gathers_halve_the_early_gathers_time_on_the_link():
+    """``narrow_gathers`` (a design not built): Muon's whole matrices go to their hosts in bf16, so the
+    early gathers hold the link half as long where every matrix is a whole one (Qwen3-0.6B without
+    split QKV, bf16 Newton-Schulz); the scatters and the peers are unchanged, and SOAP's (fp32
+    directions) gathers stay fp32."""
+    specs = qwen3_specs("qwen3-0.6b")
+    kwargs = dict(strategy="canzona", cluster=H100, dp_size=32, workload=Workload(global_batch=64, seq_length=256),
+                  wire=WireConfig(grad_bytes=4))
+    fp32, bf16 = (simulate_fsdp(specs, narrow_gathers=narrow, **kwargs) for narrow in (False, True))
+    assert bf16.details["early_gather_link_seconds"] == pytest.approx(fp32.details["early_gather_link_seconds"] / 2,
+                                                                      rel=0.05)
+    assert bf16.iteration_seconds < fp32.iteration_seconds
+    soap = [simulate_fsdp(specs, optimizer="soap", narrow_gathers=narrow, **kwargs).to_dict() for narrow in (False, True)]
+    assert soap[0] == soap[1]
+
+
 # ------------------------------------------------------------------------------ the step, on toy shards
 
 

@@ -235,6 +235,8 @@ class _Stage:
     """Canzona's ``--canzona-tp-together`` (:data:`~megatron.canzona.planning.balance.TP_TOGETHER`)."""
     together: Sharded | None = None
     """One TP rank's share of a matrix its TP ranks compute together (``tp_together``)."""
+    narrow_gathers: bool = False
+    """Muon's whole matrices gathered in bf16 (a design not built: :func:`simulate_fsdp`)."""
 
     def buckets(self, specs: Sequence[ParamSpec], dp_size: int, geometry: str | None = None) -> tuple[FsdpBucket, ...]:
         """Megatron-FSDP's buckets of the stage's sharding (or of ``geometry``: :data:`PER_PARAMETER`)."""
@@ -295,8 +297,10 @@ def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
                      layout=FSDP_LAYOUT, fsdp_strategy=geometry, fsdp_bucket_size=stage.bucket_size,
                      state=StateLayout.of_cost(stage.cost_model),  # hosts keep the state, as the runtime plans them
                      tp_together=stage.tp_together if early_gather else "off")
+    narrow = stage.narrow_gathers and early_gather
     work = Work(mode="pipelined", dense=plan_tasks(plan, split_experts(stage.specs)[0], stage.seconds, g.rank,
-                                                   cost_model=stage.cost_model, shared=stage.together),
+                                                   cost_model=stage.cost_model, shared=stage.together,
+                                                   narrow_gathers=narrow),
                 early_gather=early_gather)
     for k, kind in enumerate(stage.kinds()):
         buckets = stage.buckets(kind.specs, kind.dp, geometry)
@@ -305,7 +309,8 @@ def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
             if k:
                 assert plan.experts is not None
                 work.experts.append((members, plan_tasks(plan.experts, kind.specs, stage.seconds, rank,
-                                                         cost_model=stage.cost_model, shared=stage.together)))
+                                                         cost_model=stage.cost_model, shared=stage.together,
+                                                         narrow_gathers=narrow)))
     return work
 
 
@@ -405,6 +410,7 @@ def simulate_fsdp(
     early_gather: bool = True,
     tp_budget: float | None = None,
     tp_together: str = "off",
+    narrow_gathers: bool = False,
 ) -> StrategyResult:
     """One iteration of ``specs`` (one pipeline stage) under Megatron-FSDP's ``sharding`` with
     the design ``strategy`` (:data:`FSDP_STRATEGIES`, module docstring); ``bucket_size`` is
@@ -416,7 +422,10 @@ def simulate_fsdp(
     nothing early (the runtime's ``--canzona-no-early-gather``). ``tp_budget``: Canzona's
     micro-group budget over Megatron-FSDP's shards (``math.inf``: one micro-group,
     ``--canzona-fsdp-micro-groups one``). ``tp_together``: Canzona's TP-sharded matrices computed
-    by their TP ranks together (:func:`~.simulate.simulate`'s; the runtime's ``--canzona-tp-together``)."""
+    by their TP ranks together (:func:`~.simulate.simulate`'s; the runtime's ``--canzona-tp-together``).
+    ``narrow_gathers``, a design the runtime does not have: Canzona's Muon gathers each whole matrix's
+    Newton-Schulz input in bf16 (its holders normalise their pieces by the matrix's norm first, an
+    exchange of partial sums of squares not priced here), half the gathers' bytes."""
     if strategy not in BUILDERS:
         raise ValueError(f"unknown FSDP strategy {strategy!r}; choose one of: {', '.join(FSDP_STRATEGIES)}")
     if optimizer not in OPTIMIZERS:
@@ -431,7 +440,7 @@ def simulate_fsdp(
     together = tp_sharded_seconds(timing_cost, cluster, "distributed", GRAM_REDUCE_BYTES) \
         if optimizer in NS_OPTIMIZERS else None
     stage = _Stage(list(specs), grid, seconds_per_update(timing_cost, cluster), planning_cost, sharding, bucket_size,
-                   alpha, wire, tp_budget, tp_together, together)
+                   alpha, wire, tp_budget, tp_together, together, narrow_gathers)
     work = BUILDERS[strategy](stage)
     work.early_gather = work.early_gather and early_gather
     slowdown = cluster.contention(grid.size)

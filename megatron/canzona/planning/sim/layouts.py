@@ -130,22 +130,31 @@ def sim_tasks(schedule: Schedule, specs: Sequence[ParamSpec], seconds: Seconds, 
             share, reductions, each, sharers = seconds(spec) if t.span is None else seconds(spec, t.part), 0, 0.0, ()
         out.append(SimTask(t.name, tuple((rank(*coord), hi - lo) for coord, lo, hi in t.holders(schedule.tp_size)),
                            None if t.host is None else rank(*t.host), share, t.group,
-                           (t.chunk, t.bucket), narrow.get(t.key), early, advanced, reductions, each, sharers))
+                           (t.chunk, t.bucket), narrow.get(t.key), early, advanced, reductions=reductions,
+                           reduce_bytes=each, sharers=sharers))
     return out
 
 
 def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,
                *, synchronous: bool = False, cost_model: CostModel | None = None,
-               shared: Sharded | None = None) -> list[SimTask]:
+               shared: Sharded | None = None, narrow_gathers: bool = False) -> list[SimTask]:
     """A task per host of ``plan`` (per TP rank for a matrix every TP rank holds), in its
     micro-group; ``synchronous``: computed by every holder (``--canzona-tp-mode sync``);
-    ``cost_model``: the optimizer, whose whole matrices' bf16 Muon directions go back in bf16."""
+    ``cost_model``: the optimizer, whose whole matrices' bf16 Muon directions go back in bf16.
+    ``narrow_gathers`` (a design not built; ``tools/simulate.py --narrow-gathers``): those
+    matrices' pieces go to their host in bf16 too, Muon's input normalised by its holders (as
+    under Megatron-FSDP, whose holders keep the momentum)."""
     schedule = plan_schedule(plan, synchronous=synchronous)
     narrow = narrow_update_bytes(schedule.tasks, specs, cost_model) if cost_model is not None else None
     state = None
     if cost_model is not None:
         state = StateLayout.of_cost(cost_model)
-    return sim_tasks(schedule, specs, seconds, rank, narrow, state, shared)
+    tasks = sim_tasks(schedule, specs, seconds, rank, narrow, state, shared)
+    if narrow_gathers and narrow:
+        keys = [t.key for t in schedule.tasks]
+        tasks = [dataclasses.replace(task, gather_bytes=narrow[key]) if key in narrow else task
+                 for key, task in zip(keys, tasks)]
+    return tasks
 
 
 def buffer_tasks(buffer: BufferPlan, specs: Sequence[ParamSpec], seconds: Seconds, rank: RankOf,

@@ -89,6 +89,9 @@ class SimTask:
     """The hosts computing it together, each its own shard and task (Canzona's
     ``--canzona-tp-together``): its host's compute then includes ``reductions`` all-reduces
     among them (over their link, in the compute's stream) and ``seconds`` is its share."""
+    gather_bytes: int | None = None
+    """Bytes per element of its pieces on the way to the host when narrower than the main
+    gradients' (a projection only: :func:`~.layouts.plan_tasks`' ``narrow_gathers``)."""
 
     @property
     def numel(self) -> int:
@@ -158,9 +161,9 @@ def _gather(run: StepRun, tasks: Sequence[SimTask]) -> Flows:
 
 def _gather_flows(topology: Topology, wire: WireConfig, tasks: Sequence[SimTask]) -> Flows:
     """Pieces to their host (fp32 main gradients), or to every other holder (synchronous)."""
-    size = wire.main_grad_bytes
     transfers = []
     for task in tasks:
+        size = task.gather_bytes or wire.main_grad_bytes
         targets = [task.host] if task.host is not None else [r for r, _ in task.holders]
         transfers += [(r, t, n * size) for r, n in task.holders for t in targets if t != r]
     return topology.flows(transfers)
