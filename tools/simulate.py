@@ -213,7 +213,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.plot and wrong:
         p.error(f"--plot-strategies {' '.join(wrong)}: {'with' if args.fsdp else 'without'} --fsdp choose among "
                 f"{', '.join(FSDP_STRATEGIES if args.fsdp else STRATEGIES)}")
-    if args.narrow_gathers and not (args.fsdp or args.fsdp_cases):
+    if args.fsdp_cases and (args.narrow_gathers or args.tp_together != "off"):
+        p.error("--fsdp-cases reports the defaults (and --tp-together auto in a column of its own): drop "
+                + ("--narrow-gathers" if args.narrow_gathers else "--tp-together"))
+    if args.narrow_gathers and not args.fsdp:
         p.error("--narrow-gathers projects Muon's gathers under Megatron-FSDP, whose holders keep its momentum: add --fsdp")
     if args.instances > 1 and args.fsdp:
         p.error("--num-distributed-optimizer-instances is the distributed optimizer's; Megatron-FSDP has its own "
@@ -722,7 +725,8 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for model, gpus, tp, ep in FSDP_CASES:
         base = {**vars(args), "model": model, "gpus": gpus, "tp": tp, "ep": ep, "pp": 1, "cp": 1, "global_batch": None,
-                "fsdp": args.fsdp or "optim_grads_params", "plot": None, "split_gate_up": False, "tp_together": "off"}
+                "fsdp": args.fsdp or "optim_grads_params", "plot": None, "split_gate_up": False, "tp_together": "off",
+                "narrow_gathers": False}
         report, _ = project_fsdp(argparse.Namespace(**base))
         split, _ = project_fsdp(argparse.Namespace(**{**base, "split_gate_up": True}))
         clipped, _ = project_fsdp(argparse.Namespace(**{**base, "clip_rate": 1.0}))

@@ -362,10 +362,10 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         return (~torch.isfinite(norms).all()).to(torch.float32).reshape(1)
 
 
-def early_groups(inner: CanzonaOptimizer, budget_bytes: int, together: Any = None) -> frozenset[int]:
+def early_groups(inner: CanzonaOptimizer, budget_bytes: int, tp_group: Any = None) -> frozenset[int]:
     """The micro-groups this rank computes early within ``budget_bytes``
     (:func:`~megatron.canzona.planning.memory.early_compute_groups`, as the memory model picks them).
-    ``together``: the TP group of ranks that compute matrices together (:attr:`MatrixTask.together`),
+    ``tp_group``: the TP group of ranks that compute matrices together (:attr:`MatrixTask.together`),
     whose Newton-Schulz is a collective among them: the groups every one of them picks (one
     all-reduce at start-up), so that each computes a shared matrix early or in the step alike."""
     engine = inner.engine
@@ -373,10 +373,10 @@ def early_groups(inner: CanzonaOptimizer, budget_bytes: int, together: Any = Non
     mine = early_compute_groups(
         ((max(t.task.bucket for t in e.tasks), e.index, sum(inner.early_elements(t.key) for b in e.computed for t in b))
          for e in engine.exchanges), budget_bytes // STATE_BYTES)
-    if together is None or dist.get_world_size(together) == 1:
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
         return mine
     picked = torch.tensor([e.index in mine for e in engine.exchanges], dtype=torch.int32, device=_collective_device())
-    dist.all_reduce(picked, op=dist.ReduceOp.MIN, group=together)
+    dist.all_reduce(picked, op=dist.ReduceOp.MIN, group=tp_group)
     return frozenset(e.index for e, keep in zip(engine.exchanges, picked.tolist()) if keep)
 
 

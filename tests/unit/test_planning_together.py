@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from megatron.canzona.planning import CostModel, ParamSpec, make_plan, plan_schedule, qwen3_specs
-from megatron.canzona.planning.balance import TP_TOGETHER, computed_together
-from megatron.canzona.planning.comm import WireConfig, gram_reductions, rank_index, traffic
+from megatron.canzona.planning.balance import computed_together
+from megatron.canzona.planning.comm import WireConfig, rank_index, shared_grams, traffic
 from megatron.canzona.planning.cost import sharded_ns_flops
 from megatron.canzona.planning.plan import CanzonaPlan
 from megatron.canzona.planning.sim import ClusterSpec, simulate
@@ -38,7 +38,6 @@ def test_the_rule_takes_a_long_split_muon_matrix_above_the_mean_load():
     assert not computed_together(split, MUON, 0.0, "all")  # hosted in parts
     with pytest.raises(ValueError, match="--canzona-tp-together"):
         computed_together(TALL, MUON, 0.0, "sometimes")
-    assert TP_TOGETHER == ("off", "auto", "all")
 
 
 def test_each_tp_rank_is_charged_its_share():
@@ -66,7 +65,7 @@ def test_a_matrix_computed_together_is_a_task_per_tp_rank_on_one_dp_rank(layout)
         (True, False, c, (host.dp_rank, c)) for c in (0, 1)]
     assert [t.pieces for t in tasks][0] == tasks[1].pieces  # each TP rank's shard, the same DP pieces
     assert CanzonaPlan.from_json(plan.to_json()) == plan
-    grams = [traffic([], tasks, dp_size=2, tp_size=2, wire=WireConfig(), grams=gram_reductions(tasks, specs, MUON))
+    grams = [traffic([], tasks, dp_size=2, tp_size=2, wire=WireConfig(), grams=shared_grams(tasks, specs, MUON))
              [rank_index(*t.host, 2)].tp_gram for t in tasks]
     assert grams == [5 * 2 * 0.5 * 256 * 256 * 4] * 2  # each co-host: five ring all-reduces of the fp32 Gram matrix
 

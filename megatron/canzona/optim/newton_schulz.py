@@ -167,7 +167,7 @@ def newton_schulz_sharded(
         raise ValueError(f"a sharded Newton-Schulz runs 'standard' or 'gram' on every rank, got {method!r}")
     schedule = NS_COEFFICIENTS[coefficients]
     out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    transpose = split_dim in (-2, x.ndim - 2)  # rows cut: iterate on the transpose, whose columns are
+    transpose = split_dim in (-2, x.ndim - 2)  # rows cut: iterate on the transpose, whose columns are cut
     if transpose:
         x = x.mT
     rows, cols = x.shape[-2:]

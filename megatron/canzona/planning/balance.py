@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .comm import WireConfig, collective_bytes, narrow_bytes
-from .cost import CostModel
+from .cost import CostModel, tp_sides
 from .fsdp import FSDP_LAYOUT, fsdp_buckets, fsdp_buffer
 from .geometry import default_bucket_size, lean_bucket_ranges
 from .hosts import HostItem, assign_hosts, default_budget, schedule_groups
@@ -76,8 +76,8 @@ def computed_together(spec: ParamSpec, cost_model: CostModel, mean_load: float, 
     if mode == "off" or cost_model.kind != "muon" or not spec.tp_sharded or len(spec.matrices) != 1 \
             or len(spec.parts) != 1:
         return False
-    m, n = spec.matrices[0]
-    if (m, n)[spec.tp_dim or 0] < (n, m)[spec.tp_dim or 0]:
+    split, other = tp_sides(spec, *spec.matrices[0])
+    if split < other:
         return False
     return mode == "all" or cost_model.cost(spec) > mean_load
 
@@ -121,8 +121,8 @@ class _Stage:
            wire: WireConfig, base: tuple[float, ...] = (), together: str = "off") -> _Stage:
         costs = [[cost_model.cost(s) for s in chunk] for chunk in mats]
         parts = [[cost_model.part_costs(s) for s in chunk] for chunk in mats]
-        flat = [(s, c) for chunk, chunk_costs in zip(mats, costs) for s, c in zip(chunk, chunk_costs)]
-        mean = sum(c * (1 if s.tp_sharded else tp_size) for s, c in flat) / (dp_size * tp_size)
+        mean = sum(c * (1 if s.tp_sharded else tp_size) for chunk, chunk_costs in zip(mats, costs)
+                   for s, c in zip(chunk, chunk_costs)) / (dp_size * tp_size)
         shared = set()
         for k, chunk in enumerate(mats):
             for i, s in enumerate(chunk):

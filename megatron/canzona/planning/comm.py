@@ -113,8 +113,10 @@ def traffic(
     for task in tasks:
         add_task_traffic(out, task, tp_size, wire, (narrow or {}).get(task.key))
         if task.together and task.host is not None:  # a ring reduce-scatter and all-gather per all-reduce
+            if grams is None:
+                raise ValueError(f"{task.key} is computed by its TP ranks together: pass its Gram matrices (grams=)")
             host = out[rank_index(*task.host, tp_size)]
-            for count, elements in (grams or {})[task.key]:
+            for count, elements in grams[task.key]:
                 host.tp_gram += count * 2 * (tp_size - 1) / tp_size * elements * GRAM_REDUCE_BYTES
                 host.messages += count * 2 * (tp_size - 1)
     return out
@@ -125,7 +127,7 @@ GRAM_REDUCE_BYTES = 4
 (:func:`~megatron.canzona.optim.newton_schulz.newton_schulz_sharded` reduces in fp32)."""
 
 
-def gram_reductions(tasks: Iterable[Task], specs: Iterable[ParamSpec], cost_model: CostModel) -> dict[str, list[tuple[int, int]]]:
+def shared_grams(tasks: Iterable[Task], specs: Iterable[ParamSpec], cost_model: CostModel) -> dict[str, list[tuple[int, int]]]:
     """Task key -> ``(all-reduces, elements of each)`` of the tasks computed together (:func:`traffic`'s ``grams``)."""
     by_name = {(s.chunk, s.name): s for s in specs}
     return {t.key: cost_model.shared_reductions(by_name[(t.chunk, t.name)]) for t in tasks if t.together}

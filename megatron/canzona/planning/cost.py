@@ -112,6 +112,11 @@ def sharded_ns_flops(split: int, other: int, shards: int, ns_steps: int = 5, met
     return float(4 * runs * a * a * b + 2 * a**3 * (4 * ns_steps - 3 * runs))
 
 
+def tp_sides(spec: ParamSpec, m: int, n: int) -> tuple[int, int]:
+    """``(split, other)``: the TP-split side of ``spec``'s m×n matrix and its other side."""
+    return (m, n) if spec.tp_dim == 0 else (n, m)
+
+
 def gram_reductions(ns_steps: int = 5, method: str = "standard", dtype: str = "bfloat16") -> int:
     """All-reduces of the Gram matrix in one sharded Newton-Schulz (:func:`sharded_ns_flops`):
     one a step for ``standard``, one a run between restarts for ``gram``."""
@@ -297,7 +302,7 @@ class CostModel:
                              f"TP ranks together (this: {self.kind}, TP dim {spec.tp_dim})")
         total = 0.0
         for m, n in spec.matrices:
-            split, other = (m, n) if spec.tp_dim == 0 else (n, m)
+            split, other = tp_sides(spec, m, n)
             method = ns_method_for(m, n, self.ns_steps, self.ns_method, self.ns_dtype, self.ns_measured)
             flops = sharded_ns_flops(split, other, spec.tp_size, self.ns_steps, method, self.ns_dtype)
             if self.kind == "adaptive_muon":
@@ -310,7 +315,7 @@ class CostModel:
         TP ranks compute it together (:meth:`shared_cost`)."""
         out = []
         for m, n in spec.matrices:
-            other = n if spec.tp_dim == 0 else m
+            _, other = tp_sides(spec, m, n)
             method = ns_method_for(m, n, self.ns_steps, self.ns_method, self.ns_dtype, self.ns_measured)
             out.append((gram_reductions(self.ns_steps, method, self.ns_dtype), other * other))
         return out

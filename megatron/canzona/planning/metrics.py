@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .comm import RankTraffic, WireConfig, gram_reductions, narrow_update_bytes, traffic
+from .comm import RankTraffic, WireConfig, narrow_update_bytes, shared_grams, traffic
 from .cost import CostModel
 from .grid import dense_to_expert
 from .plan import BufferPlan, CanzonaPlan, DPPlan
@@ -128,7 +128,7 @@ def _summary(
     rank_bound = max(sum(costs) / (dp_size * tp_size), max((cost_model.cost(s) for s in matrix_specs(specs)), default=0.0))
     per_rank = traffic(matrix + elementwise, tasks, dp_size=dp_size, tp_size=tp_size, wire=wire,
                        narrow=narrow_update_bytes(tasks, specs, cost_model),
-                       grams=gram_reductions(tasks, specs, cost_model))
+                       grams=shared_grams(tasks, specs, cost_model))
     busiest: RankTraffic = max(per_rank, key=lambda r: r.total)
     buckets = [b for buffer in matrix for b in buffer.buckets]
     return {

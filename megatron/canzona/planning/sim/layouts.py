@@ -26,9 +26,9 @@ RankOf = Callable[[int, int], int]
 """Stage rank of a ``(dp_rank, tp_rank)`` of a plan's grid."""
 Sharded = Callable[[ParamSpec], tuple[float, int, float]]
 """``spec -> (seconds, all-reduces, bytes of each)`` of one TP rank's share of a TP-sharded
-parameter under a Megatron ``muon_tp_mode`` (:func:`~.simulate.tp_sharded_seconds`): with
-all-reduces, its TP ranks orthogonalise each matrix together (``distributed``); without, each
-its own slice alone (``blockwise``)."""
+parameter (:func:`~.simulate.tp_sharded_seconds`): with all-reduces, its TP ranks orthogonalise
+each matrix together (Megatron's ``muon_tp_mode distributed``, Canzona's ``--canzona-tp-together``);
+without, each its own slice alone (``blockwise``)."""
 
 
 TaskBuilder = Callable[[BufferPlan, list[ParamSpec], RankOf, int], list[SimTask]]
