@@ -156,8 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "which runs under --use-megatron-fsdp only: without --fsdp a projection; default off)")
     p.add_argument("--narrow-gathers", action="store_true",
                    help="with --fsdp: Canzona's Muon gathers each whole matrix's Newton-Schulz input in bf16, its "
-                   "holders normalising it by the matrix's norm first (half the gathers' bytes; not bitwise). A "
-                   "projection of a design the runtime does not have")
+                   "holders normalising it by the matrix's norm first (half the gathers' bytes; not bitwise): the "
+                   "runtime's --canzona-narrow-gathers")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="Canzona's micro-groups without pipelining (gather, compute, scatter in turn)")
     p.add_argument("--early-compute", action="store_true", default=None,

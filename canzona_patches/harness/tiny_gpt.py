@@ -139,6 +139,8 @@ class TinyRun:
     """Under Megatron-FSDP: ``--canzona-fsdp-micro-groups`` (``one``, ``budget``; ``auto`` is ``budget`` on gloo)."""
     tp_together: str = "off"
     """Under Megatron-FSDP with Muon: ``--canzona-tp-together`` (``auto``, ``all``)."""
+    narrow_gathers: bool = False
+    """Under Megatron-FSDP with Muon in bf16: ``--canzona-narrow-gathers``."""
     muon_ns_dtype: str = "float32"
     """Canzona's Muon: the Newton-Schulz dtype (``bfloat16`` is Megatron's default precision)."""
     muon_ns_method: str = "standard"
@@ -499,6 +501,7 @@ def canzona_config(run: TinyRun):
         early_compute=(run.early_compute if isinstance(run.early_compute, str) else "on" if run.early_compute else "off")
         if run.early_gather else "off", speculation=run.speculation,
         matrices_first=run.matrices_first, fsdp_micro_groups=run.fsdp_micro_groups, tp_together=run.tp_together,
+        narrow_gathers=run.narrow_gathers,
         **({} if run.early_compute_bytes is None else {"early_compute_bytes": run.early_compute_bytes}),
     )
 

@@ -54,7 +54,7 @@ CANZONA_ONLY_OPTIMIZERS = ("shampoo",)
 """Choices of ``--optimizer`` that only Canzona implements (Megatron 0.19.2 has no Shampoo)."""
 
 CANZONA_FLAG_FIELDS = ("alpha", "cost", "split_qkv", "split_qkv_per_head", "split_gate_up", "tp_mode", "tp_group_budget", "early_gather",
-                       "layout", "cluster", "fsdp_micro_groups", "tp_together")
+                       "layout", "cluster", "fsdp_micro_groups", "tp_together", "narrow_gathers")
 """The fields of ``CanzonaConfig`` that a ``--canzona-<field>`` flag sets (``dest`` ``canzona_<field>``)."""
 
 
@@ -180,6 +180,12 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
                        "rounding, not bitwise): auto = those whose update alone costs more than the mean per GPU "
                        "(Qwen3-32B's fc1 and fc2), all = every one whose TP-split side is its long one, off "
                        "(default) = one host per matrix.")
+    switch("narrow-gathers", defaults.narrow_gathers,
+           on="Under --use-megatron-fsdp with --optimizer muon (Newton-Schulz in bf16, the default "
+           "--muon-fp32-matmul-prec medium): each whole matrix's holders send its Newton-Schulz input to its host "
+           "divided by the matrix's Frobenius norm, in bf16, half the gathers' bytes (the norm summed over the holders "
+           "by one small all-reduce per micro-group: equal to one host's normalisation to rounding, not bitwise).",
+           off="Send the pieces to their hosts in fp32, as the holders keep them (default; bitwise).")
     switch("checksums", True,
            on="Record a SHA-256 of every checkpoint file as it is written, and verify them (spread over the "
            "ranks) before a load (default); a corrupt file is named in one line.",
@@ -384,6 +390,14 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
             raise CanzonaArgumentError(
                 f"--canzona-tp-together {args.canzona_tp_together} computes TP-sharded Muon matrices on their TP "
                 f"ranks together under Megatron-FSDP; it needs {unread}: add that, or drop --canzona-tp-together")
+    if args.canzona_narrow_gathers:
+        unread = ("--use-megatron-fsdp" if not fsdp else "--optimizer muon" if args.optimizer != "muon"
+                  else "--muon-fp32-matmul-prec medium (Newton-Schulz in bf16)" if args.muon_fp32_matmul_prec == "high"
+                  else "--canzona-tp-mode async" if args.canzona_tp_mode != "async" else None)
+        if unread is not None:
+            raise CanzonaArgumentError(
+                f"--canzona-narrow-gathers sends Muon's normalised Newton-Schulz input to its hosts in bf16 under "
+                f"Megatron-FSDP; it needs {unread}: add that, or drop --canzona-narrow-gathers")
     if args.canzona_fsdp_micro_groups == "one" and args.canzona_tp_group_budget is not None:
         raise CanzonaArgumentError(
             "--canzona-fsdp-micro-groups one puts every matrix in one micro-group, and --canzona-tp-group-budget "

@@ -65,7 +65,7 @@ from megatron.canzona.planning.memory import STATE_BYTES, early_compute_groups
 from megatron.canzona.planning.schedule import Coord
 from megatron.canzona.planning.speculation import SpeculationPolicy
 from megatron.canzona.runtime.host_groups import HostGroupEngine, StepFactors
-from megatron.canzona.runtime.optimizer import CanzonaOptimizer, narrow_updates
+from megatron.canzona.runtime.optimizer import CanzonaOptimizer, narrow_gathers, narrow_updates
 
 require_pinned_megatron()
 
@@ -113,6 +113,9 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         binding = dataclasses.replace(binding, tasks=narrow_updates(
             binding.tasks, math=inner.math, config=inner.config, layouts=binding.layouts, tp_size=plan.tp_size,
             mode=setup.config.tp_mode))
+        if setup.config.narrow_gathers:
+            binding = dataclasses.replace(binding, tasks=narrow_gathers(
+                binding.tasks, math=inner.math, config=inner.config, momentum_on_holders=inner.momentum_on_holders))
         engine = HostGroupEngine(binding.tasks, group=ranks.host, rank_of=ranks.rank_of, coord=ranks.coord,
                                  tp_size=plan.tp_size, mode=setup.config.tp_mode)
         inner.bind(binding.pieces, engine, binding.layouts, binding.names, binding.parts,

@@ -41,7 +41,8 @@ from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, QKVLayout
 from megatron.canzona.optim.split import FusedLayout
 from megatron.canzona.planning import LAYOUTS, CanzonaPlan, summarize_canzona
-from megatron.canzona.planning.schedule import Coord
+from megatron.canzona.planning.comm import narrow_update_bytes
+from megatron.canzona.planning.schedule import Coord, plan_schedule
 from megatron.canzona.planning.sim import Workload
 from megatron.canzona.planning.sim.choose import ONE_GROUP_BUDGET
 from megatron.canzona.runtime.config import CanzonaConfig
@@ -143,7 +144,8 @@ def make_setup(
     if first or summarize_here:
         summary = summarize_canzona(plan, specs, config.cost_model(), wire)
     if first:
-        for line in (choice, early, order, qkv_line(config, model_chunks[0].config), together_line(config, plan)):
+        for line in (choice, early, order, qkv_line(config, model_chunks[0].config), together_line(config, plan),
+                     narrow_line(config, plan, specs)):
             if line is not None:
                 print(line if stage is None else line.replace("[canzona]", f"[canzona] stage {stage}:"), flush=True)
         _log_plan(plan, summary, stage)
@@ -197,6 +199,18 @@ def together_line(cfg: CanzonaConfig, plan: Any) -> str | None:
     return (f"[canzona] TP together ({cfg.tp_together}): {len(shared)} of {len(plan.hosts)} matrices computed by their "
             f"{plan.tp_size} TP ranks together, each its own shard, the Gram matrices summed over the TP group"
             + (f" ({', '.join(kinds)})" if kinds else ""))
+
+
+def narrow_line(cfg: CanzonaConfig, plan: Any, specs: Any) -> str | None:
+    """The start-up line of ``--canzona-narrow-gathers`` (none without it): how many matrices'
+    pieces go to their hosts in bf16 (the dense plan's; the experts' alike)."""
+    if not cfg.narrow_gathers:
+        return None
+    tasks = plan_schedule(plan).tasks
+    narrow = [t for t in tasks if t.key in narrow_update_bytes(tasks, specs, cfg.cost_model()) and not t.together]
+    return (f"[canzona] narrow gathers: {len(narrow)} of {len(tasks)} matrices sent to their hosts in bf16, divided by "
+            "their Frobenius norms (summed over the holders by one all-reduce per micro-group: equal to one host's "
+            "normalisation to rounding)")
 
 
 def qkv_line(cfg: CanzonaConfig, tc: Any) -> str | None:

@@ -168,3 +168,26 @@ def test_tp_together_is_taken_with_fsdp_muon_and_tp_and_refused_without_each(tog
         with pytest.raises(CanzonaArgumentError, match=f"^--canzona-tp-together {together} computes TP-sharded Muon "
                            f"matrices .* it needs {needed}: add that, or drop --canzona-tp-together$"):
             validate_canzona_args(parse(*words, "--canzona-tp-together", together))
+
+
+def test_narrow_gathers_are_taken_with_fsdp_and_bf16_muon_and_refused_without_each() -> None:
+    """``--canzona-narrow-gathers`` sends Muon's normalised source in bf16 under Megatron-FSDP: taken
+    there (off by default), refused in one line naming what it needs where any of it is missing."""
+    args = parse(*FSDP)
+    validate_canzona_args(args)
+    finalize_canzona_args(args)
+    assert canzona_config_from_args(args).narrow_gathers is False
+    args = parse(*FSDP, "--canzona-narrow-gathers")
+    validate_canzona_args(args)
+    finalize_canzona_args(args)
+    assert canzona_config_from_args(args).narrow_gathers is True
+    missing = {
+        "--use-megatron-fsdp": ["--canzona", "--optimizer", "muon", "--use-distributed-optimizer"],
+        "--optimizer muon": [*FSDP[:2], "shampoo", *FSDP[3:]],
+        r"--muon-fp32-matmul-prec medium \(Newton-Schulz in bf16\)": [*FSDP, "--muon-fp32-matmul-prec", "high"],
+        "--canzona-tp-mode async": [*FSDP, "--canzona-tp-mode", "sync"],
+    }
+    for needed, words in missing.items():
+        with pytest.raises(CanzonaArgumentError, match=f"^--canzona-narrow-gathers sends Muon's normalised .* it needs "
+                           f"{needed}: add that, or drop --canzona-narrow-gathers$"):
+            validate_canzona_args(parse(*words, "--canzona-narrow-gathers"))

@@ -19,7 +19,9 @@ EP 2 x DP 2 (a dense and an expert optimizer, the experts reduced over expert-DP
 losses, gradient norms, parameters and optimizer state agree bit for bit, with the clip idle and
 acting, with early compute (``--canzona-early-compute on``) committed and recomputed, and under
 the speculation policy (``backoff``) while the clip acts at every step (the gathers then mostly
-wait for the step).
+wait for the step). ``muon_narrow`` is Muon iterating in bf16 with ``--canzona-narrow-gathers`` (the
+holders send each whole matrix's source divided by its norm, in bf16): early, computed early and in
+the step, bitwise the same too.
 """
 
 from __future__ import annotations
@@ -43,21 +45,26 @@ ACTING, IDLE = 1.0e-3, 1.0e9
 LAUNCH_TIMEOUT_S = 300.0
 LAYOUTS = {
     # name: (world size, TinyRun fields, optimizers)
-    "dp2-optim_grads_params": (2, dict(fsdp="optim_grads_params"), ("muon", "normuon", "shampoo", "soap")),
+    "dp2-optim_grads_params": (2, dict(fsdp="optim_grads_params"), ("muon", "normuon", "shampoo", "soap", "muon_narrow")),
     "dp2-optim": (2, dict(fsdp="optim"), ("muon", "soap")),
-    "tp2_dp2-optim_grads": (4, dict(fsdp="optim_grads", tp_size=2), ("muon", "soap")),
+    "tp2_dp2-optim_grads": (4, dict(fsdp="optim_grads", tp_size=2), ("muon", "soap", "muon_narrow")),
     "ep2_dp2-optim_grads_params": (4, dict(fsdp="optim_grads_params", num_experts=4, ep_size=2), ("muon",)),
 }
 """The layouts: at EP 2 a dense and an expert optimizer, the experts' buckets reduced over expert-DP 2."""
-SPECULATIVE = ("muon", "normuon")
+SPECULATIVE = ("muon", "normuon", "muon_narrow")
 """The optimizers whose holders keep the momentum (NorMuon's second moment is its hosts'): their
 gathers carry its source, speculating."""
 
 
+NARROW = dict(optimizer="muon", muon_ns_dtype="bfloat16", narrow_gathers=True)
+"""``muon_narrow``: fc1 fused, so that it and fc2 and the projection go narrow."""
+
+
 def _base(optimizer: str, layout: str, clip: float) -> TinyRun:
-    return TinyRun(lr=2e-3, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1, global_batch=8,
-                   overlap_grad_reduce=True, clip_grad=clip, early_gather=False, split_gate_up=optimizer == "muon",
-                   return_state=True, **LAYOUTS[layout][1])
+    run = TinyRun(lr=2e-3, num_steps=STEPS, layout="canzona", optimizer=optimizer, weight_decay=0.1, global_batch=8,
+                  overlap_grad_reduce=True, clip_grad=clip, early_gather=False, split_gate_up=optimizer == "muon",
+                  return_state=True, **LAYOUTS[layout][1])
+    return replace(run, **NARROW) if optimizer == "muon_narrow" else run
 
 
 def _variants(optimizer: str, layout: str) -> dict[str, TinyRun]:
@@ -70,9 +77,10 @@ def _variants(optimizer: str, layout: str) -> dict[str, TinyRun]:
         if optimizer in SPECULATIVE:
             runs[f"{label}-compute"] = replace(base, early_gather=True, early_compute=True)
         # every matrix in one micro-group (--canzona-fsdp-micro-groups one): one gather a step
-        runs[f"{label}-one"] = replace(base, early_gather=True, fsdp_micro_groups="one",
-                                       early_compute=optimizer in SPECULATIVE)
-    if optimizer in SPECULATIVE:
+        if optimizer != "muon_narrow":  # its gathers' packing is the other variants'
+            runs[f"{label}-one"] = replace(base, early_gather=True, fsdp_micro_groups="one",
+                                           early_compute=optimizer in SPECULATIVE)
+    if optimizer in SPECULATIVE and optimizer != "muon_narrow":
         runs["acting-backoff"] = replace(runs["acting-early"], speculation="backoff")
     return runs
 

@@ -10,14 +10,24 @@ optimizer's layouts on the same machine.
 With ``--canzona-tp-together all`` (TP 2 x DP 2, ``optim_grads``, Muon) fc1, fc2 and the attention
 projection are computed by their two TP ranks together, each its own shard, their Gram matrices
 summed over the TP group: not bitwise (the sums run in another order), every matrix within
-:data:`TOGETHER_MAX_ULPS` of the one-device result."""
+:data:`TOGETHER_MAX_ULPS` of the one-device result.
+
+With ``--canzona-narrow-gathers`` (Muon iterating in bf16, DP 4 ``optim_grads_params`` and TP 2 x DP 2
+``optim_grads``) each whole matrix's holders send its Newton-Schulz input divided by its norm, in
+bf16: the same run with fp32 gathers is bitwise the one-device math, and the narrow one differs from
+it by the norm's rounding only (the squares summed per holder, then over the holders), at most
+:data:`NARROW_SHARE` of what iterating in bf16 instead of fp32 changes; each rank sends exactly the
+bytes the bf16 pieces save fewer."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 
+from megatron.canzona.planning import CanzonaPlan
+from megatron.canzona.planning.schedule import plan_schedule
 from megatron.canzona.runtime import LaunchConfig, launch
 
 from canzona_patches.harness.tiny_gpt import train_tiny_gpts
@@ -36,12 +46,19 @@ TOGETHER = ("tp2_dp2_fsdp_together", dict(tp_size=2, fsdp="optim_grads", overlap
 """Muon's case with the TP-sharded matrices computed by their TP ranks together."""
 TOGETHER_MAX_ULPS = 64
 """Measured: 6 ulp (Newton-Schulz in fp32, the Gram matrices summed over 2 ranks in fp32)."""
+NARROW = {f"{case}_bf16{suffix}": {**fields, "muon_ns_dtype": "bfloat16", "narrow_gathers": narrow}
+          for case, fields in CASES.items() for suffix, narrow in (("", False), ("_narrow", True))}
+"""Muon iterating in bf16 under each case, its gathers in fp32 and narrow (``--canzona-narrow-gathers``)."""
+NARROW_SHARE = 0.5
+"""Bound on the narrow gathers' largest difference from the one-device math, as a share of the largest
+difference between the one-device math iterating in bf16 and in fp32."""
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[tuple[str, str], list[dict]]:
     cases = [(optimizer, case) for optimizer in OPTIMIZERS for case in CASES] + [("muon", TOGETHER[0])]
-    every = CASES | dict([TOGETHER])
+    cases += [("muon", case) for case in NARROW]
+    every = CASES | dict([TOGETHER]) | NARROW
     per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=4, timeout_s=LAUNCH_TIMEOUT_S),
                       [_run(*key, cases=every) for key in cases])
     return {key: [rank[i] for rank in per_rank] for i, key in enumerate(cases)}
@@ -68,3 +85,36 @@ def test_matrices_computed_by_their_tp_ranks_together_equal_one_device_math(resu
     worst = max(ulps(result["params"][n], value) for result in per_rank for n, value in expected.items())
     print(f"\n[replay] muon {name}: largest difference {worst:.3g} ulp (bound {TOGETHER_MAX_ULPS})", flush=True)
     assert 0 < worst <= TOGETHER_MAX_ULPS
+
+
+def _largest(per_rank: list[dict], expected: dict) -> float:
+    return max(float((result["params"][n] - value).abs().max()) for result in per_rank for n, value in expected.items())
+
+
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
+@pytest.mark.parametrize("case", list(CASES))
+def test_narrow_gathers_differ_from_one_device_math_by_the_norms_rounding(results, case: str) -> None:
+    wide, narrow = results[("muon", f"{case}_bf16")], results[("muon", f"{case}_bf16_narrow")]
+    run = _run("muon", f"{case}_bf16_narrow", NARROW)
+    initial = narrow[0]["initial_params"]
+    expected = one_device(run, initial)
+    assert _largest(wide, expected) == 0.0  # fp32 gathers: bitwise
+    in_fp32 = one_device(dataclasses.replace(run, muon_ns_dtype="float32"), initial)
+    bf16_rounding = max(float((in_fp32[n] - value).abs().max()) for n, value in expected.items())
+    worst = _largest(narrow, expected)
+    print(f"\n[replay] muon {case}, narrow gathers: largest difference {worst:.3g}, "
+          f"{worst / bf16_rounding:.3f} of bf16's own ({bf16_rounding:.3g}; bound {NARROW_SHARE})", flush=True)
+    assert worst <= NARROW_SHARE * bf16_rounding
+    # the bytes: every piece of a whole matrix that goes to its host goes in bf16, rounded up to fp32 words
+    plan = CanzonaPlan.from_json(narrow[0]["plan"])
+    saved = collections.Counter()
+    for task in plan_schedule(plan).tasks:
+        if task.name.endswith("linear_qkv.weight") or task.is_local():  # Q, K and V: three norms, fp32
+            continue
+        for holder, lo, hi in task.holders(plan.tp_size):
+            if holder != task.host:
+                saved[holder] += 4 * (hi - lo) - 4 * -(-2 * (hi - lo) // 4)
+    assert sum(saved.values()) > 0
+    for w, n in zip(wide, narrow):
+        assert w["host_coord"] == n["host_coord"]
+        assert w["tp_stats"]["bytes_sent"] - n["tp_stats"]["bytes_sent"] == saved[tuple(n["host_coord"])], n["host_coord"]

@@ -176,6 +176,21 @@ def muon_from_source(
 
 
 @torch.no_grad()
+def muon_from_normalized(
+    source: torch.Tensor, state: MuonSourceState, config: MuonConfig, refresh: Refresh | None = None,
+) -> torch.Tensor:
+    """:func:`muon_from_source` of a source its holders normalised, in the Newton-Schulz dtype
+    (each piece divided by the whole matrix's Frobenius norm, floored at ``config.eps``, then
+    cast: a narrow gather). Returns the direction in fp32."""
+    state.step += 1
+    orthogonal = newton_schulz(
+        source, num_steps=config.num_ns_steps, coefficients=config.coefficients, dtype=resolve_dtype(config.ns_dtype),
+        eps=config.eps, method=config.ns_method, measured=config.ns_measured, normalized=True,
+    )
+    return _scaled(orthogonal, config)
+
+
+@torch.no_grad()
 def muon_from_source_sharded(
     source: torch.Tensor, state: MuonSourceState, config: MuonConfig, refresh: Refresh | None = None, *,
     all_reduce: AllReduce, split_dim: int, shape: tuple[int, int],

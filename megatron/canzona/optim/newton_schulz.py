@@ -95,6 +95,7 @@ def newton_schulz(
     method: str = "standard",
     gram_restart_every: int | None = None,
     measured: tuple[tuple[int, int, str], ...] = (),
+    normalized: bool = False,
 ) -> torch.Tensor:
     """Approximately orthogonalise each trailing ``(m, n)`` matrix of ``x``.
 
@@ -107,6 +108,8 @@ def newton_schulz(
     :func:`~megatron.canzona.planning.cost.ns_method_for`). ``gram_restart_every`` overrides
     the dtype's restart interval of gram (for measuring it: ``tools/ns_band.py``); ``measured``
     gives ``auto`` the faster method of measured shapes (:attr:`MuonConfig.ns_measured`).
+    ``normalized``: ``x`` is that normalised input already, in ``dtype`` (its holders divided
+    their pieces by the whole matrix's norm: a narrow gather), iterated as it is.
 
     Returns:
         A tensor of the same shape in ``float32`` (``float64`` when ``dtype`` is float64).
@@ -121,9 +124,14 @@ def newton_schulz(
     if transpose:
         x = x.mT
     rows, cols = x.shape[-2:]
-    stack = x.to(out_dtype).reshape(-1, rows, cols)
-    norm = torch.linalg.matrix_norm(stack, keepdim=True).clamp_min(eps)
-    X = (stack / norm).to(dtype)
+    if normalized:
+        if x.dtype != dtype:
+            raise ValueError(f"a normalised Newton-Schulz input must be in the iteration's dtype {dtype}, got {x.dtype}")
+        X = x.reshape(-1, rows, cols)
+    else:
+        stack = x.to(out_dtype).reshape(-1, rows, cols)
+        norm = torch.linalg.matrix_norm(stack, keepdim=True).clamp_min(eps)
+        X = (stack / norm).to(dtype)
     steps = list(schedule.iterate(num_steps))
     if method == "gram":
         X = gram_iterations(X, steps, gram_runs(num_steps, dtype_name, gram_restart_every))

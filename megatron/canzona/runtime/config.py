@@ -64,6 +64,11 @@ class CanzonaConfig:
     each gathering and computing its own shard, their Newton-Schulz summing the shards' Gram
     matrices over the TP group (:data:`~megatron.canzona.planning.balance.TP_TOGETHER`; equal to
     one host's to rounding, not bitwise); ``off``: one host per matrix."""
+    narrow_gathers: bool = False
+    """Under Megatron-FSDP with Muon iterating in bf16: each whole matrix's holders send its
+    Newton-Schulz input to its host divided by the matrix's Frobenius norm, in bf16 (half of fp32's
+    bytes; the norm summed over the holders by one all-reduce per micro-group, so equal to one
+    host's normalisation to rounding, not bitwise: :attr:`~megatron.canzona.runtime.host_groups.MatrixTask.gather_dtype`)."""
     early_gather: bool = True
     """``async``: issue each micro-group's gather to its hosts as soon as the buckets holding
     its matrices have reduced, before the step (the hosts apply the loss scale and the clip

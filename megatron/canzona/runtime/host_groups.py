@@ -80,6 +80,17 @@ class MatrixTask:
     update dtype (fp32)."""
     update_scale: float = 1.0
     """The factor of a narrow direction (:attr:`update_dtype`)."""
+    gather_dtype: torch.dtype | None = None
+    """A narrower dtype in which the holders send their pieces to the host, each first divided by
+    the whole matrix's Frobenius norm, floored at :attr:`gather_floor` (the engine sums the norm
+    from the holders' squares, one all-reduce per micro-group): Muon's Newton-Schulz input as its
+    first iteration takes it, for pieces that are that input already (the holders keep the
+    momentum: Megatron-FSDP). The host's full matrix is then that normalised input, in this dtype,
+    and the compute callback knows it by its dtype. Equal to the host normalising the whole matrix
+    up to the norm's rounding (its squares summed in another order), so not bit for bit. ``None``:
+    the pieces move in the update dtype as they are."""
+    gather_floor: float = 1e-7
+    """The least norm a narrow gather divides by (:attr:`gather_dtype`; Muon's ``eps``)."""
     together: int | None = None
     """For TP rank :attr:`column`'s shard of a TP-sharded matrix its TP ranks compute together
     (the schedule's :attr:`~megatron.canzona.planning.schedule.Task.together`), the matrix's TP
@@ -103,6 +114,9 @@ class MatrixTask:
             raise ValueError(f"{key}: the engine needs a host per task (its mode decides who computes)")
         if self.update_dtype is not None and (self.update_dtype.itemsize >= 4 or self.task.is_local()):
             raise ValueError(f"{key}: a narrow update dtype must be under 4 bytes and for a task that moves")
+        if self.gather_dtype is not None and (self.gather_dtype != self.update_dtype or self.together is not None):
+            raise ValueError(f"{key}: a narrow gather is for a task whose direction is narrow in the same dtype "
+                             f"({self.update_dtype}), computed by one host")
         if (self.together is not None) != self.task.together or self.together not in (0, 1, None) \
                 or (self.together is not None and self.tp_dim is not None):
             raise ValueError(f"{key}: computed together {self.together} disagrees with the schedule "
@@ -267,21 +281,29 @@ class _Exchange:
     """Whether any rank of the group exchanges anything in this micro-group."""
     narrow: bool = False
     """Whether a task of the group scatters its direction in a narrow dtype: the scatter then
-    runs on bytes (:class:`_ScatterLayout`)."""
+    runs on bytes (:class:`_ByteLayout`)."""
+    normalized: dict[str, int] = field(default_factory=dict)
+    """The tasks of the group gathered narrow (:attr:`MatrixTask.gather_dtype`), by key, with
+    their index in the group's vector of norms; the gather then runs on bytes."""
+    floors: tuple[float, ...] = ()
+    """Their :attr:`MatrixTask.gather_floor`, in that order."""
 
 
 @dataclass(frozen=True)
-class _ScatterLayout:
-    """Byte offsets of a scatter's segments when some are narrow: each segment takes its
+class _ByteLayout:
+    """Byte offsets of an all-to-all's segments when some are narrow: each segment takes its
     elements at its own dtype's size, rounded up to the update dtype's size (so the fp32
-    segments stay aligned)."""
+    segments stay aligned). The gather sends ``outgoing`` and receives ``incoming``; the scatter
+    the reverse."""
 
-    send: tuple[int, ...]
-    """Byte offset of each of the exchange's ``incoming`` segments (what the host sends back)."""
-    recv: tuple[int, ...]
-    """Byte offset of each ``outgoing`` segment (this rank's pieces, received)."""
-    send_splits: list[int]
-    recv_splits: list[int]
+    outgoing: tuple[int, ...]
+    """Byte offset of each of the exchange's ``outgoing`` segments (this rank's pieces)."""
+    incoming: tuple[int, ...]
+    """Byte offset of each ``incoming`` segment (other ranks' pieces of what this rank computes)."""
+    outgoing_splits: list[int]
+    """Bytes per peer of the outgoing segments (by each piece's host)."""
+    incoming_splits: list[int]
+    """Bytes per peer of the incoming segments (by each piece's holder)."""
 
 
 @dataclass
@@ -301,6 +323,9 @@ class _InFlight:
     speculative: bool = False
     """Gathered before the step from what the holders' pieces become when no clip acts
     (:meth:`HostGroupEngine.prestart`'s ``speculative``): the step's own only then."""
+    norms: torch.Tensor | None = None
+    """The Frobenius norms of the group's narrow-gathered matrices (:attr:`_Exchange.normalized`),
+    which divided the pieces sent: the host divides its own by them too."""
 
 
 @dataclass
@@ -330,6 +355,18 @@ def direction_elements(numel: int, dtype: torch.dtype | None) -> int:
     """fp32 elements (4 bytes each) of a direction of ``numel`` elements kept in ``dtype``
     (``None``: fp32)."""
     return numel if dtype is None else fp32_elements(numel, dtype.itemsize)
+
+
+def _scale_gathered(exchange: _Exchange, inflight: _InFlight, scale: Sequence[float | torch.Tensor]) -> None:
+    """Multiply a gather's received pieces by the step's factors ``scale`` that their holders did
+    not apply. A narrow gather carries Muon's input, made by the holders with every factor known,
+    so none may remain."""
+    if exchange.normalized and scale:
+        raise RuntimeError(f"micro-group {exchange.index}: a narrow gather carries pieces already scaled; "
+                           f"{len(scale)} factor(s) of the step remain")
+    for factor in scale:
+        inflight.recv.mul_(factor)
+    inflight.scaled += len(scale)
 
 
 def _typed(buffer: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -405,7 +442,7 @@ class HostGroupEngine:
         if mode == "sync" and any(t.update_dtype is not None for t in self.tasks):
             raise ValueError("sync mode computes every matrix on every holder: no task scatters a narrow direction")
         self._side: _SideStream | None = None
-        self._layouts: dict[tuple[int, int], _ScatterLayout] = {}
+        self._layouts: dict[tuple[int, int, str], _ByteLayout] = {}
         self._staged: dict[int, _InFlight | None] = {}
         self._early: dict[int, _Early] = {}
         self.last_stats = StepStats()
@@ -445,8 +482,11 @@ class HostGroupEngine:
             if self.computes(task) and not task.is_local():  # every piece goes in and out of the full matrix
                 for holder, lo, hi in holders:
                     self._copies[(task.key, holder, lo)] = _copy_plan(task, holder[1], lo, hi, self.tp_size)
+        normalized = [t for t in tasks if t.gather_dtype is not None and not t.is_local()]
         exchange = _Exchange(index, tuple(tasks), self._batches(tasks), moves=moves,
-                             narrow=moves and any(t.update_dtype is not None for t in tasks))
+                             narrow=moves and any(t.update_dtype is not None for t in tasks),
+                             normalized={t.key: i for i, t in enumerate(normalized)},
+                             floors=tuple(t.gather_floor for t in normalized))
         for segments, by_peer, splits in ((exchange.outgoing, outgoing, exchange.send_splits),
                                           (exchange.incoming, incoming, exchange.recv_splits)):
             offset = 0
@@ -558,12 +598,8 @@ class HostGroupEngine:
             return
         first = next(iter(raw.values())) if raw else torch.empty(0)
         dtype = torch.float64 if first.dtype == torch.float64 else torch.float32  # the main gradients' dtype
-        send = torch.empty(sum(exchange.send_splits), dtype=dtype, device=first.device)
-        for seg in exchange.outgoing:
-            send[seg.offset : seg.offset + seg.hi - seg.lo].copy_(raw[(seg.task.key, seg.lo)])
-        inflight = self._all_to_all(None, send, exchange.recv_splits, exchange.send_splits)
-        if inflight is not None:
-            inflight.speculative, inflight.scaled = speculative, scaled
+        inflight = self._gather(None, exchange, lambda key, lo: raw[(key, lo)], dtype, first.device)
+        inflight.speculative, inflight.scaled = speculative, scaled
         self._staged[index] = inflight
 
     @torch.no_grad()
@@ -595,9 +631,7 @@ class HostGroupEngine:
                 current = torch.cuda.current_stream(inflight.recv.device)
                 inflight.recv.record_stream(current)
                 inflight.send.record_stream(current)
-            for factor in scale:
-                inflight.recv.mul_(factor)
-            inflight.scaled += len(scale)
+            _scale_gathered(exchange, inflight, scale)
 
         def own(key: str, lo: int) -> torch.Tensor:
             piece = raw[(key, lo)]
@@ -682,36 +716,88 @@ class HostGroupEngine:
                 if task.is_local():  # the host's own piece is the whole matrix
                     full[task.key] = own(task.key, 0).view(task.local_shape)
                     continue
-                full[task.key] = torch.empty(task.full_shape(self.tp_size), dtype=dtype, device=device)
-        for seg in exchange.incoming:
-            source = inflight.recv[seg.offset : seg.offset + seg.hi - seg.lo]  # type: ignore[union-attr]
-            self._copies[(seg.task.key, seg.holder, seg.lo)].into_full(source, full[seg.task.key])
+                full[task.key] = torch.empty(task.full_shape(self.tp_size), dtype=task.gather_dtype or dtype,
+                                             device=device)
+        if exchange.normalized:
+            assert inflight is not None and inflight.norms is not None
+            norms = inflight.norms
+            layout = self._layout(exchange, dtype, "gather")
+            for seg, offset in zip(exchange.incoming, layout.incoming):
+                source = _typed(inflight.recv, offset, seg.hi - seg.lo, seg.task.gather_dtype or dtype)
+                self._copies[(seg.task.key, seg.holder, seg.lo)].into_full(source, full[seg.task.key])
+        else:
+            for seg in exchange.incoming:
+                source = inflight.recv[seg.offset : seg.offset + seg.hi - seg.lo]  # type: ignore[union-attr]
+                self._copies[(seg.task.key, seg.holder, seg.lo)].into_full(source, full[seg.task.key])
         for batch in exchange.computed:
             for task in batch:
                 if task.is_local():
                     continue
                 for lo, _ in self.holds(task):
-                    self._copies[(task.key, self.coord, lo)].into_full(own(task.key, lo), full[task.key])
+                    piece = own(task.key, lo)
+                    if task.key in exchange.normalized:  # as its holders sent theirs (the cast in the copy)
+                        piece = piece.to(torch.float32) / norms[exchange.normalized[task.key]]
+                    self._copies[(task.key, self.coord, lo)].into_full(piece, full[task.key])
         return full
 
-    def _scatter_layout(self, exchange: _Exchange, update_dtype: torch.dtype) -> _ScatterLayout:
-        """The byte layout of a narrow exchange's scatter at this step's update dtype (made once
-        per exchange and dtype). Segments keep the element layout's order, grouped by peer."""
+    def _gather(self, stats: StepStats | None, exchange: _Exchange, piece: Callable[[str, int], torch.Tensor],
+                dtype: torch.dtype, device: torch.device) -> _InFlight:
+        """Pack this rank's pieces (``piece(key, lo)``) by destination and issue the group's
+        gather; a narrow-gathered task's divided by its matrix's norm (:meth:`_norms`) and cast."""
+        send = torch.empty(sum(exchange.send_splits), dtype=dtype, device=device)
+        if not exchange.normalized:
+            for seg in exchange.outgoing:
+                send[seg.offset : seg.offset + seg.hi - seg.lo].copy_(piece(seg.task.key, seg.lo))
+            return self._all_to_all(stats, send, exchange.recv_splits, exchange.send_splits)
+        norms = self._norms(exchange, piece, device)
+        layout = self._layout(exchange, dtype, "gather")
+        for seg, offset in zip(exchange.outgoing, layout.outgoing):
+            target = _typed(send, offset, seg.hi - seg.lo, seg.task.gather_dtype or dtype)
+            value = piece(seg.task.key, seg.lo)
+            if seg.task.key in exchange.normalized:
+                value = value.to(torch.float32) / norms[exchange.normalized[seg.task.key]]
+            target.copy_(value)
+        recv = torch.empty(sum(exchange.recv_splits), dtype=dtype, device=device)  # the scatter reuses it whole
+        inflight = self._all_to_all(stats, _bytes(send, sum(layout.outgoing_splits)), layout.incoming_splits,
+                                    layout.outgoing_splits, recv=_bytes(recv, sum(layout.incoming_splits)))
+        inflight.norms = norms
+        return inflight
+
+    def _norms(self, exchange: _Exchange, piece: Callable[[str, int], torch.Tensor],
+               device: torch.device) -> torch.Tensor:
+        """The Frobenius norm of each narrow-gathered matrix of the group, floored: each rank's sum
+        of its pieces' squares in fp32, summed over the group by one all-reduce (a collective: the
+        same value on every rank, which each holder divides by). On CUDA, stream-ordered: no host
+        synchronisation."""
+        squares = torch.zeros(len(exchange.normalized), dtype=torch.float32, device=device)
+        for key, index in exchange.normalized.items():
+            for lo, _ in self._mine.get(key, ()):
+                squares[index] += piece(key, lo).to(torch.float32).square().sum()
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(squares, group=self.group)
+        return torch.maximum(squares.sqrt_(), torch.tensor(exchange.floors, dtype=torch.float32, device=device))
+
+    def _layout(self, exchange: _Exchange, update_dtype: torch.dtype, stage: str) -> _ByteLayout:
+        """The byte layout of a narrow exchange's ``gather`` (each segment in its task's
+        :attr:`~MatrixTask.gather_dtype`) or ``scatter`` (in its
+        :attr:`~MatrixTask.update_dtype`), at this step's update dtype (made once per exchange,
+        dtype and stage). Segments keep the element layout's order, grouped by peer."""
         itemsize = update_dtype.itemsize
-        key = (exchange.index, itemsize)
+        key = (exchange.index, itemsize, stage)
         if key not in self._layouts:
             def place(segments: list[_Segment], peer_of: Callable[[_Segment], Coord]) -> tuple[tuple[int, ...], list[int]]:
                 offsets, splits, offset = [], [0] * len(self.rank_of), 0
                 for seg in segments:
-                    size = (seg.hi - seg.lo) * (seg.task.update_dtype or update_dtype).itemsize
+                    narrow = seg.task.gather_dtype if stage == "gather" else seg.task.update_dtype
+                    size = (seg.hi - seg.lo) * (narrow or update_dtype).itemsize
                     size = -(-size // itemsize) * itemsize
                     offsets.append(offset)
                     splits[self.rank_of[peer_of(seg)]] += size
                     offset += size
                 return tuple(offsets), splits
-            send, send_splits = place(exchange.incoming, lambda seg: seg.holder)  # back to each holder
-            recv, recv_splits = place(exchange.outgoing, lambda seg: seg.task.host)  # mine, from the host
-            self._layouts[key] = _ScatterLayout(send, recv, send_splits, recv_splits)
+            outgoing, outgoing_splits = place(exchange.outgoing, lambda seg: seg.task.host)  # mine, to (from) the host
+            incoming, incoming_splits = place(exchange.incoming, lambda seg: seg.holder)  # theirs, from (to) each holder
+            self._layouts[key] = _ByteLayout(outgoing, incoming, outgoing_splits, incoming_splits)
         return self._layouts[key]
 
     def _all_to_all(
@@ -763,8 +849,7 @@ class _StepRun:
                     gather.recv.record_stream(current)
                     gather.send.record_stream(current)
                 if early is None or not self.factors.commit_early:
-                    for factor in self.factors.scale[gather.scaled:]:
-                        gather.recv.mul_(factor)
+                    _scale_gathered(exchange, gather, self.factors.scale[gather.scaled:])
             if early is not None and self.factors.commit_early:
                 directions = early.directions
                 if self.replay is not None and exchange.computed:  # before the scatter reuses the gather
@@ -808,10 +893,8 @@ class _StepRun:
         """Pack my pieces by destination and issue the gather all-to-all."""
         if not exchange.moves:
             return None
-        send = torch.empty(sum(exchange.send_splits), dtype=self.update_dtype, device=self.device)
-        for seg in exchange.outgoing:
-            send[seg.offset : seg.offset + seg.hi - seg.lo].copy_(self.pieces[(seg.task.key, seg.lo)].grad)
-        return self.engine._all_to_all(self.stats, send, exchange.recv_splits, exchange.send_splits)
+        return self.engine._gather(self.stats, exchange, lambda key, lo: self.pieces[(key, lo)].grad,
+                                   self.update_dtype, self.device)
 
     def _finish_gather(self, exchange: _Exchange, inflight: _InFlight | None) -> dict[str, torch.Tensor]:
         """Wait for the gather; the full gradient of every matrix this rank computes."""
@@ -846,12 +929,13 @@ class _StepRun:
         assert gather is not None
         send, recv = gather.recv, gather.send
         if exchange.narrow:
-            layout = self.engine._scatter_layout(exchange, self.update_dtype)
-            for seg, offset in zip(exchange.incoming, layout.send):
-                target = _typed(send, offset, seg.hi - seg.lo, seg.task.update_dtype or send.dtype)
+            layout = self.engine._layout(exchange, self.update_dtype, "scatter")
+            for seg, offset in zip(exchange.incoming, layout.incoming):
+                target = _typed(send, offset, seg.hi - seg.lo, seg.task.update_dtype or self.update_dtype)
                 self.engine._copies[(seg.task.key, seg.holder, seg.lo)].from_full(directions[seg.task.key], target)
-            return self.engine._all_to_all(self.stats, _bytes(send, sum(layout.send_splits)), layout.recv_splits,
-                                           layout.send_splits, recv=_bytes(recv, sum(layout.recv_splits)))
+            return self.engine._all_to_all(self.stats, _bytes(send, sum(layout.incoming_splits)),
+                                           layout.outgoing_splits, layout.incoming_splits,
+                                           recv=_bytes(recv, sum(layout.outgoing_splits)))
         for seg in exchange.incoming:
             target = send[seg.offset : seg.offset + seg.hi - seg.lo]
             self.engine._copies[(seg.task.key, seg.holder, seg.lo)].from_full(directions[seg.task.key], target)
@@ -862,8 +946,8 @@ class _StepRun:
         self._wait(scatter, "scatter", exchange.index)
         start = time.perf_counter()
         if scatter is not None and exchange.narrow:
-            layout = self.engine._scatter_layout(exchange, self.update_dtype)
-            for seg, offset in zip(exchange.outgoing, layout.recv):
+            layout = self.engine._layout(exchange, self.update_dtype, "scatter")
+            for seg, offset in zip(exchange.outgoing, layout.outgoing):
                 received = _typed(scatter.recv, offset, seg.hi - seg.lo, seg.task.update_dtype or self.update_dtype)
                 self._apply_piece(seg.task.key, seg.lo, received)
         elif scatter is not None:

@@ -41,7 +41,7 @@ from megatron.canzona.optim import (
 )
 from megatron.canzona.optim.common import state_dtype_for
 from megatron.canzona.optim.config import resolve_dtype
-from megatron.canzona.optim.muon import muon_from_source_sharded, muon_scale, muon_source_
+from megatron.canzona.optim.muon import muon_from_normalized, muon_from_source_sharded, muon_scale, muon_source_
 from megatron.canzona.optim.newton_schulz import AllReduce
 from megatron.canzona.optim.split import FusedLayout, GateUpLayout, QKVLayout
 from megatron.canzona.planning.comm import NARROW_DTYPE_BYTES
@@ -331,7 +331,7 @@ class CanzonaOptimizer(MatrixOptimizer):
                       staged: bool = False) -> list[torch.Tensor]:
         """Full-matrix directions: fused matrices split, same-shape pieces batched, merged back;
         a narrow task's unscaled (:func:`narrow_updates`)."""
-        jobs, narrow = [], []
+        jobs, narrow, normalized = [], [], []
         together: dict[tuple[int, bool], list] = {}  # by TP dimension and narrowness, in the keys' order
         counts = []
         for key, grad in zip(keys, full_grads):
@@ -340,16 +340,20 @@ class CanzonaOptimizer(MatrixOptimizer):
             task = self._tasks[key]
             if task.together is not None:
                 mine = together.setdefault((task.together, task.update_dtype is not None), [])
+            elif task.gather_dtype is not None and grad.dtype == task.gather_dtype:  # normalised by its holders
+                mine = normalized
             else:
                 mine = narrow if task.update_dtype is not None else jobs
             mine.extend((key, i, piece) for i, piece in enumerate(pieces))
             counts.append(len(pieces))
         directions = self._run_jobs(jobs, self.config, staged=staged)
-        if narrow or any(is_narrow for _, is_narrow in together):
+        if narrow or normalized or any(is_narrow for _, is_narrow in together):
             if self._unscaled is None:
                 self._unscaled = unscaled(self.config)
         if narrow:
             directions.update(self._run_jobs(narrow, self._unscaled, staged=staged))
+        if normalized:
+            directions.update(self._run_jobs(normalized, self._unscaled, staged=staged, update=muon_from_normalized))
         for (dim, is_narrow), shards in together.items():  # the same on every TP peer, in the same order
             directions.update(self._run_jobs(shards, self._unscaled if is_narrow else self.config, staged=staged,
                                              update=self._together_update(dim)))
@@ -397,6 +401,18 @@ def narrow_updates(tasks: Sequence[MatrixTask], *, math: str, config: Any, layou
                 rows, cols, config.scale_mode, config.extra_scale_factor))
         out.append(task)
     return tuple(out)
+
+
+def narrow_gathers(tasks: Sequence[MatrixTask], *, math: str, config: Any, momentum_on_holders: bool) -> tuple[MatrixTask, ...]:
+    """``tasks`` with a narrow gather (:attr:`MatrixTask.gather_dtype`) on each narrow-update task
+    (:func:`narrow_updates`) computed by one host, where the holders keep Muon's momentum (so they
+    send its Newton-Schulz input, which they can normalise): Muon's pieces go to their host in the
+    Newton-Schulz dtype, half of fp32's bytes. ``--canzona-narrow-gathers``."""
+    if math != "muon" or not momentum_on_holders:
+        raise ValueError("narrow gathers send Muon's normalised Newton-Schulz input, which its holders make only "
+                         "where they keep its momentum (--use-megatron-fsdp with --optimizer muon)")
+    return tuple(dataclasses.replace(task, gather_dtype=task.update_dtype, gather_floor=config.eps)
+                 if task.update_dtype is not None and task.together is None else task for task in tasks)
 
 
 def _split_kind(layout: object) -> str | None:

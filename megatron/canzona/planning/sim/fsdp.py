@@ -236,7 +236,7 @@ class _Stage:
     together: Sharded | None = None
     """One TP rank's share of a matrix its TP ranks compute together (``tp_together``)."""
     narrow_gathers: bool = False
-    """Muon's whole matrices gathered in bf16 (a design not built: :func:`simulate_fsdp`)."""
+    """Muon's whole matrices gathered in bf16 (``--canzona-narrow-gathers``: :func:`simulate_fsdp`)."""
 
     def buckets(self, specs: Sequence[ParamSpec], dp_size: int, geometry: str | None = None) -> tuple[FsdpBucket, ...]:
         """Megatron-FSDP's buckets of the stage's sharding (or of ``geometry``: :data:`PER_PARAMETER`)."""
@@ -423,9 +423,10 @@ def simulate_fsdp(
     micro-group budget over Megatron-FSDP's shards (``math.inf``: one micro-group,
     ``--canzona-fsdp-micro-groups one``). ``tp_together``: Canzona's TP-sharded matrices computed
     by their TP ranks together (:func:`~.simulate.simulate`'s; the runtime's ``--canzona-tp-together``).
-    ``narrow_gathers``, a design the runtime does not have: Canzona's Muon gathers each whole matrix's
-    Newton-Schulz input in bf16 (its holders normalise their pieces by the matrix's norm first, an
-    exchange of partial sums of squares not priced here), half the gathers' bytes."""
+    ``narrow_gathers`` (the runtime's ``--canzona-narrow-gathers``): Canzona's Muon gathers each
+    whole matrix's Newton-Schulz input in bf16 (its holders normalise their pieces by the matrix's
+    norm first, summed by an all-reduce of 4 bytes per matrix and micro-group, not priced here),
+    half the gathers' bytes."""
     if strategy not in BUILDERS:
         raise ValueError(f"unknown FSDP strategy {strategy!r}; choose one of: {', '.join(FSDP_STRATEGIES)}")
     if optimizer not in OPTIMIZERS:

@@ -141,9 +141,9 @@ def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, 
     """A task per host of ``plan`` (per TP rank for a matrix every TP rank holds), in its
     micro-group; ``synchronous``: computed by every holder (``--canzona-tp-mode sync``);
     ``cost_model``: the optimizer, whose whole matrices' bf16 Muon directions go back in bf16.
-    ``narrow_gathers`` (a design not built; ``tools/simulate.py --narrow-gathers``): those
-    matrices' pieces go to their host in bf16 too, Muon's input normalised by its holders (as
-    under Megatron-FSDP, whose holders keep the momentum)."""
+    ``narrow_gathers`` (the runtime's ``--canzona-narrow-gathers``): those matrices' pieces go to
+    their host in bf16 too, Muon's input normalised by its holders (under Megatron-FSDP, whose
+    holders keep the momentum), but for those their TP ranks compute together."""
     schedule = plan_schedule(plan, synchronous=synchronous)
     narrow = narrow_update_bytes(schedule.tasks, specs, cost_model) if cost_model is not None else None
     state = None
@@ -151,9 +151,8 @@ def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, 
         state = StateLayout.of_cost(cost_model)
     tasks = sim_tasks(schedule, specs, seconds, rank, narrow, state, shared)
     if narrow_gathers and narrow:
-        keys = [t.key for t in schedule.tasks]
-        tasks = [dataclasses.replace(task, gather_bytes=narrow[key]) if key in narrow else task
-                 for key, task in zip(keys, tasks)]
+        tasks = [dataclasses.replace(task, gather_bytes=narrow[t.key]) if t.key in narrow and not t.together else task
+                 for t, task in zip(schedule.tasks, tasks)]
     return tasks
 
 
