@@ -613,6 +613,7 @@ def test_fsdp_recipe_shards_over_every_gpu_with_megatron_fsdp(validated: dict[st
     assert (args["tensor_model_parallel_size"], args["data_parallel_size"]) == (1, int(world_size))
     assert args["canzona"] == (variant != "adamw")
     assert args["canzona_split_gate_up"] == (variant != "adamw")
+    assert args["canzona_narrow_gathers"] == (variant == "canzona")
     assert args["num_layers"] == 36 and args["global_batch_size"] == 128
 
 
@@ -733,7 +734,7 @@ _REPORTED = (
     "rotary_base", "add_bias_linear", "untie_embeddings_and_output_weights", "seq_length",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "max_position_embeddings",
     "data_parallel_size", "sequence_parallel", "use_megatron_fsdp", "data_parallel_sharding_strategy",
-    "canzona_split_gate_up",
+    "canzona_split_gate_up", "canzona_narrow_gathers",
     "optimizer", "canzona", "canzona_tp_mode", "use_distributed_optimizer", "use_layer_wise_distributed_optimizer",
     "muon_tp_mode", "muon_momentum", "muon_scale_mode", "muon_extra_scale_factor",
     "lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "global_batch_size", "micro_batch_size", "clip_grad",
