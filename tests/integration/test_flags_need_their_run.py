@@ -81,7 +81,8 @@ def test_the_tables_are_the_groups() -> None:
     assert set(EVERY_RUN_FLAGS) <= group
     back_to_default = group - set(CANZONA_FLAGS)
     assert back_to_default <= {"--canzona", "--canzona-split-qkv", "--canzona-no-split-gate-up",
-                               "--canzona-stagger-refresh", "--canzona-early-gather", "--canzona-checksums"}
+                               "--canzona-stagger-refresh", "--canzona-early-gather", "--canzona-checksums",
+                               "--canzona-no-narrow-gathers"}
     assert len(CANZONA_FLAGS) >= 20 and len(MATRIX_FLAGS) >= 20
 
 
