@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-together", "--canzona-tp-together", dest="tp_together", choices=TP_TOGETHER, default=None,
                    help="with --fsdp, Muon and TP: the TP-sharded matrices whose TP ranks compute them together "
                    "(pretrain_gpt.py's --canzona-tp-together; default off)")
+    p.add_argument("--narrow-gathers", "--canzona-narrow-gathers", dest="narrow_gathers", action="store_true",
+                   help="with --fsdp and Muon: the hosts gather each whole matrix's normalised input in bf16 "
+                   "(pretrain_gpt.py's --canzona-narrow-gathers; default off)")
     p.add_argument("--vocab-size", type=at_least(1), default=None,
                    help="the tokenizer's vocabulary (default: the model's), padded as Megatron pads it")
     fsdp_mode.add_fsdp_args(p)
@@ -245,7 +248,8 @@ def canzona_config(args: argparse.Namespace) -> CanzonaConfig:
                          # the GPU run this rank models computes early (auto: DP above 1, overlapped reduces)
                          early_compute="on" if args.early_compute else "off", early_compute_bytes=early_budget(args),
                          fsdp_micro_groups=getattr(args, "fsdp_micro_groups", None) or "auto",
-                         tp_together=getattr(args, "tp_together", None) or "off")
+                         tp_together=getattr(args, "tp_together", None) or "off",
+                         narrow_gathers=getattr(args, "narrow_gathers", False))
 
 
 def fsdp_main(args: argparse.Namespace) -> int:

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from megatron.canzona.planning.fsdp import SHARDING_STRATEGIES, FsdpBucket, fsdp_buckets
 from megatron.canzona.planning.geometry import default_bucket_size
 from megatron.canzona.planning.grid import expert_coordinates
+from megatron.canzona.planning.comm import narrow_gather_bytes
+from megatron.canzona.planning.schedule import plan_schedule
 from megatron.canzona.planning.memory import STATE_BYTES, STATE_KINDS, StateLayout, fsdp_state_elements, rank_memory
 
 RECIPE_BATCH = dict(global_batch=128, micro_batch=1, seq_length=4096)
@@ -81,7 +83,8 @@ def check_fsdp_args(p: argparse.ArgumentParser, args: argparse.Namespace, defaul
     if not args.fsdp:
         for flag, value in (("--data-parallel-sharding-strategy", args.strategy), ("--every-rank", args.every_rank),
                             ("--fsdp-micro-groups", getattr(args, "fsdp_micro_groups", None)),
-                            ("--tp-together", getattr(args, "tp_together", None))):
+                            ("--tp-together", getattr(args, "tp_together", None)),
+                            ("--narrow-gathers", getattr(args, "narrow_gathers", False))):
             if value:
                 p.error(f"{flag} describes Megatron-FSDP: add --fsdp, or drop {flag}")
         return
@@ -89,6 +92,9 @@ def check_fsdp_args(p: argparse.ArgumentParser, args: argparse.Namespace, defaul
     if together not in (None, "off") and (args.optimizer != "muon" or args.tp == 1):
         p.error(f"--tp-together {together} computes TP-sharded Muon matrices on their TP ranks together: it needs "
                 "--optimizer muon and --tp above 1 (as pretrain_gpt.py): add them, or drop --tp-together")
+    if getattr(args, "narrow_gathers", False) and args.optimizer != "muon":
+        p.error("--narrow-gathers sends Muon's normalised input to its hosts in bf16 (as pretrain_gpt.py): it needs "
+                "--optimizer muon: add it, or drop --narrow-gathers")
     args.strategy = args.strategy or "optim_grads_params"
     # megatron.training resolves the bucket size before Megatron-FSDP sees it, as for DDP (with
     # overlapped reduces, as the recipes run; over DP x CP)
@@ -129,14 +135,16 @@ def fsdp_report(args: argparse.Namespace, setup, config: dict, catalog: dict, *,
     plan, specs = setup.plan, list(setup.specs)
     state = StateLayout.of(args.optimizer, setup.config.matrix)
     size = param_bytes  # Megatron-FSDP's gradients: the parameters' dtype (--megatron-fsdp-main-grads-dtype auto)
+    narrow = gathered_narrow(setup)
     predicted = predict_fsdp(plan, specs, state, dp_rank=dp_rank, tp_rank=tp_rank, strategy=args.strategy,
-                             bucket_size=args.bucket_size, param_bytes=size, grad_bytes=size)
+                             bucket_size=args.bucket_size, param_bytes=size, grad_bytes=size, narrow_gathers=narrow)
     rows = fsdp_rows(predicted, args.strategy)
     experts = predicted["experts"]
     return {
         "config": {**config, "strategy": args.strategy, "fsdp": True,
                    "micro_groups": setup.config.fsdp_micro_groups, "tp_together": setup.config.tp_together,
                    "computed_together": sum(h.together for h in plan.hosts),
+                   "narrow_gathers": setup.config.narrow_gathers, "gathered_narrow": len(narrow),
                    "num_groups": len({h.group for h in plan.hosts})},
         "build_seconds": build_seconds,
         "rows": rows,
@@ -146,7 +154,8 @@ def fsdp_report(args: argparse.Namespace, setup, config: dict, catalog: dict, *,
         "expert_buckets": experts and experts["bucket_elements"],
         "bucket_geometry": predicted["buckets"] + (experts["buckets"] if experts else []),
         "memory": fsdp_memory(rows),
-        "ranks": every_rank_state(plan, specs, state, strategy=args.strategy, bucket_size=args.bucket_size)
+        "ranks": every_rank_state(plan, specs, state, strategy=args.strategy, bucket_size=args.bucket_size,
+                                  narrow_gathers=narrow)
         if args.every_rank else None,
         "measured": False,
         "agree": catalog["ok"],
@@ -184,15 +193,27 @@ def rank_state(plan, specs, buckets, state: StateLayout, *, dp_rank: int, tp_ran
     return out
 
 
+def gathered_narrow(setup) -> dict[str, int]:
+    """Bytes per element of the tasks (dense and expert) whose hosts gather them narrow in
+    ``setup``'s run (``--canzona-narrow-gathers``; none without it)."""
+    if not setup.config.narrow_gathers:
+        return {}
+    plans = [setup.plan] + ([setup.plan.experts] if setup.plan.experts is not None else [])
+    return {key: size for plan in plans
+            for key, size in narrow_gather_bytes(plan_schedule(plan).tasks, setup.specs, setup.config.cost_model()).items()}
+
+
 def predict_fsdp(plan, specs, state: StateLayout, *, dp_rank: int, tp_rank: int, strategy: str,
-                 bucket_size: int | None, param_bytes: int, grad_bytes: int) -> dict:
+                 bucket_size: int | None, param_bytes: int, grad_bytes: int,
+                 narrow_gathers: dict[str, int] | None = None) -> dict:
     """Rank ``(dp_rank, tp_rank)``'s buffers, buckets, optimizer state and step buffers under
     Megatron-FSDP, dense and (``experts``) expert, from ``plan`` (of the ``fsdp`` layout) and the
-    ``specs`` it was made from."""
+    ``specs`` it was made from; ``narrow_gathers``: :func:`gathered_narrow`."""
     expert_dp = plan.experts.dp_size if plan.experts is not None else None
     buckets = fsdp_buckets(specs, dp_size=plan.dp_size, strategy=strategy, bucket_size=bucket_size,
                            expert_dp_size=expert_dp)
-    mem = rank_memory(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, state=state, early_compute_bytes=0)
+    mem = rank_memory(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, state=state, early_compute_bytes=0,
+                      narrow_gathers=narrow_gathers)
     kinds = rank_state(plan, specs, buckets, state, dp_rank=dp_rank, tp_rank=tp_rank, strategy=strategy,
                        bucket_size=bucket_size)
     # At EP 1 the experts' buckets (their own, by name) are dense ones, sharded over DP.
@@ -215,7 +236,8 @@ def predict_fsdp(plan, specs, state: StateLayout, *, dp_rank: int, tp_rank: int,
     return out
 
 
-def every_rank_state(plan, specs, state: StateLayout, *, strategy: str, bucket_size: int | None) -> list[dict]:
+def every_rank_state(plan, specs, state: StateLayout, *, strategy: str, bucket_size: int | None,
+                     narrow_gathers: dict[str, int] | None = None) -> list[dict]:
     """Each rank of the stage (global rank in Megatron's order, PP 1): its optimizer state by kind,
     and the step's buffers (``in_flight``: :data:`IN_FLIGHT`), dense and expert."""
     expert_dp = plan.experts.dp_size if plan.experts is not None else None
@@ -224,7 +246,8 @@ def every_rank_state(plan, specs, state: StateLayout, *, strategy: str, bucket_s
     out = []
     for dp_rank in range(plan.dp_size):
         for tp_rank in range(plan.tp_size):
-            mem = rank_memory(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, state=state, early_compute_bytes=0)
+            mem = rank_memory(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, state=state, early_compute_bytes=0,
+                              narrow_gathers=narrow_gathers)
             in_flight = {part: memory and {name: getattr(memory, key) for name, key in IN_FLIGHT.items()}
                          for part, memory in (("dense", mem), ("experts", mem.experts))}
             out.append({"rank": tp_rank + plan.tp_size * dp_rank, "in_flight": in_flight,
@@ -292,6 +315,9 @@ def print_fsdp_report(report: dict, rank: str) -> None:
     if report["config"]["tp_together"] != "off":
         print(f"computed by their TP ranks together: {report['config']['computed_together']} matrices "
               f"(--tp-together {report['config']['tp_together']}; each rank's host buffers are its own shard's)")
+    if report["config"]["narrow_gathers"]:
+        print(f"gathered in bf16: {report['config']['gathered_narrow']} matrices (--narrow-gathers; their hosts hold "
+              "the normalised input in bf16)")
     if report.get("ranks"):
         totals = [(sum(sum(part.values()) for part in (r["dense"], r["experts"] or {}) if part) * STATE_BYTES, r["rank"])
                   for r in report["ranks"]]

@@ -41,7 +41,7 @@ from canzona_patches.version import require_pinned_megatron
 from megatron.canzona.optim import ExpertStackLayout, GateUpLayout, QKVLayout
 from megatron.canzona.optim.split import FusedLayout
 from megatron.canzona.planning import LAYOUTS, CanzonaPlan, summarize_canzona
-from megatron.canzona.planning.comm import narrow_update_bytes
+from megatron.canzona.planning.comm import narrow_gather_bytes
 from megatron.canzona.planning.schedule import Coord, plan_schedule
 from megatron.canzona.planning.sim import Workload
 from megatron.canzona.planning.sim.choose import ONE_GROUP_BUDGET
@@ -207,7 +207,7 @@ def narrow_line(cfg: CanzonaConfig, plan: Any, specs: Any) -> str | None:
     if not cfg.narrow_gathers:
         return None
     tasks = plan_schedule(plan).tasks
-    narrow = [t for t in tasks if t.key in narrow_update_bytes(tasks, specs, cfg.cost_model()) and not t.together]
+    narrow = narrow_gather_bytes(tasks, specs, cfg.cost_model())
     return (f"[canzona] narrow gathers: {len(narrow)} of {len(tasks)} matrices sent to their hosts in bf16, divided by "
             "their Frobenius norms (summed over the holders by one all-reduce per micro-group: equal to one host's "
             "normalisation to rounding)")

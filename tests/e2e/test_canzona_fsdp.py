@@ -53,6 +53,8 @@ GRAD_NORM_RTOL = 1e-4
 QK_TAU = 0.1
 TP2 = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
 SMALL_BUCKETS = ("--ddp-bucket-size", "20000")
+NARROW = "--canzona-narrow-gathers"
+"""Muon's input gathered in bf16 (Megatron-FSDP only: its reference runs without it)."""
 QK_CLIP = ("--qk-clip", "--qk-clip-threshold", str(QK_TAU), "--log-max-attention-logit")
 """QK-clip on the rows of ``linear_qkv`` each rank's shard holds, acting at every step (every
 layer's largest logit is over the threshold)."""
@@ -82,7 +84,7 @@ CASES = {
     "muon-dp4_ep2-optim_grads_params": (4, "muon", "optim_grads_params", moe(2)),
     "muon-dp2-optim-qk_clip": (2, "muon", "optim", QK_CLIP),
     "muon-dp2-optim-split_gate_up": (2, "muon", "optim", ("--canzona-split-gate-up",)),
-    "muon-dp2-optim-bf16": (2, "muon", "optim", ("--bf16",)),
+    "muon-dp2-optim-bf16": (2, "muon", "optim", ("--bf16", NARROW)),
     "muon-tp2_dp2-optim_grads_params": (4, "muon", "optim_grads_params", TP2),
     "muon-cp2_dp2-optim_grads_params": (4, "muon", "optim_grads_params", ("--context-parallel-size", "2")),
     "muon-tp2_dp2-optim-qk_clip": (4, "muon", "optim", (*TP2, *QK_CLIP)),
@@ -90,7 +92,8 @@ CASES = {
     "shampoo-dp2-optim-buckets": (2, "shampoo", "optim", SMALL_BUCKETS),
     "soap-dp2-optim": (2, "soap", "optim", ()),
 }
-"""The FSDP runs: DP 2, DP 4 with experts over EP 2 (a dense and an expert Canzona optimizer, the
+"""The FSDP runs: DP 2 (in bf16 with Muon's input gathered narrow: ``--canzona-narrow-gathers``,
+whose reference gathers in fp32), DP 4 with experts over EP 2 (a dense and an expert Canzona optimizer, the
 experts' buckets over expert-DP 2), TP 2 x DP 2, CP 2 x DP 2 (the plan over DP x CP, as Megatron-FSDP
 shards over it), every optimizer, several buckets without units
 (``optim`` with 20,000-element buckets), gate and up hosted apart (what docs/fsdp.md's projection
@@ -135,6 +138,12 @@ def _canzona(optimizer: str, *extra: str) -> tuple[str, ...]:
     return ("--canzona", "--optimizer", optimizer, *extra)
 
 
+def _reference(nproc: int, optimizer: str, extra: tuple[str, ...]) -> tuple:
+    """The key of a case's distributed-optimizer reference: its ranks, optimizer and flags, but
+    Megatron-FSDP's own (``--canzona-narrow-gathers``)."""
+    return (nproc, optimizer, tuple(flag for flag in extra if flag != NARROW))
+
+
 @pytest.fixture(scope="module")
 def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every FSDP case, its distributed-optimizer reference (one per ranks, optimizer and flags),
@@ -142,12 +151,12 @@ def runs(demo_data: DemoData, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("canzona_fsdp")
     out: dict = {}
     for name, (nproc, optimizer, strategy, extra) in CASES.items():
-        reference = (nproc, optimizer, extra)
+        reference = _reference(nproc, optimizer, extra)
         env = QK_CLIP_ENV if "--qk-clip" in extra else None
         if reference not in out:
             saved = ("--save", str(root / f"{name}-distopt" / "ckpt"), "--save-interval", "2") if name == CONVERTED else ()
             out[reference] = train(demo_data, root / f"{name}-distopt", nproc,
-                                   *_canzona(optimizer, "--use-distributed-optimizer", *extra), *saved, env=env)
+                                   *_canzona(optimizer, "--use-distributed-optimizer", *reference[2]), *saved, env=env)
         save = ("--save", str(root / name / "ckpt"), "--save-interval", "2") if name in SAVED else ()
         out[name] = train(demo_data, root / name, nproc, *_canzona(optimizer, *FSDP, *extra),
                           "--data-parallel-sharding-strategy", strategy, *save, env=env)
@@ -205,7 +214,7 @@ def test_a_checkpoint_moves_between_the_distributed_optimizer_and_megatron_fsdp(
     iterations 3 and 4 are bitwise the other layout's uninterrupted run (under ``optim`` the two
     layouts train alike: :data:`CONVERTED`)."""
     nproc, optimizer, _, extra = CASES[CONVERTED]
-    straight = runs[CONVERTED if to == "fsdp_dtensor" else (nproc, optimizer, extra)]["metrics"]
+    straight = runs[CONVERTED if to == "fsdp_dtensor" else _reference(nproc, optimizer, extra)]["metrics"]
     resumed = runs[f"resume-{to}"]["metrics"]
     assert sorted(resumed) == [3, 4]
     for iteration, got in resumed.items():
@@ -233,7 +242,7 @@ def test_a_checkpoint_of_the_other_layout_is_named_in_one_line_with_its_conversi
 @pytest.mark.parametrize("name", list(CASES))
 def test_canzona_under_megatron_fsdp_trains_as_under_the_distributed_optimizer(runs: dict, name: str) -> None:
     nproc, optimizer, _, extra = CASES[name]
-    fsdp, reference = runs[name]["metrics"], runs[(nproc, optimizer, extra)]["metrics"]
+    fsdp, reference = runs[name]["metrics"], runs[_reference(nproc, optimizer, extra)]["metrics"]
     assert sorted(fsdp) == sorted(reference) == list(range(1, ITERS + 1))
     largest = max(abs(m["lm_loss"]) for m in reference.values())
     bf16 = "--bf16" in extra
@@ -261,8 +270,10 @@ def test_canzona_under_megatron_fsdp_trains_as_under_the_distributed_optimizer(r
                 want["max_attention_logit"], rel=0 if bitwise and not clipped else QK_LOGIT_RTOL), iteration
         assert f"[canzona] QK-clip: threshold {QK_TAU:g}" in runs[name]["stdout"]
     if extra == CLIPPED:  # the fourth step's norm is over the threshold: skipped under both
-        for run in (runs[name], runs[(nproc, optimizer, extra)]):
+        for run in (runs[name], runs[_reference(nproc, optimizer, extra)]):
             assert re.search(r"iteration +4/ +4 \|.*number of skipped iterations: +1 \|", run["stdout"]), name
+    if NARROW in extra:  # fc1, fc2 and the projection of both layers go to their hosts in bf16
+        assert "[canzona] narrow gathers: " in runs[name]["stdout"]
     assert fsdp[ITERS]["lm_loss"] < fsdp[1]["lm_loss"]  # it trains
 
 
@@ -333,7 +344,8 @@ def _dry_run_flags(name: str, geometry: dict) -> list[str]:
              "--tp", str(tp), "--cp", str(cp), "--ep", str(ep), "--dp", str(nproc // (tp * cp)), "--every-rank",
              "--fsdp-micro-groups", "budget",  # a CPU run's (auto projects only on CUDA)
              # --bf16 reduces in fp32 (Megatron's --accumulate-allreduce-grads-in-fp32), as the plan prices it
-             *(("--params-dtype", "bf16", "--grad-reduce-in-fp32") if "--bf16" in extra else ("--params-dtype", "fp32"))]
+             *(("--params-dtype", "bf16", "--grad-reduce-in-fp32") if "--bf16" in extra else ("--params-dtype", "fp32")),
+             *(("--narrow-gathers",) if NARROW in extra else ())]
     return flags + (["--bucket-size", value["--ddp-bucket-size"]] if "--ddp-bucket-size" in value else [])
 
 

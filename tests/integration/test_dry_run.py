@@ -261,6 +261,8 @@ def test_every_ranks_fsdp_state_covers_the_model_once():
     (("--fsdp-micro-groups", "one"), "--fsdp-micro-groups describes Megatron-FSDP: add --fsdp"),
     (("--tp-together", "auto"), "--tp-together describes Megatron-FSDP: add --fsdp"),
     (("--fsdp", "--tp-together", "all", "--dp", "2"), "it needs --optimizer muon and --tp above 1"),
+    (("--narrow-gathers",), "--narrow-gathers describes Megatron-FSDP: add --fsdp"),
+    (("--fsdp", "--narrow-gathers", "--optimizer", "soap", "--dp", "2"), "it needs --optimizer muon: add it"),
     (("--fsdp", "--model", "qwen3-moe-tiny", "--ep", "2", "--etp", "2", "--tp", "2", "--dp", "2"),
      "needs --expert-tensor-parallel-size 1"),
 ])

@@ -21,7 +21,7 @@ acting, with early compute (``--canzona-early-compute on``) committed and recomp
 the speculation policy (``backoff``) while the clip acts at every step (the gathers then mostly
 wait for the step). ``muon_narrow`` is Muon iterating in bf16 with ``--canzona-narrow-gathers`` (the
 holders send each whole matrix's source divided by its norm, in bf16): early, computed early and in
-the step, bitwise the same too.
+the step, bitwise the same too (at DP 2; the replay test holds TP 2 x DP 2's narrow gathers).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ LAYOUTS = {
     # name: (world size, TinyRun fields, optimizers)
     "dp2-optim_grads_params": (2, dict(fsdp="optim_grads_params"), ("muon", "normuon", "shampoo", "soap", "muon_narrow")),
     "dp2-optim": (2, dict(fsdp="optim"), ("muon", "soap")),
-    "tp2_dp2-optim_grads": (4, dict(fsdp="optim_grads", tp_size=2), ("muon", "soap", "muon_narrow")),
+    "tp2_dp2-optim_grads": (4, dict(fsdp="optim_grads", tp_size=2), ("muon", "soap")),
     "ep2_dp2-optim_grads_params": (4, dict(fsdp="optim_grads_params", num_experts=4, ep_size=2), ("muon",)),
 }
 """The layouts: at EP 2 a dense and an expert optimizer, the experts' buckets reduced over expert-DP 2."""
@@ -73,13 +73,15 @@ def _variants(optimizer: str, layout: str) -> dict[str, TinyRun]:
     for clip, label in ((IDLE, "idle"), (ACTING, "acting")):
         base = _base(optimizer, layout, clip)
         runs[f"{label}-step"] = base
+        if optimizer == "muon_narrow":  # early compute gathers early too
+            runs[f"{label}-compute"] = replace(base, early_gather=True, early_compute=True)
+            continue
         runs[f"{label}-early"] = replace(base, early_gather=True)
         if optimizer in SPECULATIVE:
             runs[f"{label}-compute"] = replace(base, early_gather=True, early_compute=True)
         # every matrix in one micro-group (--canzona-fsdp-micro-groups one): one gather a step
-        if optimizer != "muon_narrow":  # its gathers' packing is the other variants'
-            runs[f"{label}-one"] = replace(base, early_gather=True, fsdp_micro_groups="one",
-                                           early_compute=optimizer in SPECULATIVE)
+        runs[f"{label}-one"] = replace(base, early_gather=True, fsdp_micro_groups="one",
+                                       early_compute=optimizer in SPECULATIVE)
     if optimizer in SPECULATIVE and optimizer != "muon_narrow":
         runs["acting-backoff"] = replace(runs["acting-early"], speculation="backoff")
     return runs

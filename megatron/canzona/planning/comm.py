@@ -155,6 +155,16 @@ def narrow_update_bytes(tasks: Iterable[Task], specs: Iterable[ParamSpec], cost_
             and (size := narrow_bytes(cost_model, by_name[(t.chunk, t.name)], t.part)) is not None}
 
 
+def narrow_gather_bytes(tasks: Iterable[Task], specs: Iterable[ParamSpec], cost_model: CostModel) -> dict[str, int]:
+    """Task key -> bytes per element of its pieces on the way to its host under
+    ``--canzona-narrow-gathers`` (Muon's input normalised by its holders,
+    ``megatron.canzona.runtime.optimizer.narrow_gathers``): the narrow-update tasks
+    (:func:`narrow_update_bytes`) but those their TP ranks compute together."""
+    tasks = list(tasks)
+    narrow = narrow_update_bytes(tasks, specs, cost_model)
+    return {t.key: narrow[t.key] for t in tasks if t.key in narrow and not t.together}
+
+
 def collective_bytes(buffers: Iterable[BufferPlan], dp_size: int, wire: WireConfig) -> tuple[float, float, int]:
     """(reduce-scatter bytes, all-gather bytes, messages) one rank sends for ``buffers``."""
     numel = sum(b.end - b.start for buffer in buffers for b in buffer.buckets)

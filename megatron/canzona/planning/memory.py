@@ -18,7 +18,7 @@ parameters).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .comm import NARROW_DTYPE_BYTES
@@ -180,18 +180,19 @@ def early_compute_groups(groups: Iterable[tuple[int, int, int]], budget_elements
 
 def rank_memory(
     plan: CanzonaPlan, specs: Sequence[ParamSpec], *, dp_rank: int, tp_rank: int, state: StateLayout,
-    early_compute_bytes: int = EARLY_COMPUTE_BYTES,
+    early_compute_bytes: int = EARLY_COMPUTE_BYTES, narrow_gathers: Mapping[str, int] | None = None,
 ) -> RankMemory:
     """Predicted memory of rank ``(dp_rank, tp_rank)`` under ``plan`` (async mode), its
     expert buffers included (``experts``) when the plan has an expert plan; early compute
-    bounded by ``early_compute_bytes``."""
+    bounded by ``early_compute_bytes``; ``narrow_gathers``: bytes per element of the tasks whose host
+    gathers the matrix narrower (``--canzona-narrow-gathers``: :func:`~.comm.narrow_gather_bytes`)."""
     experts = None
     if plan.experts is not None:
         expert_dp_rank, _, expert_tp_rank = expert_coordinates(
             dp_rank, tp_rank, tp_size=plan.tp_size, ep_size=plan.ep_size, expert_tp_size=plan.experts.tp_size)
         # Every EP rank holds the same local expert names, so the EP coordinate does not matter.
         experts = rank_memory(plan.experts, specs, dp_rank=expert_dp_rank, tp_rank=expert_tp_rank, state=state,
-                              early_compute_bytes=early_compute_bytes)
+                              early_compute_bytes=early_compute_bytes, narrow_gathers=narrow_gathers)
     by_name = {(s.chunk, s.name): s for s in specs}
     buffers = [(c, dp.matrix) for c, dp in enumerate(plan.layouts)]
     buffers += [(c, dp.elementwise) for c, dp in enumerate(plan.layouts) if dp.elementwise is not None]
@@ -204,7 +205,7 @@ def rank_memory(
     staged = _early_compute(plan, by_name, (dp_rank, tp_rank), state, early_compute_bytes)
     for _, buffer in buffers[len(plan.layouts):]:
         kinds["adam_moments"] += 2 * _shard_numel(buffer, dp_rank)
-    largest, step, early = _temporaries(plan, dp_rank, tp_rank)
+    largest, step, early = _temporaries(plan, dp_rank, tp_rank, narrow_gathers)
     return RankMemory(
         param_buffer_elements=sum(buffer.numel for _, buffer in buffers),
         bucket_elements=tuple(b.numel for _, buffer in buffers for b in buffer.buckets),
@@ -339,9 +340,10 @@ def _shard_numel(buffer: BufferPlan, dp_rank: int) -> int:
     return total
 
 
-def _temporaries(plan: CanzonaPlan, dp_rank: int, tp_rank: int) -> tuple[int, int, int]:
+def _temporaries(plan: CanzonaPlan, dp_rank: int, tp_rank: int,
+                 narrow_gathers: Mapping[str, int] | None = None) -> tuple[int, int, int]:
     """(largest single temporary, most alive at once, every gather's buffers) of the
-    host-group step, in elements."""
+    host-group step, in elements (a matrix of ``narrow_gathers`` gathered in bf16)."""
     me = (dp_rank, tp_rank)
     groups: dict[int, dict[str, int]] = {}
     largest = 0
@@ -356,7 +358,9 @@ def _temporaries(plan: CanzonaPlan, dp_rank: int, tp_rank: int) -> tuple[int, in
                 g["recv"] += hi - lo
         if task.host == me and not task.is_local():
             full = task.full_numel(plan.tp_size)
-            g["full"] += 2 * full  # the gathered gradient and the direction
+            narrow = (narrow_gathers or {}).get(task.key)
+            gathered = full if narrow is None else fp32_elements(full, narrow)
+            g["full"] += gathered + full  # the gathered gradient (or normalised input) and the direction
             largest = max(largest, full)
     order = sorted(groups)
     step = 0

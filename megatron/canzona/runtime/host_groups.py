@@ -285,8 +285,8 @@ class _Exchange:
     normalized: dict[str, int] = field(default_factory=dict)
     """The tasks of the group gathered narrow (:attr:`MatrixTask.gather_dtype`), by key, with
     their index in the group's vector of norms; the gather then runs on bytes."""
-    floors: tuple[float, ...] = ()
-    """Their :attr:`MatrixTask.gather_floor`, in that order."""
+    floor: float = 0.0
+    """Their :attr:`MatrixTask.gather_floor` (one value: the optimizer's)."""
 
 
 @dataclass(frozen=True)
@@ -483,10 +483,14 @@ class HostGroupEngine:
                 for holder, lo, hi in holders:
                     self._copies[(task.key, holder, lo)] = _copy_plan(task, holder[1], lo, hi, self.tp_size)
         normalized = [t for t in tasks if t.gather_dtype is not None and not t.is_local()]
+        floors = {t.gather_floor for t in normalized}
+        if len(floors) > 1:
+            raise ValueError(f"micro-group {index}: its narrow gathers' norm floors differ ({sorted(floors)}); "
+                             "one optimizer's tasks share one")
         exchange = _Exchange(index, tuple(tasks), self._batches(tasks), moves=moves,
                              narrow=moves and any(t.update_dtype is not None for t in tasks),
                              normalized={t.key: i for i, t in enumerate(normalized)},
-                             floors=tuple(t.gather_floor for t in normalized))
+                             floor=floors.pop() if floors else 0.0)
         for segments, by_peer, splits in ((exchange.outgoing, outgoing, exchange.send_splits),
                                           (exchange.incoming, incoming, exchange.recv_splits)):
             offset = 0
@@ -520,17 +524,17 @@ class HostGroupEngine:
     def temporaries(self) -> tuple[int, int]:
         """Elements of (the largest single buffer, the most buffers alive at once) one step
         allocates: the all-to-all buffers (the scatter reuses the gather's), and the full
-        gradient and direction of every gathered matrix this rank computes (a group's, with
-        the next group's gather issued)."""
+        gradient (a narrow gather's in its dtype: that many bytes) and direction of every
+        gathered matrix this rank computes (a group's, with the next group's gather issued)."""
         sizes = []
         largest = 0
         for exchange in self.exchanges:
-            full = [task.full_shape(self.tp_size) for batch in exchange.computed for task in batch
-                    if not task.is_local()]
-            full_numel = [rows * cols for rows, cols in full]
+            tasks = [task for batch in exchange.computed for task in batch if not task.is_local()]
+            full_numel = [math.prod(task.full_shape(self.tp_size)) for task in tasks]
+            gathered = sum(direction_elements(n, t.gather_dtype) for n, t in zip(full_numel, tasks))
             send, recv = sum(exchange.send_splits), sum(exchange.recv_splits)
             largest = max([largest, send, recv, *full_numel])
-            sizes.append((send + recv, send + recv + 2 * sum(full_numel)))
+            sizes.append((send + recv, send + recv + gathered + sum(full_numel)))
         step = 0
         for k, (_, alive) in enumerate(sizes):
             step = max(step, alive + (sizes[k + 1][0] if k + 1 < len(sizes) else 0))
@@ -754,9 +758,10 @@ class HostGroupEngine:
         for seg, offset in zip(exchange.outgoing, layout.outgoing):
             target = _typed(send, offset, seg.hi - seg.lo, seg.task.gather_dtype or dtype)
             value = piece(seg.task.key, seg.lo)
-            if seg.task.key in exchange.normalized:
-                value = value.to(torch.float32) / norms[exchange.normalized[seg.task.key]]
-            target.copy_(value)
+            if seg.task.key in exchange.normalized:  # divided in fp32, rounded as it is written (no temporary)
+                torch.div(value.to(torch.float32), norms[exchange.normalized[seg.task.key]], out=target)
+            else:
+                target.copy_(value)
         recv = torch.empty(sum(exchange.recv_splits), dtype=dtype, device=device)  # the scatter reuses it whole
         inflight = self._all_to_all(stats, _bytes(send, sum(layout.outgoing_splits)), layout.incoming_splits,
                                     layout.outgoing_splits, recv=_bytes(recv, sum(layout.incoming_splits)))
@@ -772,10 +777,11 @@ class HostGroupEngine:
         squares = torch.zeros(len(exchange.normalized), dtype=torch.float32, device=device)
         for key, index in exchange.normalized.items():
             for lo, _ in self._mine.get(key, ()):
-                squares[index] += piece(key, lo).to(torch.float32).square().sum()
+                flat = piece(key, lo).to(torch.float32)
+                squares[index] += torch.dot(flat, flat)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(squares, group=self.group)
-        return torch.maximum(squares.sqrt_(), torch.tensor(exchange.floors, dtype=torch.float32, device=device))
+        return squares.sqrt_().clamp_min_(exchange.floor)
 
     def _layout(self, exchange: _Exchange, update_dtype: torch.dtype, stage: str) -> _ByteLayout:
         """The byte layout of a narrow exchange's ``gather`` (each segment in its task's

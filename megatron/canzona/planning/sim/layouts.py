@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..comm import narrow_update_bytes
+from ..comm import narrow_gather_bytes, narrow_update_bytes
 from ..cost import CostModel
 from ..memory import StateLayout
 from ..plan import BufferPlan, CanzonaPlan
@@ -150,8 +150,9 @@ def plan_tasks(plan: CanzonaPlan, specs: Sequence[ParamSpec], seconds: Seconds, 
     if cost_model is not None:
         state = StateLayout.of_cost(cost_model)
     tasks = sim_tasks(schedule, specs, seconds, rank, narrow, state, shared)
-    if narrow_gathers and narrow:
-        tasks = [dataclasses.replace(task, gather_bytes=narrow[t.key]) if t.key in narrow and not t.together else task
+    if narrow_gathers and cost_model is not None:
+        gathers = narrow_gather_bytes(schedule.tasks, specs, cost_model)
+        tasks = [dataclasses.replace(task, gather_bytes=gathers[t.key]) if t.key in gathers else task
                  for t, task in zip(schedule.tasks, tasks)]
     return tasks
 
