@@ -142,7 +142,7 @@ def make_setup(
         check_same_choices({"--canzona-layout auto": LAYOUTS.index(plan.layout),
                             "--canzona-matrices-reduce-first": int(matrices_first)})
     if first or summarize_here:
-        summary = summarize_canzona(plan, specs, config.cost_model(), wire)
+        summary = summarize_canzona(plan, specs, config.cost_model(), wire, narrow_gathers=config.narrow_gathers)
     if first:
         for line in (choice, early, order, qkv_line(config, model_chunks[0].config), together_line(config, plan),
                      narrow_line(config, plan, specs)):

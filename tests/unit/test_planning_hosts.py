@@ -98,6 +98,11 @@ def test_traffic_counts_each_piece_once_each_way():
     assert [r.host_scatter for r in per_rank] == [0.0, 520.0, 0.0]
     sync = traffic([], [Task(key="w", name="w", pieces=pieces, tp_sharded=False, host=None)], dp_size=3, tp_size=1, wire=wire)
     assert [r.sync_gather for r in sync] == [800.0, 400.0, 240.0]
+    # bf16 both ways (--canzona-narrow-gathers): each piece rounded up to whole fp32 words, as packed
+    odd = Task(key="w", name="w", pieces=((0, 0, 101), (1, 101, 150), (2, 150, 181)), tp_sharded=False, host=(1, 0))
+    narrow = traffic([], [odd], dp_size=3, tp_size=1, wire=wire, narrow={"w": 2}, gathers={"w": 2})
+    assert [r.host_gather for r in narrow] == [204.0, 0.0, 64.0]
+    assert [r.host_scatter for r in narrow] == [0.0, 268.0, 0.0]
 
 
 @pytest.mark.quick

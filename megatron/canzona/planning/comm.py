@@ -100,18 +100,20 @@ def rank_index(dp_rank: int, tp_rank: int, tp_size: int) -> int:
 def traffic(
     buffers: Iterable[BufferPlan], tasks: Iterable[Task], *, dp_size: int, tp_size: int, wire: WireConfig,
     narrow: Mapping[str, int] | None = None, grams: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+    gathers: Mapping[str, int] | None = None,
 ) -> list[RankTraffic]:
     """Bytes sent per rank (index ``dp_rank * tp_size + tp_rank``) in one step, for the
     buckets of ``buffers`` and the schedule's ``tasks`` (:mod:`.schedule`); ``narrow``: the
     tasks whose update goes back narrower (:func:`narrow_update_bytes`); ``grams``: per task its
     TP ranks compute together, ``(all-reduces, elements of each)`` of its Gram matrices
-    (:meth:`~.cost.CostModel.shared_reductions`)."""
+    (:meth:`~.cost.CostModel.shared_reductions`); ``gathers``: the tasks whose pieces go to their
+    host narrower (:func:`narrow_gather_bytes`)."""
     out = [RankTraffic() for _ in range(dp_size * tp_size)]
     rs, ag, messages = collective_bytes(buffers, dp_size, wire)
     for rank in out:
         rank.reduce_scatter, rank.all_gather, rank.messages = rs, ag, messages
     for task in tasks:
-        add_task_traffic(out, task, tp_size, wire, (narrow or {}).get(task.key))
+        add_task_traffic(out, task, tp_size, wire, (narrow or {}).get(task.key), (gathers or {}).get(task.key))
         if task.together and task.host is not None:  # a ring reduce-scatter and all-gather per all-reduce
             if grams is None:
                 raise ValueError(f"{task.key} is computed by its TP ranks together: pass its Gram matrices (grams=)")
@@ -174,9 +176,9 @@ def collective_bytes(buffers: Iterable[BufferPlan], dp_size: int, wire: WireConf
 
 
 def add_task_traffic(out: list[RankTraffic], task: Task, tp_size: int, wire: WireConfig,
-                     update_bytes: int | None = None) -> None:
-    """One task's bytes; ``update_bytes``: its update's on the wire when narrower (each piece
-    then rounded up to whole fp32 words, as the runtime packs it)."""
+                     update_bytes: int | None = None, gather_bytes: int | None = None) -> None:
+    """One task's bytes; ``update_bytes`` and ``gather_bytes``: its update's and its pieces' on the
+    wire when narrower (each piece then rounded up to whole fp32 words, as the runtime packs it)."""
     holders = [(coord, hi - lo) for coord, lo, hi in task.holders(tp_size)]
     if task.host is None:  # every holder gathers every other holder's piece
         for coord, n in holders:
@@ -190,7 +192,8 @@ def add_task_traffic(out: list[RankTraffic], task: Task, tp_size: int, wire: Wir
         if coord == task.host:
             continue
         holder = out[rank_index(*coord, tp_size)]
-        holder.host_gather += n * wire.main_grad_bytes
+        holder.host_gather += n * wire.main_grad_bytes if gather_bytes is None else \
+            -(-n * gather_bytes // wire.main_grad_bytes) * wire.main_grad_bytes
         holder.messages += 1
         back = n * wire.update_bytes if update_bytes is None else -(-n * update_bytes // wire.update_bytes) * wire.update_bytes
         host.host_scatter += back

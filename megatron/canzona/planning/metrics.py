@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .comm import RankTraffic, WireConfig, narrow_update_bytes, shared_grams, traffic
+from .comm import RankTraffic, WireConfig, narrow_gather_bytes, narrow_update_bytes, shared_grams, traffic
 from .cost import CostModel
 from .grid import dense_to_expert
 from .plan import BufferPlan, CanzonaPlan, DPPlan
@@ -55,26 +55,30 @@ def split_params(buffers: Sequence[BufferPlan]) -> int:
     return sum(p.host is None for b in buffers for p in b.placements)
 
 
-def summarize_canzona(plan: CanzonaPlan, specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig) -> dict:
+def summarize_canzona(plan: CanzonaPlan, specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig, *,
+                      narrow_gathers: bool = False) -> dict:
     """The record of a stage's Canzona plan, one host per matrix; ``specs`` are the stage's
-    (expert-parallel ones are scored against ``plan.experts``, never in the dense record)."""
+    (expert-parallel ones are scored against ``plan.experts``, never in the dense record);
+    ``narrow_gathers``: the run's ``--canzona-narrow-gathers`` (:func:`~.comm.narrow_gather_bytes`)."""
     dense = [s for s in specs if not s.is_expert]
-    record = summarize_plan(plan, dense, cost_model, wire)
+    record = summarize_plan(plan, dense, cost_model, wire, narrow_gathers=narrow_gathers)
     if plan.experts is None:
         return record
     experts = [s for s in specs if s.is_expert]
-    return with_experts(record, summarize_plan(plan.experts, experts, cost_model, wire), specs, cost_model,
+    expert_record = summarize_plan(plan.experts, experts, cost_model, wire, narrow_gathers=narrow_gathers)
+    return with_experts(record, expert_record, specs, cost_model,
                         dp_size=plan.dp_size, tp_size=plan.tp_size, ep_size=plan.ep_size,
                         expert_tp_size=plan.experts.tp_size)
 
 
-def summarize_plan(plan: CanzonaPlan, specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig) -> dict:
+def summarize_plan(plan: CanzonaPlan, specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig, *,
+                   narrow_gathers: bool = False) -> dict:
     """The record of ``plan``'s own buffers, ``specs`` being what it was made of (dense or
     expert); :func:`summarize_canzona` is the record of a whole stage."""
     rank_loads = [load for row in plan.rank_loads() for load in row]
     dp_loads = [sum(row) for row in plan.rank_loads()]
     return _summary([dp.matrix for dp in plan.layouts], _elementwise(plan.layouts), dp_loads, rank_loads,
-                    plan_schedule(plan).tasks, specs, cost_model, wire, plan.dp_size, plan.tp_size)
+                    plan_schedule(plan).tasks, specs, cost_model, wire, plan.dp_size, plan.tp_size, narrow_gathers)
 
 
 def with_experts(
@@ -122,13 +126,15 @@ def _elementwise(layouts: Sequence[DPPlan]) -> list[BufferPlan]:
 def _summary(
     matrix: list[BufferPlan], elementwise: list[BufferPlan], dp_loads: list[float], rank_loads: list[float],
     tasks: Sequence[Task], specs: Sequence[ParamSpec], cost_model: CostModel, wire: WireConfig, dp_size: int, tp_size: int,
+    narrow_gathers: bool = False,
 ) -> dict:
     bound = lower_bound(specs, cost_model, dp_size)
     costs = [cost_model.cost(s) * (1 if s.tp_sharded else tp_size) for s in matrix_specs(specs)]
     rank_bound = max(sum(costs) / (dp_size * tp_size), max((cost_model.cost(s) for s in matrix_specs(specs)), default=0.0))
     per_rank = traffic(matrix + elementwise, tasks, dp_size=dp_size, tp_size=tp_size, wire=wire,
                        narrow=narrow_update_bytes(tasks, specs, cost_model),
-                       grams=shared_grams(tasks, specs, cost_model))
+                       grams=shared_grams(tasks, specs, cost_model),
+                       gathers=narrow_gather_bytes(tasks, specs, cost_model) if narrow_gathers else None)
     busiest: RankTraffic = max(per_rank, key=lambda r: r.total)
     buckets = [b for buffer in matrix for b in buffer.buckets]
     return {
