@@ -132,11 +132,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fsdp", choices=("optim", "optim_grads", "optim_grads_params"), default=None,
                         help="under Megatron-FSDP with this sharding strategy: Canzona's Muon step against Megatron's "
                         "AdamW-FSDP step, and each rank's host-group bytes against the plan's")
+    parser.add_argument("--narrow-gathers", action="store_true",
+                        help="with --fsdp: also Canzona's Muon iterating in bf16 with --canzona-narrow-gathers (its "
+                        "input gathered in bf16, normalised by the holders), its bytes against the plan's too")
     parser.add_argument("--timeout", type=positive, default=900.0, help="seconds before a hung launch fails")
     parser.add_argument("--json", metavar="FILE", help="also write the JSON result here")
     args = parser.parse_args(argv)
     if args.dp < 1 or args.tp < 1:
         parser.error(f"--dp {args.dp} and --tp {args.tp} must be at least 1")
+    if args.narrow_gathers and not args.fsdp:
+        parser.error("--narrow-gathers sends Muon's input to its hosts in bf16 under Megatron-FSDP: add --fsdp")
     if args.fsdp and (args.iteration or args.gantt or args.moe):
         parser.error("--fsdp times the optimizer step of the dense model: drop --iteration/--gantt/--moe")
     if args.iteration and (args.gantt or args.moe):
@@ -362,12 +367,14 @@ def draw_gantt(per_rank: list[dict], path: str) -> None:
     print(f"wrote {path}")
 
 
-FSDP_VARIANTS = {"canzona": ("muon", "canzona"), "every_holder": ("every_holder", "megatron"),
-                 "adamw": ("adam", "megatron")}
-"""With ``--fsdp``: variant -> (TinyRun optimizer, layout): Canzona's Muon over Megatron-FSDP's
-shards; the peer design that gathers each matrix to every rank holding a piece of it, each running
-Muon on it (#4486; TP 1 only); Megatron's own Adam under Megatron-FSDP (what Megatron-Core 0.19.2
-allows there)."""
+FSDP_VARIANTS = {"canzona": ("muon", "canzona", {}), "every_holder": ("every_holder", "megatron", {}),
+                 "adamw": ("adam", "megatron", {}),
+                 "canzona_narrow": ("muon", "canzona", {"muon_ns_dtype": "bfloat16", "narrow_gathers": True})}
+"""With ``--fsdp``: variant -> (TinyRun optimizer, layout, other TinyRun fields): Canzona's Muon over
+Megatron-FSDP's shards; the peer design that gathers each matrix to every rank holding a piece of it,
+each running Muon on it (#4486; TP 1 only); Megatron's own Adam under Megatron-FSDP (what
+Megatron-Core 0.19.2 allows there); with ``--narrow-gathers``, Canzona's Muon iterating in bf16 with
+its input gathered in bf16."""
 
 
 def fsdp_main(args: argparse.Namespace) -> int:
@@ -377,12 +384,14 @@ def fsdp_main(args: argparse.Namespace) -> int:
     from megatron.canzona.planning.comm import WireConfig, rank_index, traffic
     from megatron.canzona.planning.schedule import plan_schedule
 
-    variants = {k: v for k, v in FSDP_VARIANTS.items() if args.tp == 1 or k != "every_holder"}
+    variants = {k: v for k, v in FSDP_VARIANTS.items()
+                if (args.tp == 1 or k != "every_holder") and (args.narrow_gathers or k != "canzona_narrow")}
     runs = [TinyRun(optimizer=optimizer, layout=layout, fsdp=args.fsdp, early_gather=False, overlap_grad_reduce=True,
                     num_steps=args.warmup + args.steps, global_batch=2 * args.dp * args.tp, micro_batch=2,
                     tp_size=args.tp, lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
-                    ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha, clip_grad=args.clip_grad)
-            for _ in range(args.rounds) for optimizer, layout in variants.values()]
+                    ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha, clip_grad=args.clip_grad,
+                    **fields)
+            for _ in range(args.rounds) for optimizer, layout, fields in variants.values()]
     print(f"bench_step: Megatron-FSDP {args.fsdp}, TP {args.tp} x DP {args.dp} on gloo, {args.layers} layers, hidden "
           f"{args.hidden}; {args.rounds} rounds of {args.warmup} + {args.steps} steps per variant ...", flush=True)
     start = time.perf_counter()
@@ -395,32 +404,42 @@ def fsdp_main(args: argparse.Namespace) -> int:
         last[name] = [rank[i] for rank in per_rank]
         times[name] += step_times(last[name], args.warmup)
     medians = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-    plan = CanzonaPlan.from_json(last["canzona"][0]["plan"])
     wire = WireConfig(param_bytes=4, grad_bytes=4)  # the harness trains in fp32
-    predicted = traffic([dp.matrix for dp in plan.layouts], plan_schedule(plan).tasks, dp_size=plan.dp_size,
-                        tp_size=plan.tp_size, wire=wire)
-    measured = [r["tp_stats"]["bytes_sent"] for r in last["canzona"]]
-    planned = [predicted[rank_index(*r["host_coord"], plan.tp_size)].host_gather
-               + predicted[rank_index(*r["host_coord"], plan.tp_size)].host_scatter for r in last["canzona"]]
+
+    def bytes_of(variant: str) -> tuple[list[int], list[float]]:
+        """Each rank's host-group bytes, measured by its engine and priced by the plan's traffic."""
+        plan, narrow = CanzonaPlan.from_json(last[variant][0]["plan"]), last[variant][0]["planned_narrow"]
+        predicted = traffic([dp.matrix for dp in plan.layouts], plan_schedule(plan).tasks, dp_size=plan.dp_size,
+                            tp_size=plan.tp_size, wire=wire, narrow=narrow["updates"], gathers=narrow["gathers"])
+        at = [predicted[rank_index(*r["host_coord"], plan.tp_size)] for r in last[variant]]
+        return [r["tp_stats"]["bytes_sent"] for r in last[variant]], [t.host_gather + t.host_scatter for t in at]
+
+    measured, planned = bytes_of("canzona")
+    narrow_bytes = bytes_of("canzona_narrow") if "canzona_narrow" in last else None
     report = {"fsdp": args.fsdp, "dp_size": args.dp, "tp_size": args.tp,
               "model": {"layers": args.layers, "hidden": args.hidden, "ffn_hidden": args.ffn_hidden},
               "timed_steps_per_variant": args.rounds * args.steps, "median_step_ms": medians,
               "canzona_over_adamw": medians["canzona"] / medians["adamw"],
               "host_group_bytes_per_rank": measured, "planned_host_group_bytes_per_rank": planned,
-              "bytes_equal_plan": measured == planned, "wall_seconds": time.perf_counter() - start,
+              "narrow_gathers_bytes_per_rank": narrow_bytes and narrow_bytes[0],
+              "planned_narrow_gathers_bytes_per_rank": narrow_bytes and narrow_bytes[1],
+              "bytes_equal_plan": measured == planned and (narrow_bytes is None or narrow_bytes[0] == narrow_bytes[1]),
+              "wall_seconds": time.perf_counter() - start,
               "every_holder_bytes_per_rank": [r["tp_stats"]["bytes_sent"] for r in last["every_holder"]]
               if "every_holder" in last else None,
               "git_revision": git_revision(), "machine": machine()}
-    print(f"{'variant':<14}{'step ms':>10}{'/ adamw':>9}{'/ canzona':>11}")
+    print(f"{'variant':<16}{'step ms':>10}{'/ adamw':>9}{'/ canzona':>11}")
     for name in names:
-        print(f"{name:<14}{medians[name]:>10.2f}{medians[name] / medians['adamw']:>9.2f}"
+        print(f"{name:<16}{medians[name]:>10.2f}{medians[name] / medians['adamw']:>9.2f}"
               f"{medians[name] / medians['canzona']:>11.2f}")
     if report["every_holder_bytes_per_rank"] is not None:
         print("every-holder all-gather bytes per rank: " + ", ".join(
             f"rank {k}: {b:,}" for k, b in enumerate(report["every_holder_bytes_per_rank"])))
-    print("host-group bytes per rank (measured | plan): " + ", ".join(
-        f"rank {k}: {m:,} | {p:,.0f}" for k, (m, p) in enumerate(zip(measured, planned)))
-        + ("  (equal)" if report["bytes_equal_plan"] else "  (DIFFER)"))
+    rows = [("", (measured, planned))] + ([(" with narrow gathers", narrow_bytes)] if narrow_bytes else [])
+    for label, (got, plan_bytes) in rows:
+        print(f"host-group bytes per rank{label} (measured | plan): " + ", ".join(
+            f"rank {k}: {m:,} | {p:,.0f}" for k, (m, p) in enumerate(zip(got, plan_bytes)))
+            + ("  (equal)" if got == plan_bytes else "  (DIFFER)"))
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

@@ -59,7 +59,8 @@ def run_resume_job(job: ResumeJob) -> dict[str, Any]:
     disarm = _arm(job.fault) if job.fault else lambda: None
     try:
         with model_parallel(job.run) as keep:
-            model, ddp_model, optimizer, plan = build(job.run)
+            model, ddp_model, optimizer, setup = build(job.run)
+            plan = None if setup is None else setup.plan
             keep(ddp_model)
             start, load_s, in_place = 0, 0.0, []
             if job.load_dir is not None:

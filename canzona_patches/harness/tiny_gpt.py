@@ -200,7 +200,8 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
 
     registry.install(argparse.Namespace(), groups=(registry.NORM,))  # as pretrain_gpt.py: one read per norm
     with model_parallel(run) as keep:
-        model, ddp_model, optimizer, plan = build(run)
+        model, ddp_model, optimizer, setup = build(run)
+        plan = None if setup is None else setup.plan
         keep(ddp_model)
         params_of = (lambda: _fsdp_full_params(ddp_model)) if run.fsdp else (lambda: full_params(model))
         initial = params_of() if run.replay_grads else None
@@ -222,6 +223,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "tp_stats": _tp_stats(optimizer),
             "host_coord": _host_coord(optimizer),
             "plan": None if plan is None else plan.to_json(),
+            "planned_narrow": _planned_narrow(setup),
             "host_syncs": syncs,
             "forward_backward_syncs": fb_syncs,
             "state": _optimizer_state(optimizer) if run.return_state else None,
@@ -353,7 +355,7 @@ def build(run: TinyRun):
             early.at_dispatch = early.at_dispatch or run.early_gather_at_dispatch
     if run.time_iteration:
         _mark_iterations(model)
-    return model, ddp_model, optimizer, setup.plan if setup is not None else None
+    return model, ddp_model, optimizer, setup
 
 
 ITERATION_MARKS: dict[str, list[float]] = {"backward_end": [], "forward_start": [], "step_end": []}
@@ -510,6 +512,19 @@ def _host_coord(optimizer) -> tuple[int, int] | None:
     """This rank's (DP rank, TP rank) in the Canzona host group, if a Canzona optimizer runs."""
     engine = getattr(_inner(optimizer), "engine", None)
     return None if engine is None else tuple(engine.coord)
+
+
+def _planned_narrow(setup) -> dict[str, dict[str, int]] | None:
+    """The dense plan's tasks whose update and pieces go narrower, as the planner prices them
+    (``planning.comm``: its ``traffic``'s ``narrow`` and ``gathers``), if a Canzona optimizer runs."""
+    if setup is None:
+        return None
+    from megatron.canzona.planning.comm import narrow_gather_bytes, narrow_update_bytes
+    from megatron.canzona.planning.schedule import plan_schedule
+
+    tasks, cost_model = plan_schedule(setup.plan).tasks, setup.config.cost_model()
+    return {"updates": narrow_update_bytes(tasks, setup.specs, cost_model),
+            "gathers": narrow_gather_bytes(tasks, setup.specs, cost_model) if setup.config.narrow_gathers else {}}
 
 
 def _tp_stats(optimizer) -> dict[str, Any] | None:

@@ -244,6 +244,7 @@ def build_canzona_plan(
             bucket_size=bucket_size, tp_budget=budget, wire=wire,
             ep_size=ep_size, expert_tp_size=expert_tp_size, layout=layout, **fsdp,
             tp_together=cfg.tp_together if layout == FSDP_LAYOUT else "off",
+            narrow_gathers=cfg.narrow_gathers and layout == FSDP_LAYOUT,
         )
         for layout in layouts
     }
@@ -282,7 +283,7 @@ def fsdp_group_budget(specs: Sequence[ParamSpec], cfg: Any, ddp_config: Any, *, 
         sharding=strategy, optimizer=cfg.optimizer, calibration=cost_model.calibration, workload=workload, wire=wire,
         bucket_size=ddp_config.bucket_size, alpha=cfg.alpha, ns_method=cost_model.ns_method,
         early_compute=early_compute_on(cfg, dp_size, reduces_in_backward(ddp_config)),
-        early_compute_bytes=cfg.early_compute_bytes, tp_together=cfg.tp_together)
+        early_compute_bytes=cfg.early_compute_bytes, tp_together=cfg.tp_together, narrow_gathers=cfg.narrow_gathers)
     choice = faster_fsdp_groups(results)
     return (ONE_GROUP_BUDGET if choice == "one" else None), fsdp_groups_line(choice, results, cluster)
 

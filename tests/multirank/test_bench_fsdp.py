@@ -24,16 +24,23 @@ LAYERS, HIDDEN, FFN = 2, 128, 384
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("strategy", "dp", "tp"), [("optim_grads_params", 2, 1), ("optim_grads", 2, 2)])
 def test_bench_fsdp_sends_the_plans_bytes(strategy: str, dp: int, tp: int, tmp_path: Path) -> None:
+    """At TP 2 x DP 2 also with ``--canzona-narrow-gathers`` (``--narrow-gathers``): its bytes the
+    plan's too (``comm.traffic``'s ``gathers``), and fewer."""
     out = tmp_path / "bench.json"
+    narrow = tp > 1
     result = subprocess.run(
         [sys.executable, "tools/bench_step.py", "--fsdp", strategy, "--dp", str(dp), "--tp", str(tp), "--layers",
          str(LAYERS), "--hidden", str(HIDDEN), "--ffn-hidden", str(FFN), "--steps", "1", "--warmup", "0",
-         "--rounds", "1", "--json", str(out)],
+         "--rounds", "1", "--json", str(out), *(("--narrow-gathers",) if narrow else ())],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["bytes_equal_plan"] and report["host_group_bytes_per_rank"] == report["planned_host_group_bytes_per_rank"]
-    assert set(report["median_step_ms"]) == {"canzona", "adamw"} | ({"every_holder"} if tp == 1 else set())
+    assert set(report["median_step_ms"]) == {"canzona", "adamw"} | ({"every_holder"} if tp == 1 else set()) \
+        | ({"canzona_narrow"} if narrow else set())
+    if narrow:  # bf16 pieces and directions: fewer bytes, as planned
+        sent, planned = report["narrow_gathers_bytes_per_rank"], report["planned_narrow_gathers_bytes_per_rank"]
+        assert sent == planned and sum(sent) < sum(report["host_group_bytes_per_rank"]), (sent, planned)
     if tp == 1:  # the peer gathers every split matrix to all its holders: more bytes than the hosts'
         assert min(report["every_holder_bytes_per_rank"]) > max(report["host_group_bytes_per_rank"])
     q, kv = HIDDEN, HIDDEN // 2  # 4 heads in 2 query groups

@@ -12,7 +12,7 @@ gather of every step here is issued before Megatron's loop that ends backward.
   again.
 
 Against the same run gathering in the step (``--canzona-no-early-gather``), in the planner's
-micro-groups and in one (``--canzona-fsdp-micro-groups one``), over 4 steps at DP 2
+micro-groups and (:data:`ONE_GROUP`) in one (``--canzona-fsdp-micro-groups one``), over 4 steps at DP 2
 (``optim_grads_params``, ``optim``; two micro-batches a step, so ``optim_grads_params``
 reduce-scatters twice a step and only the second is gathered), TP 2 x DP 2 (``optim_grads``) and
 EP 2 x DP 2 (a dense and an expert optimizer, the experts reduced over expert-DP 2):
@@ -54,6 +54,11 @@ LAYOUTS = {
 SPECULATIVE = ("muon", "normuon", "muon_narrow")
 """The optimizers whose holders keep the momentum (NorMuon's second moment is its hosts'): their
 gathers carry its source, speculating."""
+ONE_GROUP = {("muon", "dp2-optim_grads_params"), ("soap", "dp2-optim_grads_params"), ("muon", "tp2_dp2-optim_grads"),
+             ("muon", "ep2_dp2-optim_grads_params")}
+"""Where every matrix also goes in one micro-group (``--canzona-fsdp-micro-groups one``): a source
+gathered speculatively and raw gradients, at DP 2, TP 2 x DP 2 and with the experts' optimizer (the
+engine's one all-to-all is the same code for every optimizer)."""
 
 
 NARROW = dict(optimizer="muon", muon_ns_dtype="bfloat16", narrow_gathers=True)
@@ -79,9 +84,9 @@ def _variants(optimizer: str, layout: str) -> dict[str, TinyRun]:
         runs[f"{label}-early"] = replace(base, early_gather=True)
         if optimizer in SPECULATIVE:
             runs[f"{label}-compute"] = replace(base, early_gather=True, early_compute=True)
-        # every matrix in one micro-group (--canzona-fsdp-micro-groups one): one gather a step
-        runs[f"{label}-one"] = replace(base, early_gather=True, fsdp_micro_groups="one",
-                                       early_compute=optimizer in SPECULATIVE)
+        if (optimizer, layout) in ONE_GROUP:  # every matrix in one micro-group: one gather a step
+            runs[f"{label}-one"] = replace(base, early_gather=True, fsdp_micro_groups="one",
+                                           early_compute=optimizer in SPECULATIVE)
     if optimizer in SPECULATIVE and optimizer != "muon_narrow":
         runs["acting-backoff"] = replace(runs["acting-early"], speculation="backoff")
     return runs

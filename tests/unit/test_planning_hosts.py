@@ -131,10 +131,12 @@ def test_the_host_choice_prices_a_narrow_update_at_its_bytes():
     assert narrow_bytes(CostModel(kind="soap"), spec, 0) is None
     wire = WireConfig()
     sent = {}
-    for update_bytes in (None, 2):  # each TP rank holds 100 elements; one hosts, the other sends its piece
-        item = HostItem(cost=1.0, dp_rank=0, tp_sharded=True, pieces=((0, 100),), update_bytes=update_bytes)
+    for update_bytes, gather_bytes in ((None, None), (2, None), (2, 2)):  # each TP rank holds 100 elements;
+        item = HostItem(cost=1.0, dp_rank=0, tp_sharded=True, pieces=((0, 100),),  # one hosts, the other sends
+                        update_bytes=update_bytes, gather_bytes=gather_bytes)
         _, ranks = assign_hosts([item], dp_size=1, tp_size=2, alpha=0.5, wire=wire, base_bytes=0.0,
                                 byte_scale=1.0, load_scale=1.0)
-        sent[update_bytes] = sorted(ranks.bytes)
-    assert sent[None] == [100 * wire.main_grad_bytes, 100 * wire.update_bytes]
-    assert sent[2] == [100 * 2, 100 * wire.main_grad_bytes]
+        sent[update_bytes, gather_bytes] = sorted(ranks.bytes)
+    assert sent[None, None] == [100 * wire.main_grad_bytes, 100 * wire.update_bytes]
+    assert sent[2, None] == [100 * 2, 100 * wire.main_grad_bytes]
+    assert sent[2, 2] == [100 * 2, 100 * 2]  # --canzona-narrow-gathers: the piece goes in bf16 too

@@ -115,10 +115,13 @@ class _Stage:
     """``(chunk, name)`` of the TP-sharded matrices their TP ranks compute together
     (:func:`computed_together`): their cost is each TP rank's share, and every TP rank of their
     DP rank computes one, as for a matrix every TP rank holds whole."""
+    narrow_gathers: bool = False
+    """The holders send each matrix whose update goes narrow in that dtype too
+    (``--canzona-narrow-gathers``; :func:`~megatron.canzona.planning.comm.narrow_gather_bytes`)."""
 
     @classmethod
     def of(cls, mats: list[list[ParamSpec]], cost_model: CostModel, *, dp_size: int, tp_size: int, alpha: float,
-           wire: WireConfig, base: tuple[float, ...] = (), together: str = "off") -> _Stage:
+           wire: WireConfig, base: tuple[float, ...] = (), together: str = "off", narrow_gathers: bool = False) -> _Stage:
         costs = [[cost_model.cost(s) for s in chunk] for chunk in mats]
         parts = [[cost_model.part_costs(s) for s in chunk] for chunk in mats]
         mean = sum(c * (1 if s.tp_sharded else tp_size) for chunk, chunk_costs in zip(mats, costs)
@@ -137,7 +140,7 @@ class _Stage:
         bound = max(work / (dp_size * tp_size), largest) or 1.0
         byte_scale = sum(s.numel for s, _, _ in flat) * (wire.grad_bytes + wire.param_bytes) + 1.0
         return cls(mats, costs, parts, dp_size, tp_size, alpha, wire, bound, byte_scale,
-                   base or (0.0,) * (dp_size * tp_size), cost_model, frozenset(shared))
+                   base or (0.0,) * (dp_size * tp_size), cost_model, frozenset(shared), narrow_gathers)
 
     def alone(self, chunk: int, spec: ParamSpec) -> bool:
         """Whether one TP rank computes ``spec`` (TP-sharded, not computed together)."""
@@ -159,7 +162,7 @@ class _Stage:
         a split matrix is hosted by a rank holding some of it; ``state``: the optimizer whose
         state hosts keep under Megatron-FSDP, balanced as well as compute (``balance_state``)
         around the state each GPU already keeps (``base_state``)."""
-        items = _host_items(buffers, self.mats, self.parts, self.cost_model, state, self.together)
+        items = _host_items(buffers, self.mats, self.parts, self.cost_model, state, self.together, self.narrow_gathers)
         rs, ag, messages = collective_bytes(buffers, self.dp_size, self.wire)
         hosts, ranks = assign_hosts(
             items, dp_size=self.dp_size, tp_size=self.tp_size, alpha=self.alpha, wire=self.wire, base_bytes=rs + ag,
@@ -189,6 +192,7 @@ def plan_canzona(
     state: StateLayout | None = None,
     base_state: Sequence[Sequence[int]] | None = None,
     tp_together: str = "off",
+    narrow_gathers: bool = False,
 ) -> CanzonaPlan:
     """The Canzona plan of the parameters ``specs`` (one pipeline stage, any model chunks),
     its matrix buffers laid out ``layout`` (:data:`LAYOUTS`), or Megatron-FSDP's (``fsdp``:
@@ -204,7 +208,9 @@ def plan_canzona(
     and hosts fill around it. The plan's loads and budget count this plan's work only.
 
     ``tp_together`` (:data:`TP_TOGETHER`): the TP-sharded matrices whose TP ranks compute them
-    together, each its own shard's task on one DP rank (:attr:`Host.together`)."""
+    together, each its own shard's task on one DP rank (:attr:`Host.together`). ``narrow_gathers``:
+    the hosts are chosen with the narrow matrices' pieces priced at their narrow bytes
+    (``--canzona-narrow-gathers``)."""
     check_inputs(dp_size, alpha, bucket_size)
     check_tp_size(tp_size)
     check_layout(layout)
@@ -215,7 +221,7 @@ def plan_canzona(
         raise ValueError(f"model chunks must be numbered 0, 1, ...; got {chunks}")
     mats = [matrix_specs([s for s in specs if s.chunk == c]) for c in chunks]
     stage = _Stage.of(mats, cost_model, dp_size=dp_size, tp_size=tp_size, alpha=alpha, wire=wire or WireConfig(),
-                      base=base, together=tp_together)
+                      base=base, together=tp_together, narrow_gathers=narrow_gathers)
     # The whole layout pads nothing, so it keeps Megatron's own bucket rule (a bucket closing
     # later only where that makes its shards equal): its last bucket closes where AdamW's would.
     if layout == "whole":
@@ -326,9 +332,10 @@ def _flat_base(base_loads: Sequence[Sequence[float]] | None, dp_size: int, tp_si
 
 def _host_items(buffers: list[BufferPlan], mats: list[list[ParamSpec]], parts: list[list[list[float]]],
                 cost_model: CostModel, state: StateLayout | None = None,
-                together: frozenset[tuple[int, str]] = frozenset()) -> list[HostItem]:
+                together: frozenset[tuple[int, str]] = frozenset(), narrow_gathers: bool = False) -> list[HostItem]:
     """Every matrix of every chunk (every part of one hosted in parts), in chunk then buffer order;
-    one ``together`` is placed as a matrix every TP rank computes, at its shared cost."""
+    one ``together`` is placed as a matrix every TP rank computes, at its shared cost; with
+    ``narrow_gathers`` a narrow one's pieces go to its host at its update's bytes."""
     items = []
     for chunk, (buffer, specs, part_costs) in enumerate(zip(buffers, mats, parts)):
         by_name = {s.name: (s, c) for s, c in zip(specs, part_costs)}
@@ -338,11 +345,13 @@ def _host_items(buffers: list[BufferPlan], mats: list[list[ParamSpec]], parts: l
             for k, ((lo, hi, _), cost) in enumerate(zip(spec.parts, costs)):
                 span = None if len(costs) == 1 else (lo, hi)
                 shared = (chunk, p.name) in together
+                narrow = narrow_bytes(cost_model, spec, k)
                 items.append(HostItem(
                     cost=cost if span or shared else p.cost, dp_rank=p.host, tp_sharded=spec.tp_sharded and not shared,
                     together=shared,
                     pieces=tuple((d, end - start) for d, start, end in within(pieces, lo, hi)),
-                    chunk=chunk, name=p.name, part=k, span=span, bucket=p.bucket, update_bytes=narrow_bytes(cost_model, spec, k),
+                    chunk=chunk, name=p.name, part=k, span=span, bucket=p.bucket, update_bytes=narrow,
+                    gather_bytes=narrow if narrow_gathers and not shared else None,
                     state=0 if state is None else fsdp_host_elements(state, spec, k),
                 ))
     return items

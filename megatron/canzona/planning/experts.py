@@ -107,6 +107,7 @@ def plan_with_experts(
     fsdp_bucket_size: int | None = None,
     state: StateLayout | None = None,
     tp_together: str = "off",
+    narrow_gathers: bool = False,
 ) -> CanzonaPlan:
     """The plan of a stage whose ``specs`` may hold expert-parallel parameters: expert buffers
     over expert DP x expert TP (``plan.experts``), dense ones over DP x TP, balanced together
@@ -130,7 +131,7 @@ def plan_with_experts(
     stage = _ExpertStage(dense, experts, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
                          common=dict(cost_model=cost_model, alpha=alpha, bucket_size=bucket_size, wire=wire, budget=budget,
                                      layout=layout, fsdp_strategy=fsdp_strategy, fsdp_bucket_size=fsdp_bucket_size,
-                                     tp_together=tp_together))
+                                     tp_together=tp_together, narrow_gathers=narrow_gathers))
     if not experts:
         return dataclasses.replace(stage.dense_plan(None, state), ep_size=ep_size)
     check_expert_specs(experts, expert_tp_size)

@@ -75,6 +75,9 @@ class HostItem:
     update_bytes: int | None = None
     """Bytes per element its host scatters when narrower than the wire's update
     (:func:`~megatron.canzona.planning.comm.narrow_bytes`); ``None``: the wire's."""
+    gather_bytes: int | None = None
+    """Bytes per element its holders send its host when narrower than the wire's main gradients
+    (``--canzona-narrow-gathers``); ``None``: the wire's."""
     state: int = 0
     """Elements of optimizer state its host keeps (what ``balance_state`` evens out)."""
     together: bool = False
@@ -229,7 +232,7 @@ def _start_ranks(
         ranks.load = [float(load) for load in base_loads]
     for item in items:  # every holder sends its piece unless it becomes the host
         for d, numel, t in _holders(item, tp_size, every_copy=True):
-            ranks.bytes[d * tp_size + t] += numel * wire.main_grad_bytes
+            ranks.bytes[d * tp_size + t] += numel * (item.gather_bytes or wire.main_grad_bytes)
             ranks.messages[d * tp_size + t] += 1
     ranks.build_heaps()
     return ranks
@@ -252,7 +255,8 @@ def _host_delta(item: HostItem, piece_at: dict[int, int], rank: int, wire: WireC
     """Bytes and messages ``rank`` sends more as the item's host than as a plain holder."""
     own = piece_at.get(rank, 0)
     held = rank in piece_at
-    sent = (sum(piece_at.values()) - own) * (item.update_bytes or wire.update_bytes) - own * wire.main_grad_bytes
+    sent = (sum(piece_at.values()) - own) * (item.update_bytes or wire.update_bytes) \
+        - own * (item.gather_bytes or wire.main_grad_bytes)
     return sent, len(piece_at) - 2 * held
 
 

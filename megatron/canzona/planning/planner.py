@@ -31,6 +31,7 @@ def make_plan(
     fsdp_bucket_size: int | None = None,
     state: StateLayout | None = None,
     tp_together: str = "off",
+    narrow_gathers: bool = False,
 ) -> CanzonaPlan:
     """DP layouts (``layout``: ``whole`` or ``lean``, :data:`~megatron.canzona.planning.balance.LAYOUTS`) and one host (DP rank, TP rank) per matrix, in pipelined micro-groups.
 
@@ -54,10 +55,11 @@ def make_plan(
 
     ``tp_together`` (:data:`~megatron.canzona.planning.balance.TP_TOGETHER`): which TP-sharded
     matrices their TP ranks compute together, each its own shard, instead of one host.
+    ``narrow_gathers``: the run's ``--canzona-narrow-gathers``, which the host choice prices.
     """
     return plan_with_experts(
         specs, dp_size=dp_size, tp_size=tp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
         cost_model=cost_model or CostModel(), alpha=alpha, bucket_size=bucket_size, wire=wire, budget=tp_budget,
         joint_balance=joint_balance, layout=layout, fsdp_strategy=fsdp_strategy, fsdp_bucket_size=fsdp_bucket_size,
-        state=state, tp_together=tp_together,
+        state=state, tp_together=tp_together, narrow_gathers=narrow_gathers,
     )

@@ -296,7 +296,8 @@ def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
                      tp_budget=stage.budget if early_gather else None,
                      layout=FSDP_LAYOUT, fsdp_strategy=geometry, fsdp_bucket_size=stage.bucket_size,
                      state=StateLayout.of_cost(stage.cost_model),  # hosts keep the state, as the runtime plans them
-                     tp_together=stage.tp_together if early_gather else "off")
+                     tp_together=stage.tp_together if early_gather else "off",
+                     narrow_gathers=stage.narrow_gathers and early_gather)
     narrow = stage.narrow_gathers and early_gather
     work = Work(mode="pipelined", dense=plan_tasks(plan, split_experts(stage.specs)[0], stage.seconds, g.rank,
                                                    cost_model=stage.cost_model, shared=stage.together,
