@@ -519,12 +519,13 @@ def _planned_narrow(setup) -> dict[str, dict[str, int]] | None:
     (``planning.comm``: its ``traffic``'s ``narrow`` and ``gathers``), if a Canzona optimizer runs."""
     if setup is None:
         return None
-    from megatron.canzona.planning.comm import narrow_gather_bytes, narrow_update_bytes
+    from megatron.canzona.planning.comm import narrow_update_bytes
     from megatron.canzona.planning.schedule import plan_schedule
 
-    tasks, cost_model = plan_schedule(setup.plan).tasks, setup.config.cost_model()
-    return {"updates": narrow_update_bytes(tasks, setup.specs, cost_model),
-            "gathers": narrow_gather_bytes(tasks, setup.specs, cost_model) if setup.config.narrow_gathers else {}}
+    from .fsdp_dry_run import gathered_narrow
+
+    tasks = plan_schedule(setup.plan).tasks
+    return {"updates": narrow_update_bytes(tasks, setup.specs, setup.config.cost_model()), "gathers": gathered_narrow(setup)}
 
 
 def _tp_stats(optimizer) -> dict[str, Any] | None:

@@ -167,6 +167,12 @@ def narrow_gather_bytes(tasks: Iterable[Task], specs: Iterable[ParamSpec], cost_
     return {t.key: narrow[t.key] for t in tasks if t.key in narrow and not t.together}
 
 
+def _packed(numel: int, narrow: int | None, word: int) -> int:
+    """Bytes of a piece of ``numel`` elements on the wire: ``word`` each, or ``narrow`` each
+    rounded up to whole words (as the engine packs a narrow segment)."""
+    return numel * word if narrow is None else -(-numel * narrow // word) * word
+
+
 def collective_bytes(buffers: Iterable[BufferPlan], dp_size: int, wire: WireConfig) -> tuple[float, float, int]:
     """(reduce-scatter bytes, all-gather bytes, messages) one rank sends for ``buffers``."""
     numel = sum(b.end - b.start for buffer in buffers for b in buffer.buckets)
@@ -192,9 +198,7 @@ def add_task_traffic(out: list[RankTraffic], task: Task, tp_size: int, wire: Wir
         if coord == task.host:
             continue
         holder = out[rank_index(*coord, tp_size)]
-        holder.host_gather += n * wire.main_grad_bytes if gather_bytes is None else \
-            -(-n * gather_bytes // wire.main_grad_bytes) * wire.main_grad_bytes
+        holder.host_gather += _packed(n, gather_bytes, wire.main_grad_bytes)
         holder.messages += 1
-        back = n * wire.update_bytes if update_bytes is None else -(-n * update_bytes // wire.update_bytes) * wire.update_bytes
-        host.host_scatter += back
+        host.host_scatter += _packed(n, update_bytes, wire.update_bytes)
         host.messages += 1

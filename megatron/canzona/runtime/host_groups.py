@@ -85,8 +85,8 @@ class MatrixTask:
     the whole matrix's Frobenius norm, floored at :attr:`gather_floor` (the engine sums the norm
     from the holders' squares, one all-reduce per micro-group): Muon's Newton-Schulz input as its
     first iteration takes it, for pieces that are that input already (the holders keep the
-    momentum: Megatron-FSDP). The host's full matrix is then that normalised input, in this dtype,
-    and the compute callback knows it by its dtype. Equal to the host normalising the whole matrix
+    momentum: Megatron-FSDP). The host's full matrix is then that normalised input, in this dtype.
+    Equal to the host normalising the whole matrix
     up to the norm's rounding (its squares summed in another order), so not bit for bit. ``None``:
     the pieces move in the update dtype as they are."""
     gather_floor: float = 1e-7

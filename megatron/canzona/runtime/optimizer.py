@@ -340,7 +340,7 @@ class CanzonaOptimizer(MatrixOptimizer):
             task = self._tasks[key]
             if task.together is not None:
                 mine = together.setdefault((task.together, task.update_dtype is not None), [])
-            elif task.gather_dtype is not None and grad.dtype == task.gather_dtype:  # normalised by its holders
+            elif task.gather_dtype is not None:  # its input normalised by its holders (muon_from_normalized checks)
                 mine = normalized
             else:
                 mine = narrow if task.update_dtype is not None else jobs
