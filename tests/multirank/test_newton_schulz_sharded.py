@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.canzona.optim.exact_norm import frobenius_norm, norms_of_pieces
 from megatron.canzona.optim.newton_schulz import newton_schulz, newton_schulz_sharded
 from megatron.canzona.runtime import LaunchConfig, launch
 
@@ -47,8 +48,8 @@ def _slice(full: torch.Tensor, dim: int, cuts: tuple[int, ...], rank: int) -> to
 def _rank_body() -> dict[tuple[str, str, str], torch.Tensor]:
     rank = dist.get_rank()
 
-    def all_reduce(tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor)
+    def all_reduce(tensor: torch.Tensor, op: str = "sum") -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
     out = {}
     for seed, (name, shape, dim, cuts) in enumerate(CASES):
@@ -57,6 +58,10 @@ def _rank_body() -> dict[tuple[str, str, str], torch.Tensor]:
             for method in METHODS:
                 out[(name, str(dtype), method)] = newton_schulz_sharded(
                     mine.to(dtype), all_reduce=all_reduce, split_dim=dim, dtype=dtype, method=method)
+        stack = mine.float().reshape(-1, *mine.shape[-2:])
+        out[(name, "norms")] = norms_of_pieces(enumerate(stack), len(stack), 1e-7, reduce=all_reduce)
+        out[(name, "exact")] = newton_schulz_sharded(mine.float(), all_reduce=all_reduce, split_dim=dim,
+                                                     dtype=torch.float32, exact_norm=True)
     return out
 
 
@@ -89,6 +94,21 @@ def test_the_slices_together_are_one_devices_newton_schulz(slices, case, method)
         else:
             assert _error(sharded, exact) <= 2 * _error(single, exact) + 1e-3, (name, _error(sharded, exact),
                                                                               _error(single, exact))
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_the_exact_norm_of_the_slices_is_one_devices_bit_for_bit(slices, case):
+    """``exact_norm``: the slices' largest magnitudes and integer sums reduced over the ranks make the
+    same norm as one device's of the whole matrix, on every rank; the iteration then as without it."""
+    name, shape, dim, cuts = case
+    full = _matrix(shape, CASES.index(case)).float()
+    whole = frobenius_norm(full.reshape(-1, *shape[-2:]), 1e-7).flatten()
+    for rank_slices in slices:
+        assert torch.equal(rank_slices[(name, "norms")], whole), name
+    sharded = torch.cat([s[(name, "exact")] for s in slices], dim=dim)
+    single = newton_schulz(full, dtype=torch.float32, exact_norm=True)
+    assert _error(sharded, single) < 1e-5, name
 
 
 def test_bad_arguments_say_what_to_pass():

@@ -101,6 +101,10 @@ class MuonConfig:
     ``auto`` takes for those shapes; the FLOP rule decides the others."""
     eps: float = 1e-7
     """Floor on the Frobenius norm used to normalise the input of Newton-Schulz."""
+    exact_norm: bool = False
+    """Sum that norm's squares in integers (:mod:`~megatron.canzona.optim.exact_norm`): the same
+    bits however the matrix is cut, so holders that divide their pieces by it before sending them
+    (Megatron-FSDP's narrow gathers) make what one device makes. Off: ``torch.linalg.matrix_norm``."""
     scale_mode: MuonScaleMode = "moonlight"
     """Shape scale: moonlight 0.2*sqrt(max(m,n)), spectral sqrt(max(m,n)), shape_scaling
     sqrt(max(1,m/n)), unit_rms_norm sqrt(m/n), none 1 (m rows, n columns)."""
@@ -109,6 +113,10 @@ class MuonConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.exact_norm and self.ns_dtype == "float64":
+            raise FieldError(type(self), "exact_norm", self.exact_norm,
+                             "takes fp32 inputs (their squares are exact in fp64); Newton-Schulz in float64 has fp64 ones",
+                             False)
         if self.coefficients not in NS_COEFFICIENTS:
             raise ValueError(
                 f"MuonConfig.coefficients={self.coefficients!r} is unknown; use one of "

@@ -129,7 +129,7 @@ def orthogonalized(source: torch.Tensor, config: MuonConfig) -> torch.Tensor:
     """Newton-Schulz of Muon's ``source`` (a matrix or a stack), in ``source``'s dtype."""
     return newton_schulz(
         source, num_steps=config.num_ns_steps, coefficients=config.coefficients, dtype=resolve_dtype(config.ns_dtype),
-        eps=config.eps, method=config.ns_method, measured=config.ns_measured,
+        eps=config.eps, method=config.ns_method, measured=config.ns_measured, exact_norm=config.exact_norm,
     ).to(source.dtype)
 
 
@@ -206,5 +206,6 @@ def muon_from_source_sharded(
     orthogonal = newton_schulz_sharded(
         source, all_reduce=all_reduce, split_dim=split_dim, num_steps=config.num_ns_steps,
         coefficients=config.coefficients, dtype=resolve_dtype(config.ns_dtype), eps=config.eps, method=method,
+        exact_norm=config.exact_norm,
     ).to(source.dtype)
     return orthogonal * muon_scale(*shape, config.scale_mode, config.extra_scale_factor)

@@ -20,12 +20,15 @@ from typing import Literal
 
 import torch
 
+from megatron.canzona.optim.exact_norm import frobenius_norm, norms_of_pieces
 from megatron.canzona.planning.cost import gram_runs, ns_method_for
 
 Coefficients = tuple[float, float, float]
-AllReduce = Callable[[torch.Tensor], None]
+AllReduce = Callable[..., None]
 """Sums a tensor in place over the ranks that share a matrix (:func:`newton_schulz_sharded`):
-every one of them calls it with the same shapes, in the same order."""
+every one of them calls it with the same shapes, in the same order. With the exact norm it is also
+called as ``all_reduce(tensor, "max")`` and ``all_reduce(tensor, "sum")``
+(:data:`~megatron.canzona.optim.exact_norm.Reduce`)."""
 Gram = Callable[[torch.Tensor], torch.Tensor]
 """``X -> X Xᵀ`` of a ``(k, n, m)`` stack: the local product, or its sum over the ranks sharing X."""
 
@@ -96,6 +99,7 @@ def newton_schulz(
     gram_restart_every: int | None = None,
     measured: tuple[tuple[int, int, str], ...] = (),
     normalized: bool = False,
+    exact_norm: bool = False,
 ) -> torch.Tensor:
     """Approximately orthogonalise each trailing ``(m, n)`` matrix of ``x``.
 
@@ -109,7 +113,9 @@ def newton_schulz(
     the dtype's restart interval of gram (for measuring it: ``tools/ns_band.py``); ``measured``
     gives ``auto`` the faster method of measured shapes (:attr:`MuonConfig.ns_measured`).
     ``normalized``: ``x`` is that normalised input already, in ``dtype`` (its holders divided
-    their pieces by the whole matrix's norm: a narrow gather), iterated as it is.
+    their pieces by the whole matrix's norm: a narrow gather), iterated as it is. ``exact_norm``:
+    the norm summed in integers (:func:`~megatron.canzona.optim.exact_norm.frobenius_norm`), the
+    same bits as its holders' sum of their pieces.
 
     Returns:
         A tensor of the same shape in ``float32`` (``float64`` when ``dtype`` is float64).
@@ -130,7 +136,8 @@ def newton_schulz(
         X = x.reshape(-1, rows, cols)
     else:
         stack = x.to(out_dtype).reshape(-1, rows, cols)
-        norm = torch.linalg.matrix_norm(stack, keepdim=True).clamp_min(eps)
+        norm = (frobenius_norm(stack, eps) if exact_norm
+                else torch.linalg.matrix_norm(stack, keepdim=True).clamp_min(eps))
         X = (stack / norm).to(dtype)
     steps = list(schedule.iterate(num_steps))
     if method == "gram":
@@ -151,6 +158,7 @@ def newton_schulz_sharded(
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
     method: str = "standard",
+    exact_norm: bool = False,
 ) -> torch.Tensor:
     """:func:`newton_schulz` of a matrix (or stack) whose side ``split_dim`` (-2: rows, -1:
     columns) is cut among ranks, each calling this with its slice ``x`` and the same arguments;
@@ -165,7 +173,8 @@ def newton_schulz_sharded(
     the ``n``-square run on every rank (:func:`~megatron.canzona.planning.cost.sharded_ns_flops`).
     ``method`` is ``standard`` or ``gram``, the same on every rank (``auto`` would decide per
     slice). The sums run in another order than one device's products, so the result equals
-    :func:`newton_schulz` of the whole matrix to rounding, not bit for bit.
+    :func:`newton_schulz` of the whole matrix to rounding, not bit for bit. ``exact_norm``: the norm
+    summed in integers over the slices (two collectives instead of one), bit for bit one device's.
     """
     if x.ndim < 2:
         raise ValueError(f"newton_schulz_sharded needs a (..., m, n) tensor, got shape {tuple(x.shape)}.")
@@ -180,9 +189,13 @@ def newton_schulz_sharded(
         x = x.mT
     rows, cols = x.shape[-2:]
     stack = x.to(out_dtype).reshape(-1, rows, cols)
-    squares = stack.square().sum(dim=(-2, -1), keepdim=True)
-    all_reduce(squares)
-    X = (stack / squares.sqrt().clamp_min(eps)).to(dtype)
+    if exact_norm:
+        norm = norms_of_pieces(enumerate(stack), len(stack), eps, reduce=all_reduce, device=stack.device).view(-1, 1, 1)
+    else:
+        squares = stack.square().sum(dim=(-2, -1), keepdim=True)
+        all_reduce(squares)
+        norm = squares.sqrt().clamp_min(eps)
+    X = (stack / norm).to(dtype)
 
     def gram(X: torch.Tensor) -> torch.Tensor:
         total = torch.bmm(X, X.mT).to(out_dtype)
