@@ -49,6 +49,6 @@ def quiet_megatron_notices() -> None:
     """Silence Megatron-Core's notices that say nothing to a tool's user: missing
     Transformer Engine/Apex on a CPU machine, an unknown rank outside a job, torch's "no
     CUDA runtime". For command-line tools that print their own results; never for training."""
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
-    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.core")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.(core|training)")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.(core|training)")
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

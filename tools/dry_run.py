@@ -53,6 +53,7 @@ from megatron.canzona.planning.memory import (
 from megatron.canzona.planning.pipeline import FIRST_FLAG, LAST_FLAG, stage_layer_counts
 from megatron.canzona.planning.qwen3 import padded_vocab_size
 from megatron.canzona.planning.qwen3_moe import check_experts
+from megatron.canzona.optim import MuonConfig
 from megatron.canzona.optim.adaptive_muon import MOMENT2_METHODS, AdaptiveMuonConfig
 from megatron.canzona.planning.balance import TP_TOGETHER
 from megatron.canzona.runtime.config import FSDP_MICRO_GROUPS, LAYOUT_CHOICES, CanzonaConfig
@@ -80,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "the TP size): each expert matrix is hosted over expert DP x expert TP")
     p.add_argument("--rank", type=at_least(0), default=0, help="global rank to build (Megatron's default rank order)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer")
+    p.add_argument("--muon-fp32-matmul-prec", choices=("low", "medium", "high"), default="medium",
+                   help="Muon's Newton-Schulz precision (pretrain_gpt.py's flag): high iterates in fp32, the others "
+                   "in bf16, whose directions (and, under --fsdp, gathers) move in bf16")
     p.add_argument("--adaptive-muon-moment2-method", choices=MOMENT2_METHODS, default="adamuon",
                    help="with --optimizer adaptive_muon: AdaMuon's elementwise second moment or NorMuon's per row "
                    "or column (pretrain_gpt.py's flag)")
@@ -105,8 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --fsdp, Muon and TP: the TP-sharded matrices whose TP ranks compute them together "
                    "(pretrain_gpt.py's --canzona-tp-together; default off)")
     p.add_argument("--narrow-gathers", "--canzona-narrow-gathers", dest="narrow_gathers", action="store_true",
+                   default=None,
                    help="with --fsdp and Muon: the hosts gather each whole matrix's normalised input in bf16 "
-                   "(pretrain_gpt.py's --canzona-narrow-gathers; default off)")
+                   "(pretrain_gpt.py's --canzona-narrow-gathers; default: with --fsdp and --optimizer muon, as a GPU "
+                   "run's bf16 Newton-Schulz takes it)")
+    p.add_argument("--no-narrow-gathers", "--canzona-no-narrow-gathers", dest="narrow_gathers", action="store_false",
+                   help="with --fsdp and Muon: the pieces gathered in fp32 (pretrain_gpt.py's --canzona-no-narrow-gathers)")
     p.add_argument("--vocab-size", type=at_least(1), default=None,
                    help="the tokenizer's vocabulary (default: the model's), padded as Megatron pads it")
     fsdp_mode.add_fsdp_args(p)
@@ -241,15 +249,19 @@ def build_rank(args: argparse.Namespace):
 
 def canzona_config(args: argparse.Namespace) -> CanzonaConfig:
     """The run's Canzona configuration (``pretrain_gpt.py``'s flags of the same names)."""
-    matrix = AdaptiveMuonConfig(moment2_method=args.adaptive_muon_moment2_method) \
-        if args.optimizer == "adaptive_muon" else None
+    # Muon's family as pretrain_gpt.py configures it: Newton-Schulz in the flag's precision, the exact
+    # norm under Megatron-FSDP (its default there)
+    muon = dict(ns_dtype="float32" if args.muon_fp32_matmul_prec == "high" else "bfloat16",
+                exact_norm=bool(getattr(args, "fsdp", None)))
+    matrix = (AdaptiveMuonConfig(moment2_method=args.adaptive_muon_moment2_method, **muon)
+              if args.optimizer == "adaptive_muon" else MuonConfig(**muon) if args.optimizer == "muon" else None)
     return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, alpha=args.alpha, layout=args.layout,
                          cluster=args.cluster,
                          # the GPU run this rank models computes early (auto: DP above 1, overlapped reduces)
                          early_compute="on" if args.early_compute else "off", early_compute_bytes=early_budget(args),
                          fsdp_micro_groups=getattr(args, "fsdp_micro_groups", None) or "auto",
                          tp_together=getattr(args, "tp_together", None) or "off",
-                         narrow_gathers=getattr(args, "narrow_gathers", False))
+                         narrow_gathers=bool(getattr(args, "narrow_gathers", False)))
 
 
 def fsdp_main(args: argparse.Namespace) -> int:

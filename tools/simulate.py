@@ -154,10 +154,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "Gram matrices summed over NVLink in fp32: auto, those whose update alone costs more than the mean "
                    "per GPU; all, every one whose TP-split side is its long one (the runtime's --canzona-tp-together, "
                    "which runs under --use-megatron-fsdp only: without --fsdp a projection; default off)")
-    p.add_argument("--narrow-gathers", action="store_true",
+    p.add_argument("--narrow-gathers", action="store_true", default=None,
                    help="with --fsdp: Canzona's Muon gathers each whole matrix's Newton-Schulz input in bf16, its "
-                   "holders normalising it by the matrix's norm first (half the gathers' bytes; not bitwise): the "
-                   "runtime's --canzona-narrow-gathers")
+                   "holders normalising it by the matrix's norm first (half the gathers' bytes): the runtime's "
+                   "--canzona-narrow-gathers, its default under --use-megatron-fsdp with Muon (default: with --fsdp "
+                   "and --optimizer muon)")
+    p.add_argument("--no-narrow-gathers", dest="narrow_gathers", action="store_false",
+                   help="with --fsdp: Canzona's Muon gathers in fp32 (the runtime's --canzona-no-narrow-gathers)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="Canzona's micro-groups without pipelining (gather, compute, scatter in turn)")
     p.add_argument("--early-compute", action="store_true", default=None,
@@ -213,11 +216,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.plot and wrong:
         p.error(f"--plot-strategies {' '.join(wrong)}: {'with' if args.fsdp else 'without'} --fsdp choose among "
                 f"{', '.join(FSDP_STRATEGIES if args.fsdp else STRATEGIES)}")
-    if args.fsdp_cases and (args.narrow_gathers or args.tp_together != "off"):
-        p.error("--fsdp-cases reports the defaults (and --tp-together auto in a column of its own): drop "
-                + ("--narrow-gathers" if args.narrow_gathers else "--tp-together"))
+    if args.fsdp_cases and (args.narrow_gathers is not None or args.tp_together != "off"):
+        flag = "--tp-together" if args.narrow_gathers is None else (
+            "--narrow-gathers" if args.narrow_gathers else "--no-narrow-gathers")
+        p.error(f"--fsdp-cases reports the defaults (and --no-narrow-gathers and --tp-together auto in columns of "
+                f"their own): drop {flag}")
     if args.narrow_gathers and not args.fsdp:
         p.error("--narrow-gathers projects Muon's gathers under Megatron-FSDP, whose holders keep its momentum: add --fsdp")
+    if args.narrow_gathers and args.optimizer != "muon":
+        p.error("--narrow-gathers sends Muon's normalised input to its hosts in bf16: it needs --optimizer muon")
+    if args.narrow_gathers is None:  # the runtime's default under Megatron-FSDP
+        args.narrow_gathers = bool(args.fsdp) and args.optimizer == "muon"
     if args.instances > 1 and args.fsdp:
         p.error("--num-distributed-optimizer-instances is the distributed optimizer's; Megatron-FSDP has its own "
                 "hybrid sharding (--outer-dp-sharding-strategy): drop one of them")
@@ -709,14 +718,15 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     AdamW-FSDP's, #4486's iteration over AdamW's, Canzona's bytes per rank over the bound; then the
     same defaults when the clip acts every iteration (the speculation policy then computes in the
     step, and Muon's gathers, which carry its source, wait for it: Shampoo's and SOAP's still go
-    early); then the opt-in ``--canzona-split-gate-up`` (gate and up hosted apart: another
+    early); then ``--no-narrow-gathers`` (Muon's pieces gathered in fp32); then the opt-in ``--canzona-split-gate-up`` (gate and up hosted apart: another
     optimizer than Megatron's Muon, which orthogonalises the fused fc1), against its own limit;
     last, at TP > 1, the opt-in ``--canzona-tp-together auto`` (the largest TP-sharded matrices
     computed by their TP ranks together: the same optimizer, to rounding)."""
     header = ("| model | GPUs | TP, EP, FSDP | optimizer step (ms): " + " / ".join(FSDP_STRATEGIES)
               + " | iteration (ms): " + " / ".join(FSDP_STRATEGIES) + " | limit L (ms) | step / L | its bytes over "
               "the link (ms) | step / best peer | iteration / AdamW | #4486 iteration / AdamW | bytes / bound | clip "
-              "acts every iteration: step (ms), step / L, iteration / AdamW | with --canzona-split-gate-up: step (ms), "
+              "acts every iteration: step (ms), step / L, iteration / AdamW | with --canzona-no-narrow-gathers: iteration / "
+              "AdamW, bytes / bound | with --canzona-split-gate-up: step (ms), "
               "step / its L, iteration / AdamW | with --canzona-tp-together auto: step (ms), iteration / AdamW, bytes / "
               "bound |")
     print(header)
@@ -726,12 +736,14 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     for model, gpus, tp, ep in FSDP_CASES:
         base = {**vars(args), "model": model, "gpus": gpus, "tp": tp, "ep": ep, "pp": 1, "cp": 1, "global_batch": None,
                 "fsdp": args.fsdp or "optim_grads_params", "plot": None, "split_gate_up": False, "tp_together": "off",
-                "narrow_gathers": False}
+                "narrow_gathers": args.optimizer == "muon"}
         report, _ = project_fsdp(argparse.Namespace(**base))
+        wide, _ = project_fsdp(argparse.Namespace(**{**base, "narrow_gathers": False}))
         split, _ = project_fsdp(argparse.Namespace(**{**base, "split_gate_up": True}))
         clipped, _ = project_fsdp(argparse.Namespace(**{**base, "clip_rate": 1.0}))
         report["canzona_split_gate_up"] = gate_up = split["strategies"]["canzona"]
         report["canzona_clip_acts"] = clipped = clipped["strategies"]["canzona"]
+        report["canzona_fp32_gathers"] = wide = wide["strategies"]["canzona"]
         together = None
         if tp > 1:
             shared, _ = project_fsdp(argparse.Namespace(**{**base, "tp_together": "auto"}))
@@ -752,6 +764,7 @@ def run_fsdp_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
               f"{canzona['step_bytes_per_rank'] / report['step_bytes_bound']:.2f} | "
               f"{short_ms(clipped['optimizer_step_seconds'])}, {clipped['optimizer_step_seconds'] / limit:.2f}, "
               f"{clipped['iteration_seconds'] / adamw:.3f} | "
+              f"{wide['iteration_seconds'] / adamw:.3f}, {wide['step_bytes_per_rank'] / report['step_bytes_bound']:.2f} | "
               f"{short_ms(gate_up['optimizer_step_seconds'])}, "
               f"{gate_up['optimizer_step_seconds'] / split['physical_limit_seconds']:.2f}, "
               f"{gate_up['iteration_seconds'] / adamw:.3f} | "

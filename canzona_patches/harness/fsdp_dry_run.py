@@ -95,6 +95,11 @@ def check_fsdp_args(p: argparse.ArgumentParser, args: argparse.Namespace, defaul
     if getattr(args, "narrow_gathers", False) and args.optimizer != "muon":
         p.error("--narrow-gathers sends Muon's normalised input to its hosts in bf16 (as pretrain_gpt.py): it needs "
                 "--optimizer muon: add it, or drop --narrow-gathers")
+    if getattr(args, "narrow_gathers", False) and getattr(args, "muon_fp32_matmul_prec", "medium") == "high":
+        p.error("--narrow-gathers sends Muon's normalised input in bf16 (as pretrain_gpt.py): it needs Newton-Schulz "
+                "in bf16: drop --muon-fp32-matmul-prec high, or --narrow-gathers")
+    if getattr(args, "narrow_gathers", False) is None:  # pretrain_gpt.py's default under Megatron-FSDP
+        args.narrow_gathers = args.optimizer == "muon" and getattr(args, "muon_fp32_matmul_prec", "medium") != "high"
     args.strategy = args.strategy or "optim_grads_params"
     # megatron.training resolves the bucket size before Megatron-FSDP sees it, as for DDP (with
     # overlapped reduces, as the recipes run; over DP x CP)

@@ -141,6 +141,8 @@ class TinyRun:
     """Under Megatron-FSDP with Muon: ``--canzona-tp-together`` (``auto``, ``all``)."""
     narrow_gathers: bool = False
     """Under Megatron-FSDP with Muon in bf16: ``--canzona-narrow-gathers``."""
+    exact_norm: bool | None = None
+    """Canzona's Muon: ``--canzona-exact-norm`` (``None``: with :attr:`narrow_gathers`, which needs it)."""
     muon_ns_dtype: str = "float32"
     """Canzona's Muon: the Newton-Schulz dtype (``bfloat16`` is Megatron's default precision)."""
     muon_ns_method: str = "standard"
@@ -483,7 +485,8 @@ def canzona_config(run: TinyRun):
 
     matrix = {
         "muon": MuonConfig(ns_dtype=run.muon_ns_dtype, ns_method=run.muon_ns_method, scale_mode="spectral",
-                           coefficients="quintic"),
+                           coefficients="quintic",
+                           exact_norm=run.narrow_gathers if run.exact_norm is None else run.exact_norm),
         "shampoo": ShampooConfig(precondition_frequency=2, root_dtype="float64", eps=1e-4, eps_mode="relative"),
         # Shampoo's refreshes are staggered by name (the default) in every distributed run.
         # SOAP's are not: a staggered matrix refreshes again at step 2, from statistics of

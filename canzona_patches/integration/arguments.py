@@ -54,8 +54,9 @@ CANZONA_ONLY_OPTIMIZERS = ("shampoo",)
 """Choices of ``--optimizer`` that only Canzona implements (Megatron 0.19.2 has no Shampoo)."""
 
 CANZONA_FLAG_FIELDS = ("alpha", "cost", "split_qkv", "split_qkv_per_head", "split_gate_up", "tp_mode", "tp_group_budget", "early_gather",
-                       "layout", "cluster", "fsdp_micro_groups", "tp_together", "narrow_gathers")
-"""The fields of ``CanzonaConfig`` that a ``--canzona-<field>`` flag sets (``dest`` ``canzona_<field>``)."""
+                       "layout", "cluster", "fsdp_micro_groups", "tp_together")
+"""The fields of ``CanzonaConfig`` that a ``--canzona-<field>`` flag sets (``dest`` ``canzona_<field>``) as
+it is (``narrow_gathers`` has a default of its own: :func:`narrow_gathers_of`)."""
 
 
 def add_canzona_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -180,12 +181,20 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
                        "rounding, not bitwise): auto = those whose update alone costs more than the mean per GPU "
                        "(Qwen3-32B's fc1 and fc2), all = every one whose TP-split side is its long one, off "
                        "(default) = one host per matrix.")
-    switch("narrow-gathers", defaults.narrow_gathers,
+    switch("exact-norm", None,
+           on="Muon (and AdaMuon, NorMuon) divide Newton-Schulz's input by its Frobenius norm summed in integers: "
+           "the same bits however the matrix is cut among ranks, so every layout, the distributed optimizer's and "
+           "Megatron-FSDP's, makes the same update bit for bit (the norm within 2**-37 of the exact one). "
+           "Default: under --use-megatron-fsdp, whose holders divide their pieces by it (--canzona-narrow-gathers).",
+           off="Take torch's fp32 norm of the whole matrix on its host (default under --use-distributed-optimizer: "
+           "the exact one costs a few passes over each matrix's memory).")
+    switch("narrow-gathers", None,
            on="Under --use-megatron-fsdp with --optimizer muon (Newton-Schulz in bf16, the default "
-           "--muon-fp32-matmul-prec medium): each whole matrix's holders send its Newton-Schulz input to its host "
-           "divided by the matrix's Frobenius norm, in bf16, half the gathers' bytes (the norm summed over the holders "
-           "by one small all-reduce per micro-group: equal to one host's normalisation to rounding, not bitwise).",
-           off="Send the pieces to their hosts in fp32, as the holders keep them (default; bitwise).")
+           "--muon-fp32-matmul-prec medium; --canzona-tp-mode async): each whole matrix's holders send its "
+           "Newton-Schulz input to its host divided by the matrix's Frobenius norm, in bf16, half the gathers' bytes; "
+           "the norm is --canzona-exact-norm's, summed in integers (two all-reduces of a few bytes per micro-group), "
+           "so the run is bitwise the same as without it. Default: wherever those hold.",
+           off="Send the pieces to their hosts in fp32, as the holders keep them; the host normalises them.")
     switch("checksums", True,
            on="Record a SHA-256 of every checkpoint file as it is written, and verify them (spread over the "
            "ranks) before a load (default); a corrupt file is named in one line.",
@@ -390,10 +399,15 @@ def validate_canzona_args(args: argparse.Namespace) -> None:
             raise CanzonaArgumentError(
                 f"--canzona-tp-together {args.canzona_tp_together} computes TP-sharded Muon matrices on their TP "
                 f"ranks together under Megatron-FSDP; it needs {unread}: add that, or drop --canzona-tp-together")
+    if args.canzona_exact_norm and args.optimizer not in MUON_FAMILY:
+        raise CanzonaArgumentError(
+            f"--canzona-exact-norm normalises Newton-Schulz's input of Muon, AdaMuon and NorMuon; --optimizer "
+            f"{args.optimizer} has none: drop --canzona-exact-norm")
     if args.canzona_narrow_gathers:
         unread = ("--use-megatron-fsdp" if not fsdp else "--optimizer muon" if args.optimizer != "muon"
                   else "--muon-fp32-matmul-prec medium (Newton-Schulz in bf16)" if args.muon_fp32_matmul_prec == "high"
-                  else "--canzona-tp-mode async" if args.canzona_tp_mode != "async" else None)
+                  else "--canzona-tp-mode async" if args.canzona_tp_mode != "async"
+                  else "--canzona-exact-norm" if not exact_norm_of(args) else None)
         if unread is not None:
             raise CanzonaArgumentError(
                 f"--canzona-narrow-gathers sends Muon's normalised Newton-Schulz input to its hosts in bf16 under "
@@ -865,6 +879,26 @@ def rampup_as_step_schedule(args: argparse.Namespace) -> str | None:
     return " ".join(f"{threshold * tokens_per_sample}:{size}" for threshold, size in steps.items())
 
 
+MUON_FAMILY = ("muon", "adaptive_muon")
+"""The optimizers whose Newton-Schulz input ``--canzona-exact-norm`` normalises."""
+
+
+def exact_norm_of(args: argparse.Namespace) -> bool:
+    """``--canzona-exact-norm`` as the run takes it: by default under Megatron-FSDP, for Muon's family."""
+    if args.canzona_exact_norm is not None:
+        return args.canzona_exact_norm
+    return bool(getattr(args, "use_megatron_fsdp", False)) and args.optimizer in MUON_FAMILY
+
+
+def narrow_gathers_of(args: argparse.Namespace) -> bool:
+    """``--canzona-narrow-gathers`` as the run takes it: by default wherever it applies (Megatron-FSDP,
+    Muon iterating in bf16, ``async``, the exact norm)."""
+    if args.canzona_narrow_gathers is not None:
+        return args.canzona_narrow_gathers
+    return (bool(getattr(args, "use_megatron_fsdp", False)) and args.optimizer == "muon"
+            and args.muon_fp32_matmul_prec != "high" and args.canzona_tp_mode == "async" and exact_norm_of(args))
+
+
 def canzona_config_from_args(args: argparse.Namespace):
     """The ``megatron.canzona.runtime.config.CanzonaConfig`` the flags describe.
 
@@ -885,8 +919,9 @@ def canzona_config_from_args(args: argparse.Namespace):
                 ns_dtype=ns_dtype, num_ns_steps=args.muon_num_ns_steps, ns_measured=measured_ns_methods_of(args, ns_dtype),
                 scale_mode=args.muon_scale_mode, extra_scale_factor=args.muon_extra_scale_factor)
     matrix = {
-        "muon": lambda: MATRIX_FLAGS["muon"].config(args, **muon),
-        "adaptive_muon": lambda: MATRIX_FLAGS["adaptive_muon"].config(args, **muon, ns_method=args.muon_ns_method),
+        "muon": lambda: MATRIX_FLAGS["muon"].config(args, **muon, exact_norm=exact_norm_of(args)),
+        "adaptive_muon": lambda: MATRIX_FLAGS["adaptive_muon"].config(args, **muon, ns_method=args.muon_ns_method,
+                                                                      exact_norm=exact_norm_of(args)),
         "shampoo": lambda: MATRIX_FLAGS["shampoo"].config(args, stagger_refresh=args.canzona_stagger_refresh),
         "soap": lambda: MATRIX_FLAGS["soap"].config(args, stagger_refresh=args.canzona_stagger_refresh),
     }[args.optimizer]()
@@ -894,6 +929,7 @@ def canzona_config_from_args(args: argparse.Namespace):
     return CanzonaConfig(optimizer=args.optimizer, matrix=matrix, adamw=adamw, early_compute=args.canzona_early_compute,
                          early_compute_bytes=int(args.canzona_early_compute_budget * 2**30),
                          matrices_first=args.canzona_matrices_reduce_first,
+                         narrow_gathers=narrow_gathers_of(args),
                          **{field: getattr(args, f"canzona_{field}") for field in CANZONA_FLAG_FIELDS})
 
 

@@ -123,7 +123,8 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
         together = any(task.together is not None for task in binding.tasks)  # the plan's, the same on every rank
         if together:
             tp_group = ranks.tp
-            inner.tp_all_reduce = lambda tensor: dist.all_reduce(tensor, group=tp_group)
+            inner.tp_all_reduce = lambda tensor, op="sum": dist.all_reduce(
+                tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=tp_group)
         compute = EarlyCompute(
             compute=inner.stage_compute, discard=inner.discard_staged, scale=self._early_scale,
             groups=early_groups(inner, setup.config.early_compute_bytes, ranks.tp if together else None)

@@ -26,7 +26,8 @@ from megatron.canzona.optim.config import FieldError
 MUON_FLAGS = {"momentum": "--muon-momentum", "nesterov": "--muon-nesterov",
               "coefficients": "--muon-coefficient-type", "num_ns_steps": "--muon-num-ns-steps",
               "ns_dtype": "--muon-fp32-matmul-prec", "ns_method": "--muon-ns-method",
-              "scale_mode": "--muon-scale-mode", "extra_scale_factor": "--muon-extra-scale-factor"}
+              "scale_mode": "--muon-scale-mode", "extra_scale_factor": "--muon-extra-scale-factor",
+              "exact_norm": "--canzona-exact-norm"}
 """The flags of :class:`MuonConfig`'s fields (Megatron's ``--muon-*`` and Canzona's ``--muon-ns-method``)."""
 MUON_WITHOUT_FLAG = {"eps": "Megatron's Muon has no flag for it: 1e-7, as its Newton-Schulz",
                      "ns_measured": "read from --canzona-calibration"}

@@ -3,9 +3,9 @@
 # sharded over every GPU (optim_grads_params: each transformer layer all-gathered for its forward
 # and backward, its gradients reduce-scattered), TP 1, fsdp_dtensor checkpoints that resume at any
 # FSDP size. Canzona hosts gate and up of every fc1 apart (--canzona-split-gate-up), what
-# `tools/simulate.py --fsdp-cases` projects fastest at 64-256 GPUs, and sends Muon's input to the
-# hosts in bf16 (--canzona-narrow-gathers: half the gathers' bytes on FSDP's link; the norm summed
-# over the holders, so equal to one host's to rounding, not bitwise). The model, data and schedule
+# `tools/simulate.py --fsdp-cases` projects fastest at 64-256 GPUs; the holders send each other whole
+# matrix's Muon input to its host in bf16, divided by its exact norm (--canzona-narrow-gathers, the
+# default under Megatron-FSDP: half those gathers' bytes, bitwise the same run). The model, data and schedule
 # are pretrain_qwen3_8b.sh's: sequence 4096, global batch 128, micro batch 1, bf16 (above 128 GPUs
 # raise GLOBAL_BATCH to a multiple of the GPU count, e.g. GLOBAL_BATCH=256 on 256).
 #
@@ -21,9 +21,6 @@ LOG_DIR="${LOG_DIR:-$(dirname "${BASH_SOURCE[0]}")/../../build/qwen3-8b-fsdp-${V
 split=()
 if [[ "${VARIANT:-canzona}" == canzona || "${VARIANT:-canzona}" == sync ]]; then
     split=(--canzona-split-gate-up)
-fi
-if [[ "${VARIANT:-canzona}" == canzona ]]; then  # the sync baseline computes on every holder: nothing to gather narrow
-    split+=(--canzona-narrow-gathers)
 fi
 # shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh" && qwen3_recipe_main "${split[@]}" "$@"

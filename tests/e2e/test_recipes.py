@@ -613,7 +613,7 @@ def test_fsdp_recipe_shards_over_every_gpu_with_megatron_fsdp(validated: dict[st
     assert (args["tensor_model_parallel_size"], args["data_parallel_size"]) == (1, int(world_size))
     assert args["canzona"] == (variant != "adamw")
     assert args["canzona_split_gate_up"] == (variant != "adamw")
-    assert args["canzona_narrow_gathers"] == (variant == "canzona")
+    assert bool(args["canzona_narrow_gathers"]) == (variant == "canzona")  # the default (sync: none to gather)
     assert args["num_layers"] == 36 and args["global_batch_size"] == 128
 
 
@@ -759,6 +759,8 @@ def _validate_case(pretrain_gpt, adapt_args_to_cpu, case: dict) -> dict:
     """
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 
+    from canzona_patches.integration.arguments import narrow_gathers_of
+
     def launch_environment() -> None:
         for name in _LAUNCH_VARIABLES:
             os.environ.pop(name, None)
@@ -783,6 +785,8 @@ def _validate_case(pretrain_gpt, adapt_args_to_cpu, case: dict) -> dict:
     except Exception as error:  # noqa: BLE001  (reported to the test as the case's failure)
         return {"error": f"{type(error).__name__}: {error}"}
     report = {name: getattr(args, name, None) for name in _REPORTED}
+    if args.canzona:  # as the run takes it (its default: under Megatron-FSDP wherever it applies)
+        report["canzona_narrow_gathers"] = narrow_gathers_of(args)
     report["padded_vocab_size"] = vocab_size_with_padding(case["tokenizer_vocab"], args, logging_enabled=False)
     return report
 

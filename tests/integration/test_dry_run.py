@@ -185,7 +185,7 @@ FSDP_CASES = {
                                "--data-parallel-sharding-strategy", "optim"),
     "qwen3-32b tp4 fsdp64 soap": ("--model", "qwen3-32b", "--tp", "4", "--dp", "64", "--rank", "13",
                                   "--optimizer", "soap", "--data-parallel-sharding-strategy", "optim_grads"),
-    # the planner's micro-groups (a CPU run's), where a CUDA run's auto takes one at 8B
+    # the planner's micro-groups (a CPU run's)
     "qwen3-8b fsdp64 budget": ("--model", "qwen3-8b", "--dp", "64", "--rank", "5", "--fsdp-micro-groups", "budget"),
 }
 
@@ -203,11 +203,11 @@ def test_a_full_size_megatron_fsdp_rank_is_predicted_from_its_plan(case):
     rows = {row["quantity"]: row for row in report["rows"]}
     c = report["config"]
     assert report["agree"] and report["catalog"]["ok"] and c["fsdp"] and not report["measured"]
-    # micro-groups as a CUDA run takes them (auto: one group for Qwen3-8B at FSDP 64, docs/fsdp.md), or as given
+    # micro-groups as a CUDA run takes them (auto: as projected on the cluster; docs/fsdp.md), or as given
     given = "--fsdp-micro-groups" in FSDP_CASES[case]
     assert c["micro_groups"] == ("budget" if given else "auto"), c
-    if case == "qwen3-8b fsdp64" or given:
-        assert (c["num_groups"] == 1) == (not given), c
+    if given:
+        assert c["num_groups"] > 1, c
     strategy = c["strategy"]
     buckets = report["bucket_geometry"]
     dp = int(FSDP_CASES[case][FSDP_CASES[case].index("--dp") + 1])

@@ -170,24 +170,42 @@ def test_tp_together_is_taken_with_fsdp_muon_and_tp_and_refused_without_each(tog
             validate_canzona_args(parse(*words, "--canzona-tp-together", together))
 
 
-def test_narrow_gathers_are_taken_with_fsdp_and_bf16_muon_and_refused_without_each() -> None:
-    """``--canzona-narrow-gathers`` sends Muon's normalised source in bf16 under Megatron-FSDP: taken
-    there (off by default), refused in one line naming what it needs where any of it is missing."""
-    args = parse(*FSDP)
+def _config(*words: str):
+    args = parse(*words)
     validate_canzona_args(args)
     finalize_canzona_args(args)
-    assert canzona_config_from_args(args).narrow_gathers is False
-    args = parse(*FSDP, "--canzona-narrow-gathers")
-    validate_canzona_args(args)
-    finalize_canzona_args(args)
-    assert canzona_config_from_args(args).narrow_gathers is True
+    return canzona_config_from_args(args)
+
+
+def test_narrow_gathers_and_the_exact_norm_are_the_default_under_fsdp_and_refused_without_what_they_need() -> None:
+    """Under Megatron-FSDP Muon's family normalises by the exact norm (``--canzona-exact-norm``), and
+    Muon iterating in bf16 (``async``) sends its normalised source in bf16 (``--canzona-narrow-gathers``);
+    under the distributed optimizer neither, unless asked (the exact norm only); each can be turned off;
+    refused in one line naming what it needs where any of it is missing."""
+    default = _config(*FSDP)
+    assert (default.narrow_gathers, default.matrix.exact_norm) == (True, True)
+    assert (_config(*FSDP, "--canzona-no-narrow-gathers").narrow_gathers, _config(*FSDP, "--canzona-no-narrow-gathers").matrix.exact_norm) == (False, True)
+    off = _config(*FSDP, "--canzona-no-exact-norm")
+    assert (off.narrow_gathers, off.matrix.exact_norm) == (False, False)
+    for words in (["--muon-fp32-matmul-prec", "high"], ["--canzona-tp-mode", "sync"]):
+        config = _config(*FSDP, *words)  # not narrow, still the exact norm: bitwise the narrow run's math
+        assert (config.narrow_gathers, config.matrix.exact_norm) == (False, True), words
+    assert _config(*FSDP[:2], "adaptive_muon", *FSDP[3:]).matrix.exact_norm is True
+    distopt = ["--canzona", "--optimizer", "muon", "--use-distributed-optimizer"]
+    assert (_config(*distopt).narrow_gathers, _config(*distopt).matrix.exact_norm) == (False, False)
+    assert _config(*distopt, "--canzona-exact-norm").matrix.exact_norm is True
+    assert _config(*FSDP, "--canzona-narrow-gathers").narrow_gathers is True
     missing = {
-        "--use-megatron-fsdp": ["--canzona", "--optimizer", "muon", "--use-distributed-optimizer"],
+        "--use-megatron-fsdp": distopt,
         "--optimizer muon": [*FSDP[:2], "shampoo", *FSDP[3:]],
         r"--muon-fp32-matmul-prec medium \(Newton-Schulz in bf16\)": [*FSDP, "--muon-fp32-matmul-prec", "high"],
         "--canzona-tp-mode async": [*FSDP, "--canzona-tp-mode", "sync"],
+        "--canzona-exact-norm": [*FSDP, "--canzona-no-exact-norm"],
     }
     for needed, words in missing.items():
         with pytest.raises(CanzonaArgumentError, match=f"^--canzona-narrow-gathers sends Muon's normalised .* it needs "
                            f"{needed}: add that, or drop --canzona-narrow-gathers$"):
             validate_canzona_args(parse(*words, "--canzona-narrow-gathers"))
+    with pytest.raises(CanzonaArgumentError, match="^--canzona-exact-norm normalises Newton-Schulz's input of Muon, "
+                       "AdaMuon and NorMuon; --optimizer soap has none: drop --canzona-exact-norm$"):
+        validate_canzona_args(parse(*FSDP[:2], "soap", *FSDP[3:], "--canzona-exact-norm"))

@@ -94,7 +94,7 @@ def test_fsdp_phases_refuses_an_unknown_sharding():
 
 
 def test_narrow_gathers_halve_the_early_gathers_time_on_the_link():
-    """``narrow_gathers`` (a design not built): Muon's whole matrices go to their hosts in bf16, so the
+    """``narrow_gathers`` (the runtime's default under Megatron-FSDP): Muon's whole matrices go to their hosts in bf16, so the
     early gathers hold the link half as long where every matrix is a whole one (Qwen3-0.6B without
     split QKV, bf16 Newton-Schulz); the scatters and the peers are unchanged, and SOAP's (fp32
     directions) gathers stay fp32."""

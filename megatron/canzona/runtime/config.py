@@ -67,8 +67,10 @@ class CanzonaConfig:
     narrow_gathers: bool = False
     """Under Megatron-FSDP with Muon iterating in bf16: each whole matrix's holders send its
     Newton-Schulz input to its host divided by the matrix's Frobenius norm, in bf16 (half of fp32's
-    bytes; the norm summed over the holders by one all-reduce per micro-group, so equal to one
-    host's normalisation to rounding, not bitwise: :attr:`~megatron.canzona.runtime.host_groups.MatrixTask.gather_dtype`)."""
+    bytes; the norm summed in integers over the holders, two small all-reduces per micro-group, so
+    bitwise the one-device math with :attr:`MuonConfig.exact_norm <megatron.canzona.optim.config.MuonConfig.exact_norm>`,
+    which ``matrix`` must then take: :attr:`~megatron.canzona.runtime.host_groups.MatrixTask.gather_dtype`).
+    ``pretrain_gpt.py`` turns it on wherever it applies."""
     early_gather: bool = True
     """``async``: issue each micro-group's gather to its hosts as soon as the buckets holding
     its matrices have reduced, before the step (the hosts apply the loss scale and the clip
@@ -105,10 +107,14 @@ class CanzonaConfig:
         if self.optimizer not in MATRIX_OPTIMIZERS:
             raise ValueError(f"unknown matrix optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
         expected = MATRIX_OPTIMIZERS[self.optimizer].config_type
+        narrow = self.narrow_gathers and self.optimizer == "muon"
         if self.matrix is None:
-            object.__setattr__(self, "matrix", expected())
+            object.__setattr__(self, "matrix", expected(exact_norm=True) if narrow else expected())
         if not isinstance(self.matrix, expected):
             raise TypeError(f"optimizer={self.optimizer!r} needs a {expected.__name__}, got {type(self.matrix).__name__}")
+        if narrow and not self.matrix.exact_norm:
+            raise ValueError("narrow_gathers divides Muon's input by the norm summed in integers: build its "
+                             "MuonConfig with exact_norm=True, as every other matrix of the run must take it too")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
         if self.cost not in COSTS:

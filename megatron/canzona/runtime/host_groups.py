@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.canzona.optim.common import apply_update, state_dtype_for
+from megatron.canzona.optim.exact_norm import norms_of_pieces
 from megatron.canzona.planning.memory import fp32_elements
 from megatron.canzona.planning.schedule import Coord, Task
 from megatron.canzona.runtime.state_io import Placement, _local_view, flat_range_boxes, to_global_boxes
@@ -83,12 +84,12 @@ class MatrixTask:
     gather_dtype: torch.dtype | None = None
     """A narrower dtype in which the holders send their pieces to the host, each first divided by
     the whole matrix's Frobenius norm, floored at :attr:`gather_floor` (the engine sums the norm
-    from the holders' squares, one all-reduce per micro-group): Muon's Newton-Schulz input as its
-    first iteration takes it, for pieces that are that input already (the holders keep the
-    momentum: Megatron-FSDP). The host's full matrix is then that normalised input, in this dtype.
-    Equal to the host normalising the whole matrix
-    up to the norm's rounding (its squares summed in another order), so not bit for bit. ``None``:
-    the pieces move in the update dtype as they are."""
+    from the holders' squares in integers, two all-reduces per micro-group): Muon's Newton-Schulz
+    input as its first iteration takes it, for pieces that are that input already (the holders keep
+    the momentum: Megatron-FSDP). The host's full matrix is then that normalised input, in this
+    dtype: bit for bit what one device makes with Muon's ``exact_norm``
+    (:func:`~megatron.canzona.optim.exact_norm.frobenius_norm`). ``None``: the pieces move in the
+    update dtype as they are."""
     gather_floor: float = 1e-7
     """The least norm a narrow gather divides by (:attr:`gather_dtype`; Muon's ``eps``)."""
     together: int | None = None
@@ -770,18 +771,20 @@ class HostGroupEngine:
 
     def _norms(self, exchange: _Exchange, piece: Callable[[str, int], torch.Tensor],
                device: torch.device) -> torch.Tensor:
-        """The Frobenius norm of each narrow-gathered matrix of the group, floored: each rank's sum
-        of its pieces' squares in fp32, summed over the group by one all-reduce (a collective: the
-        same value on every rank, which each holder divides by). On CUDA, stream-ordered: no host
-        synchronisation."""
-        squares = torch.zeros(len(exchange.normalized), dtype=torch.float32, device=device)
-        for key, index in exchange.normalized.items():
-            for lo, _ in self._mine.get(key, ()):
-                flat = piece(key, lo).to(torch.float32)
-                squares[index] += torch.dot(flat, flat)
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(squares, group=self.group)
-        return squares.sqrt_().clamp_min_(exchange.floor)
+        """The Frobenius norm of each narrow-gathered matrix of the group, floored, the same bits as
+        one device's :func:`~megatron.canzona.optim.exact_norm.frobenius_norm` of the whole matrix
+        (:func:`~megatron.canzona.optim.exact_norm.norms_of_pieces`): each rank's largest magnitude
+        of its pieces, their maximum over the group, then each rank's pieces' squares summed in
+        integers, summed over the group (int64: any order, the same total). Two all-reduces of a few
+        bytes per matrix; on CUDA, stream-ordered: no host synchronisation."""
+        shared = dist.is_initialized() and dist.get_world_size(self.group) > 1
+        mine = ((index, piece(key, lo)) for key, index in exchange.normalized.items() for lo, _ in self._mine.get(key, ()))
+        return norms_of_pieces(mine, len(exchange.normalized), exchange.floor, device=device,
+                               reduce=self._reduce if shared else None)
+
+    def _reduce(self, tensor: torch.Tensor, op: str) -> None:
+        """All-reduce ``tensor`` over the host group: ``sum`` or ``max``."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
 
     def _layout(self, exchange: _Exchange, update_dtype: torch.dtype, stage: str) -> _ByteLayout:
         """The byte layout of a narrow exchange's ``gather`` (each segment in its task's

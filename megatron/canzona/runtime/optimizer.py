@@ -407,10 +407,14 @@ def narrow_gathers(tasks: Sequence[MatrixTask], *, math: str, config: Any, momen
     """``tasks`` with a narrow gather (:attr:`MatrixTask.gather_dtype`) on each narrow-update task
     (:func:`narrow_updates`) computed by one host, where the holders keep Muon's momentum (so they
     send its Newton-Schulz input, which they can normalise): Muon's pieces go to their host in the
-    Newton-Schulz dtype, half of fp32's bytes. ``--canzona-narrow-gathers``."""
+    Newton-Schulz dtype, half of fp32's bytes, divided by the norm :attr:`MuonConfig.exact_norm`
+    makes, which ``config`` must take. ``--canzona-narrow-gathers``."""
     if math != "muon" or not momentum_on_holders:
         raise ValueError("narrow gathers send Muon's normalised Newton-Schulz input, which its holders make only "
                          "where they keep its momentum (--use-megatron-fsdp with --optimizer muon)")
+    if not config.exact_norm:
+        raise ValueError("narrow gathers divide by the norm summed in integers (MuonConfig.exact_norm), which every "
+                         "other matrix of the run must take too: set exact_norm=True")
     return tuple(dataclasses.replace(task, gather_dtype=task.update_dtype, gather_floor=config.eps)
                  if task.update_dtype is not None and task.together is None else task for task in tasks)
 
