@@ -16,6 +16,7 @@ from megatron.canzona.optim.exact_norm import (
     frobenius_norm,
     largest_magnitude,
     norm_from_sums,
+    norms_of_pieces,
     square_shift,
     square_sums,
 )
@@ -104,3 +105,15 @@ def test_newton_schulz_of_pieces_divided_by_it_is_the_whole_matrixs(shape: tuple
     sent = torch.cat([torch.div(p, norm, out=torch.empty(p.shape, dtype=torch.bfloat16)) for p in pieces])
     narrow = newton_schulz(sent.view(shape), normalized=True)
     assert torch.equal(narrow, newton_schulz(x, exact_norm=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_exact_norm_is_the_same_bits_on_cuda() -> None:
+    """Integer sums and IEEE fp64 steps: a GPU's norm of a matrix, whole or in pieces, is the CPU's."""
+    x = awkward(301, 517, 7)
+    want = frobenius_norm(x.unsqueeze(0), EPS).flatten()
+    assert torch.equal(frobenius_norm(x.cuda().unsqueeze(0), EPS).flatten().cpu(), want)
+    flat = x.cuda().reshape(-1)
+    pieces = [(0, flat[a:b]) for a, b in ((0, 1000), (1000, 99_999), (99_999, flat.numel()))]
+    assert torch.equal(norms_of_pieces(pieces, 1, EPS, device="cuda").cpu(), want)
