@@ -30,11 +30,11 @@ from megatron.canzona.optim import (
     muon_update,
     split_pieces,
 )
-from megatron.canzona.optim.muon import muon_scale
+from megatron.canzona.optim.muon import MuonSourceState, muon_from_normalized, muon_from_source, muon_scale
 from megatron.canzona.runtime import LaunchConfig, launch
 from megatron.canzona.planning.schedule import Task
 from megatron.canzona.runtime.host_groups import HostGroupEngine, LocalPiece, MatrixTask, StepFactors
-from megatron.canzona.runtime.optimizer import narrow_updates, unscaled
+from megatron.canzona.runtime.optimizer import narrow_gathers, narrow_updates, unscaled
 
 pytestmark = pytest.mark.multirank
 
@@ -42,6 +42,8 @@ LAUNCH_TIMEOUT_S = 90.0
 TEST_TIMEOUT_S = 2 * LAUNCH_TIMEOUT_S
 CONFIG = MuonConfig(ns_dtype="float32", scale_mode="spectral")
 CONFIG_BF16 = MuonConfig(ns_dtype="bfloat16", scale_mode="spectral")
+CONFIG_EXACT = MuonConfig(ns_dtype="bfloat16", scale_mode="spectral", exact_norm=True)
+"""Newton-Schulz in bf16 with the exact norm, whose narrow gathers the holders normalise."""
 LR, WEIGHT_DECAY, STEPS = 0.02, 0.1, 2
 HEAD_DIM, HEADS_PER_GROUP = 4, 2
 
@@ -152,6 +154,29 @@ class _Muon:
         return directions
 
 
+class _Sources:
+    """Host math of holders that keep the momentum (Megatron-FSDP): the gradients are Muon's
+    Newton-Schulz input; a narrow-gathered matrix's arrives divided by its exact norm, in bf16."""
+
+    def __init__(self, layouts: dict, narrow: frozenset = frozenset(), gathered: frozenset = frozenset()) -> None:
+        self.layouts, self.narrow, self.gathered = layouts, narrow, gathered
+        self.states: dict[str, list[MuonSourceState]] = {}
+
+    def __call__(self, keys, grads):
+        directions = []
+        for key, grad in zip(keys, grads):
+            config = unscaled(CONFIG_EXACT) if key in self.narrow else CONFIG_EXACT
+            if key in self.gathered:
+                state = self.states.setdefault(key, [MuonSourceState()])[0]
+                directions.append(muon_from_normalized(grad, state, config))
+                continue
+            layout = self.layouts[key.split("@")[0]]
+            pieces = split_pieces(grad, layout)
+            states = self.states.setdefault(key, [MuonSourceState() for _ in pieces])
+            directions.append(merge_pieces([muon_from_source(p, st, config) for p, st in zip(pieces, states)], layout))
+        return directions
+
+
 def _full_tensors(specs: dict, seed: int, device: torch.device):
     gen = torch.Generator().manual_seed(seed)
     params = {n: torch.randn(s["shape"], generator=gen).to(device) for n, s in specs.items()}
@@ -159,9 +184,11 @@ def _full_tensors(specs: dict, seed: int, device: torch.device):
     return params, grads
 
 
-def _single_device(params: dict, grads: list[dict], layouts: dict, config: MuonConfig = CONFIG) -> dict[str, torch.Tensor]:
-    """The reference: the same Muon on the full matrices, no ranks involved."""
-    reference, math = {n: p.clone() for n, p in params.items()}, _Muon(layouts, config)
+def _single_device(params: dict, grads: list[dict], layouts: dict, config: MuonConfig = CONFIG,
+                   sources: bool = False) -> dict[str, torch.Tensor]:
+    """The reference: the same Muon on the full matrices, no ranks involved (``sources``: the
+    gradients are its Newton-Schulz input, :class:`_Sources`)."""
+    reference, math = {n: p.clone() for n, p in params.items()}, (_Sources(layouts) if sources else _Muon(layouts, config))
     names = list(params)
     for step_grads in grads:
         for name, direction in zip(names, math(names, [step_grads[n] for n in names])):
@@ -184,18 +211,21 @@ def engine_body(dp: int, tp: int, device: str = "cpu") -> dict[str, dict]:
     out["early"] = _train(dp, tp, "async", torch.device(device), staged=True, early=True)
     out["narrow"] = _train(dp, tp, "async", torch.device(device), narrow=True)
     out["early_narrow"] = _train(dp, tp, "async", torch.device(device), staged=True, early=True, narrow=True)
+    out["gathered"] = _train(dp, tp, "async", torch.device(device), narrow=True, gathered=True)
     return out
 
 
 def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = False, narrow: bool = False,
-           early: bool = False) -> dict:
+           early: bool = False, gathered: bool = False) -> dict:
     """Two engine steps on this rank's pieces, checked against the full-matrix reference.
     ``staged``: every gather is issued before the step from raw (bf16, unscaled, unclipped)
     pieces, the host scaling what it receives; step 0's staged gathers are dropped first (a
     skipped step) and issued again. ``early`` too: no clip, and every group is computed
     before the step (``precompute``; on CUDA on a side stream, as the early gathers run it),
     the step committing what it computed. ``narrow``: Newton-Schulz in bf16, whole matrices'
-    directions scattered in bf16 (:func:`_narrowed`)."""
+    directions scattered in bf16 (:func:`_narrowed`). ``gathered`` too: the gradients are Muon's
+    input its holders keep (Megatron-FSDP's), a whole matrix's sent divided by its exact norm in bf16
+    (``narrow_gathers``: two all-reduces over the group, on CUDA on the engine's side stream)."""
     rank = dist.get_rank()
     coord = (rank // tp, rank % tp)
     specs = _matrices(dp, tp)
@@ -207,6 +237,8 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
         clip = 1.0 if early else CLIP
         grads = [{n: (g.float() * UNSCALE) * clip for n, g in step.items()} for step in raw_grads]
     tasks = _narrowed(_tasks(specs, dp, tp), specs, tp) if narrow else _tasks(specs, dp, tp)
+    if gathered:
+        tasks = list(narrow_gathers(tasks, math="muon", config=CONFIG_EXACT, momentum_on_holders=True))
     config = CONFIG_BF16 if narrow else CONFIG
     engine = HostGroupEngine(tasks, group=None, rank_of={(d, t): d * tp + t for d in range(dp) for t in range(tp)},
                              coord=coord, tp_size=tp, mode=mode)
@@ -216,7 +248,9 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
         for lo, hi in engine.holds(task):
             mine[(task.key, lo)] = (name, _megatron_shard(params[name], specs[name], coord[1], tp).reshape(-1)[lo:hi], hi)
     narrow_keys = frozenset(t.key for t in tasks if t.update_dtype is not None)
-    host_math, stats, side_streams = _Muon(layouts, config, narrow_keys), [], set()
+    gathered_keys = frozenset(t.key for t in tasks if t.gather_dtype is not None)
+    host_math = _Sources(layouts, narrow_keys, gathered_keys) if gathered else _Muon(layouts, config, narrow_keys)
+    stats, side_streams = [], set()
     kept: dict[str, str] = {}  # task key -> dtype of the direction precompute keeps for the step
     for step in range(STEPS):
         pieces = {
@@ -254,7 +288,7 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
         assert not engine.staged
         side_streams.add(id(engine._side))
 
-    reference = _single_device(params, grads, layouts, config)
+    reference = _single_device(params, grads, layouts, config, sources=gathered)
     expected = {
         (key, lo): _megatron_shard(reference[name], specs[name], coord[1], tp).reshape(-1)[lo:hi]
         for (key, lo), (name, _, hi) in mine.items()
@@ -270,21 +304,25 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
         "side_streams": len(side_streams),
         "kept": kept,
         "narrow_keys": sorted(narrow_keys),
+        "gathered_keys": sorted(gathered_keys),
     }
 
 
-def _expected_bytes(dp: int, tp: int, coord: tuple[int, int], mode: str, narrow: bool = False) -> int:
+def _expected_bytes(dp: int, tp: int, coord: tuple[int, int], mode: str, narrow: bool = False,
+                    gathered: bool = False) -> int:
     """Bytes this rank sends per step: real elements only, each piece once each way, in fp32
-    (``narrow``: a whole matrix's direction back in bf16, each piece rounded up to 4 bytes)."""
+    (``narrow``: a whole matrix's direction back in bf16, each piece rounded up to 4 bytes;
+    ``gathered``: its pieces to the host in bf16 too)."""
     sent = 0
     specs = _matrices(dp, tp)
     tasks = _tasks(specs, dp, tp)
     for task in _narrowed(tasks, specs, tp) if narrow else tasks:
         holders = task.holders(tp)
         back = 4 if task.update_dtype is None else 2
+        there = 2 if gathered and task.update_dtype is not None else 4
         for holder, lo, hi in holders:
             if mode == "async" and holder != task.host:
-                sent += 4 * (hi - lo) * (holder == coord) + -(-back * (hi - lo) // 4) * 4 * (task.host == coord)
+                sent += -(-there * (hi - lo) // 4) * 4 * (holder == coord) + -(-back * (hi - lo) // 4) * 4 * (task.host == coord)
             if mode == "sync" and holder == coord:
                 sent += 4 * (hi - lo) * (len(holders) - 1)  # to every other holder
     return sent
@@ -313,6 +351,9 @@ def test_engine_equals_single_device_muon(dp: int, tp: int) -> None:
         assert narrow["bytes_sent"] == [_expected_bytes(dp, tp, coord, "async", narrow=True)] * STEPS
         # computed before the step in bf16 Newton-Schulz: a whole matrix's direction is kept in bf16
         # until its scatter (half the bytes), bitwise the step's own
+        gathered = per_rank[rank]["gathered"]  # each whole matrix's pieces divided by its exact norm, in bf16
+        assert gathered["mismatched"] == [] and gathered["gathered_keys"] == narrow["narrow_keys"], f"rank {rank}"
+        assert gathered["bytes_sent"] == [_expected_bytes(dp, tp, coord, "async", narrow=True, gathered=True)] * STEPS
         early_narrow = per_rank[rank]["early_narrow"]
         assert early_narrow["mismatched"] == [] and early_narrow["bytes_sent"] == narrow["bytes_sent"], rank
         hosted = {t.key for t in tasks if t.host == coord}
@@ -378,3 +419,5 @@ def test_engine_on_cuda_side_stream(backend: str) -> None:
         # test_canzona_whole.py's bf16 runs); a lost, doubled or unscaled update moves by ~lr
         assert result["narrow"]["max_error"] <= 0.5 * LR, f"rank {rank} narrow"
         assert result["early_narrow"]["max_error"] <= 0.5 * LR, f"rank {rank} early narrow"
+        # the holders' exact norms (a maximum and an int64 sum over the group) on the side stream
+        assert result["gathered"]["max_error"] <= 0.5 * LR, f"rank {rank} gathered"
