@@ -321,8 +321,8 @@ def print_fsdp_report(report: dict, rank: str) -> None:
         print(f"computed by their TP ranks together: {report['config']['computed_together']} matrices "
               f"(--tp-together {report['config']['tp_together']}; each rank's host buffers are its own shard's)")
     if report["config"]["narrow_gathers"]:
-        print(f"gathered in bf16: {report['config']['gathered_narrow']} matrices (--narrow-gathers; their hosts hold "
-              "the normalised input in bf16)")
+        print(f"gathered in bf16: {report['config']['gathered_narrow']} matrices (narrow gathers, the default; their "
+              "hosts hold the normalised input in bf16; --no-narrow-gathers: fp32)")
     if report.get("ranks"):
         totals = [(sum(sum(part.values()) for part in (r["dense"], r["experts"] or {}) if part) * STATE_BYTES, r["rank"])
                   for r in report["ranks"]]
