@@ -184,7 +184,8 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
     switch("exact-norm", None,
            on="Muon (and AdaMuon, NorMuon) divide Newton-Schulz's input by its Frobenius norm summed in integers: "
            "the same bits however the matrix is cut among ranks, so every layout, the distributed optimizer's and "
-           "Megatron-FSDP's, makes the same update from the same gradients bit for bit (within n * 2**-60 of the exact norm, n elements). "
+           "Megatron-FSDP's, makes the same update from the same gradients bit for bit (within n * 2**-60 of the "
+           "exact norm, n elements). "
            "Default: under --use-megatron-fsdp, whose holders divide their pieces by it (--canzona-narrow-gathers).",
            off="Take torch's fp32 norm of the whole matrix on its host (default under --use-distributed-optimizer: "
            "the exact one costs a few passes over each matrix's memory).")
