@@ -263,6 +263,8 @@ def test_every_ranks_fsdp_state_covers_the_model_once():
     (("--fsdp", "--tp-together", "all", "--dp", "2"), "it needs --optimizer muon and --tp above 1"),
     (("--narrow-gathers",), "--narrow-gathers describes Megatron-FSDP: add --fsdp"),
     (("--fsdp", "--narrow-gathers", "--optimizer", "soap", "--dp", "2"), "it needs --optimizer muon: add it"),
+    (("--fsdp", "--narrow-gathers", "--muon-fp32-matmul-prec", "high", "--dp", "2"),
+     "it needs Newton-Schulz in bf16: drop --muon-fp32-matmul-prec high, or --narrow-gathers"),
     (("--fsdp", "--model", "qwen3-moe-tiny", "--ep", "2", "--etp", "2", "--tp", "2", "--dp", "2"),
      "needs --expert-tensor-parallel-size 1"),
 ])
