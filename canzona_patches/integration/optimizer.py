@@ -64,7 +64,7 @@ from megatron.canzona.optim import MATRIX_OPTIMIZERS
 from megatron.canzona.planning.memory import STATE_BYTES, early_compute_groups
 from megatron.canzona.planning.schedule import Coord
 from megatron.canzona.planning.speculation import SpeculationPolicy
-from megatron.canzona.runtime.host_groups import HostGroupEngine, StepFactors
+from megatron.canzona.runtime.host_groups import HostGroupEngine, StepFactors, all_reduce_over
 from megatron.canzona.runtime.optimizer import CanzonaOptimizer, narrow_gathers, narrow_updates
 
 require_pinned_megatron()
@@ -122,9 +122,7 @@ class CanzonaDistributedOptimizer(DistributedOptimizer):
                    local=local_elements if self.fsdp else None)
         together = any(task.together is not None for task in binding.tasks)  # the plan's, the same on every rank
         if together:
-            tp_group = ranks.tp
-            inner.tp_all_reduce = lambda tensor, op="sum": dist.all_reduce(
-                tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=tp_group)
+            inner.tp_all_reduce = all_reduce_over(ranks.tp)
         compute = EarlyCompute(
             compute=inner.stage_compute, discard=inner.discard_staged, scale=self._early_scale,
             groups=early_groups(inner, setup.config.early_compute_bytes, ranks.tp if together else None)

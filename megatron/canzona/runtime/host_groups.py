@@ -339,6 +339,15 @@ class _Early:
     """Recorded on the stream that computed them (CUDA)."""
 
 
+def all_reduce_over(group: object) -> Callable[..., None]:
+    """An in-place all-reduce over ``group``: ``reduce(tensor)`` or ``reduce(tensor, "sum")`` sums,
+    ``reduce(tensor, "max")`` takes the maximum (the exact norm's
+    :data:`~megatron.canzona.optim.exact_norm.Reduce`, and a sharded Newton-Schulz's all-reduce)."""
+    def reduce(tensor: torch.Tensor, op: str = "sum") -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    return reduce
+
+
 def _checked(directions: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """A host compute callback's directions, checked: one of each gradient's shape."""
     out = list(directions)
@@ -780,11 +789,7 @@ class HostGroupEngine:
         shared = dist.is_initialized() and dist.get_world_size(self.group) > 1
         mine = ((index, piece(key, lo)) for key, index in exchange.normalized.items() for lo, _ in self._mine.get(key, ()))
         return norms_of_pieces(mine, len(exchange.normalized), exchange.floor, device=device,
-                               reduce=self._reduce if shared else None)
-
-    def _reduce(self, tensor: torch.Tensor, op: str) -> None:
-        """All-reduce ``tensor`` over the host group: ``sum`` or ``max``."""
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+                               reduce=all_reduce_over(self.group) if shared else None)
 
     def _layout(self, exchange: _Exchange, update_dtype: torch.dtype, stage: str) -> _ByteLayout:
         """The byte layout of a narrow exchange's ``gather`` (each segment in its task's
