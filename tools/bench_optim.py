@@ -10,6 +10,7 @@ batched (one call on a stack of same-shape matrices) against looped (one call ea
         --calibrate tools/calibrations/cpu-tiny-gpt-muon.json   # what tools/validate_simulate.py uses
     python tools/bench_optim.py --optimizer muon --models qwen3-32b --ns-dtype float32 \
         --muon-ns-method standard gram                           # gram against standard, per shape
+    python tools/bench_optim.py --optimizer muon --exact-norm-cost  # the exact norm against torch's and the step
 
 Shapes are the TP=1 matrices of each layer: fused QKV, attention output projection, fused
 gate/up (fc1) and fc2; ``--shrink k`` divides every dimension by k (keeps aspect ratios)
@@ -66,6 +67,7 @@ from megatron.canzona.optim import (
 )
 from megatron.canzona.planning import OPTIMIZERS as MATRIX_OPTIMIZER_NAMES
 from megatron.canzona.planning import Calibration, get_qwen3_config
+from megatron.canzona.optim.exact_norm import frobenius_norm
 from megatron.canzona.provenance import git_revision, machine
 from megatron.canzona.planning.cost import (
     ADAMW_FLOPS_PER_ELEMENT,
@@ -241,6 +243,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
     p.add_argument("--matmul-size", type=at_least(1), default=None,
                    help="side of the square GEMM the matmul rate is measured on (default: 8192 on CUDA, 1024 on CPU)")
+    p.add_argument("--exact-norm-cost", action="store_true",
+                   help="also time, per Muon shape, its Frobenius norm summed in integers (--canzona-exact-norm, "
+                   "Megatron-FSDP's default) against torch's, and against Muon's whole update, in this run")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout only)")
     p.add_argument("--calibration-dir", metavar="DIR",
                    help="write <optimizer>.json calibrations (batched seconds per matrix) for tools/plan.py")
@@ -296,8 +301,19 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                    ran=ns_method_for(m, n, kind.config.num_ns_steps, method, ns_dtype))
                         rate = report["matmul_flops_per_s"][ns_dtype]
                         row["fraction_of_matmul_rate"] = row["achieved_flops_per_s"] / rate
+                        if args.exact_norm_cost:
+                            row.update(norm_seconds(grads.float(), args))
                     report["rows"].append(row)
     return report
+
+
+def norm_seconds(stack: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds per matrix of a stack's Frobenius norms: torch's (one fp32 reduction) and the exact
+    one (:func:`~megatron.canzona.optim.exact_norm.frobenius_norm`, as one device or a host takes it)."""
+    count = stack.shape[0]
+    torch_norm = median_seconds(lambda: torch.linalg.matrix_norm(stack, keepdim=True), args.repeats, stack.device)
+    exact = median_seconds(lambda: frobenius_norm(stack, 1e-7), args.repeats, stack.device)
+    return {"torch_norm_s": torch_norm / count, "exact_norm_s": exact / count}
 
 
 def bench_one(kind: Kind, name: str, model: str, shape_name: str, grads: torch.Tensor,
@@ -351,7 +367,22 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("matmul rate (square GEMM, this device): " + ", ".join(
         f"{dtype} {rate / 1e9:.1f} GFLOP/s" for dtype, rate in report.get("matmul_flops_per_s", {}).items()))
     lines += format_methods(report)
+    lines += format_norms(report)
     return "\n".join(lines)
+
+
+def format_norms(report: dict[str, Any]) -> list[str]:
+    rows = [r for r in report["rows"] if "exact_norm_s" in r]
+    if not rows:
+        return []
+    lines = ["", "Frobenius norm: summed in integers (exact) against torch's, and against Muon's update (one run)",
+             f"{'model':<13} {'matrix':<7} {'shape':>11} {'torch s':>10} {'exact s':>10} {'exact/torch':>11} "
+             f"{'exact/update':>12}"]
+    for r in rows:
+        lines.append(f"{r['model']:<13} {r['matrix']:<7} {r['m']:>5}x{r['n']:<5} {r['torch_norm_s']:>10.3g} "
+                     f"{r['exact_norm_s']:>10.3g} {r['exact_norm_s'] / r['torch_norm_s']:>11.1f} "
+                     f"{r['exact_norm_s'] / r['batched_s']:>12.3f}")
+    return lines
 
 
 def method_rows(report: dict[str, Any]) -> list[dict[str, Any]]:

@@ -13,9 +13,9 @@ How:
    in any order, so over ranks an all-reduce of ``MAX``);
 2. each square, exact in fp64 (an fp32 square has 48 significant bits), is scaled by ``2**s``,
    ``s = 62 - 2e`` (:func:`square_shift`): below ``2**62``, exactly;
-3. split into a high word ``floor(v / 2**31)`` and a low word ``floor(v) mod 2**31``, both exact and
-   below ``2**31``, each summed in int64: the sums of up to ``2**31`` elements stay below ``2**62``
-   (:func:`square_sums`);
+3. truncated to int64 (its floor) and split into a high word ``floor(v) >> 31`` and a low word
+   ``floor(v) mod 2**31``, both below ``2**31``, each summed in int64: the sums of up to ``2**31``
+   elements stay below ``2**62`` (:func:`square_sums`);
 4. the total, ``high * 2**31 + low``, back in fp64, times ``2**-s``, its square root in fp64, then fp32
    (:func:`norm_from_sums`).
 
@@ -42,10 +42,12 @@ SCALE_BITS = 62
 """Every square scaled by ``2**s`` (:func:`square_shift`) lies below ``2**SCALE_BITS``."""
 LOW_BITS = 31
 """Bits of the low word; the high word has the other ``SCALE_BITS - LOW_BITS``."""
+LOW_MASK = (1 << LOW_BITS) - 1
 MAX_ELEMENTS = 2**31
 """Matrices of up to this many elements: both words' sums then stay below ``2**62``."""
 CHUNK = 1 << 22
-"""Elements scaled at a time (two fp64 temporaries of this many: 64 MiB); the sum does not depend on it."""
+"""Elements scaled at a time (an fp64 and an int64 temporary of this many: 64 MiB); the sum does not
+depend on it."""
 
 
 def largest_magnitude(rows: torch.Tensor) -> torch.Tensor:
@@ -68,19 +70,21 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
 def square_sums(rows: torch.Tensor, shift: torch.Tensor, *, chunk: int = CHUNK) -> torch.Tensor:
     """``(B, 2)`` int64: each row's squares scaled by ``2**shift[row]``, summed exactly as a high and a
     low word. ``rows``: ``(B, N)``, fp32 or narrower (a matrix, a stack of them flattened, or
-    pieces of one); the sums of pieces add up to the whole's, in any order and any chunks."""
+    pieces of one); the sums of pieces add up to the whole's, in any order and any chunks.
+
+    ``shift`` is even (:func:`square_shift`), so each element times ``2**(shift/2)`` is exact in fp64
+    and its square is the scaled square, exactly; truncated to int64 (below ``2**62``) it is its floor,
+    whose top bits above 31 are the high word and the rest the low: five passes over the chunk."""
     if rows.dtype == torch.float64:
         raise ValueError("an exact norm squares fp32 (or narrower) elements; fp64 squares are not exact in fp64")
     count, numel = rows.shape
-    scale = _pow2(shift.reshape(count, 1))
+    half = _pow2(torch.div(shift.reshape(count, 1), 2, rounding_mode="floor"))
     out = torch.zeros(count, 2, dtype=torch.int64, device=rows.device)
     step = max(1, chunk // max(count, 1))
     for start in range(0, numel, step):
-        scaled = rows[:, start : start + step].to(torch.float64).square_().mul_(scale)
-        high = scaled.mul(2.0 ** -LOW_BITS).floor_()
-        low = scaled.sub_(high, alpha=2.0**LOW_BITS).floor_()  # v - high * 2**31: exact, in [0, 2**31)
-        out[:, 0] += high.sum(dim=1, dtype=torch.int64)
-        out[:, 1] += low.sum(dim=1, dtype=torch.int64)
+        scaled = torch.mul(rows[:, start : start + step], half).square_().to(torch.int64)  # fp64 product: exact
+        out[:, 0] += (scaled >> LOW_BITS).sum(dim=1)
+        out[:, 1] += scaled.bitwise_and_(LOW_MASK).sum(dim=1)
     return out
 
 
