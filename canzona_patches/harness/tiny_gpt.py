@@ -237,6 +237,8 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "early_gathers_in_backward": _early_count(optimizer, "issued_in_backward"),
             "early_computed": _early_count(optimizer, "computed"),
             "early_computed_after_backward": _early_count(optimizer, "computed_after_backward"),
+            "norms_ahead": _early_count(optimizer, "norms_ahead"),
+            "norms_at_gather": _early_count(optimizer, "norms_at_gather"),
             "reduces_held": _reduces_held(optimizer),
             "early_steps": _early_steps(optimizer),
         }

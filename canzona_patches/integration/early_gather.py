@@ -227,7 +227,8 @@ class EarlyGathers:
     ``early``: the inner optimizer's staged compute, with what it needs (:class:`EarlyCompute`)."""
 
     def __init__(self, engine: Any, raw: Mapping[tuple[str, int], torch.Tensor], needs: Sequence[set[Any]],
-                 stream: Any = None, early: EarlyCompute | None = None, source: EarlySources | None = None) -> None:
+                 stream: Any = None, early: EarlyCompute | None = None, source: EarlySources | None = None,
+                 parts: Sequence[Mapping[int, frozenset[str]]] = ()) -> None:
         self.engine, self.raw = engine, dict(raw)
         self.source = source
         """Where the holders keep Muon's momentum: what is gathered is its source, made from the
@@ -235,6 +236,16 @@ class EarlyGathers:
         self.sources: dict[int, Mapping[tuple[str, int], torch.Tensor]] = {}
         """This iteration's sources by micro-group, kept for early compute (a copy of this rank's
         pieces of the group, alive to the step; without early compute only while packed)."""
+        self.parts = [dict(part) for part in parts]
+        """Per micro-group, the task keys of each bucket group it needs (by ``id``): where the
+        gather carries Muon's source, each bucket group's pieces are made, and their matrices'
+        norms taken (``HostGroupEngine.prenorm``), as it reduces, so that what is left when the
+        micro-group's last bucket group reduces is that one's share and the packing."""
+        self.made: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
+        """Sources made so far this iteration, by micro-group (:attr:`parts`)."""
+        self.made_keys: dict[int, set[str]] = {}
+        """Their task keys (a rank holds pieces of some tasks only)."""
+        self.device = next(iter(self.raw.values())).device if self.raw else torch.device("cpu")
         self.keys = [frozenset(task.key for task in exchange.tasks) for exchange in engine.exchanges]
         self.needs = [frozenset(id(group) for group in groups) for groups in needs]
         self.stream = stream
@@ -282,6 +293,7 @@ class EarlyGathers:
         self.seen[id(bucket_group)] = False
         with self._side():
             bucket_group.grad_reduce_handle.wait()  # CUDA: the side stream waits, not the host
+            self._prepare(bucket_group)
             self.issued_at_dispatch += self._issue_complete()
 
     def on_reduced(self, bucket_group: Any) -> None:
@@ -296,6 +308,7 @@ class EarlyGathers:
         if told:  # reported again before a step: a new iteration
             self.drop()
         self.seen[id(bucket_group)] = True
+        self._prepare(bucket_group)
         self._issue_complete()
 
     def on_fsdp_reduce(self, group: Any) -> None:
@@ -329,6 +342,31 @@ class EarlyGathers:
             self._precompute(k, packed)
         self.computed_after_backward += len(deferred)
 
+    @property
+    def norms_ahead(self) -> int:
+        """Matrices whose norm was taken as their bucket group reduced, so far (:meth:`_prepare`)."""
+        return self.engine.norms_ahead
+
+    @property
+    def norms_at_gather(self) -> int:
+        """Matrices whose norm their micro-group's gather took itself, so far (early or in the step)."""
+        return self.engine.norms_at_gather
+
+    def _prepare(self, bucket_group: Any) -> None:
+        """Where the gathers carry Muon's source and this iteration speculates: make the sources
+        of ``bucket_group``'s pieces of every micro-group not yet gathered and take their
+        matrices' norms (collectives: every rank's bucket groups reduce in one order)."""
+        if self.source is None or not self.speculating:
+            return
+        for k, parts in enumerate(self.parts):
+            keys = parts.get(id(bucket_group))
+            if not keys or k in self.engine.staged or keys <= self.made_keys.get(k, set()):
+                continue
+            made = self.source.make(keys, self.raw, self.source.scale())
+            self.made.setdefault(k, {}).update(made)
+            self.made_keys.setdefault(k, set()).update(keys)
+            self.engine.prenorm(k, keys, lambda key, lo, made=made: made[(key, lo)], self.device)
+
     def _issue_complete(self) -> int:
         reduced = frozenset(self.seen)
         count = 0
@@ -340,7 +378,10 @@ class EarlyGathers:
                     continue  # the step gathers its source, with whatever clip it decides
                 else:
                     scale = self.source.scale()
-                    sources = self.source.make(self.keys[k], self.raw, scale)
+                    sources = self.made.pop(k, {})
+                    rest = self.keys[k] - self.made_keys.pop(k, set())
+                    if rest:
+                        sources.update(self.source.make(rest, self.raw, scale))
                     self.engine.prestart(k, sources, speculative=True, scaled=len(scale))
                     if self.compute_early:  # its host's own pieces, for the early compute
                         self.sources[k] = sources
@@ -403,6 +444,8 @@ class EarlyGathers:
     def _new_iteration(self) -> None:
         self.seen.clear()
         self.sources.clear()
+        self.made.clear()
+        self.made_keys.clear()
         self.deferred.clear()
         self.backward_done = False
 
@@ -450,14 +493,16 @@ def gathers_apply(engine: Any, binding: Any, compute: EarlyCompute | None) -> bo
 
 
 def listen(engine: Any, raw: dict[tuple[str, int], torch.Tensor], needs: Sequence[Any], first: Any,
-           compute: EarlyCompute | None, source: EarlySources | None = None) -> EarlyGathers:
+           compute: EarlyCompute | None, source: EarlySources | None = None,
+           parts: Sequence[Mapping[int, frozenset[str]]] = ()) -> EarlyGathers:
     """The early gathers over ``raw`` (on a side stream of ``first``'s device, made once, on
-    CUDA), told by every bucket group in ``needs``; the registry rows that tell them installed."""
+    CUDA), told by every bucket group in ``needs`` (``parts``: :attr:`EarlyGathers.parts`); the
+    registry rows that tell them installed."""
     from canzona_patches import registry
 
     registry.install_group(registry.EARLY_GATHER)
     stream = torch.cuda.Stream(device=first.device) if first is not None and first.is_cuda else None
-    early = EarlyGathers(engine, raw, needs, stream=stream, early=compute, source=source)
+    early = EarlyGathers(engine, raw, needs, stream=stream, early=compute, source=source, parts=parts)
     for groups in needs:
         for group in groups:
             _LISTENERS.add(group, early)

@@ -119,7 +119,13 @@ def attach_fsdp(engine: Any, binding: Any, model_chunks: Sequence[Any], compute:
         finishing.append(module)
     needs = [sorted({group_of[id(binding.params[task.key].orig_param)] for task in exchange.tasks},
                     key=lambda group: group.buckets) for exchange in engine.exchanges]
-    early = listen(engine, raw, needs, next(iter(raw.values()), None), compute, source)
+    parts: list[dict[int, frozenset[str]]] = []
+    for exchange in engine.exchanges:
+        keys: dict[int, set[str]] = {}
+        for task in exchange.tasks:
+            keys.setdefault(id(group_of[id(binding.params[task.key].orig_param)]), set()).add(task.key)
+        parts.append({group: frozenset(names) for group, names in keys.items()})
+    early = listen(engine, raw, needs, next(iter(raw.values()), None), compute, source, parts)
     for module in finishing:
         _FSDP_FINISHING.add(module, early)
     return early

@@ -209,8 +209,8 @@ def narrow_line(cfg: CanzonaConfig, plan: Any, specs: Any) -> str | None:
     tasks = plan_schedule(plan).tasks
     narrow = narrow_gather_bytes(tasks, specs, cfg.cost_model())
     return (f"[canzona] narrow gathers: {len(narrow)} of {len(tasks)} matrices sent to their hosts in bf16, divided by "
-            "their Frobenius norms (summed over the holders by one all-reduce per micro-group: equal to one host's "
-            "normalisation to rounding)")
+            "their exact Frobenius norms (the holders' squares summed in integers over two all-reduces: one "
+            "device's bits)")
 
 
 def qkv_line(cfg: CanzonaConfig, tc: Any) -> str | None:

@@ -21,7 +21,8 @@ acting, with early compute (``--canzona-early-compute on``) committed and recomp
 the speculation policy (``backoff``) while the clip acts at every step (the gathers then mostly
 wait for the step). ``muon_narrow`` is Muon iterating in bf16 with ``--canzona-narrow-gathers`` (the
 holders send each whole matrix's source divided by its norm, in bf16): early, computed early and in
-the step, bitwise the same too (at DP 2; the replay test holds TP 2 x DP 2's narrow gathers).
+the step, bitwise the same too (at DP 2; the replay test holds TP 2 x DP 2's narrow gathers), its
+sources made and its norms taken as each bucket group reduces, none left for the gathers.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ gathered speculatively and raw gradients, at DP 2, TP 2 x DP 2 and with the expe
 engine's one all-to-all is the same code for every optimizer)."""
 
 
-NARROW = dict(optimizer="muon", muon_ns_dtype="bfloat16", narrow_gathers=True)
-"""``muon_narrow``: fc1 fused, so that it and fc2 and the projection go narrow."""
+NARROW = dict(optimizer="muon", muon_ns_dtype="bfloat16", narrow_gathers=True, split_qkv=False)
+"""``muon_narrow``: QKV one matrix (``--canzona-no-split-qkv``), so that it goes narrow: at DP 2 it is
+the matrix of each layer cut between the two shards (fc1, fc2 and the projection lie whole in one)."""
 
 
 def _base(optimizer: str, layout: str, clip: float) -> TinyRun:
@@ -148,6 +150,13 @@ def test_gathers_in_backward_are_bitwise_the_steps(results, optimizer: str, fsdp
             if variant.endswith("one"):  # one gather a step per optimizer (the dense, the experts')
                 budget = results[(optimizer, fsdp, variant.split("-")[0] + "-early")][rank]["early_gathers"]
                 assert issued // STEPS <= 2 and issued <= budget, (where, issued, budget)
+            if optimizer == "muon_narrow":  # the norms were taken as each bucket group reduced
+                assert sorted(early["planned_narrow"]["gathers"]) == [f"decoder.layers.{i}.self_attention.linear_qkv.weight"
+                                                                    for i in range(2)], where
+                ahead, at_gather = early["norms_ahead"], early["norms_at_gather"]
+                assert ahead > 0 and ahead % STEPS == 0, (where, ahead)
+                # none left for the gathers in backward; the step's own gathers (a clip acted) take theirs
+                assert at_gather == (0 if variant.startswith("idle") else ahead), (where, ahead, at_gather)
             if variant.endswith("compute"):
                 outcome = "committed" if variant.startswith("idle") else "recomputed"
                 # one record per optimizer (the dense, and at EP 2 the experts')

@@ -455,6 +455,12 @@ class HostGroupEngine:
         self._layouts: dict[tuple[int, int, str], _ByteLayout] = {}
         self._staged: dict[int, _InFlight | None] = {}
         self._early: dict[int, _Early] = {}
+        self._prenormed: dict[int, dict[str, torch.Tensor]] = {}
+        """Norms :meth:`prenorm` took ahead of their group's gather, by group and task key."""
+        self.norms_ahead = 0
+        """Matrices whose norm :meth:`prenorm` took, so far (for tests and logs)."""
+        self.norms_at_gather = 0
+        """Matrices whose norm their gather took itself, so far."""
         self.last_stats = StepStats()
 
     # Static layout -----------------------------------------------------------------------
@@ -588,6 +594,36 @@ class HostGroupEngine:
 
     # Gathers issued before the step -----------------------------------------------------
     @torch.no_grad()
+    def prenorm(self, index: int, keys: Collection[str], piece: Callable[[str, int], torch.Tensor],
+                device: torch.device) -> None:
+        """Take now the norms of micro-group ``index``'s narrow-gathered tasks among ``keys``, from
+        this rank's pieces ``piece(key, lo)`` (those its gather will send: :meth:`prestart`'s), so
+        that the gather divides by them without taking them itself: the same bits (each matrix's
+        norm is its own). A collective: every rank of the group calls it with the same ``keys``
+        in the same order (a bucket's matrices, as it reduces); two all-reduces of a few bytes per
+        matrix, nothing when none of ``keys`` is gathered narrow."""
+        exchange = self.exchanges[index]
+        done = self._prenormed.setdefault(index, {})
+        wanted = [key for key in exchange.normalized if key in keys and key not in done]
+        if wanted:
+            norms = self._norms_of(wanted, exchange.floor, piece, device)
+            done.update((key, norms[i : i + 1]) for i, key in enumerate(wanted))
+            self.norms_ahead += len(wanted)
+
+    def _norms_of(self, keys: Sequence[str], floor: float, piece: Callable[[str, int], torch.Tensor],
+                  device: torch.device) -> torch.Tensor:
+        """The Frobenius norm of each matrix of ``keys``, floored, the same bits as one device's
+        :func:`~megatron.canzona.optim.exact_norm.frobenius_norm` of the whole matrix
+        (:func:`~megatron.canzona.optim.exact_norm.norms_of_pieces`): each rank's largest magnitude
+        of its pieces, their maximum over the group, then each rank's pieces' squares summed in
+        integers, summed over the group (int64: any order, the same total). Two all-reduces of a few
+        bytes per matrix; on CUDA, stream-ordered: no host synchronisation."""
+        shared = dist.is_initialized() and dist.get_world_size(self.group) > 1
+        mine = ((index, piece(key, lo)) for index, key in enumerate(keys) for lo, _ in self._mine.get(key, ()))
+        return norms_of_pieces(mine, len(keys), floor, device=device,
+                               reduce=all_reduce_over(self.group) if shared else None)
+
+    @torch.no_grad()
     def prestart(self, index: int, raw: Mapping[tuple[str, int], torch.Tensor], *, speculative: bool = False,
                  scaled: int = 0) -> None:
         """Issue micro-group ``index``'s gather now, before the step, from the raw gradient
@@ -676,6 +712,7 @@ class HostGroupEngine:
                 inflight.work.wait()
         self._staged.clear()
         self._early.clear()
+        self._prenormed.clear()
 
     @property
     def staged(self) -> tuple[int, ...]:
@@ -716,6 +753,7 @@ class HostGroupEngine:
         finally:
             self._staged.clear()
             self._early.clear()
+            self._prenormed.clear()
         self.last_stats = run.stats
         return run.stats
 
@@ -780,16 +818,17 @@ class HostGroupEngine:
 
     def _norms(self, exchange: _Exchange, piece: Callable[[str, int], torch.Tensor],
                device: torch.device) -> torch.Tensor:
-        """The Frobenius norm of each narrow-gathered matrix of the group, floored, the same bits as
-        one device's :func:`~megatron.canzona.optim.exact_norm.frobenius_norm` of the whole matrix
-        (:func:`~megatron.canzona.optim.exact_norm.norms_of_pieces`): each rank's largest magnitude
-        of its pieces, their maximum over the group, then each rank's pieces' squares summed in
-        integers, summed over the group (int64: any order, the same total). Two all-reduces of a few
-        bytes per matrix; on CUDA, stream-ordered: no host synchronisation."""
-        shared = dist.is_initialized() and dist.get_world_size(self.group) > 1
-        mine = ((index, piece(key, lo)) for key, index in exchange.normalized.items() for lo, _ in self._mine.get(key, ()))
-        return norms_of_pieces(mine, len(exchange.normalized), exchange.floor, device=device,
-                               reduce=all_reduce_over(self.group) if shared else None)
+        """The norm of each narrow-gathered matrix of the group (:meth:`_norms_of`), in the order
+        of :attr:`_Exchange.normalized`: those :meth:`prenorm` took, the rest taken now."""
+        done = self._prenormed.pop(exchange.index, {})
+        missing = [key for key in exchange.normalized if key not in done]
+        self.norms_at_gather += len(missing)
+        if len(missing) == len(exchange.normalized):
+            return self._norms_of(missing, exchange.floor, piece, device)
+        if missing:
+            norms = self._norms_of(missing, exchange.floor, piece, device)
+            done.update((key, norms[i : i + 1]) for i, key in enumerate(missing))
+        return torch.cat([done[key] for key in exchange.normalized])
 
     def _layout(self, exchange: _Exchange, update_dtype: torch.dtype, stage: str) -> _ByteLayout:
         """The byte layout of a narrow exchange's ``gather`` (each segment in its task's
