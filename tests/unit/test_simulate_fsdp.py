@@ -18,7 +18,9 @@ from megatron.canzona.planning.sim import ClusterSpec, Workload, load_cluster
 from megatron.canzona.planning.sim.fsdp import (FSDP_STRATEGIES, STEP_GATHER, FsdpUnit, fsdp_phases,
                                                 plan_bucket_index, simulate_fsdp)
 from megatron.canzona.planning.sim.iteration import Rider
-from megatron.canzona.planning.sim.step import ADAMW_BYTES_PER_ELEMENT
+from megatron.canzona.planning.sim.step import (ADAMW_BYTES_PER_ELEMENT, EXACT_NORM_BYTES_PER_ELEMENT,
+                                                NARROW_PACK_BYTES_PER_ELEMENT, PACK_BYTES_PER_ELEMENT,
+                                                SOURCE_BYTES_PER_ELEMENT)
 
 pytestmark = pytest.mark.quick
 
@@ -148,6 +150,50 @@ def test_every_design_computes_every_matrix_and_canzona_once(dp_size):
     assert 0 < results["canzona"].step_bytes_per_rank <= bound
     # every design pays the same forward and backward
     assert len({round(r.iteration_seconds - r.optimizer_step_seconds, 12) for r in results.values()}) == 1
+
+
+@pytest.mark.parametrize("optimizer, narrow", [("muon", False), ("muon", True), ("soap", False)])
+def test_holders_make_and_pack_their_pieces_before_each_gather(optimizer, narrow):
+    """Gathered in the step, each rank first makes its pieces of every matrix that moves: Muon's
+    source (its holders keep the momentum), its share of the exact norm (narrow gathers) and the
+    packing, at memory speed; SOAP's raw gradients are only packed."""
+    specs = _toy_specs()
+    r = simulate_fsdp(specs, strategy="canzona", cluster=TOY, dp_size=4, optimizer=optimizer, early_gather=False,
+                      narrow_gathers=narrow)
+    per = {("muon", False): SOURCE_BYTES_PER_ELEMENT + PACK_BYTES_PER_ELEMENT,
+           ("muon", True): SOURCE_BYTES_PER_ELEMENT + EXACT_NORM_BYTES_PER_ELEMENT + NARROW_PACK_BYTES_PER_ELEMENT,
+           ("soap", False): PACK_BYTES_PER_ELEMENT}[(optimizer, narrow)]
+    held = {}
+    for bucket in fsdp_buckets(specs, dp_size=4):
+        for item in bucket.items:
+            pieces = bucket.pieces(item)
+            if not item.name.endswith("norm") and len(pieces) > 1:  # every matrix here moves
+                for rank, lo, hi in pieces:
+                    held[rank] = held.get(rank, 0) + hi - lo
+    prep = {}
+    for seg in r.timeline:
+        if seg.kind == "prep":
+            prep[seg.rank] = prep.get(seg.rank, 0.0) + seg.end - seg.start
+    reduces = 2 * 10e-6 * 2 if narrow else 0.0  # two all-reduces a group, a tree over 4 ranks on the node
+    assert held and prep.keys() == held.keys()
+    for rank, numel in held.items():
+        assert prep[rank] == pytest.approx(numel * per / 1e12 + reduces * r.details["num_groups"], rel=1e-9)
+
+
+def test_early_gathers_leave_only_the_packing_after_the_last_bucket():
+    """Gathered as their buckets reduce, the holders make each bucket's pieces (Muon's source, the
+    norm's share) then, on the gathers' side stream: in one micro-group over every bucket, more
+    than 90% of that work lies before the step's start, beside backward and the reduce-scatters."""
+    specs = qwen3_specs("qwen3-0.6b")
+    kwargs = dict(strategy="canzona", cluster=H100, dp_size=32, workload=Workload(global_batch=64, seq_length=256),
+                  wire=WireConfig(grad_bytes=4), narrow_gathers=True, tp_budget=math.inf)
+    r = simulate_fsdp(specs, **kwargs)
+    preps = [seg for seg in r.timeline if seg.kind == "prep"]
+    assert r.details["num_groups"] == 1 and preps
+    # every bucket's share made as it reduces, during backward: most of it before the step's start
+    start = r.iteration_seconds - r.optimizer_step_seconds
+    before = sum(max(0.0, min(seg.end, start) - seg.start) for seg in preps)
+    assert before > 0.9 * sum(seg.end - seg.start for seg in preps)
 
 
 def test_unknown_strategy_and_bad_sizes_are_refused():

@@ -28,7 +28,12 @@ buckets over expert DP, one copy per EP rank). Every strategy pays the same forw
   (and AdaMuon's) gathers carry the Newton-Schulz input its holders make from their momentum and
   the clipped gradient, so they go early only in the iterations the speculation policy speculates
   that no clip acts, and the step gathers again where one acted (:func:`_speculative_step`);
-  Shampoo's and SOAP's carry raw gradients, early whatever the clip.
+  Shampoo's and SOAP's carry raw gradients, early whatever the clip. What the holders do to their
+  pieces first is priced at memory speed (:func:`~.step.holder_prep`): Muon's source, under
+  ``narrow_gathers`` their share of the exact norm and its two tiny all-reduces, made for each
+  bucket as it reduces, on the gathers' side stream (beside backward, as the runtime's
+  ``EarlyGathers`` makes them); then the packing, once the group's last bucket is in. Gathered in
+  the step, all of it comes before each group's gather.
 * **The step** starts once the last reduce-scatter ends, with what each design does with the shards:
 
   - ``canzona`` -- one host per matrix (:func:`~megatron.canzona.planning.planner.make_plan`,
@@ -74,7 +79,7 @@ from .network import Topology
 from .result import Segment, StrategyResult
 from .simulate import (CANZONA_STRATEGIES, EXPERTS, Workload, checked_grid, matmul_weight,
                        micro_batches, run_step, seconds_per_update, tp_sharded_seconds, work_riders)
-from .step import EarlyCompute, SimTask, StepRun
+from .step import EarlyCompute, SimTask, StepRun, holder_prep
 
 FSDP_STRATEGIES: tuple[str, ...] = ("canzona", "every_holder", "owner_uniform", "adamw")
 """The designs :func:`simulate_fsdp` prices (module docstring)."""
@@ -299,9 +304,15 @@ def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
                      tp_together=stage.tp_together if early_gather else "off",
                      narrow_gathers=stage.narrow_gathers and early_gather)
     narrow = stage.narrow_gathers and early_gather
-    work = Work(mode="pipelined", dense=plan_tasks(plan, split_experts(stage.specs)[0], stage.seconds, g.rank,
-                                                   cost_model=stage.cost_model, shared=stage.together,
-                                                   narrow_gathers=narrow),
+    holder_momentum = stage.cost_model.kind in HOLDER_MOMENTUM_OPTIMIZERS
+
+    def prepared(tasks: list[SimTask]) -> list[SimTask]:  # the holders' work before each gather
+        return [dataclasses.replace(t, **holder_prep(holder_momentum=holder_momentum, narrow=t.gather_bytes is not None))
+                for t in tasks]
+
+    work = Work(mode="pipelined", dense=prepared(plan_tasks(plan, split_experts(stage.specs)[0], stage.seconds, g.rank,
+                                                            cost_model=stage.cost_model, shared=stage.together,
+                                                            narrow_gathers=narrow)),
                 early_gather=early_gather)
     for k, kind in enumerate(stage.kinds()):
         buckets = stage.buckets(kind.specs, kind.dp, geometry)
@@ -309,9 +320,9 @@ def _canzona(stage: _Stage, geometry: str | None = None) -> Work:
             work.adamw = merge(work.adamw, shard_elements(buckets, rank, kind.tp, _elementwise_names(kind.specs)))
             if k:
                 assert plan.experts is not None
-                work.experts.append((members, plan_tasks(plan.experts, kind.specs, stage.seconds, rank,
-                                                         cost_model=stage.cost_model, shared=stage.together,
-                                                         narrow_gathers=narrow)))
+                work.experts.append((members, prepared(plan_tasks(plan.experts, kind.specs, stage.seconds, rank,
+                                                                  cost_model=stage.cost_model, shared=stage.together,
+                                                                  narrow_gathers=narrow))))
     return work
 
 
@@ -425,9 +436,9 @@ def simulate_fsdp(
     ``--canzona-fsdp-micro-groups one``). ``tp_together``: Canzona's TP-sharded matrices computed
     by their TP ranks together (:func:`~.simulate.simulate`'s; the runtime's ``--canzona-tp-together``).
     ``narrow_gathers`` (the runtime's ``--canzona-narrow-gathers``): Canzona's Muon gathers each
-    whole matrix's Newton-Schulz input in bf16 (its holders normalise their pieces by the matrix's
-    norm first, summed by an all-reduce of 4 bytes per matrix and micro-group, not priced here),
-    half the gathers' bytes."""
+    whole matrix's Newton-Schulz input in bf16 (its holders divide their pieces by the matrix's exact
+    norm first, their share of it and its two all-reduces priced with the sources: module
+    docstring), half the gathers' bytes."""
     if strategy not in BUILDERS:
         raise ValueError(f"unknown FSDP strategy {strategy!r}; choose one of: {', '.join(FSDP_STRATEGIES)}")
     if optimizer not in OPTIMIZERS:

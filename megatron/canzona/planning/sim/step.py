@@ -33,6 +33,7 @@ writes all but the gradient, plus the bf16 copy (:data:`ADAMW_BYTES_PER_ELEMENT`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,20 @@ COMMIT_BYTES_PER_ELEMENT = 20
 the gather (read, write: 8) and the momentum advanced (read it and the gradient, write it: 12)."""
 ADAMW_BYTES_PER_ELEMENT = 30
 """fp32 gradient, parameter and two moments read (16), parameter and moments written (12), bf16 copy (2)."""
+PACK_BYTES_PER_ELEMENT = 8
+"""A piece copied into a gather's buffer: read and written in fp32 (a narrow one, written in its
+dtype, :data:`NARROW_PACK_BYTES_PER_ELEMENT`)."""
+NARROW_PACK_BYTES_PER_ELEMENT = 6
+"""A piece divided by its matrix's norm as it is written into the gather's buffer in bf16."""
+SOURCE_BYTES_PER_ELEMENT = 40
+"""Muon's Newton-Schulz input made from a piece by a holder that keeps the momentum
+(``CanzonaOptimizer.speculative_sources``): the gradient and the momentum copied (16), the
+momentum's and the source's lerps (24)."""
+EXACT_NORM_BYTES_PER_ELEMENT = 100
+"""A holder's share of a matrix's exact norm (:func:`~megatron.canzona.optim.exact_norm.norms_of_pieces`):
+the largest magnitude (two reads, 8), the square scaled into fp64 (12), squared in place (16),
+truncated to int64 (16), the high word shifted out and summed (24), the low word masked and
+summed (24)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,15 @@ class SimTask:
     gather_bytes: int | None = None
     """Bytes per element of its pieces on the way to the host when narrower than the main
     gradients' (a projection only: :func:`~.layouts.plan_tasks`' ``narrow_gathers``)."""
+    prep_bytes: int = 0
+    """Memory traffic per element of each holder's work on its pieces before they can be packed
+    (:func:`holder_prep`: Muon's source, the exact norm's share): gathered before the step, done as
+    its bucket reduces (the runtime's ``EarlyGathers._prepare``); gathered in the step, before its
+    group's gather."""
+    pack_bytes: int = 0
+    """Memory traffic per element of packing its pieces, before its group's gather goes (0: not priced)."""
+    norm_reduces: int = 0
+    """All-reduces of a few bytes among the group's ranks that its norm takes (2 for a narrow gather)."""
 
     @property
     def numel(self) -> int:
@@ -157,6 +181,52 @@ def _by_group(tasks: Iterable[SimTask]) -> list[list[SimTask]]:
 
 def _gather(run: StepRun, tasks: Sequence[SimTask]) -> Flows:
     return _gather_flows(run.topology, run.wire, tasks)
+
+
+def holder_prep(*, holder_momentum: bool, narrow: bool) -> dict[str, int]:
+    """:class:`SimTask`'s ``prep_bytes``, ``pack_bytes`` and ``norm_reduces`` of a matrix whose holders
+    make Muon's source (they keep the momentum: :data:`SOURCE_BYTES_PER_ELEMENT`) and, sending it
+    narrow, take their share of its exact norm (:data:`EXACT_NORM_BYTES_PER_ELEMENT`)."""
+    return dict(prep_bytes=(SOURCE_BYTES_PER_ELEMENT if holder_momentum else 0)
+                + (EXACT_NORM_BYTES_PER_ELEMENT if narrow else 0),
+                pack_bytes=NARROW_PACK_BYTES_PER_ELEMENT if narrow else PACK_BYTES_PER_ELEMENT,
+                norm_reduces=2 if narrow else 0)
+
+
+def _holder_seconds(run: StepRun, tasks: Iterable[SimTask], field: str) -> dict[int, float]:
+    """Per rank, the seconds of its elementwise work ``field`` (``prep_bytes``, ``pack_bytes``) on
+    its pieces of the ``tasks`` that move (a host's own piece too; a matrix whole on its host is its
+    host's compute)."""
+    traffic: dict[int, float] = {}
+    for task in tasks:
+        size = getattr(task, field)
+        if size and task.host is not None and any(r != task.host for r, _ in task.holders):
+            for r, n in task.holders:
+                traffic[r] = traffic.get(r, 0.0) + n * size
+    return {r: run.elementwise_seconds(nbytes, 1) for r, nbytes in traffic.items()}
+
+
+def _norm_reduces(run: StepRun, tasks: Iterable[SimTask]) -> float:
+    """The latency of the tiny all-reduces of ``tasks``' norms (a tree over the group's ranks)."""
+    count = max((t.norm_reduces for t in tasks), default=0)
+    if not count:
+        return 0.0
+    link = run.cluster.link(run.topology.spans_nodes(run.members))
+    return count * link.latency_s * max(1, math.ceil(math.log2(max(len(run.members), 2))))
+
+
+def _prep(run: StepRun, tasks: Sequence[SimTask]) -> dict[int, float]:
+    """Per rank, the seconds of its work on its pieces of ``tasks`` before their gather can be issued
+    in the step: sources, norms and packing (:attr:`SimTask.prep_bytes`, :attr:`SimTask.pack_bytes`)."""
+    prep, pack = _holder_seconds(run, tasks, "prep_bytes"), _holder_seconds(run, tasks, "pack_bytes")
+    reduces = _norm_reduces(run, tasks)
+    return {r: prep.get(r, 0.0) + pack.get(r, 0.0) + reduces for r in set(prep) | set(pack)}
+
+
+def _prepare(run: StepRun, k: int, tasks: Sequence[SimTask]) -> None:
+    """Each rank's work on its pieces of group ``k`` before its gather, in the step."""
+    for r, seconds in _prep(run, tasks).items():
+        run.work(r, seconds, "prep", str(k))
 
 
 def _gather_flows(topology: Topology, wire: WireConfig, tasks: Sequence[SimTask]) -> Flows:
@@ -256,7 +326,10 @@ def run_host_groups(run: StepRun, tasks: Sequence[SimTask], *, pipelined: bool,
         return
 
     def gather(k: int) -> float | None:
-        return early[k] if early is not None else run.collective(_gather(run, groups[k]), run.clock, "gather", str(k))
+        if early is not None:
+            return early[k]
+        _prepare(run, k, groups[k])
+        return run.collective(_gather(run, groups[k]), run.clock, "gather", str(k))
 
     gathers: list[float | None] = [gather(0)]
     scatters: list[float | None] = []
@@ -352,19 +425,46 @@ def _early_groups(groups: Sequence[Sequence[SimTask]], budget: int | None) -> di
 
 def _early_gathers(run: StepRun, groups: Sequence[Sequence[SimTask]],
                    reduced_at: Mapping[tuple[int, int], float]) -> list[float | None]:
-    """Every group's gather issued as soon as its buckets are reduced, in that order (the
-    runtime issues a group when its last bucket reports), one at a time; their ends."""
+    """Every group's gather issued as soon as its buckets are reduced and its holders have packed
+    their pieces, in that order (the runtime issues a group when its last bucket reports), one at a
+    time; their ends. Each rank's work on its pieces of a bucket (:attr:`SimTask.prep_bytes`: the
+    sources, the norms and their all-reduces) runs on the gathers' side stream as the bucket
+    reduces, in that order, beside backward (priced as hidden by it: no GPU has measured the
+    contention); a group's packing (:attr:`SimTask.pack_bytes`) once its last bucket is in."""
     ready = _group_ready(groups, reduced_at)
+    side = {r: float("-inf") for r in run.members}
+    done: dict[int, dict[int, float]] = {}  # group -> rank -> its pieces made
+    buckets: dict[tuple[int, int] | None, list[tuple[int, SimTask]]] = {}
+    for k, group in enumerate(groups):
+        for task in group:
+            buckets.setdefault(task.reduced_by, []).append((k, task))
+    for key in sorted(buckets, key=lambda b: (reduced_at.get(b, 0.0) if b is not None else 0.0, str(b))):
+        at = reduced_at.get(key, 0.0) if key is not None else 0.0
+        members = buckets[key]
+        prep = _holder_seconds(run, (task for _, task in members), "prep_bytes")
+        reduces = _norm_reduces(run, (task for _, task in members))
+        for r in run.members:
+            seconds = run.slowdown * prep.get(r, 0.0) + reduces
+            start = max(side[r], at)
+            side[r] = start + seconds
+            if seconds > 0:
+                run.segments.append(Segment(r, "compute", "prep", start, side[r], str(key)))
+            for k, _ in members:
+                done.setdefault(k, {})[r] = side[r]
     run.comm_free = min(ready, default=0.0)
     ends: list[float | None] = [None] * len(groups)
     for k in sorted(range(len(groups)), key=lambda k: (ready[k], k)):
-        ends[k] = run.collective(_gather(run, groups[k]), {r: ready[k] for r in run.members}, "gather", str(k))
+        pack = _holder_seconds(run, groups[k], "pack_bytes")
+        issue = {r: max(ready[k], done.get(k, {}).get(r, ready[k])) + run.slowdown * pack.get(r, 0.0)
+                 for r in run.members}
+        ends[k] = run.collective(_gather(run, groups[k]), issue, "gather", str(k))
     run.comm_free = max(run.comm_free, 0.0)
     return ends
 
 
 def _blocking_group(run: StepRun, k: int, group: Sequence[SimTask], compute: Mapping[int, float],
                     apply: Mapping[int, float]) -> None:
+    _prepare(run, k, group)
     gathered = run.collective(_gather(run, group), run.clock, "gather", str(k))
     for r in run.members:
         run.wait(r, gathered)
