@@ -171,9 +171,9 @@ def _add_canzona_core_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--canzona-fsdp-micro-groups", choices=FSDP_MICRO_GROUPS, default=defaults.fsdp_micro_groups,
                        help="Under --use-megatron-fsdp: one = every matrix in one micro-group, its gathers one "
                        "all-to-all during backward; budget = the planner's groups (--canzona-tp-group-budget); "
-                       "auto (default) = one where its iterations projected on --canzona-cluster, the clip idle and "
-                       "acting, add up to less, on CUDA with the early gathers (a [canzona] micro-groups line says "
-                       "which), else budget. Bitwise the same either way.")
+                       "auto (default) = one where the slower of its iterations projected on --canzona-cluster, the "
+                       "clip idle and acting every iteration, is faster than the budget's, on CUDA with the early "
+                       "gathers (a [canzona] micro-groups line says which), else budget. Bitwise the same either way.")
     group.add_argument("--canzona-tp-together", choices=TP_TOGETHER, default=defaults.tp_together,
                        help="Under --use-megatron-fsdp with --optimizer muon and TP: the TP-sharded matrices whose "
                        "TP ranks compute them together, each gathering and computing its own shard, their "

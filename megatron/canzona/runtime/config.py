@@ -24,7 +24,8 @@ LAYOUT_CHOICES = (*LAYOUTS, "auto")
 FSDP_MICRO_GROUPS = ("auto", "one", "budget")
 """``--canzona-fsdp-micro-groups``: ``one`` micro-group, the planner's ``budget`` of cost per host
 and group (``--canzona-tp-group-budget``, else about four groups on the busiest host), or ``auto``:
-the one projected faster (:func:`~megatron.canzona.planning.sim.choose.faster_fsdp_groups`)."""
+the one whose slower projected iteration, the clip idle or acting, is faster
+(:func:`~megatron.canzona.planning.sim.choose.faster_fsdp_groups`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
