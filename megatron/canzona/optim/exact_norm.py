@@ -46,8 +46,8 @@ LOW_MASK = (1 << LOW_BITS) - 1
 MAX_ELEMENTS = 2**31
 """Matrices of up to this many elements: both words' sums then stay below ``2**62``."""
 CHUNK = 1 << 22
-"""Elements scaled at a time (an fp64 and an int64 temporary of this many: 64 MiB); the sum does not
-depend on it."""
+"""Elements scaled at a time (a workspace of an fp64 and an int64 buffer of this many, 64 MiB, made once
+per call and reused for every chunk); the sum does not depend on it."""
 
 
 def largest_magnitude(rows: torch.Tensor) -> torch.Tensor:
@@ -74,17 +74,26 @@ def square_sums(rows: torch.Tensor, shift: torch.Tensor, *, chunk: int = CHUNK) 
 
     ``shift`` is even (:func:`square_shift`), so each element times ``2**(shift/2)`` is exact in fp64
     and its square is the scaled square, exactly; truncated to int64 (below ``2**62``) it is its floor,
-    whose top bits above 31 are the high word and the rest the low: five passes over the chunk."""
+    whose top bits above 31 are the high word and the rest the low: five passes over the chunk, in a
+    workspace made once per call."""
     if rows.dtype == torch.float64:
         raise ValueError("an exact norm squares fp32 (or narrower) elements; fp64 squares are not exact in fp64")
     count, numel = rows.shape
     half = _pow2(torch.div(shift.reshape(count, 1), 2, rounding_mode="floor"))
     out = torch.zeros(count, 2, dtype=torch.int64, device=rows.device)
     step = max(1, chunk // max(count, 1))
+    width = min(step, numel)
+    # one workspace for every chunk (a fresh tensor per pass costs a CPU its pages' first touch each time)
+    squares = torch.empty(count, width, dtype=torch.float64, device=rows.device)
+    floors = torch.empty(count, width, dtype=torch.int64, device=rows.device)
     for start in range(0, numel, step):
-        scaled = torch.mul(rows[:, start : start + step], half).square_().to(torch.int64)  # fp64 product: exact
-        out[:, 0] += (scaled >> LOW_BITS).sum(dim=1)
-        out[:, 1] += scaled.bitwise_and_(LOW_MASK).sum(dim=1)
+        n = min(step, numel - start)
+        scaled, floor = squares[:, :n], floors[:, :n]
+        torch.mul(rows[:, start : start + n], half, out=scaled).square_()  # fp64 product: exact
+        floor.copy_(scaled)  # below 2**62: truncated to its floor
+        top = scaled.view(torch.int64)  # the squares are in the floors now: their room takes the high words
+        out[:, 0] += torch.bitwise_right_shift(floor, LOW_BITS, out=top).sum(dim=1)
+        out[:, 1] += floor.bitwise_and_(LOW_MASK).sum(dim=1)
     return out
 
 
