@@ -32,7 +32,8 @@ from megatron.canzona.planning.geometry import default_bucket_size
 from megatron.canzona.planning.grid import expert_coordinates
 from megatron.canzona.planning.comm import narrow_gather_bytes
 from megatron.canzona.planning.schedule import plan_schedule
-from megatron.canzona.planning.memory import STATE_BYTES, STATE_KINDS, StateLayout, fsdp_state_elements, rank_memory
+from megatron.canzona.planning.memory import (HOLDER_MOMENTUM_OPTIMIZERS, STATE_BYTES, STATE_KINDS, StateLayout,
+                                              fsdp_state_elements, rank_memory)
 
 RECIPE_BATCH = dict(global_batch=128, micro_batch=1, seq_length=4096)
 """The Qwen3 recipes' batch (``examples/qwen3/common.sh``): what a CUDA run's
@@ -52,10 +53,12 @@ TEMPORARY_ROWS = (
     ("step_temporary_elements", "host-group buffers alive at once", STATE_BYTES),
     ("compute_batch_elements", "largest host-compute batch (stacked grads)", STATE_BYTES),
     ("early_gather_elements", "early gather buffers (alive from backward)", STATE_BYTES),
+    ("early_source_elements", "Muon's sources made in backward (at most)", STATE_BYTES),
 )
 """The step's buffers; the early gathers' (every micro-group's, issued in backward) are the ones
 the step then uses for its gathers, alive beside backward's last activations: shown, not added
-to the peak (as ``tools/dry_run.py`` shows them under DDP)."""
+to the peak (as ``tools/dry_run.py`` shows them under DDP); so are the sources Muon's holders make
+for them as each bucket reduces (:attr:`~megatron.canzona.planning.memory.RankMemory.early_source_elements`)."""
 IN_FLIGHT = {"largest": "largest_temporary_elements", "step": "step_temporary_elements",
              "early_gather": "early_gather_elements"}
 """What every rank's record (``--every-rank``) holds of the step's buffers, by the memory model's
@@ -218,7 +221,7 @@ def predict_fsdp(plan, specs, state: StateLayout, *, dp_rank: int, tp_rank: int,
     buckets = fsdp_buckets(specs, dp_size=plan.dp_size, strategy=strategy, bucket_size=bucket_size,
                            expert_dp_size=expert_dp)
     mem = rank_memory(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, state=state, early_compute_bytes=0,
-                      narrow_gathers=narrow_gathers)
+                      narrow_gathers=narrow_gathers, holder_sources=state.optimizer in HOLDER_MOMENTUM_OPTIMIZERS)
     kinds = rank_state(plan, specs, buckets, state, dp_rank=dp_rank, tp_rank=tp_rank, strategy=strategy,
                        bucket_size=bucket_size)
     # At EP 1 the experts' buckets (their own, by name) are dense ones, sharded over DP.
@@ -252,7 +255,8 @@ def every_rank_state(plan, specs, state: StateLayout, *, strategy: str, bucket_s
     for dp_rank in range(plan.dp_size):
         for tp_rank in range(plan.tp_size):
             mem = rank_memory(plan, specs, dp_rank=dp_rank, tp_rank=tp_rank, state=state, early_compute_bytes=0,
-                              narrow_gathers=narrow_gathers)
+                              narrow_gathers=narrow_gathers,
+                              holder_sources=state.optimizer in HOLDER_MOMENTUM_OPTIMIZERS)
             in_flight = {part: memory and {name: getattr(memory, key) for name, key in IN_FLIGHT.items()}
                          for part, memory in (("dense", mem), ("experts", mem.experts))}
             out.append({"rank": tp_rank + plan.tp_size * dp_rank, "in_flight": in_flight,

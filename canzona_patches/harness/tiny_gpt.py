@@ -239,6 +239,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "early_computed_after_backward": _early_count(optimizer, "computed_after_backward"),
             "norms_ahead": _early_count(optimizer, "norms_ahead"),
             "norms_at_gather": _early_count(optimizer, "norms_at_gather"),
+            "early_sources_made": _early_count(optimizer, "sources_made_last"),
             "reduces_held": _reduces_held(optimizer),
             "early_steps": _early_steps(optimizer),
         }

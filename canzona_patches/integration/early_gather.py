@@ -245,6 +245,11 @@ class EarlyGathers:
         """Sources made so far this iteration, by micro-group (:attr:`parts`)."""
         self.made_keys: dict[int, set[str]] = {}
         """Their task keys (a rank holds pieces of some tasks only)."""
+        self.sources_made = 0
+        """Elements of the sources made so far this iteration (fp32 copies of this rank's pieces)."""
+        self.sources_made_last = 0
+        """Those of the last iteration that ended (stepped or dropped): at most the rank's matrix
+        pieces, what ``tools/dry_run.py --fsdp`` predicts (``RankMemory.early_source_elements``)."""
         self.device = next(iter(self.raw.values())).device if self.raw else torch.device("cpu")
         self.keys = [frozenset(task.key for task in exchange.tasks) for exchange in engine.exchanges]
         self.needs = [frozenset(id(group) for group in groups) for groups in needs]
@@ -363,6 +368,7 @@ class EarlyGathers:
             if not keys or k in self.engine.staged or keys <= self.made_keys.get(k, set()):
                 continue
             made = self.source.make(keys, self.raw, self.source.scale())
+            self.sources_made += sum(piece.numel() for piece in made.values())
             self.made.setdefault(k, {}).update(made)
             self.made_keys.setdefault(k, set()).update(keys)
             self.engine.prenorm(k, keys, lambda key, lo, made=made: made[(key, lo)], self.device)
@@ -381,7 +387,9 @@ class EarlyGathers:
                     sources = self.made.pop(k, {})
                     rest = self.keys[k] - self.made_keys.pop(k, set())
                     if rest:
-                        sources.update(self.source.make(rest, self.raw, scale))
+                        late = self.source.make(rest, self.raw, scale)
+                        self.sources_made += sum(piece.numel() for piece in late.values())
+                        sources.update(late)
                     self.engine.prestart(k, sources, speculative=True, scaled=len(scale))
                     if self.compute_early:  # its host's own pieces, for the early compute
                         self.sources[k] = sources
@@ -442,6 +450,7 @@ class EarlyGathers:
         self._new_iteration()
 
     def _new_iteration(self) -> None:
+        self.sources_made_last, self.sources_made = self.sources_made, 0
         self.seen.clear()
         self.sources.clear()
         self.made.clear()

@@ -150,6 +150,9 @@ def test_gathers_in_backward_are_bitwise_the_steps(results, optimizer: str, fsdp
             if variant.endswith("one"):  # one gather a step per optimizer (the dense, the experts')
                 budget = results[(optimizer, fsdp, variant.split("-")[0] + "-early")][rank]["early_gathers"]
                 assert issued // STEPS <= 2 and issued <= budget, (where, issued, budget)
+            if optimizer in SPECULATIVE:  # the sources of every piece, made in backward: the dry run's prediction
+                momentum = sum(v.numel() for path, v in early["state"].items() if path.endswith("/momentum"))
+                assert momentum > 0 and early["early_sources_made"] == momentum, (where, early["early_sources_made"])
             if optimizer == "muon_narrow":  # the norms were taken as each bucket group reduced
                 assert sorted(early["planned_narrow"]["gathers"]) == [f"decoder.layers.{i}.self_attention.linear_qkv.weight"
                                                                     for i in range(2)], where

@@ -35,6 +35,8 @@ def test_a_rank_holds_its_shards_and_the_whole_buckets_its_strategy_keeps(strate
         assert p["grad_elements"] == (whole // DP if grads else whole)
         # Muon: each element a rank holds has its momentum there (a matrix's) or AdamW's two moments
         assert p["state_elements"]["momentum"] + p["state_elements"]["adam_moments"] // 2 == p["shard_elements"]
+        if strategy == "optim_grads_params":  # the plan's own geometry: a source of each matrix piece it holds,
+            assert p["early_source_elements"] == p["state_elements"]["momentum"] > 0  # made in backward
         assert p["experts"] is None
     assert sum(p["shard_elements"] for p in ranks) == sum(s.numel for s in specs)
     rows = fsdp_rows(ranks[0], strategy)
@@ -57,3 +59,6 @@ def test_every_rank_state_is_each_ranks_prediction_with_experts():
     hosted = sum(r["dense"]["statistics"] + r["experts"]["statistics"] for r in every)
     assert hosted > 0  # Shampoo's statistics on the hosts, none on the holders
     assert all(r["dense"]["momentum"] == 0 for r in every)
+    # Shampoo gathers raw gradients: its holders make no source
+    assert predict_fsdp(plan, specs, state, dp_rank=0, tp_rank=0, strategy="optim_grads_params", bucket_size=None,
+                        param_bytes=2, grad_bytes=2)["early_source_elements"] == 0

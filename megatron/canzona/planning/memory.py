@@ -150,6 +150,12 @@ class RankMemory:
     early_direction_elements: int = 0
     """With early compute: the full direction of every matrix this rank computes early, alive
     from its computation (in backward or the reduce-scatters after it) to the step."""
+    early_source_elements: int = 0
+    """Where the holders keep Muon's momentum (Megatron-FSDP) and gather early: Muon's source of
+    every piece this rank holds, an fp32 copy made as its bucket reduces
+    (``canzona_patches.integration.early_gather.EarlyGathers._prepare``), alive to its micro-group's
+    gather (with early compute, to the step): at most this many at once, in iterations that
+    speculate."""
     experts: RankMemory | None = None
     """The same for the rank's expert-parallel buffers and the expert optimizer (a second
     one, stepped after the dense one); ``None`` without expert parallelism."""
@@ -181,18 +187,22 @@ def early_compute_groups(groups: Iterable[tuple[int, int, int]], budget_elements
 def rank_memory(
     plan: CanzonaPlan, specs: Sequence[ParamSpec], *, dp_rank: int, tp_rank: int, state: StateLayout,
     early_compute_bytes: int = EARLY_COMPUTE_BYTES, narrow_gathers: Mapping[str, int] | None = None,
+    holder_sources: bool = False,
 ) -> RankMemory:
     """Predicted memory of rank ``(dp_rank, tp_rank)`` under ``plan`` (async mode), its
     expert buffers included (``experts``) when the plan has an expert plan; early compute
     bounded by ``early_compute_bytes``; ``narrow_gathers``: bytes per element of the tasks whose host
-    gathers the matrix narrower (``--canzona-narrow-gathers``: :func:`~.comm.narrow_gather_bytes`)."""
+    gathers the matrix narrower (``--canzona-narrow-gathers``: :func:`~.comm.narrow_gather_bytes`);
+    ``holder_sources``: the holders make Muon's sources before the step
+    (:attr:`RankMemory.early_source_elements`)."""
     experts = None
     if plan.experts is not None:
         expert_dp_rank, _, expert_tp_rank = expert_coordinates(
             dp_rank, tp_rank, tp_size=plan.tp_size, ep_size=plan.ep_size, expert_tp_size=plan.experts.tp_size)
         # Every EP rank holds the same local expert names, so the EP coordinate does not matter.
         experts = rank_memory(plan.experts, specs, dp_rank=expert_dp_rank, tp_rank=expert_tp_rank, state=state,
-                              early_compute_bytes=early_compute_bytes, narrow_gathers=narrow_gathers)
+                              early_compute_bytes=early_compute_bytes, narrow_gathers=narrow_gathers,
+                              holder_sources=holder_sources)
     by_name = {(s.chunk, s.name): s for s in specs}
     buffers = [(c, dp.matrix) for c, dp in enumerate(plan.layouts)]
     buffers += [(c, dp.elementwise) for c, dp in enumerate(plan.layouts) if dp.elementwise is not None]
@@ -217,6 +227,7 @@ def rank_memory(
         early_gather_elements=early,
         early_state_elements=staged[0],
         early_direction_elements=staged[1],
+        early_source_elements=_held_elements(plan, dp_rank, tp_rank) if holder_sources else 0,
         experts=experts,
     )
 
@@ -338,6 +349,17 @@ def _shard_numel(buffer: BufferPlan, dp_rank: int) -> int:
         bounds = buffer.buckets[p.bucket].shard_bounds
         total += max(0, min(p.end, bounds[dp_rank + 1]) - max(p.start, bounds[dp_rank]))
     return total
+
+
+def _held_elements(plan: CanzonaPlan, dp_rank: int, tp_rank: int) -> int:
+    """Elements of every matrix piece rank ``(dp_rank, tp_rank)`` holds (its copy of a matrix every
+    TP rank holds)."""
+    held = 0
+    for task in plan_schedule(plan).tasks:
+        if task.column != tp_rank and not task.tp_sharded:
+            continue  # another TP rank's copy
+        held += sum(hi - lo for coord, lo, hi in task.holders(plan.tp_size) if coord == (dp_rank, tp_rank))
+    return held
 
 
 def _temporaries(plan: CanzonaPlan, dp_rank: int, tp_rank: int,
