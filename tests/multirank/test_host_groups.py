@@ -212,11 +212,12 @@ def engine_body(dp: int, tp: int, device: str = "cpu") -> dict[str, dict]:
     out["narrow"] = _train(dp, tp, "async", torch.device(device), narrow=True)
     out["early_narrow"] = _train(dp, tp, "async", torch.device(device), staged=True, early=True, narrow=True)
     out["gathered"] = _train(dp, tp, "async", torch.device(device), narrow=True, gathered=True)
+    out["prenormed"] = _train(dp, tp, "async", torch.device(device), narrow=True, gathered=True, prenormed=True)
     return out
 
 
 def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = False, narrow: bool = False,
-           early: bool = False, gathered: bool = False) -> dict:
+           early: bool = False, gathered: bool = False, prenormed: bool = False) -> dict:
     """Two engine steps on this rank's pieces, checked against the full-matrix reference.
     ``staged``: every gather is issued before the step from raw (bf16, unscaled, unclipped)
     pieces, the host scaling what it receives; step 0's staged gathers are dropped first (a
@@ -225,7 +226,9 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
     the step committing what it computed. ``narrow``: Newton-Schulz in bf16, whole matrices'
     directions scattered in bf16 (:func:`_narrowed`). ``gathered`` too: the gradients are Muon's
     input its holders keep (Megatron-FSDP's), a whole matrix's sent divided by its exact norm in bf16
-    (``narrow_gathers``: two all-reduces over the group, on CUDA on the engine's side stream)."""
+    (``narrow_gathers``: two all-reduces over the group, on CUDA on the engine's side stream).
+    ``prenormed`` too: before each step the norms of every other narrow matrix of each micro-group
+    are taken ahead (``prenorm``, as the early gathers take them per bucket), the gather the rest."""
     rank = dist.get_rank()
     coord = (rank // tp, rank % tp)
     specs = _matrices(dp, tp)
@@ -260,6 +263,10 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
             )
             for (key, lo), (name, flat, hi) in mine.items()
         }
+        if prenormed:
+            for index, exchange in enumerate(engine.exchanges):  # the same keys on every rank
+                ahead = list(exchange.normalized)[::2]
+                engine.prenorm(index, ahead, lambda key, lo: pieces[(key, lo)].grad, device)
         if not staged:
             stats.append(engine.step(pieces, host_math))
             side_streams.add(id(engine._side))
@@ -305,6 +312,7 @@ def _train(dp: int, tp: int, mode: str, device: torch.device, staged: bool = Fal
         "kept": kept,
         "narrow_keys": sorted(narrow_keys),
         "gathered_keys": sorted(gathered_keys),
+        "norms": (engine.norms_ahead, engine.norms_at_gather),
     }
 
 
@@ -354,6 +362,11 @@ def test_engine_equals_single_device_muon(dp: int, tp: int) -> None:
         gathered = per_rank[rank]["gathered"]  # each whole matrix's pieces divided by its exact norm, in bf16
         assert gathered["mismatched"] == [] and gathered["gathered_keys"] == narrow["narrow_keys"], f"rank {rank}"
         assert gathered["bytes_sent"] == [_expected_bytes(dp, tp, coord, "async", narrow=True, gathered=True)] * STEPS
+        # half the norms taken ahead of the gathers (prenorm), the rest by them: the same bits and bytes
+        prenormed = per_rank[rank]["prenormed"]
+        assert prenormed["mismatched"] == [] and prenormed["bytes_sent"] == gathered["bytes_sent"], f"rank {rank}"
+        ahead, at_gather = prenormed["norms"]
+        assert ahead > 0 and at_gather > 0 and ahead + at_gather == gathered["norms"][1], (rank, prenormed["norms"])
         early_narrow = per_rank[rank]["early_narrow"]
         assert early_narrow["mismatched"] == [] and early_narrow["bytes_sent"] == narrow["bytes_sent"], rank
         hosted = {t.key for t in tasks if t.host == coord}
@@ -421,3 +434,4 @@ def test_engine_on_cuda_side_stream(backend: str) -> None:
         assert result["early_narrow"]["max_error"] <= 0.5 * LR, f"rank {rank} early narrow"
         # the holders' exact norms (a maximum and an int64 sum over the group) on the side stream
         assert result["gathered"]["max_error"] <= 0.5 * LR, f"rank {rank} gathered"
+        assert result["prenormed"]["max_error"] <= 0.5 * LR, f"rank {rank} prenormed"
