@@ -180,7 +180,7 @@ def test_holders_make_and_pack_their_pieces_before_each_gather(optimizer, narrow
         assert prep[rank] == pytest.approx(numel * per / 1e12 + reduces * r.details["num_groups"], rel=1e-9)
 
 
-def test_early_gathers_leave_only_the_packing_after_the_last_bucket():
+def test_early_gathers_make_each_buckets_pieces_as_it_reduces():
     """Gathered as their buckets reduce, the holders make each bucket's pieces (Muon's source, the
     norm's share) then, on the gathers' side stream: in one micro-group over every bucket, more
     than 90% of that work lies before the step's start, beside backward and the reduce-scatters."""
