@@ -7,6 +7,7 @@
     python tools/bench_step.py --moe --dp 4 --ep 2 --layers 2 --hidden 256   # mixture of experts
     python tools/bench_step.py --iteration --bucket-size 1000000   # exposed optimizer time per iteration
     python tools/bench_step.py --fsdp optim_grads_params --dp 4   # under Megatron-FSDP, against its AdamW
+    python tools/bench_step.py --fsdp optim_grads_params --iteration --narrow-gathers   # whole FSDP iterations
 
 Every variant trains the same Qwen3-like GPT (QK-norm, SwiGLU, GQA) with Megatron-Core's
 DDP on gloo, one process and one torch thread per DP rank, and times ``optimizer.step()``
@@ -46,7 +47,13 @@ Ratios from one run only: the machine is shared and absolute times drift between
 
 ``--fsdp STRATEGY`` runs under Megatron-FSDP instead: Canzona's Muon over its shards against
 Megatron's own AdamW under FSDP (the step times and their ratio), and each rank's host-group bytes
-as measured beside the plan's; it exits 1 where they differ.
+as measured beside the plan's; it exits 1 where they differ. ``--fsdp STRATEGY --iteration`` times
+whole iterations under Megatron-FSDP instead (its reduce-scatters and all-gathers overlapped, as
+``pretrain_gpt.py`` runs it): Megatron's AdamW, Canzona as ``pretrain_gpt.py --canzona`` runs it
+(each micro-group gathered as its buckets reduce, the holders preparing each bucket's pieces then),
+the same with ``--canzona-no-early-gather`` (everything in the step), the gather-to-every-holder
+peer at TP 1 and, with ``--narrow-gathers``, Canzona's bf16 gathers (each bucket's share of the exact
+norm taken as it reduces); each iteration in its parts and against AdamW's, round by round.
 
 ``--moe`` replaces every layer's MLP by ``--num-experts`` SwiGLU experts (top ``--moe-topk``,
 all-to-all dispatch, auxiliary load-balancing loss) over ``--ep`` expert-parallel ranks,
@@ -142,8 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--dp {args.dp} and --tp {args.tp} must be at least 1")
     if args.narrow_gathers and not args.fsdp:
         parser.error("--narrow-gathers sends Muon's input to its hosts in bf16 under Megatron-FSDP: add --fsdp")
-    if args.fsdp and (args.iteration or args.gantt or args.moe):
-        parser.error("--fsdp times the optimizer step of the dense model: drop --iteration/--gantt/--moe")
+    if args.fsdp and (args.gantt or args.moe):
+        parser.error("--fsdp times the dense model without --gantt: drop --gantt/--moe")
     if args.iteration and (args.gantt or args.moe):
         parser.error("--iteration times the dense model without --gantt; drop --moe/--gantt")
     if args.gantt and (args.tp == 1 or args.moe):
@@ -440,12 +447,101 @@ def fsdp_main(args: argparse.Namespace) -> int:
         print(f"host-group bytes per rank{label} (measured | plan): " + ", ".join(
             f"rank {k}: {m:,} | {p:,.0f}" for k, (m, p) in enumerate(zip(got, plan_bytes)))
             + ("  (equal)" if got == plan_bytes else "  (DIFFER)"))
+    emit_json(report, args.json)
+    return 0 if report["bytes_equal_plan"] else 1
+
+
+FSDP_ITERATION_VARIANTS = {
+    ADAMW: ("adam", "megatron", {}),
+    "canzona": ("muon", "canzona", {"early_compute": "auto", "speculation": "backoff"}),
+    LATE_GATHER: ("muon", "canzona", {"early_gather": False}),
+    "every_holder": ("every_holder", "megatron", {"early_gather": False}),
+    "canzona_narrow": ("muon", "canzona", {"early_compute": "auto", "speculation": "backoff",
+                                           "muon_ns_dtype": "bfloat16", "narrow_gathers": True}),
+}
+"""With ``--fsdp --iteration``: variant -> (TinyRun optimizer, layout, other TinyRun fields):
+Megatron's AdamW under Megatron-FSDP; Canzona's Muon with ``pretrain_gpt.py --canzona``'s defaults
+(early gathers, ``--canzona-early-compute auto``, the backoff speculation); the same gathering in the
+step (``--canzona-no-early-gather``); the gather-to-every-holder peer (TP 1); with ``--narrow-gathers``,
+Canzona's Muon in bf16 with its input gathered in bf16."""
+
+
+def fsdp_iteration_runs(args: argparse.Namespace) -> tuple[dict[str, tuple[str, str, dict]], list[TinyRun]]:
+    """With ``--fsdp --iteration``: the variants that run and their runs, round by round (one
+    micro-batch per rank and iteration, Megatron-FSDP's collectives overlapped, one more iteration
+    than timed: the last one's forward closes the iteration before it)."""
+    variants = {k: v for k, v in FSDP_ITERATION_VARIANTS.items()
+                if (args.tp == 1 or k != "every_holder") and (args.narrow_gathers or k != "canzona_narrow")}
+    runs = [TinyRun(optimizer=optimizer, layout=layout, fsdp=args.fsdp, overlap_grad_reduce=True,
+                    overlap_param_gather=True, time_iteration=True,
+                    num_steps=args.warmup + args.steps + 1, global_batch=2 * args.dp, micro_batch=2,
+                    tp_size=args.tp, lr=1e-3, weight_decay=0.1, num_layers=args.layers, hidden=args.hidden,
+                    ffn_hidden=args.ffn_hidden, bucket_size=args.bucket_size, alpha=args.alpha, clip_grad=args.clip_grad,
+                    **fields)
+            for _ in range(args.rounds) for optimizer, layout, fields in variants.values()]
+    return variants, runs
+
+
+def fsdp_iteration_main(args: argparse.Namespace) -> int:
+    """``--fsdp --iteration``: whole iterations under Megatron-FSDP, its collectives overlapped; each
+    variant's iteration in its parts (the slowest rank's medians), its ratio to AdamW's round by
+    round, and what the early gathers did before the step (gathers issued in backward, Muon's
+    sources made, exact norms taken ahead of the gather)."""
+    variants, runs = fsdp_iteration_runs(args)
+    print(f"bench_step: whole iterations under Megatron-FSDP {args.fsdp}, TP {args.tp} x DP {args.dp} on gloo, "
+          f"{args.layers} layers, hidden {args.hidden}; {args.rounds} rounds of {args.warmup} + {args.steps} "
+          "iterations per variant ...", flush=True)
+    start = time.perf_counter()
+    per_rank = launch(train_tiny_gpts, LaunchConfig(world_size=args.dp * args.tp, timeout_s=args.timeout), runs)
+    names = list(variants)
+    every: dict[str, list[list[dict]]] = {name: [] for name in names}
+    for i in range(len(runs)):
+        every[names[i % len(names)]].append([rank[i] for rank in per_rank])
+    parts = {name: {part: 1e3 * statistics.median(t for r in rounds
+                                                  for t in iteration_parts(r, args.warmup)[part][:args.steps])
+                    for part in ("forward_backward", "exposed_optimizer", "rest", "iteration")}
+             for name, rounds in every.items()}
+    last = {name: rounds[-1] for name, rounds in every.items()}
+    report = {
+        "fsdp": args.fsdp, "dp_size": args.dp, "tp_size": args.tp,
+        "model": {"layers": args.layers, "hidden": args.hidden, "ffn_hidden": args.ffn_hidden},
+        "measured": "whole iterations, Megatron-FSDP's collectives overlapped: forward-backward (first layer's "
+                    "forward to the end of backward), exposed optimizer (to the end of optimizer.step()), rest (to "
+                    "the next forward's first layer); the slowest rank's, medians over every timed iteration",
+        "timed_iterations_per_variant": args.rounds * args.steps, "clip_grad": args.clip_grad,
+        "iteration_parts_ms": parts,
+        "iteration_over_adamw": {name: iteration_ratios(every[name], every[ADAMW], args.warmup) for name in names},
+        "early_gathers_in_backward": {name: [r["early_gathers_in_backward"] for r in last[name]] for name in names},
+        "early_sources_made": {name: [r["early_sources_made"] for r in last[name]] for name in names},
+        "norms_ahead": {name: [r["norms_ahead"] for r in last[name]] for name in names},
+        "norms_at_gather": {name: [r["norms_at_gather"] for r in last[name]] for name in names},
+        "steps_by_outcome": {name: last[name][0]["early_steps"][0] if last[name][0]["early_steps"] else None
+                             for name in names},
+        "wall_seconds": time.perf_counter() - start, "git_revision": git_revision(), "machine": machine(),
+    }
+    print(f"\n{'variant':<16} {'fwd-bwd (ms)':>13} {'exposed opt.':>13} {'rest':>8} {'iteration':>10} "
+          f"{'iteration / adamw (rounds)':>30}")
+    for name in names:
+        p, r = parts[name], report["iteration_over_adamw"][name]
+        print(f"{name:<16} {p['forward_backward']:>13.2f} {p['exposed_optimizer']:>13.2f} {p['rest']:>8.2f} "
+              f"{p['iteration']:>10.2f} {r['median']:>12.3f} ({r['min']:.3f}-{r['max']:.3f})")
+    for name in names:
+        if name.startswith("canzona") and name != LATE_GATHER:
+            print(f"{name}: gathers issued in backward per rank {report['early_gathers_in_backward'][name]}, Muon's "
+                  f"sources made before the step {report['early_sources_made'][name]} elements, exact norms taken as "
+                  f"their buckets reduced {report['norms_ahead'][name]} (at the gather {report['norms_at_gather'][name]})"
+                  + (f", steps by outcome {report['steps_by_outcome'][name]}" if report['steps_by_outcome'][name] else ""))
+    emit_json(report, args.json)
+    return 0
+
+
+def emit_json(report: dict, path: str | None) -> None:
+    """Print the JSON report, and write it to ``path`` (``--json``) too."""
     text = json.dumps(report, indent=2)
     print(text)
-    if args.json:
-        with open(args.json, "w") as stream:
+    if path:
+        with open(path, "w") as stream:
             stream.write(text + "\n")
-    return 0 if report["bytes_equal_plan"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -455,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     # nothing about the timings printed below.
     os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning")
     if args.fsdp:
-        return fsdp_main(args)
+        return fsdp_iteration_main(args) if args.iteration else fsdp_main(args)
     runs = runs_for(args)
     moe = (f"; {args.num_experts} experts (ffn {args.moe_ffn_hidden}, top {args.moe_topk}) over EP {args.ep}"
            if args.moe else f", ffn {args.ffn_hidden}")
@@ -482,11 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         print_iteration_table(report, names)
     if args.gantt:
         draw_gantt(last["canzona"], args.gantt)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as stream:
-            stream.write(text + "\n")
+    emit_json(report, args.json)
     return 0
 
 

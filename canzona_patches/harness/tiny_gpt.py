@@ -212,8 +212,9 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
         losses, grad_norms, step_seconds, applied = map(list, zip(
             *(train_step(run, ddp_model, optimizer, step, syncs, fb_syncs) for step in range(run.num_steps))
         ))
-        if run.overlap_param_gather:  # the last step's all-gather waits for a next forward: force it, as
-            ddp_model.disable_forward_pre_hook()  # Megatron does before evaluation and checkpoints
+        if run.overlap_param_gather and not run.fsdp:  # the last step's all-gather waits for a next forward:
+            ddp_model.disable_forward_pre_hook()  # force it, as Megatron does before evaluation and checkpoints
+            # (not under Megatron-FSDP, which gathers in its own forward hooks: the parameters are read from its shards)
         return {
             "params": params_of(),
             "losses": list(losses),
@@ -231,7 +232,7 @@ def train_tiny_gpt(run: TinyRun) -> dict[str, Any]:
             "state": _optimizer_state(optimizer) if run.return_state else None,
             "initial_params": initial,
             "iteration_marks": {k: list(v) for k, v in ITERATION_MARKS.items()} if run.time_iteration else None,
-            "param_gather_chain": _param_gather_chain(ddp_model) if run.overlap_param_gather else None,
+            "param_gather_chain": _param_gather_chain(ddp_model) if run.overlap_param_gather and not run.fsdp else None,
             "early_gathers": _early_count(optimizer, "issued"),
             "early_gathers_at_dispatch": _early_count(optimizer, "issued_at_dispatch"),
             "early_gathers_in_backward": _early_count(optimizer, "issued_in_backward"),
@@ -359,7 +360,7 @@ def build(run: TinyRun):
         if early is not None:
             early.at_dispatch = early.at_dispatch or run.early_gather_at_dispatch
     if run.time_iteration:
-        _mark_iterations(model)
+        _mark_iterations(model, fsdp=bool(run.fsdp))
     return model, ddp_model, optimizer, setup
 
 
@@ -381,13 +382,23 @@ def _param_gather_chain(ddp_model) -> list[int]:
     return chain
 
 
-def _mark_iterations(model: torch.nn.Module) -> None:
-    """Marks at the end of backward (the embedding's gradient is the last one computed) and at
-    the first transformer layer's forward (after any parameter all-gather it waits for)."""
+def _mark_iterations(model: torch.nn.Module, fsdp: bool = False) -> None:
+    """Marks at the end of backward (the embedding's gradient is the last one computed; under
+    Megatron-FSDP (``fsdp``) the gradient of its output, just before it) and at the first
+    transformer layer's forward (after any parameter all-gather it waits for)."""
     for marks in ITERATION_MARKS.values():
         marks.clear()
-    embedding = model.embedding.word_embeddings.weight
-    embedding.register_hook(lambda grad: ITERATION_MARKS["backward_end"].append(time.perf_counter()))
+    def backward_end(grad):
+        ITERATION_MARKS["backward_end"].append(time.perf_counter())
+
+    def on_output(module, args, out) -> None:
+        if out.requires_grad:
+            out.register_hook(backward_end)
+
+    if fsdp:  # Megatron-FSDP swaps in the parameters forward uses: the mark rides the embedding's output
+        model.embedding.word_embeddings.register_forward_hook(on_output)
+    else:
+        model.embedding.word_embeddings.weight.register_hook(backward_end)
     model.decoder.layers[0].register_forward_pre_hook(
         lambda module, args: ITERATION_MARKS["forward_start"].append(time.perf_counter()))
 

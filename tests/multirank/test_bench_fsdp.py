@@ -47,3 +47,31 @@ def test_bench_fsdp_sends_the_plans_bytes(strategy: str, dp: int, tp: int, tmp_p
     matrix_elements = LAYERS * ((q + 2 * kv) * HIDDEN + HIDDEN * HIDDEN + 2 * FFN * HIDDEN + HIDDEN * FFN)
     bound = 2 * matrix_elements / (dp * tp) * 4
     assert 0 < max(report["host_group_bytes_per_rank"]) <= bound
+
+
+@pytest.mark.timeout(300)
+def test_bench_fsdp_iteration_times_whole_iterations(tmp_path: Path) -> None:
+    """``--fsdp --iteration``: whole iterations under Megatron-FSDP, overlapped, of every variant in one
+    launch. Its parts (the slowest rank's each) cover the iteration; Canzona's default run issues its gathers in
+    backward and makes Muon's sources there (its holders keep the momentum), the in-step one neither."""
+    out = tmp_path / "iteration.json"
+    result = subprocess.run(
+        [sys.executable, "tools/bench_step.py", "--fsdp", "optim_grads_params", "--iteration", "--dp", "2",
+         "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--ffn-hidden", str(FFN), "--steps", "1", "--warmup", "0",
+         "--rounds", "1", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    parts = report["iteration_parts_ms"]
+    assert set(parts) == {"adamw", "canzona", "canzona_late", "every_holder"}
+    for name, p in parts.items():
+        assert min(p.values()) > 0, (name, p)
+        # the slowest rank's each: none longer than the slowest iteration, together at least as long
+        assert max(p["forward_backward"], p["exposed_optimizer"], p["rest"]) < p["iteration"], (name, p)
+        assert p["forward_backward"] + p["exposed_optimizer"] + p["rest"] >= p["iteration"] * (1 - 1e-9), (name, p)
+        assert report["iteration_over_adamw"][name]["median"] == pytest.approx(p["iteration"] / parts["adamw"]["iteration"])
+    assert min(report["early_gathers_in_backward"]["canzona"]) > 0
+    assert min(report["early_sources_made"]["canzona"]) > 0
+    assert not any(report["early_gathers_in_backward"]["canzona_late"] or [])
+    assert not any(report["early_sources_made"]["canzona_late"] or [])
+    assert "iteration / adamw" in result.stdout

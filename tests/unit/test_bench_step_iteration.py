@@ -92,3 +92,25 @@ def test_the_early_compute_summary_reads_its_runs(bench):
     assert summary["fall"] == pytest.approx(0.75)
     assert summary["micro_groups"] == 3 and summary["share_of_groups_computed_before_the_step"] == pytest.approx(0.75)
     assert summary["steps_by_outcome"] == {"committed": 3, "skipped": 1} and summary["default_steps_by_outcome"] == {}
+
+
+def test_fsdp_iteration_runs_whole_iterations_of_each_variant_under_megatron_fsdp(bench):
+    """``--fsdp S --iteration``: AdamW, Canzona as pretrain_gpt.py runs it (early gathers, early compute
+    auto), the same gathering in the step, the every-holder peer (TP 1) and, asked for, the bf16 gathers;
+    one micro-batch per rank and iteration, Megatron-FSDP's collectives overlapped."""
+    args = bench.parse_args(["--fsdp", "optim_grads", "--iteration", "--narrow-gathers", "--dp", "4", "--rounds", "2"])
+    variants, runs = bench.fsdp_iteration_runs(args)
+    assert list(variants) == [bench.ADAMW, "canzona", bench.LATE_GATHER, "every_holder", "canzona_narrow"]
+    assert len(runs) == 2 * len(variants) and runs[:5] == runs[5:]
+    assert all(r.fsdp == "optim_grads" and r.time_iteration and r.overlap_grad_reduce and r.overlap_param_gather
+               and r.num_steps == args.warmup + args.steps + 1 and r.global_batch == 2 * 4 and r.micro_batch == 2
+               for r in runs)
+    assert [(r.optimizer, r.early_gather, r.early_compute, r.narrow_gathers) for r in runs[:5]] == [
+        ("adam", True, False, False), ("muon", True, "auto", False), ("muon", False, False, False),
+        ("every_holder", False, False, False), ("muon", True, "auto", True)]
+    tp2 = bench.parse_args(["--fsdp", "optim_grads_params", "--iteration", "--tp", "2", "--dp", "2"])
+    variants, runs = bench.fsdp_iteration_runs(tp2)
+    assert list(variants) == [bench.ADAMW, "canzona", bench.LATE_GATHER]  # the peer runs at TP 1 only
+    assert {r.global_batch for r in runs} == {4} and {r.tp_size for r in runs} == {2}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fsdp", "optim", "--iteration", "--gantt", "x.png"])
