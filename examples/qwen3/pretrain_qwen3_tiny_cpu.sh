@@ -6,6 +6,8 @@
 #   OPTIMIZER=adam CANZONA=0 examples/qwen3/pretrain_qwen3_tiny_cpu.sh   # AdamW, Megatron's distributed optimizer
 #   OPTIMIZER=muon CANZONA=0 examples/qwen3/pretrain_qwen3_tiny_cpu.sh   # Megatron's layer-wise Muon
 #   TP=2 examples/qwen3/pretrain_qwen3_tiny_cpu.sh               # TP 2 x DP 2
+#   FSDP=optim_grads_params examples/qwen3/pretrain_qwen3_tiny_cpu.sh   # Megatron-FSDP instead of the
+#                  distributed optimizer (optim | optim_grads | optim_grads_params; docs/fsdp.md)
 #   examples/qwen3/pretrain_qwen3_tiny_cpu.sh --bf16             # extra flags go last
 #   OVERLAP_PARAM_GATHER=0 examples/qwen3/pretrain_qwen3_tiny_cpu.sh   # parameter all-gather in the step
 #   OVERLAP_GRAD_REDUCE=0 examples/qwen3/pretrain_qwen3_tiny_cpu.sh    # no collective overlapped at all
@@ -30,6 +32,21 @@ if [[ "${OVERLAP_GRAD_REDUCE:-1}" == 0 ]]; then
     OVERLAP_ARGS=()
 elif [[ "${OVERLAP_PARAM_GATHER:-1}" == 0 ]]; then
     OVERLAP_ARGS=(--overlap-grad-reduce)
+fi
+# The distributed optimizer (ZeRO-1), or Megatron-FSDP's shards of weights, gradients and optimizer state.
+SHARDING_ARGS=(--use-distributed-optimizer)
+SHARDING_LABEL=""
+if [[ -n "${FSDP:-}" ]]; then
+    case "$FSDP" in
+        optim|optim_grads|optim_grads_params) ;;
+        *) echo "FSDP=$FSDP is not one of optim, optim_grads, optim_grads_params" >&2; exit 2 ;;
+    esac
+    if [[ "$OPTIMIZER" == muon && "${CANZONA:-1}" != 1 ]]; then
+        echo "FSDP=$FSDP: Megatron's own Muon does not run under Megatron-FSDP; leave CANZONA=1 or use OPTIMIZER=adam" >&2
+        exit 2
+    fi
+    SHARDING_ARGS=(--use-megatron-fsdp --data-parallel-sharding-strategy "$FSDP" --ckpt-format fsdp_dtensor)
+    SHARDING_LABEL=", Megatron-FSDP $FSDP"
 fi
 CANZONA_FLAGS=()
 LABEL="qwen3-tiny $OPTIMIZER"
@@ -61,7 +78,7 @@ TRAINING_ARGS=(
     --micro-batch-size 4 --global-batch-size 16 --train-iters "$ITERS"
     --optimizer "$OPTIMIZER" "${CANZONA_FLAGS[@]}" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
-    --use-distributed-optimizer "${OVERLAP_ARGS[@]}"
+    "${SHARDING_ARGS[@]}" "${OVERLAP_ARGS[@]}"
 )
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --distributed-backend gloo)
 DATA_ARGS=(
@@ -81,5 +98,5 @@ start=$(date +%s)
     | grep --line-buffered -E "iteration +[0-9]+/|validation loss|error:|Error|Traceback"
 echo "training wall time: $(( $(date +%s) - start )) s (log: $OUT_DIR/train.log)"
 
-"$PYTHON" tools/plot_loss.py "$OUT_DIR/metrics.jsonl" --label "$LABEL, TP $TP x DP $(( NPROC / TP ))" \
+"$PYTHON" tools/plot_loss.py "$OUT_DIR/metrics.jsonl" --label "$LABEL, TP $TP x DP $(( NPROC / TP ))$SHARDING_LABEL" \
     --title "qwen3-tiny on CPU (seq 128, global batch 16)" --output "$OUT_DIR/loss.png"
