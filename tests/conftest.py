@@ -81,3 +81,24 @@ sys.meta_path[:] = [finder for finder in sys.meta_path if type(finder).__name__ 
 if HIDDEN_MODULES_DIR not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HIDDEN_MODULES_DIR, os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("CANZONA_TESTS_HIDDEN_MODULES", HIDDEN_MODULES)
+
+
+# --- the modules of tools/ -------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def import_tool():
+    """``import_tool("bench_step")``: the module ``tools/bench_step.py``, imported with the repository
+    root on ``sys.path`` for the import only (tools/ is scripts, not an installed package)."""
+    import importlib
+    import pathlib
+    import sys
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+
+    def load(name: str):
+        sys.path.insert(0, root)
+        try:
+            return importlib.import_module(f"tools.{name}")
+        finally:
+            sys.path.remove(root)
+
+    return load

@@ -508,23 +508,34 @@ def forward_backward_syncs(profile: dict[str, Any]) -> int:
     return sum(profile["owners"][owner]["host_syncs"] for owner in FORWARD_BACKWARD_OWNERS)
 
 
-def overlap_command(ctx: Context) -> list[str]:
-    return [ctx.python, "tools/bench_overlap.py", "--json", str(ctx.out / "overlap.json")]
+OVERLAP_WORK = ("ns", "prep")
+"""What ``tools/bench_overlap.py`` puts on the side stream, each in turn: Newton-Schulz, and the holders'
+work on their pieces under Megatron-FSDP."""
+
+
+def overlap_commands(ctx: Context) -> list[list[str]]:
+    return [[ctx.python, "tools/bench_overlap.py", "--work", work, "--json", str(ctx.out / f"overlap_{work}.json")]
+            for work in OVERLAP_WORK]
 
 
 def step_overlap(ctx: Context, result: Result) -> None:
     """Newton-Schulz on a side stream beside a GEMM load: what early compute would cost beside backward
-    (why it runs only after backward)."""
-    ctx.run("overlap", overlap_command(ctx), result)
-    result.details = json.loads((ctx.out / "overlap.json").read_text())
-    d = result.details
-    result.summary = (f"Newton-Schulz {tuple(d['shape'])} x{d['stack']} {d['ns_ms']:.1f} ms beside {d['gemm_ms']:.1f} ms of "
-                      f"bf16 products: {100 * d['hidden']:.0f}% hidden, the products {d['load_slowdown']:.2f}x as long")
+    (why it runs only after backward); then the holders' work on each bucket's pieces under
+    Megatron-FSDP, which does run beside backward, against what the projection prices it at."""
+    for work, command in zip(OVERLAP_WORK, overlap_commands(ctx)):
+        ctx.run(f"overlap_{work}", command, result)
+    result.details = {work: json.loads((ctx.out / f"overlap_{work}.json").read_text()) for work in OVERLAP_WORK}
+    ns, prep = result.details["ns"], result.details["prep"]
+    result.summary = (f"Newton-Schulz {tuple(ns['shape'])} x{ns['stack']} {ns['side_ms']:.1f} ms beside {ns['gemm_ms']:.1f} ms "
+                      f"of bf16 products: {100 * ns['hidden']:.0f}% hidden, the products {ns['load_slowdown']:.2f}x as long; "
+                      f"the holders' work on {prep['buckets']} buckets {prep['side_ms']:.2f} ms (priced "
+                      f"{prep['priced_ms']:.2f}): {100 * prep['hidden']:.0f}% hidden, the products "
+                      f"{prep['load_slowdown']:.2f}x as long")
 
 
 def skipped_commands(ctx: Context, name: str) -> list[str]:
     """What a step without a CPU form would run (recorded when it is skipped)."""
-    commands = {"cuda_tests": [(cuda_tests_command(ctx), {})], "overlap": [(overlap_command(ctx), {})],
+    commands = {"cuda_tests": [(cuda_tests_command(ctx), {})], "overlap": [(c, {}) for c in overlap_commands(ctx)],
                 "tp2dp2": [demo_command(ctx, f"tp2dp2_{d}", cuda=d == "cuda") for d in ("cpu", "cuda")]}[name]
     return [(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(c)).strip()
             for c, env in commands]
@@ -546,7 +557,8 @@ STEPS = (
     Step("tp2dp2", "TP 2 x DP 2, CUDA tensors + gloo, against CPU", True, False, step_tp2dp2),
     Step("cuda_tests", "CUDA tests (`pytest -m gpu`)", True, False, step_cuda_tests),
     Step("bench", "Newton-Schulz, standard vs gram, bf16 (`tools/bench_optim.py`)", True, True, step_bench),
-    Step("overlap", "Newton-Schulz on a side stream beside GEMMs (`tools/bench_overlap.py`)", True, False, step_overlap),
+    Step("overlap", "Newton-Schulz, then the holders' work, on a side stream beside GEMMs (`tools/bench_overlap.py`)",
+         True, False, step_overlap),
 )
 """In the order they run: what answers the most first, so a short budget (``--budget``) drops the rest."""
 

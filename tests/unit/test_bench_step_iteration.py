@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 
 pytestmark = pytest.mark.quick
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from tools import bench_step
-    finally:
-        sys.path.remove(str(ROOT))
-    return bench_step
+def bench(import_tool):
+    return import_tool("bench_step")
 
 
 def _rank(forward_start: list[float], backward_end: list[float]) -> dict:
