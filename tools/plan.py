@@ -9,6 +9,7 @@
     python tools/plan.py --cases --plot cases.png   # docs/planner.md's case matrix
     python tools/plan.py --moe-cases --split-qkv    # docs/planner.md's MoE table
     python tools/plan.py --fsdp-cases               # docs/fsdp.md's memory table (Megatron-FSDP)
+    python tools/plan.py --model qwen3-32b --tp 4 --dp 64 --fsdp   # one layout under Megatron-FSDP
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from megatron.canzona.planning import (
     summarize_sync,
     with_experts,
 )
+from megatron.canzona.planning.fsdp import SHARDING_STRATEGIES
 from megatron.canzona.planning.geometry import default_bucket_size
 from megatron.canzona.planning.megatron_main import plan_megatron_main
 from megatron.canzona.provenance import git_revision
@@ -108,7 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-group-budget", type=positive, default=None, help="largest per-slot cost of one TP micro-group")
     p.add_argument("--params-dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (bytes all-gathered)")
     p.add_argument("--grad-reduce-in-fp32", action="store_true", help="gradients reduce-scattered in fp32 (else in the parameter dtype)")
-    p.add_argument("--split-qkv", action="store_true", help="optimize Q, K and V as separate matrices")
+    p.add_argument("--split-qkv", action=argparse.BooleanOptionalAction, default=None,
+                   help="optimize Q, K and V as separate matrices (default: no; with --fsdp yes, as the runtime's "
+                   "--canzona-split-qkv and Megatron's --muon-split-qkv default)")
     p.add_argument("--split-qkv-per-head", action="store_true",
                    help="optimize every attention head's query, key and value block as its own matrix "
                    "(--canzona-split-qkv-per-head)")
@@ -122,10 +126,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fsdp-cases", action="store_true",
                    help="docs/fsdp.md's table: Canzona's plan over Megatron-FSDP's buckets (optim_grads_params), each "
                    "GPU's optimizer state against AdamW-FSDP's, every optimizer")
+    p.add_argument("--fsdp", nargs="?", const="optim_grads_params", default=None, choices=SHARDING_STRATEGIES,
+                   metavar="STRATEGY",
+                   help="plan this layout under Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy "
+                   "STRATEGY, default optim_grads_params; --bucket-size for --ddp-bucket-size, default "
+                   "Megatron's max(40M, 1M x DP)): the busiest GPU's optimizer state against AdamW-FSDP's and the mean, the "
+                   "hosts' balance, and each rank's bytes of the step against 2 x matrix elements / GPUs x 4 B")
     p.add_argument("--num-distributed-optimizer-instances", "--instances", dest="instances", type=at_least(1), default=1,
                    help="distributed-optimizer instances (Megatron's flag): the plan is one instance's, over DP x CP / N "
                    "ranks; every instance steps the whole model, the gradients' shards all-reduced across instances")
     args = p.parse_args(argv)
+    if args.split_qkv is None:
+        args.split_qkv = bool(args.fsdp)
+    if args.fsdp and (args.pp > 1 or args.cp > 1 or args.instances > 1 or args.etp > 1 or args.compare
+                      or args.layout != "whole"):
+        p.error("--fsdp plans one stage over Megatron-FSDP's shards at TP, DP and EP sizes: drop --pp, --cp, "
+                "--num-distributed-optimizer-instances, --etp, --compare and --layout")
     if (args.dp * args.cp) % args.instances:
         p.error(f"--num-distributed-optimizer-instances {args.instances} does not divide DP x CP {args.dp * args.cp}: "
                 f"pick a divisor of it")
@@ -494,47 +510,115 @@ def fsdp_makespan(plan: CanzonaPlan, specs, cm: CostModel, wire: WireConfig) -> 
     return summary.get("combined_makespan_over_lower_bound", summary["makespan_over_lower_bound"])
 
 
-def run_fsdp_cases(args: argparse.Namespace) -> list[dict]:
-    """docs/fsdp.md's memory table: under Megatron-FSDP (``optim_grads_params``, one bucket per
-    layer) every GPU's optimizer state as the memory model predicts it
+def fsdp_row(args: argparse.Namespace, *, model: str, tp: int, ep: int, dp: int, optimizer: str, moment2: str,
+             label: str, strategy: str = "optim_grads_params",
+             bucket_size: int | None = None) -> tuple[dict, CanzonaPlan, list, CostModel]:
+    """One layout under Megatron-FSDP's ``strategy`` (one bucket per layer, or ``bucket_size``
+    elements): every GPU's optimizer state as the memory model predicts it
     (:func:`~megatron.canzona.planning.memory.fsdp_state_elements`: Muon's momentum in FSDP's shard
     layout, the rest of the matrix state on hosts, chosen for that state as well as compute), against
-    AdamW-FSDP's two moments of the same shards, and beside the hosts chosen for compute alone."""
+    AdamW-FSDP's two moments of the same shards, and beside the hosts chosen for compute alone.
+    Returns the row, the runtime's plan, its specs and cost model."""
     from megatron.canzona.planning.fsdp import fsdp_buckets
     from megatron.canzona.planning.grid import dense_to_expert, expert_dp_size
     from megatron.canzona.planning.memory import StateLayout
 
-    rows = []
+    specs = qwen3_specs(model, tp_size=tp, ep_size=ep, split_qkv=args.split_qkv, split_gate_up=args.split_gate_up)
+    coords = dense_to_expert(dp_size=dp, tp_size=tp, ep_size=ep, expert_tp_size=1) if ep > 1 else None
+    expert_dp = expert_dp_size(dp_size=dp, tp_size=tp, ep_size=ep, expert_tp_size=1) if ep > 1 else None
+    buckets = {0: fsdp_buckets(specs, dp_size=dp, strategy=strategy, bucket_size=bucket_size, expert_dp_size=expert_dp)}
+    case = argparse.Namespace(**{**vars(args), "optimizer": optimizer})
+    cm, wire = cost_model(case), wire_config(case)
+    state = StateLayout(optimizer=optimizer, ns_dtype=args.muon_ns_dtype, moment2_method=moment2)
+    # the runtime's default --canzona-narrow-gathers: Muon iterating in bf16 sends its input narrow
+    narrow = optimizer == "muon" and args.muon_ns_dtype == "bfloat16"
+    plans = [make_plan(specs, dp_size=dp, tp_size=tp, cost_model=cm, alpha=args.alpha, wire=wire, ep_size=ep,
+                       layout="fsdp", fsdp_strategy=strategy, fsdp_bucket_size=bucket_size, state=kept,
+                       tp_budget=args.tp_group_budget, narrow_gathers=narrow)
+             for kept in (state, None)]  # the runtime's plan, and hosts chosen for compute alone
+    per_gpu, adamw = fsdp_state_per_gpu(plans[0], specs, state, buckets, dp=dp, tp=tp, coords=coords)
+    alone = per_gpu if plans[1] == plans[0] else \
+        fsdp_state_per_gpu(plans[1], specs, state, buckets, dp=dp, tp=tp, coords=coords)[0]
+    busiest, mean = max(per_gpu), sum(per_gpu) / len(per_gpu)
+    row = {"model": model, "tp": tp, "ep": ep, "dp": dp, "optimizer": label, "strategy": strategy,
+           "makespan_over_lower_bound": fsdp_makespan(plans[0], specs, cm, wire), "busiest_bytes": busiest,
+           "mean_bytes": mean, "adamw_busiest_bytes": max(adamw),
+           "compute_alone_makespan_over_lower_bound": fsdp_makespan(plans[1], specs, cm, wire),
+           "compute_alone_busiest_bytes": max(alone)}
+    return row, plans[0], specs, cm
+
+
+def fsdp_line(row: dict) -> str:
+    """``row`` (:func:`fsdp_row`) as a line of :data:`FSDP_HEADER`'s table."""
+    busiest, mean, adamw = row["busiest_bytes"], row["mean_bytes"], row["adamw_busiest_bytes"]
+    ep = row["ep"]
+    return (f"| {row['model']} | {row['tp']} x {row['dp']}{f' x {ep}' if ep > 1 else ''} | {row['optimizer']} | "
+            f"{row['makespan_over_lower_bound']:.3f} | {busiest / 2**30:.3f} | {mean / 2**30:.3f} | {busiest / mean:.3f} | "
+            f"{adamw / 2**30:.3f} | {busiest / adamw:.2f} | {row['compute_alone_makespan_over_lower_bound']:.3f}, "
+            f"{row['compute_alone_busiest_bytes'] / 2**30:.3f} |")
+
+
+def print_fsdp_header() -> None:
     print(FSDP_HEADER)
     print("|" + "---|" * (FSDP_HEADER.count("|") - 1))
+
+
+def run_fsdp_cases(args: argparse.Namespace) -> list[dict]:
+    """docs/fsdp.md's memory table: :func:`fsdp_row` under ``optim_grads_params`` for every case of
+    :data:`FSDP_CASES` and every optimizer at the runtime's default configuration."""
+    rows = []
+    print_fsdp_header()
     for model, tp, ep, dps in FSDP_CASES:
         for dp in dps:
-            specs = qwen3_specs(model, tp_size=tp, ep_size=ep, split_qkv=args.split_qkv, split_gate_up=args.split_gate_up)
-            coords = dense_to_expert(dp_size=dp, tp_size=tp, ep_size=ep, expert_tp_size=1) if ep > 1 else None
-            expert_dp = expert_dp_size(dp_size=dp, tp_size=tp, ep_size=ep, expert_tp_size=1) if ep > 1 else None
-            buckets = {0: fsdp_buckets(specs, dp_size=dp, strategy="optim_grads_params", expert_dp_size=expert_dp)}
             for label, optimizer, moment2 in FSDP_OPTIMIZERS:  # the runtime's state, at its default config
-                case = argparse.Namespace(**{**vars(args), "optimizer": optimizer})
-                cm, wire = cost_model(case), wire_config(case)
-                state = StateLayout(optimizer=optimizer, ns_dtype=args.muon_ns_dtype, moment2_method=moment2)
-                plans = [make_plan(specs, dp_size=dp, tp_size=tp, cost_model=cm, alpha=args.alpha, wire=wire, ep_size=ep,
-                                   layout="fsdp", fsdp_strategy="optim_grads_params", state=kept)
-                         for kept in (state, None)]  # the runtime's plan, and hosts chosen for compute alone
-                per_gpu, adamw = fsdp_state_per_gpu(plans[0], specs, state, buckets, dp=dp, tp=tp, coords=coords)
-                alone = per_gpu if plans[1] == plans[0] else \
-                    fsdp_state_per_gpu(plans[1], specs, state, buckets, dp=dp, tp=tp, coords=coords)[0]
-                busiest, mean = max(per_gpu), sum(per_gpu) / len(per_gpu)
-                row = {"model": model, "tp": tp, "ep": ep, "dp": dp, "optimizer": label,
-                       "makespan_over_lower_bound": fsdp_makespan(plans[0], specs, cm, wire), "busiest_bytes": busiest,
-                       "mean_bytes": mean, "adamw_busiest_bytes": max(adamw),
-                       "compute_alone_makespan_over_lower_bound": fsdp_makespan(plans[1], specs, cm, wire),
-                       "compute_alone_busiest_bytes": max(alone)}
+                row = fsdp_row(args, model=model, tp=tp, ep=ep, dp=dp, optimizer=optimizer, moment2=moment2, label=label)[0]
                 rows.append(row)
-                print(f"| {model} | {tp} x {dp}{f' x {ep}' if ep > 1 else ''} | {label} | {row['makespan_over_lower_bound']:.3f} | "
-                      f"{busiest / 2**30:.3f} | {mean / 2**30:.3f} | {busiest / mean:.3f} | {max(adamw) / 2**30:.3f} | "
-                      f"{busiest / max(adamw):.2f} | {row['compute_alone_makespan_over_lower_bound']:.3f}, "
-                      f"{max(alone) / 2**30:.3f} |", flush=True)
+                print(fsdp_line(row), flush=True)
     return rows
+
+
+def run_fsdp(args: argparse.Namespace) -> dict:
+    """``--fsdp STRATEGY``: the layout of ``--model``, ``--tp``, ``--dp`` and ``--ep`` under
+    Megatron-FSDP: :func:`fsdp_row`, the plan's hosts and micro-groups, and each rank's bytes of the
+    step (its pieces to their hosts and the updates back, Muon's whole matrices both ways in bf16 as
+    the runtime sends them by default: ``--canzona-narrow-gathers``) against the issue's bound,
+    ``2 x matrix elements / GPUs x 4`` bytes (the dense matrices over DP, the experts over expert DP)."""
+    from megatron.canzona.planning.comm import narrow_gather_bytes, narrow_update_bytes, traffic
+    from megatron.canzona.planning.schedule import plan_schedule
+    from megatron.canzona.planning.specs import matrix_specs
+
+    row, plan, specs, cm = fsdp_row(args, model=args.model, tp=args.tp, ep=args.ep, dp=args.dp,
+                                    optimizer=args.optimizer, moment2="adamuon", label=args.optimizer,
+                                    strategy=args.fsdp, bucket_size=args.bucket_size or default_bucket_size(args.dp))
+    wire = wire_config(args)
+    sent = []
+    for part in [plan] + ([plan.experts] if plan.experts is not None else []):
+        tasks = plan_schedule(part).tasks
+        part_specs = [s for s in specs if s.is_expert == (part is not plan)] if plan.experts is not None else specs
+        ranks = traffic([dp.matrix for dp in part.layouts], tasks, dp_size=part.dp_size, tp_size=part.tp_size,
+                        wire=wire, narrow=narrow_update_bytes(tasks, part_specs, cm),
+                        gathers=narrow_gather_bytes(tasks, part_specs, cm))
+        sent.append([r.host_gather + r.host_scatter for r in ranks])
+    per_rank = sent[0] if len(sent) == 1 else [a + b for a, b in zip(sent[0], sent[1] * (len(sent[0]) // len(sent[1])))]
+    expert_dp = args.dp * args.tp // args.ep
+    bound = sum(2 * 4 * s.numel / (expert_dp if s.is_expert else args.dp) for s in matrix_specs(specs))
+    row.update(bucket_size=args.bucket_size or default_bucket_size(args.dp), step_bytes_per_rank_busiest=max(per_rank), step_bytes_per_rank_mean=sum(per_rank) / len(per_rank),
+               step_bytes_bound=bound, matrices=len(plan.hosts), micro_groups=len({t.group for t in plan_schedule(plan).tasks}),
+               split_across_shards=sum(1 for t in plan_schedule(plan).tasks if not t.is_local()))
+    return row
+
+
+def print_fsdp(row: dict) -> None:
+    """``--fsdp``'s table and the step's bytes."""
+    print(f"plan.py: {row['model']} under Megatron-FSDP {row['strategy']}, TP {row['tp']} x FSDP {row['dp']}"
+          + (f", EP {row['ep']}" if row["ep"] > 1 else "") + f", {row['optimizer']}: {row['matrices']} matrices "
+          f"({row['split_across_shards']} across shards, gathered to their hosts), {row['micro_groups']} micro-group(s)")
+    print_fsdp_header()
+    print(fsdp_line(row))
+    print(f"bytes per rank of the step (pieces to hosts, updates back): busiest "
+          f"{row['step_bytes_per_rank_busiest'] / 2**20:.1f} MiB, mean {row['step_bytes_per_rank_mean'] / 2**20:.1f} MiB, "
+          f"{row['step_bytes_per_rank_busiest'] / row['step_bytes_bound']:.2f}x the bound of "
+          f"{row['step_bytes_bound'] / 2**20:.1f} MiB (2 x matrix elements / GPUs x 4 B)")
 
 
 def run_moe_cases(args: argparse.Namespace) -> list[dict]:
@@ -575,6 +659,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_fsdp_cases(args)
             if args.json:
                 print(json.dumps(rows))
+            return 0
+        if args.fsdp:
+            row = run_fsdp(args)
+            print(json.dumps(row)) if args.json else print_fsdp(row)
             return 0
         if args.cases or args.moe_cases:
             rows = run_cases(args) if args.cases else run_moe_cases(args)

@@ -102,3 +102,35 @@ def test_bad_moe_input_is_one_line_with_the_fix(args, hint):
     assert out.returncode == 2
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("plan.py: error:") and hint in lines[0]
+
+
+@pytest.mark.parametrize(("model", "tp", "dp", "strategy"), [
+    ("qwen3-8b", 1, 64, "optim_grads_params"), ("qwen3-8b", 1, 64, "optim"), ("qwen3-8b", 1, 256, "optim_grads"),
+    ("qwen3-32b", 4, 64, "optim_grads_params")])
+def test_fsdp_plans_one_layout_under_megatron_fsdp(model: str, tp: int, dp: int, strategy: str):
+    """``--fsdp STRATEGY`` (the issue's ``tools/plan.py --fsdp``): with the runtime's defaults (Q, K and
+    V split, Megatron's bucket size, Muon's input gathered in bf16), Muon's state on every GPU at
+    most AdamW-FSDP's and within 1.10x the mean in every strategy; the step's bytes, priced by the
+    plan's traffic, within the issue's bound at FSDP 64 (at 8B FSDP 256 a host of a fused fc1 sends
+    its whole direction back, above it: docs/fsdp.md)."""
+    out = plan("--model", model, "--tp", str(tp), "--dp", str(dp), "--fsdp", strategy, "--json")
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)
+    assert (row["model"], row["tp"], row["dp"], row["strategy"]) == (model, tp, dp, strategy)
+    assert row["bucket_size"] == max(40_000_000, 1_000_000 * dp)
+    assert row["busiest_bytes"] <= row["adamw_busiest_bytes"] and row["busiest_bytes"] <= 1.10 * row["mean_bytes"]
+    assert row["matrices"] > 0 and row["split_across_shards"] > 0
+    assert 0 < row["step_bytes_per_rank_mean"] <= row["step_bytes_per_rank_busiest"]
+    if model == "qwen3-8b":  # QKV, O, fc1 and fc2 rows of each of 36 layers, 4096 columns
+        assert row["step_bytes_bound"] == 2 * 4 * 36 * (6144 + 4096 + 24576 + 12288) * 4096 / dp
+    if dp == 64:
+        assert row["step_bytes_per_rank_busiest"] <= row["step_bytes_bound"]
+    table = plan("--model", model, "--tp", str(tp), "--dp", str(dp), "--fsdp", strategy)
+    assert f"under Megatron-FSDP {strategy}, TP {tp} x FSDP {dp}" in table.stdout and "x the bound of" in table.stdout
+
+
+def test_fsdp_refuses_what_it_does_not_plan_in_one_line():
+    out = plan("--model", "qwen3-8b", "--dp", "8", "--fsdp", "--pp", "2")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "drop --pp" in out.stderr, out.stderr
+    out = plan("--model", "qwen3-8b", "--dp", "8", "--fsdp", "full")
+    assert out.returncode == 2 and "invalid choice" in out.stderr, out.stderr
