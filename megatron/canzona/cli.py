@@ -22,7 +22,13 @@ SIGNED_OPTIONS = ("--seed", "--master-port")
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser with one-line errors, ``<tool>: error: <what is wrong and the fix>``,
-    without the usage block argparse prints first (``--help`` shows it), as ``pretrain_gpt.py``."""
+    without the usage block argparse prints first (``--help`` shows it), and, as Megatron's own
+    parser, no abbreviated flags: a prefix is an error instead of another flag taken silently
+    (``tools/plan.py --fsdp`` was once ``--fsdp-cases``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")

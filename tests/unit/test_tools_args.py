@@ -74,3 +74,17 @@ def test_a_tool_refuses_a_negative_size_in_one_line(argv: list[str]) -> None:
     errors = [line for line in done.stderr.splitlines() if ": error: " in line]
     assert done.returncode == 2 and len(errors) == 1, done.stderr
     assert f"argument {argv[1]}" in errors[0] and "-" in errors[0] and "Traceback" not in done.stderr
+
+
+def test_the_tools_take_no_abbreviated_flag() -> None:
+    """As Megatron's parser: ``--fsdp-c`` is not ``--fsdp-cases``, it is an error naming it."""
+    from megatron.canzona.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="tool")
+    parser.add_argument("--fsdp-cases", action="store_true")
+    assert parser.parse_args(["--fsdp-cases"]).fsdp_cases
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--fsdp-c"])
+    result = subprocess.run([sys.executable, "tools/plan.py", "--fsdp-c"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and "unrecognized arguments: --fsdp-c" in result.stderr, result.stderr
