@@ -125,8 +125,9 @@ def test_fsdp_plans_one_layout_under_megatron_fsdp(model: str, tp: int, dp: int,
         assert row["step_bytes_bound"] == 2 * 4 * 36 * (6144 + 4096 + 24576 + 12288) * 4096 / dp
     if dp == 64:
         assert row["step_bytes_per_rank_busiest"] <= row["step_bytes_bound"]
-    table = plan("--model", model, "--tp", str(tp), "--dp", str(dp), "--fsdp", strategy)
-    assert f"under Megatron-FSDP {strategy}, TP {tp} x FSDP {dp}" in table.stdout and "x the bound of" in table.stdout
+    if (model, dp, strategy) == ("qwen3-8b", 64, "optim_grads_params"):  # the table a user reads, once
+        table = plan("--model", model, "--tp", str(tp), "--dp", str(dp), "--fsdp", strategy)
+        assert f"under Megatron-FSDP {strategy}, TP {tp} x FSDP {dp}" in table.stdout and "x the bound of" in table.stdout
 
 
 def test_fsdp_refuses_what_it_does_not_plan_in_one_line():
