@@ -565,7 +565,8 @@ def print_fsdp_header() -> None:
 
 def run_fsdp_cases(args: argparse.Namespace) -> list[dict]:
     """docs/fsdp.md's memory table: :func:`fsdp_row` under ``optim_grads_params`` for every case of
-    :data:`FSDP_CASES` and every optimizer at the runtime's default configuration."""
+    :data:`FSDP_CASES` and every optimizer with the runtime's state (Q, K and V as ``--split-qkv``
+    says, fused by default; the parameters outside the layers in one bucket)."""
     rows = []
     print_fsdp_header()
     for model, tp, ep, dps in FSDP_CASES:

@@ -388,6 +388,7 @@ def _mark_iterations(model: torch.nn.Module, fsdp: bool = False) -> None:
     transformer layer's forward (after any parameter all-gather it waits for)."""
     for marks in ITERATION_MARKS.values():
         marks.clear()
+
     def backward_end(grad):
         ITERATION_MARKS["backward_end"].append(time.perf_counter())
 
