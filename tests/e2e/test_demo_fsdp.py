@@ -1,6 +1,6 @@
 """``FSDP=S examples/qwen3/pretrain_qwen3_tiny_cpu.sh``: the CPU demo under Megatron-FSDP instead of the
-distributed optimizer (TP 2 x DP 2, Muon under ``--canzona``, 30 iterations), and the script's one-line
-refusals of what cannot run there."""
+distributed optimizer (FSDP 2 on two gloo ranks, Muon under ``--canzona``, 30 iterations; TP 2 x DP 2
+is tests/e2e/test_megatron_fsdp.py's), and the script's one-line refusals of what cannot run there."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ def _run(tmp_path: Path, timeout_s: float = 600.0, **env: str):
 
 
 def test_the_demo_trains_under_megatron_fsdp(tmp_path: Path) -> None:
-    result = _run(tmp_path, FSDP="optim_grads_params", TP="2", ITERS="30")
+    result = _run(tmp_path, FSDP="optim_grads_params", NPROC="2", ITERS="30")
     assert result.returncode == 0, result.stdout[-6000:]
     log = (tmp_path / "train.log").read_text()
-    assert re.search(r"\[canzona\] plan: fsdp layout, \d+ matrices over DP 2 x TP 2,", log), log[-4000:]
+    assert re.search(r"\[canzona\] plan: fsdp layout, \d+ matrices over DP 2 x TP 1,", log), log[-4000:]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [m["iteration"] for m in metrics] == [1, 10, 20, 30], metrics
     assert all(m["canzona"] for m in metrics), metrics
