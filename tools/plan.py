@@ -584,28 +584,35 @@ def run_fsdp(args: argparse.Namespace) -> dict:
     step (its pieces to their hosts and the updates back, Muon's whole matrices both ways in bf16 as
     the runtime sends them by default: ``--canzona-narrow-gathers``) against the issue's bound,
     ``2 x matrix elements / GPUs x 4`` bytes (the dense matrices over DP, the experts over expert DP)."""
-    from megatron.canzona.planning.comm import narrow_gather_bytes, narrow_update_bytes, traffic
+    from megatron.canzona.planning.comm import narrow_gather_bytes, narrow_update_bytes, rank_index, traffic
+    from megatron.canzona.planning.grid import dense_to_expert
     from megatron.canzona.planning.schedule import plan_schedule
     from megatron.canzona.planning.specs import matrix_specs
 
+    bucket_size = args.bucket_size or default_bucket_size(args.dp)
     row, plan, specs, cm = fsdp_row(args, model=args.model, tp=args.tp, ep=args.ep, dp=args.dp,
                                     optimizer=args.optimizer, moment2="adamuon", label=args.optimizer,
-                                    strategy=args.fsdp, bucket_size=args.bucket_size or default_bucket_size(args.dp))
+                                    strategy=args.fsdp, bucket_size=bucket_size)
     wire = wire_config(args)
-    sent = []
-    for part in [plan] + ([plan.experts] if plan.experts is not None else []):
-        tasks = plan_schedule(part).tasks
-        part_specs = [s for s in specs if s.is_expert == (part is not plan)] if plan.experts is not None else specs
+
+    def sent_per_rank(part: CanzonaPlan, tasks, part_specs) -> list[float]:
         ranks = traffic([dp.matrix for dp in part.layouts], tasks, dp_size=part.dp_size, tp_size=part.tp_size,
                         wire=wire, narrow=narrow_update_bytes(tasks, part_specs, cm),
                         gathers=narrow_gather_bytes(tasks, part_specs, cm))
-        sent.append([r.host_gather + r.host_scatter for r in ranks])
-    per_rank = sent[0] if len(sent) == 1 else [a + b for a, b in zip(sent[0], sent[1] * (len(sent[0]) // len(sent[1])))]
+        return [r.host_gather + r.host_scatter for r in ranks]
+
+    dense = plan_schedule(plan).tasks
+    per_rank = sent_per_rank(plan, dense, [s for s in specs if not s.is_expert] if plan.experts else specs)
+    if plan.experts is not None:  # a GPU sends its dense rank's bytes and its expert rank's
+        experts = sent_per_rank(plan.experts, plan_schedule(plan.experts).tasks, [s for s in specs if s.is_expert])
+        coords = dense_to_expert(dp_size=args.dp, tp_size=args.tp, ep_size=args.ep, expert_tp_size=plan.experts.tp_size)
+        per_rank = [b + experts[rank_index(*coords[r], plan.experts.tp_size)] for r, b in enumerate(per_rank)]
     expert_dp = args.dp * args.tp // args.ep
     bound = sum(2 * 4 * s.numel / (expert_dp if s.is_expert else args.dp) for s in matrix_specs(specs))
-    row.update(bucket_size=args.bucket_size or default_bucket_size(args.dp), step_bytes_per_rank_busiest=max(per_rank), step_bytes_per_rank_mean=sum(per_rank) / len(per_rank),
-               step_bytes_bound=bound, matrices=len(plan.hosts), micro_groups=len({t.group for t in plan_schedule(plan).tasks}),
-               split_across_shards=sum(1 for t in plan_schedule(plan).tasks if not t.is_local()))
+    row.update(bucket_size=bucket_size, step_bytes_per_rank_busiest=max(per_rank),
+               step_bytes_per_rank_mean=sum(per_rank) / len(per_rank), step_bytes_bound=bound,
+               matrices=len(plan.hosts), micro_groups=len({t.group for t in dense}),
+               split_across_shards=sum(1 for t in dense if not t.is_local()))
     return row
 
 
